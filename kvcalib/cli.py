@@ -1,0 +1,175 @@
+"""The ``kvcalib`` command line: thin Typer commands that build a config and call one function.
+
+Every user-fixable problem is a :class:`~kvcalib.errors.KvcalibError`: one line on stderr, exit
+code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+
+from kvcalib.errors import KvcalibError
+
+app = typer.Typer(
+    name="kvcalib",
+    help="Offline calibration and precision search for KV-cache compression, and a runtime that "
+    "decodes from the compressed cache.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+)
+
+EXIT_USER_ERROR = 2
+
+
+def _err(message: str) -> None:
+    print(f"kvcalib: error: {message}", file=sys.stderr)
+
+
+def user_errors(fn: Callable) -> Callable:
+    """Turn KvcalibError (and Ctrl-C) into one clean line and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KvcalibError as err:
+            _err(str(err))
+            raise typer.Exit(EXIT_USER_ERROR) from None
+        except KeyboardInterrupt:
+            _err("interrupted; nothing half-written was kept.")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def default_run_dir(command: str) -> Path:
+    """A fresh run folder under ./artifacts/runs (never an existing one)."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path("artifacts") / "runs" / f"{command}-{stamp}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    """A rich table on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right" if col not in ("name", "recipe", "model") else "left")
+    for row in rows:
+        table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
+    Console(width=max(100, 12 * len(columns))).print(table)
+
+
+# --------------------------------------------------------------------------- collect
+
+
+@app.command(epilog="Examples:\n\n    kvcalib collect --out runs/smol\n\n    kvcalib collect --model qwen2.5-coder-0.5b --data longtext --samples 8 --seq-len 2048 --out runs/qwen")
+@user_errors
+def collect(
+    model: str = typer.Option("smollm2-135m", help="Embedded alias, hub alias/id, local folder or .gguf file."),
+    data: str = typer.Option("embedded", help="embedded | longtext | gsm8k-100 | hotpotqa | gsm8k | wikitext2 | a .txt/.jsonl/.parquet file | a hub dataset id."),
+    split: str = typer.Option("calib", help="Split: calib|eval for embedded text, a dataset split name for hub datasets."),
+    text_field: Optional[str] = typer.Option(None, help="Column holding the text in .jsonl/.parquet/hub datasets."),
+    samples: int = typer.Option(32, help="Calibration samples of --seq-len tokens."),
+    seq_len: int = typer.Option(512, help="Tokens per calibration sample."),
+    batch_size: int = typer.Option(4, help="Samples per forward pass."),
+    reservoir_blocks: int = typer.Option(8, help="Blocks of consecutive tokens kept per layer for calibration."),
+    block_len: int = typer.Option(128, help="Tokens per reservoir block (>= the largest group size you will try)."),
+    seed: int = typer.Option(0, help="Seed for sample order and reservoir sampling."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Run folder to create (must not exist or be empty). Default: artifacts/runs/collect-<time>."),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
+    dtype: Optional[str] = typer.Option(None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)."),
+    trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the model's repository."),
+) -> None:
+    """Record K/V statistics (post-RoPE keys, as the cache stores them) on calibration text."""
+    from kvcalib.collect import CollectConfig
+    from kvcalib.collect import collect as run_collect
+
+    config = CollectConfig(model=model, data=data, split=split, text_field=text_field, samples=samples,
+                           seq_len=seq_len, batch_size=batch_size, reservoir_blocks=reservoir_blocks,
+                           block_len=block_len, seed=seed, device=device, dtype=dtype,
+                           trust_remote_code=trust_remote_code)
+    result = run_collect(config, out or default_run_dir("collect"))
+    rows = [[r["layer"], r["k_absmax"], r["k_outlier_ratio"], r["k_std"], r["v_absmax"], r["v_std"]]
+            for r in result.summary]
+    print_table(
+        f"{result.stats.model.name}: K/V statistics over {result.n_tokens} tokens "
+        f"({result.n_samples} samples), {result.wall_seconds:.1f} s",
+        ["layer", "key |max|", "key outlier ratio", "key std", "value |max|", "value std"], rows,
+    )
+    print(f"statistics: {result.out_dir / 'stats.safetensors'}")
+    print(f"run record: {result.out_dir / 'run.json'}")
+
+
+# --------------------------------------------------------------------------- not built yet
+
+
+def _not_built(command: str, issue: str) -> None:
+    _err(f"`kvcalib {command}` is not built yet ({issue}); nothing was done.")
+    raise typer.Exit(EXIT_USER_ERROR)
+
+
+@app.command(epilog="Example:\n\n    kvcalib search --model smollm2-135m --data embedded")
+@user_errors
+def search() -> None:
+    """Optuna per-layer {2,4,8}-bit search for the best recipe under a memory budget."""
+    _not_built("search", "issue 5")
+
+
+@app.command(epilog="Example:\n\n    kvcalib export RUN_DIR -o recipe.safetensors")
+@user_errors
+def export() -> None:
+    """Write a recipe file from a run folder (statistics, or a searched study)."""
+    _not_built("export", "issue 4")
+
+
+@app.command(epilog="Example:\n\n    kvcalib run --recipe kivi-2 --prompt 'Hello'")
+@user_errors
+def run() -> None:
+    """Generate with the compressed cache and report KV bytes, effective bits and speed."""
+    _not_built("run", "issue 3")
+
+
+@app.command(name="eval", epilog="Example:\n\n    kvcalib eval --preset kivi-2 --preset kivi-4")
+@user_errors
+def eval_() -> None:
+    """Evaluate recipes side by side: perplexity, agreement, passkey, gsm8k, memory."""
+    _not_built("eval", "issue 3")
+
+
+@app.command(epilog="Example:\n\n    kvcalib inspect recipe.safetensors")
+@user_errors
+def inspect() -> None:
+    """Show a recipe's per-layer configuration, memory and provenance."""
+    _not_built("inspect", "issue 3")
+
+
+@app.command(epilog="Example:\n\n    kvcalib bench --shape mistral-7b")
+@user_errors
+def bench() -> None:
+    """GPU decode-attention and end-to-end benchmarks against bf16."""
+    _not_built("bench", "issue 6")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

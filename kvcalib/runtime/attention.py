@@ -1,0 +1,107 @@
+"""Attention over a :class:`~kvcalib.runtime.cache.CompressedLayer`, registered with
+transformers' ``AttentionInterface`` as ``"kvcalib"``.
+
+The reference path reads the compressed layer segment by segment (sinks, a few packed blocks
+at a time, the full-precision window) with an online softmax, so no dequantized copy of the whole
+cache ever exists. After attending it tells the layer to flush: the prompt's own attention runs
+over full-precision prompt K/V, and only then is the prompt compressed.
+
+On CUDA with the Triton runtime available (``KVCALIB_BACKEND=triton`` or auto), decode steps go
+to the fused kernels; the reference path here is their specification.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+ATTN_NAME = "kvcalib"
+
+
+def _visible_mask(attention_mask: torch.Tensor | None, layer, q_len: int, device) -> torch.Tensor:
+    """(B|1, Tq, KV) bool, True where query t may attend key position j."""
+    kv = layer.n_seen
+    if attention_mask is not None:
+        m = attention_mask
+        if m.dim() == 4:
+            m = m[:, 0]  # (B, Tq, KV)
+        if m.dtype != torch.bool:
+            m = m > torch.finfo(m.dtype).min / 2  # additive float mask: 0 visible, -inf/min hidden
+        return m[..., -kv:].to(device)
+    q_pos = torch.arange(kv - q_len, kv, device=device)[:, None]  # (Tq, 1)
+    k_pos = torch.arange(kv, device=device)[None, :]  # (1, KV)
+    vis = k_pos <= q_pos
+    if layer.sliding_window is not None:
+        vis &= k_pos > q_pos - layer.sliding_window
+    return vis[None]  # (1, Tq, KV)
+
+
+def attend_compressed(query: torch.Tensor, layer, visible: torch.Tensor, scaling: float,
+                      softcap: float | None = None, block_tokens: int = 256) -> torch.Tensor:
+    """Reference attention of ``query`` (B, Hq, Tq, D) over everything ``layer`` holds.
+
+    ``visible`` (B|1, Tq, KV) bool. Returns (B, Tq, Hq, D) float32. Online softmax over the
+    segments: m (running max), l (running sum), acc (running weighted sum), all float32.
+    """
+    b, hq, tq, d = query.shape
+    h = layer.sink_k.shape[1]
+    rep = hq // h
+    q = query.float().reshape(b, h, rep, tq, d)  # (B, H, rep, Tq, D)
+    m = torch.full((b, h, rep, tq), float("-inf"), device=query.device)  # running max
+    l = torch.zeros((b, h, rep, tq), device=query.device)  # running denominator
+    acc = torch.zeros((b, h, rep, tq, d), device=query.device)  # running numerator
+    for start, k, v in layer.segments(block_tokens):  # k, v: (B, H, N, D) float32
+        n = k.shape[-2]
+        s = torch.einsum("bhrtd,bhnd->bhrtn", q, k) * scaling  # (B, H, rep, Tq, N)
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        vis = visible[:, None, None, :, start:start + n]  # (B|1, 1, 1, Tq, N)
+        s = s.masked_fill(~vis, float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - m_safe[..., None])  # masked -> exp(-inf) = 0
+        corr = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, float("-inf")), m - m_safe))
+        l = l * corr + p.sum(-1)
+        acc = acc * corr[..., None] + torch.einsum("bhrtn,bhnd->bhrtd", p, v)
+        m = m_new
+    out = acc / l.clamp_min(1e-30)[..., None]  # rows with nothing visible stay 0
+    return out.reshape(b, hq, tq, d).transpose(1, 2)  # (B, Tq, Hq, D)
+
+
+def kvcalib_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      softcap=None, **kwargs):
+    """AttentionInterface function: compressed attention when ``key`` comes from a
+    CompressedLayer, otherwise plain SDPA (e.g. a forward without a cache)."""
+    from kvcalib.runtime.cache import LAYER_ATTR
+
+    layer = getattr(key, LAYER_ATTR, None)
+    if layer is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, softcap=softcap, **kwargs)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    visible = _visible_mask(attention_mask, layer, query.shape[-2], query.device)  # (B|1, Tq, KV)
+    layer.mark_padding(visible.any(dim=1).expand(layer.sink_k.shape[0], -1))
+    from kvcalib.runtime.backend import decode_attention
+
+    out = decode_attention(query, layer, visible, scale, softcap)
+    layer.flush()
+    return out.to(query.dtype), None
+
+
+def register() -> None:
+    """Register ``"kvcalib"`` attention and its mask function with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, kvcalib_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
+
+
+def use_kvcalib_attention(model) -> None:
+    """Switch ``model`` to kvcalib attention (falls back to SDPA where no compressed cache is used)."""
+    register()
+    if model.config._attn_implementation != ATTN_NAME:
+        model.set_attn_implementation(ATTN_NAME)

@@ -1,0 +1,59 @@
+"""Which attention implementation runs over a compressed layer: the PyTorch reference or the
+fused Triton kernels. ``KVCALIB_BACKEND=reference|triton`` forces one; the default picks Triton
+for single-token decode steps on CUDA when it is importable, the reference otherwise.
+
+One seam for the optional GPU dependency: nothing here imports triton at module import.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from kvcalib.errors import KvcalibError
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+@functools.lru_cache(maxsize=1)
+def has_triton() -> bool:
+    """True when triton imports (it is only useful with CUDA or TRITON_INTERPRET=1)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def requested_backend() -> str:
+    name = os.environ.get("KVCALIB_BACKEND", "auto").strip().lower() or "auto"
+    if name not in BACKENDS:
+        raise KvcalibError(f"KVCALIB_BACKEND={name!r} is not known: use one of {', '.join(BACKENDS)}.")
+    return name
+
+
+def use_triton_for(query: torch.Tensor) -> bool:
+    name = requested_backend()
+    if name == "reference":
+        return False
+    if name == "triton":
+        if not has_triton():
+            raise KvcalibError("KVCALIB_BACKEND=triton but triton is not installed: pip install triton, or unset KVCALIB_BACKEND.")
+        return True
+    return query.is_cuda and query.shape[-2] == 1 and has_triton()
+
+
+def decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, scaling: float,
+                     softcap: float | None = None) -> torch.Tensor:
+    """Attention of ``query`` (B, Hq, Tq, D) over ``layer``; returns (B, Tq, Hq, D) float32."""
+    from kvcalib.runtime.attention import attend_compressed
+
+    if use_triton_for(query):
+        from kvcalib.runtime.triton_path import triton_decode_attention
+
+        out = triton_decode_attention(query, layer, visible, scaling, softcap)
+        if out is not None:
+            return out
+    return attend_compressed(query, layer, visible, scaling, softcap)

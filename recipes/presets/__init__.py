@@ -1,0 +1,1 @@
+"""Shipped model-agnostic presets (installed as ``kvcalib.presets``)."""

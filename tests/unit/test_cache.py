@@ -1,0 +1,173 @@
+"""CompressedCache: generate() unchanged, padding, GQA/MQA/sliding, bytes, no materialisation,
+and the decode-faithful simulation equal to a real token-by-token decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcalib.errors import KvcalibError
+from kvcalib.models import model_info
+from kvcalib.recipe import LayerConfig, Recipe, layer_bytes
+from kvcalib.runtime.cache import CompressedCache
+from kvcalib.simulate import simulated_logits
+from tests.conftest import TINY_ARCHS, tiny_model
+
+SMALL = LayerConfig(k_bits=2, v_bits=2, k_group=8, v_group=8, window=8, sinks=2)
+PER_TOKEN = LayerConfig(k_bits=4, v_bits=2, k_axis="token", k_group=8, v_group=16, window=0)
+
+
+def recipe(cfg: LayerConfig) -> Recipe:
+    return Recipe(name="test", default_layer=cfg)
+
+
+def decode_logits(model, ids, rec, prompt_len):
+    """Prefill ``prompt_len`` tokens, then feed the rest one by one; logits (B, T, V)."""
+    cache = CompressedCache.from_recipe(model, rec)
+    outs = []
+    with torch.no_grad():
+        outs.append(model(input_ids=ids[:, :prompt_len], past_key_values=cache).logits.float())
+        for i in range(prompt_len, ids.shape[1]):
+            outs.append(model(input_ids=ids[:, i:i + 1], past_key_values=cache).logits.float())
+    return torch.cat(outs, 1), cache
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_fp16_preset_generates_exactly_like_dynamic_cache(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    ref = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    cache = CompressedCache.from_recipe(model, "fp16")
+    out = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, past_key_values=cache)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("cfg", [SMALL, PER_TOKEN], ids=["kivi-like", "per-token"])
+@pytest.mark.parametrize("prompt_len", [1, 21])
+def test_simulation_matches_token_by_token_decode(arch, cfg, prompt_len):
+    model = tiny_model(arch)
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(1))
+    dec, _ = decode_logits(model, ids, recipe(cfg), prompt_len)
+    sim = simulated_logits(model, ids, [cfg] * 2, prompt_len=prompt_len)
+    model.set_attn_implementation("sdpa")
+    full = model(input_ids=ids).logits.float()
+    effect = (sim - full).abs().max()
+    assert effect > 1e-2, "the recipe must change the logits, or the test proves nothing"
+    assert float((sim - dec).abs().max()) < 1e-3 * max(1.0, float(effect)), "simulation == real decode"
+
+
+def test_prompt_attention_is_full_precision():
+    """The prompt's own logits must not see any quantization (HF QuantizedCache's bug)."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    ref = model(input_ids=ids).logits
+    cache = CompressedCache.from_recipe(model, recipe(SMALL))
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache).logits
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert len(cache.layers[0].blocks) == (40 - 2 - 8) // 8  # compressed only after attending
+
+
+def test_left_padded_batch_matches_rows_alone():
+    model = tiny_model("qwen2")
+    g = torch.Generator().manual_seed(3)
+    long, short = torch.randint(1, 128, (20,), generator=g), torch.randint(1, 128, (12,), generator=g)
+    cfg = LayerConfig(k_bits=4, v_bits=4, k_group=8, v_group=8, window=8, sinks=0)
+    ids = torch.stack([long, torch.cat([torch.zeros(8, dtype=torch.long), short])])  # pad = one block
+    mask = (torch.arange(20)[None] >= torch.tensor([[0], [8]])).long()
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                             past_key_values=CompressedCache.from_recipe(model, recipe(cfg)), pad_token_id=0)
+    for row, seq in enumerate((long, short)):
+        alone = model.generate(seq[None], max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                               past_key_values=CompressedCache.from_recipe(model, recipe(cfg)), pad_token_id=0)
+        assert torch.equal(batched[row, -16:], alone[0, -16:])
+
+
+def test_right_padded_prefill_ignores_padding():
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(4)
+    seq = torch.randint(1, 128, (30,), generator=g)
+    ids = torch.cat([seq, torch.full((10,), 7)])[None]
+    mask = torch.cat([torch.ones(30), torch.zeros(10)]).long()[None]
+    cache = CompressedCache.from_recipe(model, recipe(SMALL))
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits[:, :30]
+    model.set_attn_implementation("sdpa")
+    alone = model(input_ids=seq[None]).logits
+    torch.testing.assert_close(padded, alone, atol=1e-5, rtol=1e-5)
+    assert cache.nbytes()["padding_mask"] > 0
+
+
+def test_mqa_and_gqa_shapes():
+    for heads, kv in ((4, 1), (6, 2), (7, 7)):
+        model = tiny_model("llama", heads=heads, kv_heads=kv)
+        ids = torch.randint(0, 128, (1, 40))
+        out = model.generate(ids, max_new_tokens=5, do_sample=False,
+                             past_key_values=CompressedCache.from_recipe(model, recipe(SMALL)))
+        assert out.shape == (1, 45)
+
+
+def test_sliding_layer_keeps_only_its_window():
+    model = tiny_model("gemma3", sliding_window=8)
+    cache = CompressedCache.from_recipe(model, recipe(SMALL))
+    model.generate(torch.randint(0, 128, (1, 10)), max_new_tokens=60, min_new_tokens=60,
+                   do_sample=False, past_key_values=cache)
+    sliding, full = cache.layers[0], cache.layers[1]
+    assert sliding.is_sliding and not full.is_sliding
+    assert len(sliding.blocks) <= 2 and len(full.blocks) == (70 - 1 - 2 - 8) // 8
+    assert sliding.nbytes()["k_packed"] < full.nbytes()["k_packed"]
+
+
+def test_bytes_match_the_accounting():
+    model = tiny_model("llama").to(torch.bfloat16)  # 16-bit storage, as accounted
+    cache = CompressedCache.from_recipe(model, recipe(SMALL))
+    model.generate(torch.randint(0, 128, (1, 16)), max_new_tokens=50, min_new_tokens=50,
+                   do_sample=False, past_key_values=cache)
+    t = cache.layers[0].n_seen
+    info = model_info(model.config, "tiny")
+    want = sum(sum(layer_bytes(SMALL, info.num_kv_heads, info.head_dim, t).values()) for _ in range(2))
+    assert sum(cache.nbytes().values()) == want
+    assert cache.effective_bits() < 16
+
+
+def test_attention_never_materialises_the_whole_cache(monkeypatch):
+    """Peak dequantized tokens held at once stays at the block size, whatever the length."""
+    from kvcalib.runtime import codec as codec_mod
+
+    model = tiny_model("llama")
+    cfg = LayerConfig(k_bits=4, v_bits=4, k_group=8, v_group=8, window=8)
+    peak = {"tokens": 0}
+    orig = codec_mod.LayerCodec.decode_keys
+
+    def spy(self, block, dtype=torch.float32):
+        out = orig(self, block, dtype)
+        peak["tokens"] = max(peak["tokens"], out.shape[-2])
+        return out
+
+    monkeypatch.setattr(codec_mod.LayerCodec, "decode_keys", spy)
+    cache = CompressedCache.from_recipe(model, recipe(cfg))
+    from kvcalib.runtime import cache as cache_mod
+
+    seg_peak = {"tokens": 0}
+    orig_seg = cache_mod.CompressedLayer.segments
+
+    def seg_spy(self, block_tokens=64):
+        for start, k, v in orig_seg(self, 64):
+            if self.cfg.sinks <= start < self.pend_start:  # a run of dequantized packed blocks
+                seg_peak["tokens"] = max(seg_peak["tokens"], k.shape[-2])
+            yield start, k, v
+
+    monkeypatch.setattr(cache_mod.CompressedLayer, "segments", seg_spy)
+    model.generate(torch.randint(0, 128, (1, 8)), max_new_tokens=400, min_new_tokens=400,
+                   do_sample=False, past_key_values=cache)
+    assert len(cache.layers[0].blocks) > 40  # > 320 packed tokens
+    assert peak["tokens"] == 8 and seg_peak["tokens"] <= 64
+
+
+def test_cache_refuses_non_kvcalib_attention():
+    model = tiny_model("llama")
+    cache = CompressedCache.from_recipe(model, recipe(SMALL))
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(KvcalibError, match="kvcalib"):
+        model.generate(torch.randint(0, 128, (1, 8)), max_new_tokens=3, past_key_values=cache)

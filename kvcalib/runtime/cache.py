@@ -32,14 +32,127 @@ from kvcalib.runtime.codec import LayerCodec, PackedBlock
 LAYER_ATTR = "_kvcalib_layer"  # attribute on the key tensor returned by update()
 
 
-@dataclass
-class FlushedBlock:
-    """A block of ``n`` consecutive tokens starting at absolute position ``start``."""
+class GrowBuffer:
+    """A tensor that grows along dim 2 with capacity doubling (amortised O(1) appends)."""
 
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.n = 0  # used entries along dim 2
+        self.front = 0  # entries dropped from the front (sliding layers)
+
+    def append(self, x: torch.Tensor) -> None:
+        """Append ``x`` (B, H, N, ...) along dim 2."""
+        need = self.n + x.shape[2]
+        if self.buf is None or need > self.buf.shape[2]:
+            live = self.n - self.front
+            cap = max(live + x.shape[2], 2 * live, 16)
+            new = x.new_empty((*x.shape[:2], cap, *x.shape[3:]))
+            if live:
+                new[:, :, :live] = self.buf[:, :, self.front:self.n]
+            self.n, self.front, self.buf = live, 0, new
+            need = live + x.shape[2]
+        self.buf[:, :, self.n:need] = x
+        self.n = need
+
+    def drop_front(self, count: int) -> None:
+        self.front = min(self.n, self.front + count)
+
+    def view(self) -> torch.Tensor | None:
+        """(B, H, n - front, ...) live entries (a view, no copy)."""
+        return None if self.buf is None else self.buf[:, :, self.front:self.n]
+
+    def nbytes(self) -> int:
+        """Bytes of the live entries (capacity slack is an allocator detail, reported apart)."""
+        v = self.view()
+        return 0 if v is None else int(v.numel() * v.element_size())
+
+
+@dataclass
+class PackedView:
+    """Contiguous views of a layer's packed storage, for kernels (shapes in codec.py's docstring).
+
+    ``k_codes``/``v_codes`` (B, H, N, packed D) uint8 or, for a 16-bit side, ``k_raw``/``v_raw``
+    (B, H, N, D); scales/zeros float16. Packed tokens hold absolute positions [start, start + N).
+    """
+
+    cfg: LayerConfig
     start: int
     n: int
-    k: PackedBlock
-    v: PackedBlock
+    k_codes: torch.Tensor | None
+    k_scale: torch.Tensor | None
+    k_zero: torch.Tensor | None
+    k_raw: torch.Tensor | None
+    v_codes: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    v_zero: torch.Tensor | None
+    v_raw: torch.Tensor | None
+
+
+class PackedStore:
+    """All flushed tokens of one layer, K and V, in contiguous growable buffers."""
+
+    def __init__(self, cfg: LayerConfig) -> None:
+        self.cfg = cfg
+        self.start = 0  # absolute position of the first live packed token
+        self.n = 0  # live packed tokens
+        self.parts = {name: GrowBuffer() for name in
+                      ("k_codes", "k_scale", "k_zero", "k_raw", "v_codes", "v_scale", "v_zero", "v_raw")}
+
+    def append(self, start: int, k: PackedBlock, v: PackedBlock, n: int) -> None:
+        if self.n == 0:
+            self.start = start
+        for side, blk in (("k", k), ("v", v)):
+            if blk.quantized is not None:
+                self.parts[f"{side}_codes"].append(blk.quantized.codes)
+                self.parts[f"{side}_scale"].append(blk.quantized.scale)
+                self.parts[f"{side}_zero"].append(blk.quantized.zero)
+            else:
+                self.parts[f"{side}_raw"].append(blk.raw)
+        self.n += n
+
+    def _scale_rows(self, side: str, tokens: int) -> int:
+        """Rows of the scale tensor along dim 2 for ``tokens`` tokens."""
+        if side == "k" and self.cfg.k_axis == "channel":
+            return tokens // self.cfg.k_group
+        return tokens
+
+    def drop_front(self, tokens: int) -> None:
+        """Forget the oldest ``tokens`` packed tokens (a multiple of the flush block)."""
+        tokens = min(tokens, self.n)
+        for side in ("k", "v"):
+            self.parts[f"{side}_codes"].drop_front(tokens)
+            self.parts[f"{side}_raw"].drop_front(tokens)
+            rows = self._scale_rows(side, tokens)
+            self.parts[f"{side}_scale"].drop_front(rows)
+            self.parts[f"{side}_zero"].drop_front(rows)
+        self.start += tokens
+        self.n -= tokens
+
+    def view(self) -> PackedView:
+        p = {k: b.view() for k, b in self.parts.items()}
+        return PackedView(self.cfg, self.start, self.n, **p)
+
+    def block(self, side: str, a: int, b: int) -> PackedBlock:
+        """Tokens [a, b) (relative to the live start) of one side, as a PackedBlock of views."""
+        from kvcalib.quant.uniform import QuantizedTensor
+
+        raw = self.parts[f"{side}_raw"].view()
+        if raw is not None:
+            return PackedBlock(None, raw[:, :, a:b])
+        bits = self.cfg.k_bits if side == "k" else self.cfg.v_bits
+        group = self.cfg.k_group if side == "k" else self.cfg.v_group
+        axis = "token" if (side == "k" and self.cfg.k_axis == "channel") else "channel"
+        ra, rb = self._scale_rows(side, a), self._scale_rows(side, b)
+        return PackedBlock(QuantizedTensor(
+            self.parts[f"{side}_codes"].view()[:, :, a:b], self.parts[f"{side}_scale"].view()[:, :, ra:rb],
+            self.parts[f"{side}_zero"].view()[:, :, ra:rb], bits, group, axis), None)
+
+    def nbytes(self) -> dict[str, int]:
+        out = {"k_packed": 0, "k_scales": 0, "v_packed": 0, "v_scales": 0}
+        for side in ("k", "v"):
+            out[f"{side}_packed"] += self.parts[f"{side}_codes"].nbytes() + self.parts[f"{side}_raw"].nbytes()
+            out[f"{side}_scales"] += self.parts[f"{side}_scale"].nbytes() + self.parts[f"{side}_zero"].nbytes()
+        return out
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -64,7 +177,7 @@ class CompressedLayer(CacheLayerMixin):
         self.pend_k: torch.Tensor | None = None  # (B, H, U, D)
         self.pend_v: torch.Tensor | None = None
         self.pend_start = 0  # absolute position of pend_k[:, :, 0]
-        self.blocks: list[FlushedBlock] = []
+        self.packed = PackedStore(cfg)
         self.valid: torch.Tensor | None = None  # (B, n_seen) bool: False = padding
         self.awaiting_attention = False
 
@@ -137,23 +250,21 @@ class CompressedLayer(CacheLayerMixin):
         position order, dequantizing packed blocks a few at a time (never the whole cache)."""
         if self.sink_k.shape[-2] and not self.sinks_dropped:
             yield 0, self.sink_k.float(), self.sink_v.float()
-        batch: list[FlushedBlock] = []
-        count = 0
-        for blk in self.blocks:
-            batch.append(blk)
-            count += blk.n
-            if count >= block_tokens:
-                yield from self._decode_batch(batch)
-                batch, count = [], 0
-        if batch:
-            yield from self._decode_batch(batch)
+        step = max(self.cfg.flush_block, block_tokens // self.cfg.flush_block * self.cfg.flush_block)
+        for a in range(0, self.packed.n, step):
+            b = min(a + step, self.packed.n)
+            yield (self.packed.start + a, self.codec.decode_keys(self.packed.block("k", a, b)),
+                   self.codec.decode_values(self.packed.block("v", a, b)))
         if self.pend_k.shape[-2]:
             yield self.pend_start, self.pend_k.float(), self.pend_v.float()
 
-    def _decode_batch(self, batch: list[FlushedBlock]):
-        ks = [self.codec.decode_keys(b.k) for b in batch]
-        vs = [self.codec.decode_values(b.v) for b in batch]
-        yield batch[0].start, torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+    @property
+    def n_packed(self) -> int:
+        return self.packed.n
+
+    def packed_view(self) -> PackedView:
+        """Contiguous views of the packed tokens, for the Triton path."""
+        return self.packed.view()
 
     def flush(self) -> None:
         """Move due pending tokens into packed storage; drop what a sliding window no longer needs."""
@@ -168,15 +279,16 @@ class CompressedLayer(CacheLayerMixin):
                     v_blk = self.pend_v[:, :, off:off + block]
                     valid = (None if self.valid is None else
                              self.valid[:, self.pend_start + off:self.pend_start + off + block])  # (B, G)
-                    self.blocks.append(FlushedBlock(self.pend_start + off, block,
-                                                    self.codec.encode_keys(k_blk, valid),
-                                                    self.codec.encode_values(v_blk, valid)))
+                    self.packed.append(self.pend_start + off, self.codec.encode_keys(k_blk, valid),
+                                       self.codec.encode_values(v_blk, valid), block)
                 self.pend_k = self.pend_k[:, :, due:].clone()
                 self.pend_v = self.pend_v[:, :, due:].clone()
                 self.pend_start += due
         if self.sliding_window is not None:
             oldest_needed = self.n_seen - self.sliding_window + 1  # next query's first visible key
-            self.blocks = [b for b in self.blocks if b.start + b.n > oldest_needed]
+            stale = (oldest_needed - self.packed.start) // cfg.flush_block * cfg.flush_block
+            if self.packed.n and stale > 0:
+                self.packed.drop_front(min(stale, self.packed.n))
             if self.sink_k.shape[-2] and self.sink_k.shape[-2] <= oldest_needed:
                 self.sinks_dropped = True
                 self.sink_k = self.sink_k[:, :, :0]
@@ -197,17 +309,9 @@ class CompressedLayer(CacheLayerMixin):
         out = {
             "sinks": size(self.sink_k) + size(self.sink_v),
             "window": size(self.pend_k) + size(self.pend_v),
-            "k_packed": 0, "k_scales": 0, "v_packed": 0, "v_scales": 0,
+            **self.packed.nbytes(),
             "padding_mask": 0 if self.valid is None else size(self.valid),
         }
-        for blk in self.blocks:
-            for side, pb in (("k", blk.k), ("v", blk.v)):
-                if pb.quantized is not None:
-                    qt = pb.quantized
-                    out[f"{side}_packed"] += size(qt.codes)
-                    out[f"{side}_scales"] += size(qt.scale) + size(qt.zero)
-                else:
-                    out[f"{side}_packed"] += size(pb.raw)
         return out
 
 

@@ -138,11 +138,49 @@ def export() -> None:
     _not_built("export", "issue 4")
 
 
-@app.command(epilog="Example:\n\n    kvcalib run --recipe kivi-2 --prompt 'Hello'")
+@app.command(epilog="Examples:\n\n    kvcalib run --recipe kivi-2 --prompt 'The capital of France is'\n\n    kvcalib run --recipe runs/smol/recipe.safetensors --prompt-file prompt.txt --max-new-tokens 128 --compare")
 @user_errors
-def run() -> None:
-    """Generate with the compressed cache and report KV bytes, effective bits and speed."""
-    _not_built("run", "issue 3")
+def run(
+    recipe: str = typer.Option(..., help="Recipe file or preset name (fp16, kivi-2, kivi-4, pertoken-4)."),
+    model: Optional[str] = typer.Option(None, help="Model (default: the one the recipe was fitted for, else smollm2-135m)."),
+    prompt: Optional[str] = typer.Option(None, help="Prompt text."),
+    prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
+    max_new_tokens: int = typer.Option(64, help="Tokens to generate."),
+    compare: bool = typer.Option(False, help="Also generate with full precision and report token agreement."),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
+    trust_remote_code: bool = typer.Option(False, help="Allow custom model code."),
+) -> None:
+    """Generate with the compressed cache; print KV bytes, effective bits and tokens/s."""
+    from kvcalib.models import DEFAULT_MODEL, load_model
+    from kvcalib.recipe import resolve_recipe
+    from kvcalib.runtime.generate import generate, token_agreement
+
+    if (prompt is None) == (prompt_file is None):
+        raise KvcalibError("pass exactly one of --prompt TEXT or --prompt-file FILE.")
+    if prompt_file is not None:
+        try:
+            prompt = prompt_file.read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            raise KvcalibError(f"cannot read --prompt-file {prompt_file}: {err.strerror if hasattr(err, 'strerror') else err}.") from None
+    if not prompt or not prompt.strip():
+        raise KvcalibError("the prompt is empty: pass some text with --prompt or --prompt-file.")
+    rec = resolve_recipe(recipe)
+    model_name = model or (rec.model.name if rec.model else DEFAULT_MODEL)
+    loaded = load_model(model_name, device=device, trust_remote_code=trust_remote_code)
+    rec.check_model(loaded.info)
+    print(f"[{rec.name}] ", end="", flush=True)
+    result = generate(loaded, prompt, rec, max_new_tokens, stream=True)
+    rows = [[result.label, len(result.new_tokens), result.tokens_per_second, result.kv_bytes,
+             result.effective_bits, result.effective_bits_16]]
+    if compare:
+        print("[full precision] ", end="", flush=True)
+        ref = generate(loaded, prompt, None, max_new_tokens, stream=True)
+        rows.append([ref.label, len(ref.new_tokens), ref.tokens_per_second, ref.kv_bytes,
+                     ref.effective_bits, 16.0])
+    print_table(f"{loaded.info.name}: generation", ["name", "new tokens", "tokens/s", "KV bytes",
+                "bits/elem (held)", "bits/elem (16-bit accounting)"], rows)
+    if compare:
+        print(f"token agreement with full precision: {token_agreement(result.new_tokens, ref.new_tokens):.3f}")
 
 
 @app.command(name="eval", epilog="Example:\n\n    kvcalib eval --preset kivi-2 --preset kivi-4")
@@ -152,11 +190,32 @@ def eval_() -> None:
     _not_built("eval", "issue 3")
 
 
-@app.command(epilog="Example:\n\n    kvcalib inspect recipe.safetensors")
+@app.command(epilog="Examples:\n\n    kvcalib inspect kivi-2\n\n    kvcalib inspect runs/smol/recipe.safetensors --json")
 @user_errors
-def inspect() -> None:
-    """Show a recipe's per-layer configuration, memory and provenance."""
-    _not_built("inspect", "issue 3")
+def inspect(
+    recipe: str = typer.Argument(..., help="Recipe file or preset name."),
+    model: Optional[str] = typer.Option(None, help="Model geometry for a preset's memory numbers (default smollm2-135m)."),
+    context: int = typer.Option(4096, help="Context length for effective bits and bytes."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Show a recipe's per-layer configuration, memory at a context length, and provenance."""
+    from kvcalib.inspect import inspect_recipe
+
+    report = inspect_recipe(recipe, model=model, context=context)
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    rows = [[r["layer"], r["k_bits"], r["v_bits"], r["k_axis"], r["k_group"], r["v_group"], r["window"],
+             r["sinks"], r["effective_bits"]] for r in report["layers"]]
+    print_table(f"recipe {report['name']} for {report['model']['name']} (context {context})",
+                ["layer", "K bits", "V bits", "K axis", "K group", "V group", "window", "sinks",
+                 "eff. bits"], rows)
+    mem = report["memory"]
+    print(f"effective bits per element at {context}: {mem['effective_bits']:.3f} "
+          f"(bf16 = 16.0); KV bytes per sequence: {mem['total_bytes']:,.0f}")
+    print("bytes by component: " + ", ".join(f"{k} {v:,.0f}" for k, v in mem["components"].items()))
+    if report["provenance"]:
+        print("provenance: " + json.dumps(report["provenance"]))
 
 
 @app.command(epilog="Example:\n\n    kvcalib bench --shape mistral-7b")

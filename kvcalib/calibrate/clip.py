@@ -1,0 +1,267 @@
+"""SKVQ clipped quantization: fit the clip alpha per kv head on the attention output error.
+
+Clipping shrinks each quantization group's range toward its centre before the scale is set
+(``kvcalib.quant.uniform``: ``lo' = c - alpha (c - lo)``, ``hi' = c + alpha (hi - c)``,
+elements outside are clamped). A few outliers then cost a clamping error while every other
+element gets a finer grid.
+
+Objective. The alpha is chosen from a grid (default ``1.0, 0.95, ..., 0.5``) to minimise the
+error of the **attention output**, not of the raw K or V: over each reservoir block of BL
+consecutive tokens, causal attention of the block's own queries (``softmax(scaling * q k^T)``
+with the causal mask; GQA: query head ``i`` reads kv head ``i // rep``) is computed once in
+float32 with full-precision K and V, and again with the fitted side fake-quantized in the
+runtime layout at that alpha (the other side full precision). The error of a kv head is the
+sum of squared output differences of its ``rep`` query heads over all blocks, tokens and
+channels. (``objective="mse"`` scores the raw ``|x_hat - x|^2`` instead, for comparison.)
+
+Granularity: one alpha **per kv head**, ``(H,)``. The output error separates over kv heads
+(a kv head's K/V only reach its own query heads), so each head's alpha is its own exact
+argmin over the grid at no extra cost; a per-layer scalar would be the special case of one
+value. Ties (errors within a relative ``1e-3`` of the best) go to the **largest** alpha (least
+clipping): a constant or already well-quantized head keeps alpha = 1.
+
+Within-block causal attention is a proxy for decoding: in the runtime the most recent tokens
+are in the full-precision window and never quantized; the proxy quantizes all of them, so it
+weights the near-diagonal slightly more than decoding does.
+
+Note on "uniform data": asymmetric min-max quantization puts grid points *on* the group's
+extremes, wasting half a step at each end. For data uniform over its range the MSE-optimal
+alpha is therefore ``(2**b - 1) / 2**b`` (0.75 at 2 bits, 0.94 at 4 bits, 0.996 at 8 bits),
+not 1: the fit finds that, and picks 1.0 at 8 bits (the grid's nearest point).
+
+Runtime contract for ``{k|v}.clip`` (stored float32 ``(H, 1)``, values in (0, 1]): pass it as
+``clip=`` to ``quantize_keys`` / ``quantize_values`` of the matching side at every flush; it
+broadcasts as ``(1, H, 1, 1)`` over the parameter shape ``(B, H, groups, D|D/G)``
+(``kvcalib.runtime.state`` does this). Fitted after the permutation (and on centred deviations
+when centering is on), it must be applied to the permuted (centred) data, as it was fitted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from kvcalib.calibrate.base import (
+    CalibrationError,
+    CalibrationMethod,
+    LayerGeometry,
+    check_side,
+    fake_quantize,
+    reservoir_to_bhtd,
+    usable_tokens,
+    validate_reservoir,
+)
+from kvcalib.calibrate.center import center
+from kvcalib.calibrate.reorder import apply_perm, check_perm
+from kvcalib.recipe import LayerConfig
+from kvcalib.stats import LayerStats
+
+__all__ = ["DEFAULT_GRID", "OBJECTIVES", "clip_errors", "choose_alpha", "fit_clip_alpha", "ClipMethod"]
+
+DEFAULT_GRID = tuple(round(1.0 - 0.05 * i, 2) for i in range(11))  # 1.0, 0.95, ..., 0.5
+OBJECTIVES = ("output", "mse")
+TIE_RTOL = 1e-3  # errors within this relative margin of the best count as ties -> largest alpha
+_SCORE_BUDGET = 1 << 22  # attention-score elements per chunk of blocks (16 MiB in float32)
+
+
+def _check_grid(grid: Sequence[float]) -> tuple[float, ...]:
+    try:
+        g = tuple(float(a) for a in grid)
+    except (TypeError, ValueError):
+        raise CalibrationError(f"grid must be a sequence of floats in (0, 1], got {grid!r}") from None
+    if not g or not all(math.isfinite(a) and 0.0 < a <= 1.0 for a in g):
+        raise CalibrationError(f"grid must be a non-empty sequence of floats in (0, 1], got {grid!r}")
+    return g
+
+
+def _causal_probs(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+    """softmax(scaling q k^T) under the causal mask: q ``(N, Hq, T, D)``, k ``(N, Hq, T, D)`` -> ``(N, Hq, T, T)``."""
+    t = q.shape[2]
+    scores = torch.einsum("nhtd,nhsd->nhts", q, k) * scaling  # (N, Hq, T, T)
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return torch.softmax(scores, dim=-1)  # the diagonal is always visible: no all-masked row
+
+
+def clip_errors(
+    reservoir_k: torch.Tensor,
+    reservoir_v: torch.Tensor,
+    reservoir_q: torch.Tensor,
+    scaling: float,
+    bits: int,
+    group: int,
+    side: str,
+    grid: Sequence[float] = DEFAULT_GRID,
+    perm: torch.Tensor | None = None,
+    k_axis: str = "channel",
+    objective: str = "output",
+    center_bits: int = 0,
+) -> torch.Tensor:
+    """Error of every candidate alpha for every kv head, float64 ``(len(grid), H)``.
+
+    Args:
+        reservoir_k, reservoir_v: ``(NB, BL, H, D)``; reservoir_q: ``(NB, BL, Hq, D)``, ``Hq = H * rep``.
+        scaling: the softmax scale the model applies to ``q . k``.
+        bits, group, side, k_axis: the quantized side and its layout (``fake_quantize``).
+        grid: candidate alphas in (0, 1].
+        perm: optional int ``(H, D)`` channel permutation applied before quantizing (and to q
+            when ``side="k"``).
+        objective: ``"output"`` (attention output error, module docstring) or ``"mse"``.
+        center_bits: 0 = raw K/V; 8 or 16 = TaDA centering is on with the mean stored at that
+            precision: the deviations are quantized and the stored mean added back.
+
+    Returns: ``err[a, h]`` = summed squared error of kv head ``h`` at ``grid[a]``.
+    """
+    check_side(side)
+    grid = _check_grid(grid)
+    if objective not in OBJECTIVES:
+        raise CalibrationError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    nb, bl, h, d = validate_reservoir(reservoir_k, "reservoir_k")
+    validate_reservoir(reservoir_v, "reservoir_v", h, d)
+    if reservoir_v.shape[:2] != reservoir_k.shape[:2]:
+        raise CalibrationError(f"reservoir_v {tuple(reservoir_v.shape)} and reservoir_k {tuple(reservoir_k.shape)} differ")
+    if objective == "output":
+        _, _, hq, _ = validate_reservoir(reservoir_q, "reservoir_q", None, d)
+        if tuple(reservoir_q.shape[:2]) != (nb, bl) or hq % h:
+            raise CalibrationError(
+                f"reservoir_q {tuple(reservoir_q.shape)} does not fit reservoir_k {tuple(reservoir_k.shape)}: "
+                f"expected ({nb}, {bl}, Hq, {d}) with Hq a multiple of {h}"
+            )
+        if not (isinstance(scaling, int | float) and 0 < scaling < float("inf")):
+            raise CalibrationError(f"scaling must be a positive finite float, got {scaling!r}")
+    else:
+        hq = h
+    rep = hq // h
+    t = usable_tokens(bl, side, group, k_axis)  # keys per channel: whole groups only
+    if perm is not None:
+        perm = check_perm(perm, h, d)
+
+    k = reservoir_to_bhtd(reservoir_k)[:, :, :t]  # (NB, H, T, D)
+    v = reservoir_to_bhtd(reservoir_v)[:, :, :t]  # (NB, H, T, D)
+    x = k if side == "k" else v  # the side being quantized, (NB, H, T, D)
+    mean = None
+    if center_bits and h >= 2:
+        # TaDA: the runtime stores mean_hat and quantizes dev = x - mean_hat; what attention sees
+        # is mean_hat + fq(dev). So fq acts on dev, and mean_hat is added back for the scores.
+        mean, x = center(x, mean_bits=center_bits)  # (NB, 1, T, D), (NB, H, T, D)
+        mean = mean.expand_as(x)  # (NB, H, T, D)
+    if perm is not None:
+        x = apply_perm(x, perm)
+        if mean is not None:
+            mean = apply_perm(mean, perm)
+
+    errs = torch.zeros(len(grid), h, dtype=torch.float64)
+    if objective == "mse":
+        for a, alpha in enumerate(grid):
+            xh = fake_quantize(x, side, bits, group, k_axis, clip=alpha)  # (NB, H, T, D)
+            errs[a] = ((xh - x) ** 2).sum(dim=(0, 2, 3), dtype=torch.float64)
+        return errs
+
+    q = reservoir_to_bhtd(reservoir_q)[:, :, :t]  # (NB, Hq, T, D)
+    if perm is not None and side == "k":
+        q = apply_perm(q, perm)  # q_perm . k_perm = q . k
+    chunk = max(1, _SCORE_BUDGET // max(1, hq * t * t))
+    for s in range(0, nb, chunk):
+        xs = x[s : s + chunk]  # (n, H, T, D)
+        ms = None if mean is None else mean[s : s + chunk]
+        qs = q[s : s + chunk]  # (n, Hq, T, D)
+        full = xs if ms is None else xs + ms  # the side as the model has it (permuted)
+        if side == "k":
+            vs = v[s : s + chunk]
+            v_rep = vs.repeat_interleave(rep, dim=1)  # (n, Hq, T, D)
+            o_ref = _causal_probs(qs, full.repeat_interleave(rep, dim=1), scaling) @ v_rep  # (n, Hq, T, D)
+        else:
+            probs = _causal_probs(qs, k[s : s + chunk].repeat_interleave(rep, dim=1), scaling)  # (n, Hq, T, T)
+        for a, alpha in enumerate(grid):
+            xh = fake_quantize(xs, side, bits, group, k_axis, clip=alpha)  # (n, H, T, D)
+            if side == "k":
+                kh = xh if ms is None else xh + ms
+                diff = _causal_probs(qs, kh.repeat_interleave(rep, dim=1), scaling) @ v_rep - o_ref
+            else:
+                diff = probs @ (xh - xs).repeat_interleave(rep, dim=1)  # P (V_hat - V), (n, Hq, T, D)
+            per_q = (diff.double() ** 2).sum(dim=(0, 2, 3))  # (Hq,)
+            errs[a] += per_q.view(h, rep).sum(-1)
+    return errs
+
+
+def choose_alpha(errs: torch.Tensor, grid: Sequence[float], rtol: float = TIE_RTOL) -> torch.Tensor:
+    """Per head, the largest alpha whose error is within ``rtol`` of the best; float32 ``(H,)``.
+
+    ``errs`` float ``(len(grid), H)`` (from :func:`clip_errors`).
+    """
+    grid = _check_grid(grid)
+    if errs.dim() != 2 or errs.shape[0] != len(grid):
+        raise CalibrationError(f"errs must be (len(grid)={len(grid)}, H), got {tuple(errs.shape)}")
+    if not bool(torch.isfinite(errs).all()):
+        raise CalibrationError("clip errors are not finite: the reservoir's values overflow float32")
+    g = torch.tensor(grid, dtype=torch.float64)  # (A,)
+    best = errs.amin(0, keepdim=True)  # (1, H)
+    ok = errs <= best * (1.0 + rtol)  # (A, H); the best itself is always ok
+    cand = torch.where(ok, g[:, None], torch.full_like(errs, -1.0))
+    return cand.amax(0).float()  # (H,)
+
+
+def fit_clip_alpha(
+    reservoir_k: torch.Tensor,
+    reservoir_v: torch.Tensor,
+    reservoir_q: torch.Tensor,
+    scaling: float,
+    bits: int,
+    group: int,
+    side: str,
+    grid: Sequence[float] = DEFAULT_GRID,
+    perm: torch.Tensor | None = None,
+    k_axis: str = "channel",
+    objective: str = "output",
+    center_bits: int = 0,
+) -> torch.Tensor:
+    """Fit the clip alpha per kv head, float32 ``(H,)`` in (0, 1] (arguments: :func:`clip_errors`).
+
+    Returns all-ones for ``bits >= 16`` (nothing is quantized).
+    """
+    if bits >= 16:
+        return torch.ones(reservoir_k.shape[2], dtype=torch.float32)
+    errs = clip_errors(reservoir_k, reservoir_v, reservoir_q, scaling, bits, group, side, grid, perm,
+                       k_axis, objective, center_bits)
+    return choose_alpha(errs, grid)
+
+
+class ClipMethod(CalibrationMethod):
+    """SKVQ clip scales per kv head for every quantized side.
+
+    Uses ``{side}.perm`` and ``{side}.center`` from earlier steps when present, so the alpha is
+    fitted on the data the runtime will quantize.
+    """
+
+    name: ClassVar[str] = "clip"
+    tensors: ClassVar[dict[str, str]] = {
+        "k.clip": "float32 (H, 1): clip alpha in (0, 1] per kv head for keys",
+        "v.clip": "float32 (H, 1): clip alpha in (0, 1] per kv head for values",
+    }
+
+    def __init__(self, grid: Sequence[float] = DEFAULT_GRID, objective: str = "output") -> None:
+        try:
+            self.grid = _check_grid(grid)
+        except CalibrationError as err:
+            raise ValueError(str(err)) from None
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        self.objective = objective
+
+    def _fit(self, layer_stats: LayerStats, layer_cfg: LayerConfig, seed: int,
+             fitted: dict[str, torch.Tensor], geom: LayerGeometry) -> dict[str, torch.Tensor]:
+        out = {}
+        objective = self.objective if geom.q_heads else "mse"  # no queries collected: raw error
+        for side, bits, group in (("k", layer_cfg.k_bits, layer_cfg.k_group),
+                                  ("v", layer_cfg.v_bits, layer_cfg.v_group)):
+            if bits >= 16:
+                continue
+            center_bits = int(fitted.get(f"{side}.center", torch.tensor(0.0)))  # 0, 8 or 16
+            alpha = fit_clip_alpha(layer_stats.reservoir_k, layer_stats.reservoir_v, layer_stats.reservoir_q,
+                                   layer_stats.scaling, bits, group, side, self.grid,
+                                   fitted.get(f"{side}.perm"), layer_cfg.k_axis, objective, center_bits)
+            out[f"{side}.clip"] = alpha[:, None].contiguous()  # (H, 1)
+        return out

@@ -131,11 +131,30 @@ def search() -> None:
     _not_built("search", "issue 5")
 
 
-@app.command(epilog="Example:\n\n    kvcalib export RUN_DIR -o recipe.safetensors")
+@app.command(epilog="Examples:\n\n    kvcalib export runs/smol -o smol-k2v2.safetensors --bits k2v2 --group 32 --window 128\n\n    kvcalib export runs/smol -o smol-all.safetensors --bits k4v2 --reorder --clip --center")
 @user_errors
-def export() -> None:
-    """Write a recipe file from a run folder (statistics, or a searched study)."""
-    _not_built("export", "issue 4")
+def export(
+    run_dir: Path = typer.Argument(..., help="Run folder written by `kvcalib collect` (holds stats.safetensors)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Recipe file to write (.safetensors)."),
+    bits: str = typer.Option("k2v2", help="Key and value bits, k<2|4|8|16>v<2|4|8|16>."),
+    group: int = typer.Option(32, help="Group size: tokens per key group, channels per value group."),
+    window: int = typer.Option(128, help="Recent tokens kept in full precision (0 or >= group)."),
+    sinks: int = typer.Option(0, help="First tokens kept in full precision (attention sinks)."),
+    reorder: bool = typer.Option(False, help="SKVQ channel reordering (KMeans) for per-token groups."),
+    clip: bool = typer.Option(False, help="SKVQ clip scales fitted on the attention output."),
+    center: bool = typer.Option(False, help="TaDA mean-centering across kv heads where it pays."),
+    name: Optional[str] = typer.Option(None, help="Recipe name (default from the settings)."),
+    seed: int = typer.Option(0, help="Seed for KMeans."),
+    force: bool = typer.Option(False, help="Replace an existing output file."),
+) -> None:
+    """Build a fitted recipe from collected statistics, with the methods given as flags."""
+    from kvcalib.export import ExportConfig, export_recipe
+
+    methods = [m for m, on in (("center", center), ("reorder", reorder), ("clip", clip)) if on]
+    config = ExportConfig(bits=bits, group=group, window=window, sinks=sinks, methods=methods, name=name, seed=seed)
+    recipe = export_recipe(run_dir, out, config, force=force)
+    mem = recipe.memory(recipe.model, 4096)
+    print(f"wrote {out}: recipe {recipe.name} for {recipe.model.name}, {mem.effective_bits:.3f} effective bits at 4096")
 
 
 @app.command(epilog="Examples:\n\n    kvcalib run --recipe kivi-2 --prompt 'The capital of France is'\n\n    kvcalib run --recipe runs/smol/recipe.safetensors --prompt-file prompt.txt --max-new-tokens 128 --compare")

@@ -218,6 +218,15 @@ class Recipe:
         for i, cfg in enumerate(self.layer_configs(info.num_layers)):
             for key, val in layer_bytes(cfg, info.num_kv_heads, info.head_dim, context, info.sliding_window[i]).items():
                 comps[key] = comps.get(key, 0.0) + val
+            kept = context if info.sliding_window[i] is None else min(context, info.sliding_window[i])
+            nq = quantized_token_count(cfg, kept)
+            for side in ("k", "v"):
+                t = self.tensors.get(f"layers.{i}.{side}.center")
+                bits = int(round(float(t.reshape(-1)[0]))) if t is not None else 0
+                if bits and nq and (cfg.k_bits if side == "k" else cfg.v_bits) < 16:
+                    # one stored mean per token (TaDA): 16-bit = 2D bytes, 8-bit = D codes + fp16 scale/zero
+                    per_token = 2.0 * info.head_dim if bits == 16 else info.head_dim + 4.0
+                    comps[f"{side}_mean"] = comps.get(f"{side}_mean", 0.0) + nq * per_token
         for name, tensor in self.tensors.items():  # fitted state read at decode time, amortised
             comps["recipe_state"] = comps.get("recipe_state", 0.0) + tensor.numel() * tensor.element_size()
         elements = 2 * info.num_layers * info.num_kv_heads * info.head_dim * context

@@ -96,7 +96,9 @@ class PackedStore:
         self.start = 0  # absolute position of the first live packed token
         self.n = 0  # live packed tokens
         self.parts = {name: GrowBuffer() for name in
-                      ("k_codes", "k_scale", "k_zero", "k_raw", "v_codes", "v_scale", "v_zero", "v_raw")}
+                      ("k_codes", "k_scale", "k_zero", "k_raw", "v_codes", "v_scale", "v_zero", "v_raw",
+                       "k_mean", "v_mean", "k_mean_codes", "k_mean_scale", "k_mean_zero",
+                       "v_mean_codes", "v_mean_scale", "v_mean_zero")}
 
     def append(self, start: int, k: PackedBlock, v: PackedBlock, n: int) -> None:
         if self.n == 0:
@@ -108,6 +110,12 @@ class PackedStore:
                 self.parts[f"{side}_zero"].append(blk.quantized.zero)
             else:
                 self.parts[f"{side}_raw"].append(blk.raw)
+            if blk.mean is not None:
+                self.parts[f"{side}_mean"].append(blk.mean)
+            if blk.mean_q is not None:
+                self.parts[f"{side}_mean_codes"].append(blk.mean_q.codes)
+                self.parts[f"{side}_mean_scale"].append(blk.mean_q.scale)
+                self.parts[f"{side}_mean_zero"].append(blk.mean_q.zero)
         self.n += n
 
     def _scale_rows(self, side: str, tokens: int) -> int:
@@ -120,8 +128,8 @@ class PackedStore:
         """Forget the oldest ``tokens`` packed tokens (a multiple of the flush block)."""
         tokens = min(tokens, self.n)
         for side in ("k", "v"):
-            self.parts[f"{side}_codes"].drop_front(tokens)
-            self.parts[f"{side}_raw"].drop_front(tokens)
+            for name in ("codes", "raw", "mean", "mean_codes", "mean_scale", "mean_zero"):
+                self.parts[f"{side}_{name}"].drop_front(tokens)
             rows = self._scale_rows(side, tokens)
             self.parts[f"{side}_scale"].drop_front(rows)
             self.parts[f"{side}_zero"].drop_front(rows)
@@ -129,8 +137,11 @@ class PackedStore:
         self.n -= tokens
 
     def view(self) -> PackedView:
-        p = {k: b.view() for k, b in self.parts.items()}
+        p = {k: b.view() for k, b in self.parts.items() if "mean" not in k}
         return PackedView(self.cfg, self.start, self.n, **p)
+
+    def centred(self) -> bool:
+        return any(self.parts[n].buf is not None for n in ("k_mean", "v_mean", "k_mean_codes", "v_mean_codes"))
 
     def block(self, side: str, a: int, b: int) -> PackedBlock:
         """Tokens [a, b) (relative to the live start) of one side, as a PackedBlock of views."""
@@ -143,15 +154,25 @@ class PackedStore:
         group = self.cfg.k_group if side == "k" else self.cfg.v_group
         axis = "token" if (side == "k" and self.cfg.k_axis == "channel") else "channel"
         ra, rb = self._scale_rows(side, a), self._scale_rows(side, b)
+        mean = self.parts[f"{side}_mean"].view()
+        mean_codes = self.parts[f"{side}_mean_codes"].view()
+        mean_q = None
+        if mean_codes is not None:
+            mean_q = QuantizedTensor(mean_codes[:, :, a:b], self.parts[f"{side}_mean_scale"].view()[:, :, a:b],
+                                     self.parts[f"{side}_mean_zero"].view()[:, :, a:b], 8, mean_codes.shape[-1], "channel")
         return PackedBlock(QuantizedTensor(
             self.parts[f"{side}_codes"].view()[:, :, a:b], self.parts[f"{side}_scale"].view()[:, :, ra:rb],
-            self.parts[f"{side}_zero"].view()[:, :, ra:rb], bits, group, axis), None)
+            self.parts[f"{side}_zero"].view()[:, :, ra:rb], bits, group, axis), None,
+            None if mean is None else mean[:, :, a:b], mean_q)
 
     def nbytes(self) -> dict[str, int]:
         out = {"k_packed": 0, "k_scales": 0, "v_packed": 0, "v_scales": 0}
         for side in ("k", "v"):
             out[f"{side}_packed"] += self.parts[f"{side}_codes"].nbytes() + self.parts[f"{side}_raw"].nbytes()
             out[f"{side}_scales"] += self.parts[f"{side}_scale"].nbytes() + self.parts[f"{side}_zero"].nbytes()
+            mean = sum(self.parts[f"{side}_{n}"].nbytes() for n in ("mean", "mean_codes", "mean_scale", "mean_zero"))
+            if mean:
+                out[f"{side}_mean"] = mean
         return out
 
 
@@ -349,7 +370,7 @@ class CompressedCache(Cache):
         configs = recipe.layer_configs(info.num_layers)
         if switch_attention:
             use_kvcalib_attention(model)
-        return cls(configs, build_codecs(recipe, configs), list(info.sliding_window), recipe)
+        return cls(configs, build_codecs(recipe, configs, info.head_dim), list(info.sliding_window), recipe)
 
     def nbytes(self) -> dict[str, int]:
         """Actual bytes the cache holds (all layers), by component."""

@@ -2,7 +2,11 @@
 
 Tensor names (``layers.{i}.{k|v}.{name}``):
 
-- ``clip``: clip scale alpha, (H, D) for per-channel keys, (H, 1) otherwise, broadcast over blocks.
+- ``clip``: clip scale alpha per kv head, (H, 1) (or (H, D)), broadcast over blocks.
+- ``perm``: channel permutation per kv head, (H, D) int64 (SKVQ reordering).
+- ``center``: scalar, the stored mean's bits (8 or 16), 0 = off (TaDA centering).
+
+Unknown names are refused, so a recipe from a newer kvcalib cannot be half-applied.
 """
 
 from __future__ import annotations
@@ -25,7 +29,47 @@ def _clip(recipe: Recipe, i: int, side: str) -> float | torch.Tensor:
     return t[None, :, None, :] if t.dim() == 2 else t
 
 
-def build_codecs(recipe: Recipe, configs: list[LayerConfig]) -> list[LayerCodec]:
+APPLIED = ("clip", "perm", "center")
+# fitted by calibration but only informative at runtime (the search reads them)
+INFORMATIVE = ("center_gain", "outlier_gain", "clip_error")
+
+
+def _perm(recipe: Recipe, i: int, side: str, head_dim: int | None) -> torch.Tensor | None:
+    t = recipe.tensors.get(f"layers.{i}.{side}.perm")
+    if t is None:
+        return None
+    ok = t.dim() == 2 and not t.is_floating_point() and bool(
+        (torch.sort(t.long(), dim=-1).values == torch.arange(t.shape[-1])).all())
+    if not ok or (head_dim is not None and t.shape[-1] != head_dim):
+        raise RecipeError(f"recipe {recipe.name!r}: layers.{i}.{side}.perm must be an (H, head_dim) permutation per head")
+    return t.long()
+
+
+def _center(recipe: Recipe, i: int, side: str) -> int:
+    t = recipe.tensors.get(f"layers.{i}.{side}.center")
+    if t is None:
+        return 0
+    bits = int(round(float(t.reshape(-1)[0])))
+    if bits not in (0, 8, 16):
+        raise RecipeError(f"recipe {recipe.name!r}: layers.{i}.{side}.center must be 0, 8 or 16 (mean bits), got {bits}")
+    return bits
+
+
+def check_tensor_names(recipe: Recipe, num_layers: int) -> None:
+    """Refuse tensors this runtime would not apply (naming the first)."""
+    for name in recipe.tensors:
+        parts = name.split(".")
+        ok = (len(parts) == 4 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) < num_layers
+              and parts[2] in ("k", "v", "kv") and parts[3] in APPLIED + INFORMATIVE)
+        if not ok:
+            raise RecipeError(f"recipe {recipe.name!r} holds tensor {name!r}, which this kvcalib does not apply: "
+                              "re-export the recipe with this version")
+
+
+def build_codecs(recipe: Recipe, configs: list[LayerConfig], head_dim: int | None = None) -> list[LayerCodec]:
     """One LayerCodec per layer, carrying the recipe's fitted tensors."""
-    return [LayerCodec(cfg, k_clip=_clip(recipe, i, "k"), v_clip=_clip(recipe, i, "v"))
+    check_tensor_names(recipe, len(configs))
+    return [LayerCodec(cfg, k_clip=_clip(recipe, i, "k"), v_clip=_clip(recipe, i, "v"),
+                       k_perm=_perm(recipe, i, "k", head_dim), v_perm=_perm(recipe, i, "v", head_dim),
+                       k_center=_center(recipe, i, "k"), v_center=_center(recipe, i, "v"))
             for i, cfg in enumerate(configs)]

@@ -1,0 +1,835 @@
+"""Benchmark: fused packed-KV decode attention vs bf16 SDPA, quantize-and-pack vs prefill, end to end.
+
+Protocol (shared/DESIGN.md, "GPU benchmark protocol"): shapes of Mistral-7B (32 q / 8 kv heads,
+head_dim 128), Qwen2.5-1.5B (12/2/128), SmolLM2-135M (9/3/64); batch 1/8/32; context
+4k/16k/32k/128k; median time of ``triton.testing.do_bench`` (which flushes L2 before every call);
+bytes actually read / time; that over the measured device-to-device copy bandwidth (bytes read +
+written); speedup over the fastest bf16 baseline we could build (several SDPA forms, the
+explicit-matmul form, and flash-attn's kvcache kernel if importable), and the byte ratio.
+
+One attention layer per row: the cache holds ``context`` tokens, the last ``WINDOW`` (128) in
+bf16 (the pending window, merged by the kernel's full-precision path) and the rest packed,
+K per channel over groups of ``group`` tokens, V per token over groups of ``min(group, D)``
+channels. Codes and scales are random (speed does not depend on the values; never zeros).
+
+Modes (``--mode``):
+
+- ``micro`` (default): device info, copy bandwidth, a config sweep on the Mistral 32k shapes
+  (the best config per bit width is then used for the whole grid), the grid, quantize-and-pack
+  vs prefill attention. Writes ``decode_attention.json`` (one object per row) and
+  ``decode_bench_meta.json`` (device, sweep, quantize-vs-prefill, bf16 variants).
+- ``e2e``: a random-weight Mistral-7B-shaped model (bf16, no download) decoding at 32k context:
+  HF ``DynamicCache`` vs ``CompressedCache`` with a 2-bit recipe, tokens/s and peak memory, the
+  largest batch estimated from the measured per-sequence bytes. The caches are *filled
+  directly* (random bf16 K/V; packed storage quantized by ``kvcalib_kernels.quant_pack``) instead
+  of a 32k prefill. Writes ``e2e.json``.
+- ``report``: from the JSON files, write ``decode_attention.md``, ``e2e.md`` and the plot
+  ``decode_attention.png`` (runs anywhere; matplotlib).
+
+Run on the GPU through ``scripts/gpu_bench.sh``; e.g.
+``python kernels/bench/bench_decode.py --mode micro --out artifacts/bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+MODELS = {  # name: (query heads, kv heads, head_dim)
+    "mistral-7b": (32, 8, 128),
+    "qwen2.5-1.5b": (12, 2, 128),
+    "smollm2-135m": (9, 3, 64),
+}
+BATCHES = (1, 8, 32)
+CONTEXTS = (4096, 16384, 32768, 131072)
+SETTINGS = ((2, 128), (4, 128), (4, 32))  # (bits for K and V, group)
+WINDOW = 128
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def _bench(fn, warmup: int = 25, rep: int = 100) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+# ---------------------------------------------------------------- inputs and byte counts
+
+
+def packed_inputs(b, h, n, d, bits, k_group, v_group, dev, seed=0):
+    """Random packed K/V: codes uint8, scales/zeros float16 (shapes of decode_attention)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    p = d * bits // 8
+    kc = torch.randint(0, 256, (b, h, n, p), dtype=torch.uint8, device=dev, generator=g)
+    vc = torch.randint(0, 256, (b, h, n, p), dtype=torch.uint8, device=dev, generator=g)
+    ks = (torch.rand(b, h, n // k_group, d, device=dev, generator=g) * 0.05 + 0.01).half()
+    kz = (torch.randn(b, h, n // k_group, d, device=dev, generator=g) * 0.5).half()
+    vs = (torch.rand(b, h, n, d // v_group, device=dev, generator=g) * 0.05 + 0.01).half()
+    vz = (torch.randn(b, h, n, d // v_group, device=dev, generator=g) * 0.5).half()
+    return kc, ks, kz, vc, vs, vz
+
+
+def packed_bytes(b, h, hq, n, f, d, bits, k_group, v_group) -> dict:
+    """Bytes the kernel must read: codes + scales/zeros + the bf16 window + q."""
+    out = {
+        "codes": 2 * b * h * n * d * bits // 8,
+        "scales": b * h * (n // k_group) * d * 2 * 2 + b * h * n * (d // v_group) * 2 * 2,
+        "fp_segment": 2 * b * h * f * d * 2,
+        "q": b * hq * d * 2,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def bf16_bytes(b, h, hq, t, d) -> int:
+    return 2 * b * h * t * d * 2 + b * hq * d * 2
+
+
+# ---------------------------------------------------------------- bf16 baselines
+
+
+def bf16_variants(q4, k, v, scale):
+    """name -> callable, every honest bf16 decode-attention form we can build here.
+
+    q4 (B, Hq, 1, D); k, v (B, H, T, D) bf16.
+    """
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, hq, _, d = q4.shape
+    h = k.shape[1]
+    r = hq // h
+    qg = q4.reshape(b, h, r, d)  # the R query heads of a kv head as R query rows: K/V read once
+    out = {"sdpa_enable_gqa": lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True, scale=scale)}
+    out["sdpa_grouped_rows"] = lambda: F.scaled_dot_product_attention(qg, k, v, scale=scale)
+    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                     ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def f(be=be):
+            with sdpa_kernel([be]):
+                return F.scaled_dot_product_attention(qg, k, v, scale=scale)
+        out[f"sdpa_grouped_rows_{name}"] = f
+
+    def matmul():
+        s = torch.matmul(qg, k.transpose(-1, -2)) * scale  # (B, H, R, T)
+        return torch.matmul(torch.softmax(s.float(), dim=-1).to(v.dtype), v)
+    out["matmul_grouped_rows"] = matmul
+    try:
+        from flash_attn import flash_attn_with_kvcache  # noqa: F401
+        kt, vt = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # (B, T, H, D)
+        qt = q4.transpose(1, 2).contiguous()  # (B, 1, Hq, D)
+        out["flash_attn_kvcache"] = lambda: flash_attn_with_kvcache(qt, kt, vt, softmax_scale=scale)
+    except Exception:  # noqa: BLE001 - flash-attn is optional
+        pass
+    return out
+
+
+def time_bf16(q4, k, v, scale, warmup=25, rep=100) -> dict:
+    res = {}
+    for name, fn in bf16_variants(q4, k, v, scale).items():
+        try:
+            fn()
+            torch.cuda.synchronize()
+            res[name] = _bench(fn, warmup, rep)
+        except Exception as err:  # noqa: BLE001 - a backend that refuses the shape is skipped
+            res[name] = None
+            log(f"    bf16 {name}: skipped ({type(err).__name__}: {str(err)[:80]})")
+    return res
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+def kernel_call(q, packed, window, bits, k_group, v_group, n, scale, config):
+    from kvcalib_kernels.decode_attention import decode_attention
+
+    return lambda: decode_attention(q, *packed, k_bits=bits, v_bits=bits, k_group=k_group, v_group=v_group,
+                                    scaling=scale, fp_segments=[window], fp_positions=[n], config=config)
+
+
+def sweep_configs():
+    """Warps x block size x pipelining stages x split parallelism with the word unpack (inline
+    PTX, falling back to Triton ops where the probe fails), plus the byte unpacks at the default."""
+    from kvcalib_kernels.decode_attention import DecodeConfig
+
+    cfgs = [DecodeConfig(block_n=bn, num_warps=1, num_stages=st, unpack=u, programs_per_sm=pps)
+            for u in (3, 2) for bn in (32, 64) for st in (1, 2) for pps in (8.0, 16.0, 32.0)]
+    cfgs += [DecodeConfig(unpack=1), DecodeConfig(unpack=4), DecodeConfig(num_warps=2),
+             DecodeConfig(min_split_blocks=2), DecodeConfig(min_split_blocks=8)]
+    return cfgs
+
+
+def cfg_dict(c) -> dict:
+    return {k: getattr(c, k) for k in ("block_n", "num_warps", "num_stages", "unpack", "programs_per_sm", "fp_block",
+                                       "min_split_blocks")}
+
+
+def run_sweep(dev, meta, quick=False) -> dict:
+    """Time every sweep config on the Mistral 32k shapes (batch 1 and 8); best config per bits."""
+    from kvcalib_kernels.decode_attention import DecodeConfig
+
+    hq, h, d = MODELS["mistral-7b"]
+    ctx = 32768
+    n = ctx - WINDOW
+    best = {}
+    meta["sweep"] = []
+    cfgs = sweep_configs()
+    if quick:
+        cfgs = cfgs[:4] + cfgs[-1:]
+    for bits in (2, 4):
+        totals = {}
+        for b in (1, 8):
+            packed = packed_inputs(b, h, n, d, bits, 128, 128, dev, seed=b)
+            window = (torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16),
+                      torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16))
+            q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
+            times = {}
+            for c in cfgs:
+                try:
+                    fn = kernel_call(q, packed, window, bits, 128, 128, n, d ** -0.5, c)
+                    fn()
+                    torch.cuda.synchronize()
+                    times[c] = _bench(fn, 10, 50)
+                except Exception as err:  # noqa: BLE001 - record and go on
+                    times[c] = None
+                    log(f"  sweep {cfg_dict(c)} failed: {type(err).__name__}: {str(err)[:200]}")
+            ok = [t for t in times.values() if t]
+            fastest = min(ok) if ok else float("nan")
+            for c, t in times.items():
+                meta["sweep"].append({"bits": bits, "batch": b, "context": ctx, **cfg_dict(c), "ms": t})
+                if t:
+                    totals[c] = totals.get(c, 0.0) + t / fastest
+                else:
+                    totals[c] = totals.get(c, 0.0) + 1e9
+            log(f"  sweep bits={bits} b={b}: fastest {fastest:.4f} ms")
+            del packed, window, q
+            torch.cuda.empty_cache()
+        choice = min(totals, key=totals.get) if totals else DecodeConfig()
+        best[bits] = choice
+        log(f"  best config for {bits}-bit: {cfg_dict(choice)} (sum of time / fastest = {totals.get(choice, 0):.3f})")
+    meta["chosen_config"] = {str(k): cfg_dict(v) for k, v in best.items()}
+    return best
+
+
+def run_grid(dev, meta, best, copy_bw, gpu, out_dir: Path, quick=False):
+    rows = []
+    meta["bf16_variants"] = []
+    models = list(MODELS.items())
+    batches, contexts, settings = BATCHES, CONTEXTS, SETTINGS
+    if quick:
+        models, batches, contexts = models[:1], (1, 8), (4096, 32768)
+    for model, (hq, h, d) in models:
+        for b in batches:
+            for ctx in contexts:
+                n = ctx - WINDOW
+                scale = d ** -0.5
+                try:
+                    k = torch.randn(b, h, ctx, d, device=dev, dtype=torch.bfloat16)
+                    v = torch.randn(b, h, ctx, d, device=dev, dtype=torch.bfloat16)
+                    q4 = torch.randn(b, hq, 1, d, device=dev, dtype=torch.bfloat16)
+                except torch.cuda.OutOfMemoryError:
+                    log(f"  {model} b={b} ctx={ctx}: bf16 K/V do not fit, skipped")
+                    torch.cuda.empty_cache()
+                    continue
+                variants = time_bf16(q4, k, v, scale)
+                ok = {kk: vv for kk, vv in variants.items() if vv}
+                base_name = min(ok, key=ok.get)
+                ms_bf16 = ok[base_name]
+                meta["bf16_variants"].append({"model": model, "batch": b, "context": ctx, **variants})
+                window = (k[:, :, n:].contiguous(), v[:, :, n:].contiguous())
+                q = q4.reshape(b, hq, d)
+                del k, v
+                torch.cuda.empty_cache()
+                for bits, group in settings:
+                    vg = min(group, d)
+                    try:
+                        packed = packed_inputs(b, h, n, d, bits, group, vg, dev, seed=ctx + b)
+                        cfg = best.get(bits)
+                        fn = kernel_call(q, packed, window, bits, group, vg, n, scale, cfg)
+                        fn()
+                        torch.cuda.synchronize()
+                        ms = _bench(fn)
+                    except torch.cuda.OutOfMemoryError:
+                        log(f"  {model} b={b} ctx={ctx} {bits}b/g{group}: out of memory, skipped")
+                        torch.cuda.empty_cache()
+                        continue
+                    nb = packed_bytes(b, h, hq, n, WINDOW, d, bits, group, vg)
+                    bb = bf16_bytes(b, h, hq, ctx, d)
+                    gbps = nb["total"] / (ms * 1e-3) / 1e9
+                    row = {"model": model, "batch": b, "context": ctx, "bits": bits, "group": group,
+                           "v_group": vg, "ms": round(ms, 5), "ms_bf16": round(ms_bf16, 5),
+                           "speedup": round(ms_bf16 / ms, 3), "gbps": round(gbps, 1),
+                           "frac_copy_bw": round(gbps / copy_bw, 3), "byte_ratio": round(bb / nb["total"], 3),
+                           "bytes": nb["total"], "bytes_bf16": bb, "bf16_baseline": base_name,
+                           "gbps_bf16": round(bb / (ms_bf16 * 1e-3) / 1e9, 1), "gpu": gpu,
+                           "config": cfg_dict(cfg) if cfg else None}
+                    rows.append(row)
+                    log(f"  {model:13s} b={b:2d} ctx={ctx:6d} {bits}b g{group:3d}: {ms:.4f} ms vs bf16 {ms_bf16:.4f} ms "
+                        f"({base_name}) speedup {row['speedup']:.2f}x bytes {row['byte_ratio']:.2f}x "
+                        f"{gbps:.0f} GB/s ({row['frac_copy_bw']:.2f} of copy)")
+                    del packed
+                    torch.cuda.empty_cache()
+                _write_json(out_dir / "decode_attention.json", rows)
+                del window, q, q4
+                torch.cuda.empty_cache()
+    return rows
+
+
+def run_quant_vs_prefill(dev, meta):
+    """Quantize-and-pack of a 32k prompt (one Mistral layer) vs that layer's prefill attention."""
+    import torch.nn.functional as F
+
+    from kvcalib.quant.uniform import quantize_keys, quantize_values
+    from kvcalib_kernels.quant_pack import quantize_pack_keys, quantize_pack_values
+
+    hq, h, d = MODELS["mistral-7b"]
+    t = 32768
+    k = torch.randn(1, h, t, d, device=dev, dtype=torch.bfloat16) * 2
+    v = torch.randn(1, h, t, d, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(1, hq, t, d, device=dev, dtype=torch.bfloat16)
+    res = {"model": "mistral-7b", "context": t, "batch": 1}
+    res["prefill_attention_ms"] = _bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    for bits in (2, 4):
+        kern = lambda: (quantize_pack_keys(k, bits, 128, validate=False), quantize_pack_values(v, bits, 128, validate=False))  # noqa: E731
+        ref = lambda: (quantize_keys(k, bits, 128), quantize_values(v, bits, 128))  # noqa: E731
+        a = kern()
+        r = (quantize_keys(k.cpu(), bits, 128), quantize_values(v.cpu(), bits, 128))  # the specification, on CPU
+        exact = all(torch.equal(getattr(x, f).cpu(), getattr(y, f)) for x, y in zip(a, r) for f in ("codes", "scale", "zero"))
+        rg = ref()
+        res[f"quant_pack_{bits}b_torch_cuda_reference_equal_to_cpu"] = all(
+            torch.equal(getattr(x, f).cpu(), getattr(y, f)) for x, y in zip(rg, r) for f in ("codes", "scale", "zero"))
+        res[f"quant_pack_{bits}b_ms"] = _bench(kern)
+        res[f"quant_pack_{bits}b_torch_reference_ms"] = _bench(ref)
+        res[f"quant_pack_{bits}b_bit_exact"] = exact
+        res[f"quant_pack_{bits}b_frac_of_prefill"] = res[f"quant_pack_{bits}b_ms"] / res["prefill_attention_ms"]
+        log(f"  quantize+pack {bits}b 32k: {res[f'quant_pack_{bits}b_ms']:.4f} ms (torch reference "
+            f"{res[f'quant_pack_{bits}b_torch_reference_ms']:.3f} ms), prefill attention "
+            f"{res['prefill_attention_ms']:.3f} ms -> {100 * res[f'quant_pack_{bits}b_frac_of_prefill']:.2f}%, bit-exact {exact}")
+    meta["quant_vs_prefill"] = res
+
+
+def copy_bandwidth(dev) -> float:
+    n = 2 << 30
+    x = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    ms = _bench(lambda: y.copy_(x))
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def device_info() -> dict:
+    import triton
+
+    p = torch.cuda.get_device_properties(0)
+    return {"gpu": p.name, "sms": p.multi_processor_count, "memory_gib": round(p.total_memory / 2 ** 30, 1),
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
+
+
+def main_micro(args) -> None:
+    from kvcalib_kernels.decode_attention import DecodeConfig, fast_unpack_available
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    meta = {"device": device_info(), "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
+    import kvcalib_kernels.decode_attention as _da
+    meta["fast_unpack_available"] = {k: fast_unpack_available(0, k) for k in ("bytes", "words")}
+    meta["fast_unpack_error"] = dict(_da.FAST_UNPACK_ERROR)
+    log("device:", meta["device"], "fast unpack:", meta["fast_unpack_available"], meta["fast_unpack_error"] or "")
+    meta["copy_bw_gbps"] = copy_bandwidth(dev)
+    log(f"device-to-device copy: {meta['copy_bw_gbps']:.0f} GB/s (read + write)")
+    _write_json(out / "decode_bench_meta.json", meta)
+    if args.config:
+        best = {int(k): DecodeConfig(**v) for k, v in json.loads(args.config).items()}
+        meta["chosen_config"] = {str(k): cfg_dict(v) for k, v in best.items()}
+    elif args.no_sweep:
+        best = {2: DecodeConfig(), 4: DecodeConfig()}
+    else:
+        t0 = time.time()
+        best = run_sweep(dev, meta, quick=args.quick)
+        log(f"sweep took {time.time() - t0:.0f} s")
+    _write_json(out / "decode_bench_meta.json", meta)
+    t0 = time.time()
+    run_quant_vs_prefill(dev, meta)
+    _write_json(out / "decode_bench_meta.json", meta)
+    rows = run_grid(dev, meta, best, meta["copy_bw_gbps"], meta["device"]["gpu"], out, quick=args.quick)
+    log(f"grid took {time.time() - t0:.0f} s")
+    _write_json(out / "decode_bench_meta.json", meta)
+    log("\nmodel          batch context bits grp      ms  ms_bf16 speedup bytes_x  GB/s frac")
+    for r in rows:
+        if r["model"] == "mistral-7b" or r["context"] == 32768:
+            log(f"{r['model']:14s} {r['batch']:5d} {r['context']:7d} {r['bits']:4d} {r['group']:3d} {r['ms']:7.4f} "
+                f"{r['ms_bf16']:8.4f} {r['speedup']:7.2f} {r['byte_ratio']:7.2f} {r['gbps']:5.0f} {r['frac_copy_bw']:.2f}")
+
+
+# ---------------------------------------------------------------- latency: GPU time vs host time
+
+
+def main_latency(args) -> None:
+    """Small shapes are launch-bound: separate the GPU time (CUDA-graph replay over rotating input
+    sets, so neither the host nor L2 residency flatters it) from the host time per call."""
+    import triton.testing
+
+    from kvcalib_kernels.decode_attention import DecodeConfig
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    cfg = DecodeConfig(**json.loads(args.config)["2"]) if args.config else DecodeConfig()
+    rows = []
+
+    def graph_ms(fns):
+        def all_sets():
+            for f in fns:
+                f()
+        all_sets()
+        torch.cuda.synchronize()
+        return float(triton.testing.do_bench_cudagraph(all_sets, rep=50, return_mode="median")) / len(fns)
+
+    def host_us(fn, calls=200):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return 1e6 * (t1 - t0) / calls
+
+    for model, (hq, h, d) in MODELS.items():
+        for b in (1, 8):
+            for ctx in (4096, 32768):
+                n = ctx - WINDOW
+                scale = d ** -0.5
+                vg = min(128, d)
+                nb = packed_bytes(b, h, hq, n, WINDOW, d, 2, 128, vg)["total"]
+                bb = bf16_bytes(b, h, hq, ctx, d)
+                sets = max(1, min(32, math.ceil(256e6 / nb)))
+                ours = []
+                for i in range(sets):
+                    packed = packed_inputs(b, h, n, d, 2, 128, vg, dev, seed=i)
+                    window = (torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16),
+                              torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16))
+                    q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
+                    ours.append(kernel_call(q, packed, window, 2, 128, vg, n, scale, cfg))
+                r = {"model": model, "batch": b, "context": ctx, "bits": 2, "group": 128,
+                     "ms_do_bench": _bench(ours[0]), "ms_graph": graph_ms(ours), "host_us": host_us(ours[0]),
+                     "input_sets": sets}
+                del ours
+                torch.cuda.empty_cache()
+                bsets = max(1, min(32, math.ceil(256e6 / bb)))
+                kvs = [(torch.randn(b, hq, 1, d, device=dev, dtype=torch.bfloat16),
+                        torch.randn(b, h, ctx, d, device=dev, dtype=torch.bfloat16),
+                        torch.randn(b, h, ctx, d, device=dev, dtype=torch.bfloat16)) for _ in range(bsets)]
+                for name in ("sdpa_enable_gqa", "sdpa_grouped_rows_flash"):
+                    fns = [bf16_variants(q4, k, v, scale)[name] for q4, k, v in kvs]
+                    try:
+                        r[f"bf16_{name}_ms_do_bench"] = _bench(fns[0])
+                        r[f"bf16_{name}_ms_graph"] = graph_ms(fns)
+                        r[f"bf16_{name}_host_us"] = host_us(fns[0])
+                    except Exception as err:  # noqa: BLE001
+                        log(f"  {name}: {type(err).__name__}: {str(err)[:120]}")
+                del kvs
+                torch.cuda.empty_cache()
+                g = [r.get(f"bf16_{nm}_ms_graph") for nm in ("sdpa_enable_gqa", "sdpa_grouped_rows_flash")]
+                g = [x for x in g if x]
+                r["bf16_best_ms_graph"] = min(g) if g else None
+                r["speedup_graph"] = r["bf16_best_ms_graph"] / r["ms_graph"] if g else None
+                rows.append(r)
+                _write_json(out / "decode_latency.json", {"config": cfg_dict(cfg), "rows": rows})
+                log(f"  {model:13s} b={b} ctx={ctx:6d}: ours do_bench {r['ms_do_bench']:.4f} ms, graph {r['ms_graph']:.4f} ms, "
+                    f"host {r['host_us']:.0f} us | bf16 graph {r['bf16_best_ms_graph'] or float('nan'):.4f} ms "
+                    f"-> speedup (graph) {r['speedup_graph'] or float('nan'):.2f}")
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def _fill_grow(gb, t: torch.Tensor, slack_rows: int) -> None:
+    """Put ``t`` (B, H, rows, X) into a GrowBuffer with room for ``slack_rows`` more (no regrowth)."""
+    rows = t.shape[2]
+    buf = t.new_empty((*t.shape[:2], rows + slack_rows, *t.shape[3:]))
+    buf[:, :, :rows] = t
+    gb.buf, gb.n, gb.front = buf, rows, 0
+
+
+def fill_compressed(cache, b, t, dev, slack_tokens=1024):
+    """Fill every CompressedLayer as if a ``t``-token prompt had been prefilled and flushed.
+
+    Random bf16 K/V per layer; the oldest tokens (all but the window and the partial group)
+    quantized and packed by the Triton kernel (bit-exact with the runtime's codec, layout from the
+    layer's config), the rest left pending in bf16. Needs ``layer._e2e_shape = (kv_heads, D)``.
+    """
+    from kvcalib_kernels.quant_pack import quantize_pack_keys, quantize_pack_values
+
+    for layer in cache.layers:
+        cfg = layer.cfg
+        kv_heads, d = layer._e2e_shape
+        n = (t - cfg.window) // cfg.flush_block * cfg.flush_block
+        k = torch.randn(b, kv_heads, t, d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(b, kv_heads, t, d, device=dev, dtype=torch.bfloat16)
+        layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
+        qk = quantize_pack_keys(k[:, :, :n], cfg.k_bits, cfg.k_group, validate=False)
+        qv = quantize_pack_values(v[:, :, :n], cfg.v_bits, cfg.v_group, validate=False)
+        store = layer.packed
+        for side, qt in (("k", qk), ("v", qv)):
+            _fill_grow(store.parts[f"{side}_codes"], qt.codes, slack_tokens)
+            rows_slack = slack_tokens // cfg.k_group if side == "k" else slack_tokens
+            _fill_grow(store.parts[f"{side}_scale"], qt.scale, rows_slack)
+            _fill_grow(store.parts[f"{side}_zero"], qt.zero, rows_slack)
+        store.start, store.n = 0, n
+        layer.pend_k = k[:, :, n:].clone()
+        layer.pend_v = v[:, :, n:].clone()
+        layer.pend_start = n
+        layer.n_seen = t
+        del k, v, qk, qv
+
+
+def fill_dynamic(cache, n_layers, b, kv_heads, t, d, dev):
+    for i in range(n_layers):
+        k = torch.randn(b, kv_heads, t, d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(b, kv_heads, t, d, device=dev, dtype=torch.bfloat16)
+        cache.update(k, v, i)
+
+
+def decode_steps(model, cache, b, steps, vocab, dev):
+    """Greedy decode ``steps`` tokens; per-step wall times (synchronised)."""
+    tok = torch.randint(0, vocab, (b, 1), device=dev)
+    times = []
+    with torch.no_grad():
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            logits = model(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def build_model(dev, layers=32, hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128, vocab=32000,
+                max_pos=140000):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    conf = MistralConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                         vocab_size=vocab, max_position_embeddings=max_pos, sliding_window=None)
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(dev):
+            model = MistralForCausalLM(conf)
+    finally:
+        torch.set_default_dtype(prev)
+    model.set_attn_implementation("sdpa")
+    return model.eval()
+
+
+def main_e2e(args) -> None:
+    from transformers import DynamicCache
+
+    from kvcalib.recipe import LayerConfig, Recipe
+    from kvcalib.runtime.cache import CompressedCache
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    small = args.quick
+    dims = dict(layers=2, hidden=1024, inter=2048, heads=8, kv_heads=2, head_dim=128, vocab=1000) if small else {}
+    t = 4096 if small else args.context
+    steps = args.steps
+    model = build_model(dev, **dims, max_pos=t + steps + 64)
+    c = model.config
+    n_layers, kv_heads, d = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+    weights = torch.cuda.memory_allocated()
+    total_mem = torch.cuda.get_device_properties(0).total_memory
+    res = {"gpu": device_info()["gpu"], "model": "random-weight Mistral-7B shape" if not small else "small smoke model",
+           "config": {"layers": n_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
+                      "kv_heads": kv_heads, "head_dim": d, "vocab": c.vocab_size},
+           "context": t, "steps": steps, "weights_bytes": weights, "gpu_memory_bytes": total_mem, "runs": [],
+           "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
+    rec = Recipe(name="kivi2-g128-w128", default_layer=LayerConfig(k_bits=2, v_bits=2, k_group=128, v_group=128,
+                                                                   window=128))
+    res["recipe"] = rec.default_layer.to_dict()
+
+    def record(kind, b, times, cache_bytes, peak):
+        steady = sorted(times[2:]) if len(times) > 4 else sorted(times)
+        run = {"cache": kind, "batch": b, "context": t, "steps": len(times),
+               "tokens_per_s": b * len(times[2:]) / sum(times[2:]) if len(times) > 2 else b * len(times) / sum(times),
+               "median_step_ms": 1e3 * steady[len(steady) // 2], "max_step_ms": 1e3 * max(times[2:] or times),
+               "peak_memory_bytes": peak, "cache_bytes": cache_bytes,
+               "step_ms": [round(1e3 * x, 3) for x in times],
+               "per_sequence_bytes_beyond_weights": (peak - weights) / b}
+        run["est_max_batch_at_context"] = int((0.97 * total_mem - weights) // run["per_sequence_bytes_beyond_weights"])
+        res["runs"].append(run)
+        log(f"  {kind:10s} b={b:3d}: {run['tokens_per_s']:.1f} tok/s, median step {run['median_step_ms']:.2f} ms, "
+            f"max {run['max_step_ms']:.2f} ms, peak {peak / 2**30:.1f} GiB, cache {cache_bytes / 2**30:.2f} GiB, "
+            f"est. max batch {run['est_max_batch_at_context']}")
+        _write_json(out / "e2e.json", res)
+
+    for b in args.batches_bf16:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            model.set_attn_implementation("sdpa")
+            cache = DynamicCache(config=model.config)
+            fill_dynamic(cache, n_layers, b, kv_heads, t, d, dev)
+            cache_bytes = sum(x.numel() * x.element_size() for lay in cache.layers for x in (lay.keys, lay.values))
+            times = decode_steps(model, cache, b, steps, c.vocab_size, dev)
+            record("bf16_dynamic", b, times, cache_bytes, torch.cuda.max_memory_allocated())
+        except torch.cuda.OutOfMemoryError:
+            log(f"  bf16 b={b}: out of memory")
+            res["runs"].append({"cache": "bf16_dynamic", "batch": b, "context": t, "oom": True})
+        cache = None
+    for b in args.batches_packed:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            cache = CompressedCache.from_recipe(model, rec)  # switches attention to kvcalib
+            for lay in cache.layers:
+                lay._e2e_shape = (kv_heads, d)
+            fill_compressed(cache, b, t, dev)
+            cache_bytes = sum(sum(lay.nbytes().values()) for lay in cache.layers)
+            times = decode_steps(model, cache, b, steps, c.vocab_size, dev)
+            record("kvcalib_2bit", b, times, cache_bytes, torch.cuda.max_memory_allocated())
+        except torch.cuda.OutOfMemoryError:
+            log(f"  packed b={b}: out of memory")
+            res["runs"].append({"cache": "kvcalib_2bit", "batch": b, "context": t, "oom": True})
+        cache = None
+    _write_json(out / "e2e.json", res)
+
+
+# ---------------------------------------------------------------- report (markdown + plot)
+
+
+NOTES = """
+## What ran where
+
+- CPU (this repo's dev machine, 2 cores, no GPU): `pytest tests/kernels` runs every kernel through
+  Triton's interpreter (`TRITON_INTERPRET=1`, set by the test modules) at small shapes, ~35 s;
+  the portable code paths (`unpack` 0, 1, 4) are checked there against the PyTorch references.
+  Offline SASS: the split kernel compiled for sm_90 with the local Triton 3.9 (`triton.compile`
+  with a `GPUTarget`, no GPU) to count loop instructions, registers and spills.
+- GPU (NVIDIA H200 through the device tool, torch 2.11 / Triton 3.6, 4 calls): the `gpu`-marked
+  grid plus the small grid on CUDA (all pass in the last calls, including the inline-PTX unpacks
+  `unpack` 2 and 3), the sweep, this table, the latency table and the end-to-end run.
+
+## How the kernel got here (Mistral-7B shape, 32k, batch 8, 2-bit; bf16 SDPA 0.257 ms)
+
+1. 4 warps / program, 128-token blocks: 0.648 ms (0.40x). SASS: with 16 query rows (tl.dot's
+   minimum M) Triton gives each warp whole rows of the chained QK/PV products, so all 4 warps
+   repeated the same MMAs, softmax and (after hoisting a uint8 layout conversion above the
+   unpack) the unpack itself: ~131 warp-instructions per token and kv head.
+2. 1 warp / program, more programs per SM, per-key-group query fold, lazy rescaling: 0.247 ms.
+3. Inline-PTX unpack of bytes, 2-stage pipelining, host-side launcher trimming: 0.205 ms (1.24x).
+
+## Why the 5x / 3x targets are missed
+
+At 1.24x the kernel moves 745 GB/s, 0.17 of the 4.3 TB/s copy bandwidth: it is bound by
+instruction issue, not memory. Per 64-token block and kv head one warp issues ~2,500 instructions
+(~39 warp-instructions per token and kv head), while the memory floor at this size needs <~20:
+~1.5-2 instructions per unpacked code (shift/mask/OR-exponent/subtract, plus the register
+repacking and shared-memory round trip that turn the unpacked tile into MMA operands), and the
+softmax / scale folding run on 16-row tiles of which only R = 4 rows are real (GQA 4).
+Closing the gap needs control Triton does not give: unpacking straight into MMA fragment
+layout (codes stored in a fragment-friendly order, as Marlin-style kernels do) and several kv
+heads per 16-row tile so no row is padding. Small shapes (batch 1, short context, the small
+models) are additionally host-bound: ~80 us of Python + two Triton launches per call vs a GPU
+time of 14-44 us (see the latency table); CUDA-graph capture of the decode step removes that.
+Per-token value groups smaller than a plane (4-bit, group 32) take the per-element path and run
+at ~0.5x.
+"""
+
+
+def _targets_section(rows, meta, out: Path) -> list[str]:
+    """The issue's targets, each with the measured numbers (met / missed)."""
+    def row(model, b, ctx, bits, group):
+        for r in rows:
+            if (r["model"], r["batch"], r["context"], r["bits"], r["group"]) == (model, b, ctx, bits, group):
+                return r
+        return None
+
+    out_lines = ["", "## Targets (issue 6) against these numbers", ""]
+    for bits, want in ((2, 5.0), (4, 3.0)):
+        r = row("mistral-7b", 8, 32768, bits, 128)
+        if r:
+            ok1 = r["speedup"] >= 0.8 * r["byte_ratio"]
+            ok2 = r["speedup"] >= want
+            out_lines.append(f"- Mistral shape, 32k, batch 8, {bits}-bit g128: speedup {r['speedup']:.2f}x vs byte ratio "
+                             f"{r['byte_ratio']:.2f}x -> >= 0.8 x byte ratio ({0.8 * r['byte_ratio']:.2f}x): "
+                             f"**{'met' if ok1 else 'missed'}**; >= {want:g}x: **{'met' if ok2 else 'missed'}** "
+                             f"({r['gbps']:.0f} GB/s = {r['frac_copy_bw']:.2f} of copy bandwidth).")
+    slow = [r for r in rows if r["batch"] == 1 and r["context"] >= 4096 and r["speedup"] < 1.0]
+    b1 = [r for r in rows if r["batch"] == 1]
+    out_lines.append(f"- Batch 1 not slower than bf16 at any context >= 4k: **{'met' if not slow else 'missed'}** "
+                     f"({len(slow)} of {len(b1)} batch-1 rows slower; speedups "
+                     f"{min((r['speedup'] for r in b1), default=float('nan')):.2f}x to "
+                     f"{max((r['speedup'] for r in b1), default=float('nan')):.2f}x).")
+    q = meta.get("quant_vs_prefill")
+    if q:
+        worst = max(q.get("quant_pack_2b_frac_of_prefill", 0), q.get("quant_pack_4b_frac_of_prefill", 0))
+        out_lines.append(f"- Quantize-and-pack of a 32k prompt <= 5% of its prefill attention: "
+                         f"**{'met' if worst <= 0.05 else 'missed'}** ({100 * worst:.2f}% at worst).")
+    return out_lines
+
+
+def main_report(args) -> None:
+    out = Path(args.out)
+    rows = json.loads((out / "decode_attention.json").read_text())
+    meta_path = out / "decode_bench_meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    dev = meta.get("device", {})
+    lines = ["# Fused decode attention over packed 2/4-bit KV vs bf16", ""]
+    lines += [f"GPU: **{dev.get('gpu', rows[0]['gpu'] if rows else '?')}** ({dev.get('sms', '?')} SMs), torch "
+              f"{dev.get('torch', '?')}, triton {dev.get('triton', '?')}, CUDA {dev.get('cuda', '?')}. "
+              f"Measured device-to-device copy bandwidth: {meta.get('copy_bw_gbps', float('nan')):.0f} GB/s "
+              "(bytes read + written).", ""]
+    lines += ["Command (on the GPU machine, through `scripts/gpu_bench.sh`): `" + meta.get("command", "?") + "`", ""]
+    lines += ["One attention layer per row. Cache = `context` tokens: the last 128 in bf16 (window), the rest "
+              "packed (K per channel over `group` tokens, V per token over `min(group, head_dim)` channels). "
+              "`ms`: median of `triton.testing.do_bench` (L2 flushed before each call) of the fused kernel "
+              "(split + combine launches). `ms_bf16`: the fastest of the bf16 baselines "
+              "(`bf16_baseline` column: SDPA with `enable_gqa`, SDPA with the GQA group as query rows on each "
+              "backend, explicit matmuls; flash-attn's kvcache kernel when importable) over the same context in "
+              "bf16. `GB/s`: bytes the kernel must read (codes + scales/zeros + bf16 window + q) / time; `frac`: "
+              "that / copy bandwidth. `bytes x`: bf16 bytes / packed bytes (the ideal speedup of a memory-bound "
+              "kernel).", ""]
+    if meta.get("chosen_config"):
+        lines += ["Kernel config (chosen by the sweep on the Mistral 32k batch-1/8 shapes): "
+                  + ", ".join(f"{k}-bit: `{v}`" for k, v in meta["chosen_config"].items()), ""]
+    lines += ["| model | batch | context | bits | group | ms | ms bf16 | speedup | bytes x | GB/s | frac copy bw | bf16 baseline |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['bits']} | {r['group']} | {r['ms']:.4f} | "
+                     f"{r['ms_bf16']:.4f} | {r['speedup']:.2f} | {r['byte_ratio']:.2f} | {r['gbps']:.0f} | "
+                     f"{r['frac_copy_bw']:.2f} | {r['bf16_baseline']} |")
+    q = meta.get("quant_vs_prefill")
+    if q:
+        lines += ["", "## Quantize-and-pack vs prefill (one Mistral-7B layer, 32k-token prompt, batch 1)", "",
+                  f"Prefill attention (SDPA causal, enable_gqa, bf16): {q['prefill_attention_ms']:.3f} ms.", ""]
+        for bits in (2, 4):
+            if f"quant_pack_{bits}b_ms" in q:
+                lines.append(f"- {bits}-bit, group 128: Triton quantize+pack of K and V {q[f'quant_pack_{bits}b_ms']:.4f} ms "
+                             f"= {100 * q[f'quant_pack_{bits}b_frac_of_prefill']:.2f}% of prefill attention "
+                             f"(bit-exact with the reference: {q[f'quant_pack_{bits}b_bit_exact']}; the PyTorch reference "
+                             f"path takes {q[f'quant_pack_{bits}b_torch_reference_ms']:.3f} ms).")
+    lines += _targets_section(rows, meta, out)
+    lines += NOTES.splitlines()
+    lat_path = out / "decode_latency.json"
+    if lat_path.exists():
+        lat = json.loads(lat_path.read_text())
+        lines += ["", "## GPU time vs host time (2-bit, group 128)", "",
+                  "`do_bench` times include whatever host time the L2 flush between calls does not hide; "
+                  "`graph`: median CUDA-graph replay over enough rotating input sets (>= 256 MB) that L2 cannot "
+                  "hold them, i.e. GPU time only; `host us`: Python + launch time per call (200 calls, no sync). "
+                  "bf16 graph = the faster of SDPA `enable_gqa` and SDPA grouped rows on the flash backend, timed "
+                  "the same way. Config: `" + json.dumps(lat.get("config")) + "`.", "",
+                  "| model | batch | context | ours do_bench ms | ours graph ms | ours host us | bf16 graph ms | "
+                  "bf16 host us | speedup (graph) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in lat["rows"]:
+            bh = r.get("bf16_sdpa_enable_gqa_host_us")
+            lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['ms_do_bench']:.4f} | {r['ms_graph']:.4f} | "
+                         f"{r['host_us']:.0f} | {r['bf16_best_ms_graph']:.4f} | {bh:.0f} | {r['speedup_graph']:.2f} |")
+    if meta.get("sweep"):
+        lines += ["", "## Config sweep (Mistral-7B shape, 32k context)", "",
+                  "Median ms per config; `unpack`: 1 Triton-ops bytes, 2 PTX bytes, 3 PTX words, 4 Triton-ops words "
+                  "(see `DecodeConfig`). " + meta.get("sweep_note", ""), "",
+                  "| bits | batch | warps | block_n | stages | unpack | programs/SM | min split blocks | ms |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in sorted(meta["sweep"], key=lambda r: (r["bits"], r["batch"], r["ms"] or 1e9)):
+            lines.append(f"| {r['bits']} | {r['batch']} | {r['num_warps']} | {r['block_n']} | {r['num_stages']} | "
+                         f"{r['unpack']} | {r['programs_per_sm']:g} | {r.get('min_split_blocks', 4)} | "
+                         f"{(r['ms'] or float('nan')):.4f} |")
+    (out / "decode_attention.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(MODELS), figsize=(5 * len(MODELS), 4), sharey=True)
+        for ax, model in zip(axes, MODELS):
+            for (bits, group), style in zip(SETTINGS, ("-", "--", ":")):
+                for b, color in zip(BATCHES, ("C0", "C1", "C2")):
+                    pts = sorted((r["context"], r["speedup"]) for r in rows
+                                 if r["model"] == model and r["bits"] == bits and r["group"] == group and r["batch"] == b)
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, marker="o", ms=3,
+                                label=f"{bits}-bit g{group}, batch {b}")
+            ax.axhline(1.0, color="grey", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_title(model)
+            ax.set_xlabel("context (tokens)")
+        axes[0].set_ylabel("speedup over fastest bf16 baseline")
+        axes[-1].legend(fontsize=7)
+        fig.suptitle(f"Packed-KV decode attention vs bf16 ({dev.get('gpu', '')})")
+        fig.tight_layout()
+        fig.savefig(out / "decode_attention.png", dpi=120)
+    except ImportError:
+        log("matplotlib not installed: no plot")
+    e2e_path = out / "e2e.json"
+    if e2e_path.exists():
+        e = json.loads(e2e_path.read_text())
+        el = ["# End to end: random-weight Mistral-7B shape, decode at 32k context", "",
+              f"GPU: **{e['gpu']}**. Model: {e['model']} {e['config']}, bf16, random init (no download). "
+              f"Context {e['context']} tokens, {e['steps']} greedy decode steps timed one by one (synchronised); "
+              "tokens/s = batch x steps / time over steps 3.., so the first two (warm-up, kernel compilation) are "
+              "left out.", "",
+              "How the caches were made (no 32k prefill was run): the bf16 `DynamicCache` got random bf16 K/V "
+              "through `cache.update`; the `CompressedCache` (recipe " + json.dumps(e.get("recipe", {})) + ") got "
+              "random bf16 K/V per layer, the oldest tokens quantized and packed by the Triton quantize-and-pack "
+              "kernel straight into the layer's packed buffers, the newest 128 left pending in bf16. Decode then "
+              "runs the real runtime: HF attention -> kvcalib attention function -> Triton kernel per layer; a "
+              "flush (the runtime's PyTorch quantizer) happens every 128 steps and is inside the timed steps "
+              "when steps > 128.", "",
+              "| cache | batch | tokens/s | median step ms | max step ms | peak GiB | cache GiB | est. max batch at this context |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in e["runs"]:
+            if r.get("oom"):
+                el.append(f"| {r['cache']} | {r['batch']} | out of memory | | | | | |")
+                continue
+            el.append(f"| {r['cache']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['median_step_ms']:.2f} | "
+                      f"{r['max_step_ms']:.2f} | {r['peak_memory_bytes'] / 2**30:.1f} | {r['cache_bytes'] / 2**30:.2f} | "
+                      f"{r['est_max_batch_at_context']} |")
+        el += ["", "Largest batch: an *estimate*, (0.97 x GPU memory - weights) / (measured peak - weights) x batch, "
+               "i.e. assuming everything beyond the weights grows linearly with the batch; not verified by a run at "
+               "that batch.", "", "Command: `" + e.get("command", "?") + "`"]
+        (out / "e2e.md").write_text("\n".join(el) + "\n")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=("micro", "latency", "e2e", "report"), default="micro")
+    ap.add_argument("--out", default="artifacts/bench")
+    ap.add_argument("--quick", action="store_true", help="a few shapes only (smoke test)")
+    ap.add_argument("--no-sweep", action="store_true", help="default config, no sweep")
+    ap.add_argument("--config", default=None, help='JSON {"2": {DecodeConfig fields}, "4": {...}}: skip the sweep')
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batches-bf16", type=int, nargs="*", default=[8])
+    ap.add_argument("--batches-packed", type=int, nargs="*", default=[8, 32])
+    args = ap.parse_args(argv)
+    {"micro": main_micro, "latency": main_latency, "e2e": main_e2e, "report": main_report}[args.mode](args)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: kvcalib importable
+    main()

@@ -1,0 +1,1033 @@
+"""Split-K flash-decoding over a packed 2/4/8-bit KV cache (one query token per sequence).
+
+What one call computes (the specification is
+:func:`kvcalib_kernels.reference.decode_attention_reference`): softmax attention of ``q``
+``(B, Hq, D)`` over
+
+- N packed tokens: K codes planar-packed along D with per-channel scales over groups of
+  ``k_group`` tokens (KIVI keys, ``k_axis="channel"``) or per-token scales over groups of
+  ``k_group`` channels (``k_axis="token"``); V codes with per-token scales over groups of
+  ``v_group`` channels. Bits 2, 4 or 8 per side (compile-time constants);
+- up to two full-precision segments ``(B, H, F, D)`` (the cache's sinks and pending window),
+
+with a per-batch valid range of packed tokens and an optional visibility mask over absolute
+positions (padding).
+
+Two launches:
+
+1. ``_decode_split_kernel``, grid ``(B * H, S_packed + S_fp)``. Program ``(b*H + h, s)`` holds
+   all ``R = Hq / H`` query heads of kv head ``h`` (rows of one ``(R_PAD, .)`` tile, so each K/V
+   byte is read once per GQA group). ``s < S_packed``: a contiguous split of the packed tokens,
+   walked in blocks of ``BLOCK_N`` tokens with an online softmax; ``s >= S_packed``: one
+   ``FP_BLOCK``-token chunk of a full-precision segment (the fp segment runs in the same launch,
+   in parallel with the packed splits, instead of serially in the reduction). Each program writes
+   a partial ``(m, l, acc)`` (log2 domain) for its rows.
+2. ``_combine_kernel``, grid ``(B * Hq,)``: log-sum-exp merge of all partials of a row.
+
+Arithmetic (what keeps the per-code work small):
+
+- codes are unpacked with shifts and masks straight into float16 (exact: an integer < 2048 is
+  exact in float16) -- with ``unpack=2`` (the default on GPU) by a few PTX instructions per 4
+  codes (``prmt`` into 16-bit lanes, OR the exponent of 1024, ``sub.f16x2`` 1024: no int->float
+  conversion, which runs at a quarter of the integer rate); ``unpack=3`` reads int32 words and
+  keeps register pairs whole (a fixed channel permutation inside each 4 channels, undone on q
+  and on the output); ``unpack=1``/``4`` do the same tricks in plain Triton ops (portable, the
+  interpreter runs them); ``unpack=0`` converts with ``.to``.
+- per-channel key scales are folded into the query once per key group (blocks never straddle
+  a group): ``q . (c * s + z) = (q * s) . c + q . z``, so K needs no per-element
+  dequantization; the products run on the tensor cores (float16 operands, float32 accumulation).
+- per-token value scales are folded into the probabilities when a plane of channels lies in one
+  value group (``v_group >= D * v_bits / 8``): ``sum_n p_n (c_n s_n + z_n) = (p * s) @ c + p @ z``;
+  ``p * s`` is built once per value group, the zero term of all groups is one small extra
+  product. Smaller value groups (and per-token keys) dequantize per element instead (general,
+  about half the speed).
+- the online softmax rescales lazily (only when a row's running max grows by more than 2^8).
+- float32 queries run the products in IEEE float32 (no tf32), float16/bfloat16 queries in
+  float16 with float32 accumulation.
+- one warp per program (see :class:`DecodeConfig`), parallelism from many split programs.
+
+Performance status (H200, ``artifacts/bench/decode_attention.md``): ~1.1-1.4x over the fastest
+bf16 SDPA at batch >= 8 and long contexts, slower at batch 1 / short contexts; the kernel is
+bound by instruction issue (unpack + 16-row tiles for R real rows), not by memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["DecodeConfig", "decode_attention", "supports", "fast_unpack_available"]
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the kernels use exp2
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ---------------------------------------------------------------- device helpers
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """``acc + a @ b``; IEEE float32 products for float32 operands (tf32 would lose ~1e-3)."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _unpack_asm(x, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """uint8 tile -> float16 codes ``(x >> SHIFT) & (2**BITS - 1)``, 4 bytes per asm call.
+
+    ``prmt`` spreads bytes 0,1 (2,3) of the 32-bit word into the two 16-bit lanes of one
+    register, AND keeps the code bits, OR sets the float16 exponent of 1024 (0x6400: the lane
+    reads as 1024 + code exactly), ``sub.f16x2`` removes the 1024. Shift and mask are literals,
+    hence one branch per (BITS, SHIFT).
+    """
+    if BITS == 2:
+        if SHIFT == 0:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 r_t, r_a, r_b, r_z, r_k; mov.b32 r_t, $2; mov.b32 r_z, 0; "
+                "prmt.b32 r_a, r_t, r_z, 0x4140; prmt.b32 r_b, r_t, r_z, 0x4342; "
+                "and.b32 r_a, r_a, 0x00030003; and.b32 r_b, r_b, 0x00030003; "
+                "or.b32 r_a, r_a, 0x64006400; or.b32 r_b, r_b, 0x64006400; mov.b32 r_k, 0x64006400; "
+                "sub.f16x2 $0, r_a, r_k; sub.f16x2 $1, r_b, r_k; }",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        elif SHIFT == 2:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 r_t, r_a, r_b, r_z, r_k; shr.b32 r_t, $2, 2; mov.b32 r_z, 0; "
+                "prmt.b32 r_a, r_t, r_z, 0x4140; prmt.b32 r_b, r_t, r_z, 0x4342; "
+                "and.b32 r_a, r_a, 0x00030003; and.b32 r_b, r_b, 0x00030003; "
+                "or.b32 r_a, r_a, 0x64006400; or.b32 r_b, r_b, 0x64006400; mov.b32 r_k, 0x64006400; "
+                "sub.f16x2 $0, r_a, r_k; sub.f16x2 $1, r_b, r_k; }",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        elif SHIFT == 4:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 r_t, r_a, r_b, r_z, r_k; shr.b32 r_t, $2, 4; mov.b32 r_z, 0; "
+                "prmt.b32 r_a, r_t, r_z, 0x4140; prmt.b32 r_b, r_t, r_z, 0x4342; "
+                "and.b32 r_a, r_a, 0x00030003; and.b32 r_b, r_b, 0x00030003; "
+                "or.b32 r_a, r_a, 0x64006400; or.b32 r_b, r_b, 0x64006400; mov.b32 r_k, 0x64006400; "
+                "sub.f16x2 $0, r_a, r_k; sub.f16x2 $1, r_b, r_k; }",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 r_t, r_a, r_b, r_z, r_k; shr.b32 r_t, $2, 6; mov.b32 r_z, 0; "
+                "prmt.b32 r_a, r_t, r_z, 0x4140; prmt.b32 r_b, r_t, r_z, 0x4342; "
+                "and.b32 r_a, r_a, 0x00030003; and.b32 r_b, r_b, 0x00030003; "
+                "or.b32 r_a, r_a, 0x64006400; or.b32 r_b, r_b, 0x64006400; mov.b32 r_k, 0x64006400; "
+                "sub.f16x2 $0, r_a, r_k; sub.f16x2 $1, r_b, r_k; }",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+    elif BITS == 4:
+        if SHIFT == 0:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 r_t, r_a, r_b, r_z, r_k; mov.b32 r_t, $2; mov.b32 r_z, 0; "
+                "prmt.b32 r_a, r_t, r_z, 0x4140; prmt.b32 r_b, r_t, r_z, 0x4342; "
+                "and.b32 r_a, r_a, 0x000F000F; and.b32 r_b, r_b, 0x000F000F; "
+                "or.b32 r_a, r_a, 0x64006400; or.b32 r_b, r_b, 0x64006400; mov.b32 r_k, 0x64006400; "
+                "sub.f16x2 $0, r_a, r_k; sub.f16x2 $1, r_b, r_k; }",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 r_t, r_a, r_b, r_z, r_k; shr.b32 r_t, $2, 4; mov.b32 r_z, 0; "
+                "prmt.b32 r_a, r_t, r_z, 0x4140; prmt.b32 r_b, r_t, r_z, 0x4342; "
+                "and.b32 r_a, r_a, 0x000F000F; and.b32 r_b, r_b, 0x000F000F; "
+                "or.b32 r_a, r_a, 0x64006400; or.b32 r_b, r_b, 0x64006400; mov.b32 r_k, 0x64006400; "
+                "sub.f16x2 $0, r_a, r_k; sub.f16x2 $1, r_b, r_k; }",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 r_t, r_a, r_b, r_z, r_k; mov.b32 r_t, $2; mov.b32 r_z, 0; "
+            "prmt.b32 r_a, r_t, r_z, 0x4140; prmt.b32 r_b, r_t, r_z, 0x4342; "
+            "or.b32 r_a, r_a, 0x64006400; or.b32 r_b, r_b, 0x64006400; mov.b32 r_k, 0x64006400; "
+            "sub.f16x2 $0, r_a, r_k; sub.f16x2 $1, r_b, r_k; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _unpack_words_asm(w, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """int32 words (4 packed bytes) -> 4 float16 tiles: plane codes of bytes 0..3 of each word.
+
+    Two shifted copies of the word put bytes (0, 2) and (1, 3) into the two 16-bit lanes; AND
+    keeps the code bits, OR sets the float16 exponent of 1024, ``sub.f16x2`` removes 1024, and
+    the lanes are returned as separate halves: 6 instructions per 4 codes, no byte shuffles.
+    """
+    if BITS == 2:
+        if SHIFT == 0:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 r_a, r_b, r_k; mov.b32 r_a, $4; shr.b32 r_b, $4, 8; "
+                "and.b32 r_a, r_a, 0x00030003; and.b32 r_b, r_b, 0x00030003; "
+                "or.b32 r_a, r_a, 0x64006400; or.b32 r_b, r_b, 0x64006400; mov.b32 r_k, 0x64006400; "
+                "sub.f16x2 r_a, r_a, r_k; sub.f16x2 r_b, r_b, r_k; mov.b32 {$0, $2}, r_a; mov.b32 {$1, $3}, r_b; }",
+                "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+        elif SHIFT == 2:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 r_a, r_b, r_k; shr.b32 r_a, $4, 2; shr.b32 r_b, $4, 10; "
+                "and.b32 r_a, r_a, 0x00030003; and.b32 r_b, r_b, 0x00030003; "
+                "or.b32 r_a, r_a, 0x64006400; or.b32 r_b, r_b, 0x64006400; mov.b32 r_k, 0x64006400; "
+                "sub.f16x2 r_a, r_a, r_k; sub.f16x2 r_b, r_b, r_k; mov.b32 {$0, $2}, r_a; mov.b32 {$1, $3}, r_b; }",
+                "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+        elif SHIFT == 4:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 r_a, r_b, r_k; shr.b32 r_a, $4, 4; shr.b32 r_b, $4, 12; "
+                "and.b32 r_a, r_a, 0x00030003; and.b32 r_b, r_b, 0x00030003; "
+                "or.b32 r_a, r_a, 0x64006400; or.b32 r_b, r_b, 0x64006400; mov.b32 r_k, 0x64006400; "
+                "sub.f16x2 r_a, r_a, r_k; sub.f16x2 r_b, r_b, r_k; mov.b32 {$0, $2}, r_a; mov.b32 {$1, $3}, r_b; }",
+                "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 r_a, r_b, r_k; shr.b32 r_a, $4, 6; shr.b32 r_b, $4, 14; "
+                "and.b32 r_a, r_a, 0x00030003; and.b32 r_b, r_b, 0x00030003; "
+                "or.b32 r_a, r_a, 0x64006400; or.b32 r_b, r_b, 0x64006400; mov.b32 r_k, 0x64006400; "
+                "sub.f16x2 r_a, r_a, r_k; sub.f16x2 r_b, r_b, r_k; mov.b32 {$0, $2}, r_a; mov.b32 {$1, $3}, r_b; }",
+                "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    elif BITS == 4:
+        if SHIFT == 0:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 r_a, r_b, r_k; mov.b32 r_a, $4; shr.b32 r_b, $4, 8; "
+                "and.b32 r_a, r_a, 0x000F000F; and.b32 r_b, r_b, 0x000F000F; "
+                "or.b32 r_a, r_a, 0x64006400; or.b32 r_b, r_b, 0x64006400; mov.b32 r_k, 0x64006400; "
+                "sub.f16x2 r_a, r_a, r_k; sub.f16x2 r_b, r_b, r_k; mov.b32 {$0, $2}, r_a; mov.b32 {$1, $3}, r_b; }",
+                "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 r_a, r_b, r_k; shr.b32 r_a, $4, 4; shr.b32 r_b, $4, 12; "
+                "and.b32 r_a, r_a, 0x000F000F; and.b32 r_b, r_b, 0x000F000F; "
+                "or.b32 r_a, r_a, 0x64006400; or.b32 r_b, r_b, 0x64006400; mov.b32 r_k, 0x64006400; "
+                "sub.f16x2 r_a, r_a, r_k; sub.f16x2 r_b, r_b, r_k; mov.b32 {$0, $2}, r_a; mov.b32 {$1, $3}, r_b; }",
+                "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 r_a, r_b, r_k; mov.b32 r_a, $4; shr.b32 r_b, $4, 8; "
+            "and.b32 r_a, r_a, 0x00FF00FF; and.b32 r_b, r_b, 0x00FF00FF; "
+            "or.b32 r_a, r_a, 0x64006400; or.b32 r_b, r_b, 0x64006400; mov.b32 r_k, 0x64006400; "
+            "sub.f16x2 r_a, r_a, r_k; sub.f16x2 r_b, r_b, r_k; mov.b32 {$0, $2}, r_a; mov.b32 {$1, $3}, r_b; }",
+            "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+
+
+@triton.jit
+def _codes_words(w, SHIFT: tl.constexpr, BITS: tl.constexpr, OUT_T: tl.constexpr, ASM: tl.constexpr):
+    """(N, W) int32 words -> (N, 4 W) codes of one plane, column 4 w + k = byte k of word w.
+
+    The four byte tiles are joined along new minor dims and reshaped, so each thread keeps the
+    four codes of a word in its own registers (no data movement, no layout change upstream).
+    """
+    if ASM:
+        o0, o1, o2, o3 = _unpack_words_asm(w, SHIFT, BITS)
+    else:
+        # the same magic-number trick in Triton ops (no int->float conversion instructions)
+        m = (1 << BITS) - 1
+        o0 = (((w >> SHIFT) & m).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        o1 = (((w >> (8 + SHIFT)) & m).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        o2 = (((w >> (16 + SHIFT)) & m).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        o3 = (((w >> (24 + SHIFT)) & m).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    # (N, W, 2, 2), [.., i, j] = byte i + 2 j, so column 4 w + k holds byte 4 w + _perm4(k): the
+    # asm's 32-bit registers (bytes 0|2, 1|3) stay whole pairs (no repacking); the kernel reads
+    # the matching channels of q and writes its outputs through the same permutation.
+    c = tl.join(tl.join(o0, o1), tl.join(o2, o3))
+    return tl.reshape(c, (w.shape[0], w.shape[1] * 4)).to(OUT_T)
+
+
+@triton.jit
+def _perm4(k):
+    """Swap positions 1 and 2 of every aligned group of 4 (an involution): the channel held by
+    column k of a word-unpacked tile (see _codes_words)."""
+    return (k & ~3) | ((k & 1) << 1) | ((k >> 1) & 1)
+
+
+@triton.jit
+def _codes(x, SHIFT: tl.constexpr, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexpr):
+    """Codes of one plane of a packed tile, as exact ``OUT_T`` values (see module doc): x is the
+    uint8 byte tile (N, P) for UNPACK 0-2, the int32 word tile (N, P / 4) for 3 (PTX) and 4."""
+    if UNPACK >= 3:
+        return _codes_words(x, SHIFT, BITS, OUT_T, UNPACK == 3)
+    elif UNPACK == 2:
+        return _unpack_asm(x, SHIFT, BITS).to(OUT_T)
+    elif UNPACK == 1:
+        c = (x >> SHIFT) & ((1 << BITS) - 1)  # uint8
+        # float16 bits 0x6400 | c read as 1024 + c (exact); subtracting 1024 is exact too
+        f = (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        return f.to(OUT_T)
+    else:
+        c = (x >> SHIFT) & ((1 << BITS) - 1)
+        return c.to(OUT_T)
+
+
+@triton.jit
+def _softcap(s, softcap):
+    """``softcap * tanh(s / softcap)`` with tanh from exp2 (portable to the interpreter)."""
+    e = tl.exp2(s * (2.0 * 1.4426950408889634 / softcap))  # exp(2 s / softcap)
+    return softcap * (1.0 - 2.0 / (e + 1.0))
+
+
+@triton.jit
+def _q_plane(q_rows, r_ok, offs_p, COL0: tl.constexpr, qk_scale):
+    """Channels [COL0, COL0 + P) of the query rows, float32, times qk_scale: (R_PAD, P)."""
+    return tl.load(q_rows[:, None] + COL0 + offs_p[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+
+
+@triton.jit
+def _k_group_fold(q_s, ks_ptr, kz_ptr, offs_p, DOT_T: tl.constexpr):
+    """Per-channel key parameters folded into one query plane for a whole key group:
+    ``q . (c * s + z) = (q * s) . c + q . z``. Returns ((q * s) as DOT_T (R_PAD, P), q . z (R_PAD,)).
+
+    q_s (R_PAD, P) float32 (pre-scaled); ks_ptr/kz_ptr point at the plane's P parameters.
+    """
+    ks = tl.load(ks_ptr + offs_p).to(tl.float32)  # (P,)
+    kz = tl.load(kz_ptr + offs_p).to(tl.float32)  # (P,)
+    return (q_s * ks[None, :]).to(DOT_T), tl.sum(q_s * kz[None, :], axis=1)
+
+
+@triton.jit
+def _k_deq_plane(scores, q_s, kb, ks_rows, kz_rows, col0, offs_p, row_ok, GROUP: tl.constexpr,
+                 SHIFT: tl.constexpr, BITS: tl.constexpr, DOT_T: tl.constexpr,
+                 UNPACK: tl.constexpr, IEEE: tl.constexpr):
+    """Scores of one key plane with per-token parameters over groups of GROUP channels:
+    dequantize ``c * s + z`` per element, then the product.
+
+    ks_rows/kz_rows (BLOCK_N,) pointers to each token's parameter row; col0 = first channel.
+    """
+    g = (col0 + offs_p) // GROUP  # (P,) parameter column of each channel
+    sc = tl.load(ks_rows[:, None] + g[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    ze = tl.load(kz_rows[:, None] + g[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    c = _codes(kb, SHIFT, BITS, DOT_T, UNPACK).to(tl.float32)  # (BLOCK_N, P)
+    k = (c * sc + ze).to(DOT_T)
+    return _dot(q_s.to(DOT_T), tl.trans(k), scores, IEEE)
+
+
+@triton.jit
+def _scaled_p(p, vs_rows, row_ok, DOT_T: tl.constexpr):
+    """``p * scale`` of one value group as DOT_T (R_PAD, BLOCK_N); vs_rows (BLOCK_N,) pointers to
+    each token's scale of that group. (The zero term is accumulated apart.)"""
+    vs = tl.load(vs_rows, mask=row_ok, other=0.0).to(tl.float32)  # (BLOCK_N,)
+    return (p * vs[None, :]).to(DOT_T)
+
+
+@triton.jit
+def _v_deq_plane(acc, p_dot, vb, vs_rows, vz_rows, col0, offs_p, row_ok, GROUP: tl.constexpr,
+                 SHIFT: tl.constexpr, BITS: tl.constexpr, DOT_T: tl.constexpr,
+                 UNPACK: tl.constexpr, IEEE: tl.constexpr):
+    """``acc + p @ (c * s + z)`` for one value plane spanning several value groups."""
+    g = (col0 + offs_p) // GROUP  # (P,)
+    sc = tl.load(vs_rows[:, None] + g[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    ze = tl.load(vz_rows[:, None] + g[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    c = _codes(vb, SHIFT, BITS, DOT_T, UNPACK).to(tl.float32)  # (BLOCK_N, P)
+    v = (c * sc + ze).to(DOT_T)
+    return _dot(p_dot, v, acc, IEEE)
+
+
+@triton.jit
+def _zero_column(zacc, offs_z, G: tl.constexpr):
+    """Column G of zacc (R_PAD, ZP) as (R_PAD, 1)."""
+    return tl.sum(tl.where(offs_z[None, :] == G, zacc, 0.0), axis=1)[:, None]
+
+
+@triton.jit
+def _fp_chunk(q_rows, r_ok, part_row, M_part, L_part, O_part, k_base, v_base, skn, svn, c0, flen, mask_base,
+              qk_scale, softcap, R_PAD: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, FP_T: tl.constexpr, FP_IEEE: tl.constexpr, FP_BLOCK: tl.constexpr):
+    """Partial (m, l, acc) of tokens [c0, c0 + FP_BLOCK) of one full-precision segment.
+
+    k_base/v_base point at the segment's (b, h) rows (F, D); mask_base at the visibility of its
+    first token. Products in FP_T (the segment's dtype on GPU; float32 in the interpreter).
+    """
+    offs_d = tl.arange(0, D)
+    offs_f = c0 + tl.arange(0, FP_BLOCK)
+    f_ok = offs_f < flen
+    valid = f_ok
+    if HAS_MASK:
+        vis = tl.load(mask_base + offs_f, mask=f_ok, other=0)
+        valid = valid & (vis != 0)
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+    k = tl.load(k_base + offs_f[:, None] * skn + offs_d[None, :], mask=f_ok[:, None], other=0.0)
+    s = _dot(q.to(FP_T), tl.trans(k.to(FP_T)), tl.zeros([R_PAD, FP_BLOCK], tl.float32), FP_IEEE)
+    if HAS_SOFTCAP:
+        s = _softcap(s, softcap) * 1.4426950408889634
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m = tl.maximum(tl.max(s, axis=1), -1.0e30)
+    p = tl.exp2(s - m[:, None])  # (R_PAD, FP_BLOCK)
+    l = tl.sum(p, axis=1)
+    v = tl.load(v_base + offs_f[:, None] * svn + offs_d[None, :], mask=f_ok[:, None], other=0.0)
+    acc = _dot(p.to(FP_T), v.to(FP_T), tl.zeros([R_PAD, D], tl.float32), FP_IEEE)  # (R_PAD, D)
+    tl.store(M_part + part_row, m, mask=r_ok)
+    tl.store(L_part + part_row, l, mask=r_ok)
+    tl.store((O_part + part_row * D)[:, None] + offs_d[None, :], acc, mask=r_ok[:, None])
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@triton.jit(do_not_specialize=["S_TOT", "N", "packed_pos", "F1_LEN", "f1_pos", "F2_LEN", "f2_pos",
+                               "num_splits", "split_size", "n_f1_chunks"])
+def _decode_split_kernel(
+    # query (B, Hq, D), last dim contiguous
+    Q, stride_qb, stride_qh,
+    # partial results, contiguous: m, l (B*Hq, S_TOT); acc (B*Hq, S_TOT, D); float32
+    M_part, L_part, O_part, S_TOT,
+    # packed keys: codes (B, H, N, PK) uint8; scale/zero float16, last dim contiguous, same strides
+    KC, stride_kcb, stride_kch, stride_kcn,
+    KS, KZ, stride_ksb, stride_ksh, stride_ksn,
+    # packed values: codes (B, H, N, PV) uint8; scale/zero (B, H, N, D / V_GROUP) float16
+    VC, stride_vcb, stride_vch, stride_vcn,
+    VS, VZ, stride_vsb, stride_vsh, stride_vsn,
+    # valid packed range per batch [P_LO[b], P_HI[b]) (int32 (B,)), used when HAS_RANGE
+    P_LO, P_HI, N,
+    # visibility over absolute positions (B|1, L) uint8, used when HAS_MASK; stride_mb 0 = shared
+    MASK, stride_mb, packed_pos,
+    # full-precision segment 1 (sinks) and 2 (pending window): (B, H, F, D), last dim contiguous
+    F1K, F1V, stride_f1kb, stride_f1kh, stride_f1kn, stride_f1vb, stride_f1vh, stride_f1vn, F1_LEN, f1_pos,
+    F2K, F2V, stride_f2kb, stride_f2kh, stride_f2kn, stride_f2vb, stride_f2vh, stride_f2vn, F2_LEN, f2_pos,
+    # work split: packed splits of split_size tokens (multiple of BLOCK_N), then fp chunks
+    num_splits, split_size, n_f1_chunks,
+    # softmax: scores * qk_scale are in log2 units (qk_scale = scaling * log2 e) unless softcap
+    qk_scale, softcap,
+    # shapes
+    H, R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
+    # packed layout
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, PK: tl.constexpr, PV: tl.constexpr,
+    K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, K_FOLD: tl.constexpr, V_FOLD: tl.constexpr,
+    NGV: tl.constexpr, ZP: tl.constexpr,
+    # code paths
+    HAS_RANGE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DOT_T: tl.constexpr, IEEE: tl.constexpr, FP_T: tl.constexpr, FP_IEEE: tl.constexpr,
+    UNPACK: tl.constexpr, BLOCK_N: tl.constexpr, FP_BLOCK: tl.constexpr, RESCALE: tl.constexpr = 8.0,
+):
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_r = tl.arange(0, R_PAD)
+    r_ok = offs_r < R  # padding rows (R < 16: tl.dot needs M >= 16) are computed, never stored
+    q_rows = Q + b.to(tl.int64) * stride_qb + (h * R + offs_r) * stride_qh  # (R_PAD,) pointers
+    part_row = (b * H * R + h * R + offs_r).to(tl.int64) * S_TOT + pid_s  # (R_PAD,)
+    PER_K: tl.constexpr = 8 // K_BITS
+    PER_V: tl.constexpr = 8 // V_BITS
+
+    if pid_s < num_splits:
+        # ------------------------------------------------ packed split
+        offs_pk = tl.arange(0, PK)
+        offs_pv = tl.arange(0, PV)
+        if UNPACK >= 3:  # codes read as int32 words (the launcher passes int32 views)
+            offs_kw = tl.arange(0, PK // 4)
+            offs_vw = tl.arange(0, PV // 4)
+            offs_pk = _perm4(offs_pk)  # channel of each column of an unpacked plane
+            offs_pv = _perm4(offs_pv)
+        else:
+            offs_kw = offs_pk
+            offs_vw = offs_pv
+        offs_z = tl.arange(0, ZP)
+        lo = 0
+        hi = N
+        if HAS_RANGE:
+            lo = tl.load(P_LO + b)
+            hi = tl.load(P_HI + b)
+        s0 = pid_s * split_size
+        start = tl.maximum(s0, (lo // BLOCK_N) * BLOCK_N)  # skip whole blocks of left padding
+        end = tl.minimum(s0 + split_size, hi)
+        # the query, one slice per key plane (channels [s*PK, (s+1)*PK)), pre-scaled, float32.
+        # Per-token keys use them as is; per-channel keys fold the scales in once per key group.
+        q0 = tl.load(q_rows[:, None] + offs_pk[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+        q1 = q0
+        q2 = q0
+        q3 = q0
+        if not K_FOLD:
+            if PER_K > 1:
+                q1 = tl.load(q_rows[:, None] + PK + offs_pk[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+            if PER_K > 2:
+                q2 = tl.load(q_rows[:, None] + 2 * PK + offs_pk[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+                q3 = tl.load(q_rows[:, None] + 3 * PK + offs_pk[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+        kc_base = KC + b.to(tl.int64) * stride_kcb + h.to(tl.int64) * stride_kch
+        ks_base = KS + b.to(tl.int64) * stride_ksb + h.to(tl.int64) * stride_ksh
+        kz_base = KZ + b.to(tl.int64) * stride_ksb + h.to(tl.int64) * stride_ksh
+        vc_base = VC + b.to(tl.int64) * stride_vcb + h.to(tl.int64) * stride_vch
+        vs_base = VS + b.to(tl.int64) * stride_vsb + h.to(tl.int64) * stride_vsh
+        vz_base = VZ + b.to(tl.int64) * stride_vsb + h.to(tl.int64) * stride_vsh
+
+        m_i = tl.full([R_PAD], -1.0e30, tl.float32)  # finite: a fully masked block keeps alpha = 1
+        l_i = tl.zeros([R_PAD], tl.float32)
+        acc0 = tl.zeros([R_PAD, PV], tl.float32)  # one accumulator per value plane
+        acc1 = tl.zeros([R_PAD, PV], tl.float32)
+        acc2 = tl.zeros([R_PAD, PV], tl.float32)
+        acc3 = tl.zeros([R_PAD, PV], tl.float32)
+        zacc = tl.zeros([R_PAD, ZP], tl.float32)  # sum_n p * zero, per value group (fold path)
+        # per-channel keys: (q * scale) per plane and q . zero, refreshed at each key group
+        qp0 = tl.zeros([R_PAD, PK], DOT_T)
+        qp1 = qp0
+        qp2 = qp0
+        qp3 = qp0
+        kbias = tl.zeros([R_PAD], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            row_ok = offs_n < end
+            valid = row_ok & (offs_n >= lo)
+            if HAS_MASK:
+                vis = tl.load(MASK + b * stride_mb + packed_pos + offs_n, mask=row_ok, other=0)
+                valid = valid & (vis != 0)
+            # ---- scores: all key planes from one (BLOCK_N, PK) byte tile
+            kb = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_kw[None, :], mask=row_ok[:, None], other=0)
+            scores = tl.zeros([R_PAD, BLOCK_N], tl.float32)
+            if K_FOLD:
+                if ((n0 % K_GROUP) == 0) | (n0 == start):  # a new key group (blocks never straddle one)
+                    krow = (n0 // K_GROUP) * stride_ksn
+                    qp0, kbias = _k_group_fold(q0, ks_base + krow, kz_base + krow, offs_pk, DOT_T)
+                    if PER_K > 1:
+                        qp1, b1 = _k_group_fold(_q_plane(q_rows, r_ok, offs_pk, PK, qk_scale),
+                                                ks_base + krow + PK, kz_base + krow + PK, offs_pk, DOT_T)
+                        kbias += b1
+                    if PER_K > 2:
+                        qp2, b2 = _k_group_fold(_q_plane(q_rows, r_ok, offs_pk, 2 * PK, qk_scale),
+                                                ks_base + krow + 2 * PK, kz_base + krow + 2 * PK, offs_pk, DOT_T)
+                        qp3, b3 = _k_group_fold(_q_plane(q_rows, r_ok, offs_pk, 3 * PK, qk_scale),
+                                                ks_base + krow + 3 * PK, kz_base + krow + 3 * PK, offs_pk, DOT_T)
+                        kbias += b2 + b3
+                scores = _dot(qp0, tl.trans(_codes(kb, 0, K_BITS, DOT_T, UNPACK)), scores, IEEE)
+                if PER_K > 1:
+                    scores = _dot(qp1, tl.trans(_codes(kb, K_BITS, K_BITS, DOT_T, UNPACK)), scores, IEEE)
+                if PER_K > 2:
+                    scores = _dot(qp2, tl.trans(_codes(kb, 2 * K_BITS, K_BITS, DOT_T, UNPACK)), scores, IEEE)
+                    scores = _dot(qp3, tl.trans(_codes(kb, 3 * K_BITS, K_BITS, DOT_T, UNPACK)), scores, IEEE)
+                scores = scores + kbias[:, None]
+            else:
+                ks_rows = ks_base + offs_n * stride_ksn
+                kz_rows = kz_base + offs_n * stride_ksn
+                scores = _k_deq_plane(scores, q0, kb, ks_rows, kz_rows, 0, offs_pk, row_ok, K_GROUP,
+                                      0, K_BITS, DOT_T, UNPACK, IEEE)
+                if PER_K > 1:
+                    scores = _k_deq_plane(scores, q1, kb, ks_rows, kz_rows, PK, offs_pk, row_ok, K_GROUP,
+                                          K_BITS, K_BITS, DOT_T, UNPACK, IEEE)
+                if PER_K > 2:
+                    scores = _k_deq_plane(scores, q2, kb, ks_rows, kz_rows, 2 * PK, offs_pk, row_ok, K_GROUP,
+                                          2 * K_BITS, K_BITS, DOT_T, UNPACK, IEEE)
+                    scores = _k_deq_plane(scores, q3, kb, ks_rows, kz_rows, 3 * PK, offs_pk, row_ok, K_GROUP,
+                                          3 * K_BITS, K_BITS, DOT_T, UNPACK, IEEE)
+            if HAS_SOFTCAP:
+                scores = _softcap(scores, softcap) * 1.4426950408889634
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            # ---- online softmax (log2 domain), lazily rescaled: the running max only moves (and
+            # the accumulators are only rescaled) when a row's max grew by more than 2^RESCALE;
+            # until then p <= 2^RESCALE, harmless in float32 sums and float16 products.
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            if tl.max(m_new - m_i, axis=0) > RESCALE:
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                acc0 = acc0 * alpha[:, None]
+                if PER_V > 1:
+                    acc1 = acc1 * alpha[:, None]
+                if PER_V > 2:
+                    acc2 = acc2 * alpha[:, None]
+                    acc3 = acc3 * alpha[:, None]
+                if V_FOLD:
+                    zacc = zacc * alpha[:, None]
+                m_i = m_new
+            p = tl.exp2(scores - m_i[:, None])  # (R_PAD, BLOCK_N); masked -> 0
+            l_i = l_i + tl.sum(p, axis=1)
+            # ---- values: all planes from one (BLOCK_N, PV) byte tile
+            vb = tl.load(vc_base + offs_n[:, None] * stride_vcn + offs_vw[None, :], mask=row_ok[:, None], other=0)
+            vrows = offs_n * stride_vsn
+            if V_FOLD:
+                # plane s lies in value group (s * PV) // V_GROUP: (p * scale) is built once per group
+                a0 = _scaled_p(p, vs_base + vrows, row_ok, DOT_T)
+                acc0 = _dot(a0, _codes(vb, 0, V_BITS, DOT_T, UNPACK), acc0, IEEE)
+                if PER_V > 1:
+                    a1 = a0
+                    if (PV // V_GROUP) != 0:
+                        a1 = _scaled_p(p, vs_base + vrows + PV // V_GROUP, row_ok, DOT_T)
+                    acc1 = _dot(a1, _codes(vb, V_BITS, V_BITS, DOT_T, UNPACK), acc1, IEEE)
+                if PER_V > 2:
+                    a2 = a1
+                    if ((2 * PV) // V_GROUP) != (PV // V_GROUP):
+                        a2 = _scaled_p(p, vs_base + vrows + (2 * PV) // V_GROUP, row_ok, DOT_T)
+                    acc2 = _dot(a2, _codes(vb, 2 * V_BITS, V_BITS, DOT_T, UNPACK), acc2, IEEE)
+                    a3 = a2
+                    if ((3 * PV) // V_GROUP) != ((2 * PV) // V_GROUP):
+                        a3 = _scaled_p(p, vs_base + vrows + (3 * PV) // V_GROUP, row_ok, DOT_T)
+                    acc3 = _dot(a3, _codes(vb, 3 * V_BITS, V_BITS, DOT_T, UNPACK), acc3, IEEE)
+                # zero term of every group at once: (R_PAD, BLOCK_N) @ (BLOCK_N, ZP)
+                zt = tl.load(vz_base + vrows[:, None] + offs_z[None, :],
+                             mask=row_ok[:, None] & (offs_z[None, :] < NGV), other=0.0).to(DOT_T)
+                zacc = _dot(p.to(DOT_T), zt, zacc, IEEE)
+            else:
+                p_dot = p.to(DOT_T)
+                vs_rows = vs_base + vrows
+                vz_rows = vz_base + vrows
+                acc0 = _v_deq_plane(acc0, p_dot, vb, vs_rows, vz_rows, 0, offs_pv, row_ok, V_GROUP,
+                                    0, V_BITS, DOT_T, UNPACK, IEEE)
+                if PER_V > 1:
+                    acc1 = _v_deq_plane(acc1, p_dot, vb, vs_rows, vz_rows, PV, offs_pv, row_ok, V_GROUP,
+                                        V_BITS, V_BITS, DOT_T, UNPACK, IEEE)
+                if PER_V > 2:
+                    acc2 = _v_deq_plane(acc2, p_dot, vb, vs_rows, vz_rows, 2 * PV, offs_pv, row_ok, V_GROUP,
+                                        2 * V_BITS, V_BITS, DOT_T, UNPACK, IEEE)
+                    acc3 = _v_deq_plane(acc3, p_dot, vb, vs_rows, vz_rows, 3 * PV, offs_pv, row_ok, V_GROUP,
+                                        3 * V_BITS, V_BITS, DOT_T, UNPACK, IEEE)
+        if V_FOLD:
+            acc0 += _zero_column(zacc, offs_z, 0)
+            if PER_V > 1:
+                acc1 += _zero_column(zacc, offs_z, PV // V_GROUP)
+            if PER_V > 2:
+                acc2 += _zero_column(zacc, offs_z, (2 * PV) // V_GROUP)
+                acc3 += _zero_column(zacc, offs_z, (3 * PV) // V_GROUP)
+        tl.store(M_part + part_row, m_i, mask=r_ok)
+        tl.store(L_part + part_row, l_i, mask=r_ok)
+        o_rows = O_part + part_row * D  # (R_PAD,) pointers
+        tl.store(o_rows[:, None] + offs_pv[None, :], acc0, mask=r_ok[:, None])
+        if PER_V > 1:
+            tl.store(o_rows[:, None] + PV + offs_pv[None, :], acc1, mask=r_ok[:, None])
+        if PER_V > 2:
+            tl.store(o_rows[:, None] + 2 * PV + offs_pv[None, :], acc2, mask=r_ok[:, None])
+            tl.store(o_rows[:, None] + 3 * PV + offs_pv[None, :], acc3, mask=r_ok[:, None])
+    else:
+        # ------------------------------------------------ one chunk of a full-precision segment
+        c = pid_s - num_splits
+        if c < n_f1_chunks:
+            _fp_chunk(q_rows, r_ok, part_row, M_part, L_part, O_part,
+                      F1K + b.to(tl.int64) * stride_f1kb + h.to(tl.int64) * stride_f1kh,
+                      F1V + b.to(tl.int64) * stride_f1vb + h.to(tl.int64) * stride_f1vh,
+                      stride_f1kn, stride_f1vn, c * FP_BLOCK, F1_LEN, MASK + b * stride_mb + f1_pos,
+                      qk_scale, softcap, R_PAD, D, HAS_MASK, HAS_SOFTCAP, FP_T, FP_IEEE, FP_BLOCK)
+        else:
+            _fp_chunk(q_rows, r_ok, part_row, M_part, L_part, O_part,
+                      F2K + b.to(tl.int64) * stride_f2kb + h.to(tl.int64) * stride_f2kh,
+                      F2V + b.to(tl.int64) * stride_f2vb + h.to(tl.int64) * stride_f2vh,
+                      stride_f2kn, stride_f2vn, (c - n_f1_chunks) * FP_BLOCK, F2_LEN,
+                      MASK + b * stride_mb + f2_pos,
+                      qk_scale, softcap, R_PAD, D, HAS_MASK, HAS_SOFTCAP, FP_T, FP_IEEE, FP_BLOCK)
+
+
+@triton.jit(do_not_specialize=["S_TOT"])
+def _combine_kernel(
+    M_part, L_part, O_part, S_TOT,  # (ROWS, S_TOT), (ROWS, S_TOT), (ROWS, S_TOT, D) float32
+    Out,  # (ROWS, D) float32, ROWS = B * Hq
+    D: tl.constexpr, S_BLOCK: tl.constexpr,
+):
+    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s; 0 where nothing was visible."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    offs_s = tl.arange(0, S_BLOCK)
+    m_vec = tl.full([S_BLOCK], -1.0e30, tl.float32)
+    for s0 in range(0, S_TOT, S_BLOCK):
+        m = tl.load(M_part + row * S_TOT + s0 + offs_s, mask=s0 + offs_s < S_TOT, other=-1.0e30)
+        m_vec = tl.maximum(m_vec, m)
+    m_max = tl.max(m_vec, axis=0)
+    l_vec = tl.zeros([S_BLOCK], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, S_TOT, S_BLOCK):
+        ok = s0 + offs_s < S_TOT
+        m = tl.load(M_part + row * S_TOT + s0 + offs_s, mask=ok, other=-1.0e30)
+        l = tl.load(L_part + row * S_TOT + s0 + offs_s, mask=ok, other=0.0)
+        w = tl.where(ok, tl.exp2(m - m_max), 0.0)  # (S_BLOCK,)
+        o = tl.load(O_part + (row * S_TOT + s0 + offs_s)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        l_vec += l * w
+        acc += tl.sum(o * w[:, None], axis=0)
+    l_tot = tl.sum(l_vec, axis=0)
+    out = acc / tl.where(l_tot > 0, l_tot, 1.0)
+    tl.store(Out + row * D + offs_d, out)
+
+
+# ---------------------------------------------------------------- launcher
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tuning knobs (results do not depend on them beyond float rounding).
+
+    - ``block_n``: packed tokens per loop step (clamped to a divisor of ``k_group`` for
+      per-channel keys: the key-scale fold needs a block inside one key group).
+    - ``num_warps``, ``num_stages``: Triton launch options of the split kernel.
+    - ``unpack``: how codes become float16: 0 ``.to`` conversion; 1 magic-number float16 in
+      Triton ops; 2 inline PTX on bytes; 3 inline PTX on int32 words (4 bytes per element, the
+      planes of a word unpacked in registers, no byte shuffles); 4 the word path in Triton ops.
+      2/3 are GPU only (fall back to 1/4 where the probe fails); None = 2 on GPU (fastest on
+      an H200), 1 elsewhere.
+    Defaults: the best of the sweep in ``kernels/bench/bench_decode.py`` on an H200 (Mistral-7B
+    shape, 32k context, batch 1 and 8).
+    - ``programs_per_sm``: target number of split programs per SM (split-K parallelism).
+      Why one warp per program by default: with 16 query rows (tl.dot's minimum M) Triton gives
+      each warp whole rows of chained dots, so extra warps only repeat the same products and
+      softmax; parallelism comes from more programs instead.
+    - ``min_split_blocks``: fewest blocks per split (bounds the partials written and merged).
+    - ``num_splits``: force the number of packed splits (tests); None = from programs_per_sm.
+    - ``fp_block``: tokens per full-precision chunk program.
+    """
+
+    block_n: int = 64
+    num_warps: int = 1
+    num_stages: int = 2
+    unpack: int | None = None
+    programs_per_sm: float = 16.0
+    num_splits: int | None = None
+    fp_block: int = 64
+    min_split_blocks: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "fp_block"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"num_stages must be a positive int, got {self.num_stages!r}")
+        if self.unpack not in (None, 0, 1, 2, 3, 4):
+            raise ValueError(f"unpack must be None or 0..4, got {self.unpack!r}")
+        if not self.programs_per_sm > 0:
+            raise ValueError(f"programs_per_sm must be > 0, got {self.programs_per_sm!r}")
+        if not isinstance(self.min_split_blocks, int) or self.min_split_blocks < 1:
+            raise ValueError(f"min_split_blocks must be a positive int, got {self.min_split_blocks!r}")
+        if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
+            raise ValueError(f"num_splits must be None or a positive int, got {self.num_splits!r}")
+
+
+DEFAULT_CONFIG = DecodeConfig()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # plain Python: triton.cdiv is a (slow) constexpr-function wrapper
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap dividing n."""
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def supports(*, head_dim: int, k_bits: int, v_bits: int, k_group: int, v_group: int,
+             k_axis: str = "channel", rep: int = 1, block_n: int = DEFAULT_CONFIG.block_n) -> str | None:
+    """None when :func:`decode_attention` handles this layout, else the reason it does not."""
+    d = head_dim
+    if d < 16 or d & (d - 1) or d > 512:
+        return f"head_dim {d} is not a power of two in [16, 512]"
+    for side, bits in (("k", k_bits), ("v", v_bits)):
+        if bits not in (2, 4, 8):
+            return f"{side}_bits {bits} is not 2, 4 or 8"
+        if d * bits // 8 < 16:
+            return f"{side}: {bits}-bit codes of head_dim {d} pack into fewer than 16 bytes (tl.dot needs >= 16)"
+    if k_axis not in ("channel", "token"):
+        return f"k_axis {k_axis!r} is not 'channel' or 'token'"
+    if k_axis == "channel" and _pow2_divisor(k_group, block_n) < 16:
+        return f"k_group {k_group} has no power-of-two divisor >= 16 (the key-scale fold needs one)"
+    if k_axis == "token" and d % k_group:
+        return f"k_group {k_group} does not divide head_dim {d}"
+    if d % v_group:
+        return f"v_group {v_group} does not divide head_dim {d}"
+    if rep < 1 or rep > 64:
+        return f"{rep} query heads per kv head is outside [1, 64]"
+    return None
+
+
+@triton.jit
+def _probe_unpack_kernel(X, W, Y, SHIFT: tl.constexpr, BITS: tl.constexpr, N: tl.constexpr, P: tl.constexpr,
+                         WORDS: tl.constexpr):
+    if WORDS:
+        offs_w = tl.arange(0, N)[:, None] * (P // 4) + tl.arange(0, P // 4)[None, :]
+        offs_y = tl.arange(0, N)[:, None] * P + _perm4(tl.arange(0, P))[None, :]  # column k holds byte _perm4(k)
+        tl.store(Y + offs_y, _codes_words(tl.load(W + offs_w), SHIFT, BITS, tl.float16, True))
+    else:
+        offs = tl.arange(0, N)[:, None] * P + tl.arange(0, P)[None, :]
+        tl.store(Y + offs, _unpack_asm(tl.load(X + offs), SHIFT, BITS))
+
+
+FAST_UNPACK_ERROR: dict[str, str] = {}  # kind -> why fast_unpack_available(kind=...) said False
+
+
+@functools.lru_cache(maxsize=None)
+def fast_unpack_available(device_index: int = 0, kind: str = "words") -> bool:
+    """Whether an inline-PTX unpack (``kind="bytes"``: ``unpack=2``; ``"words"``: ``unpack=3``)
+    compiles and is exact on this GPU.
+
+    Checked once per device on random bytes against ``(x >> shift) & mask``; False on CPU / in
+    the interpreter (no inline assembly there) or if anything fails (the reason is kept in
+    ``FAST_UNPACK_ERROR[kind]``).
+    """
+    if _interpreting() or not torch.cuda.is_available():
+        FAST_UNPACK_ERROR[kind] = "no CUDA device (or the interpreter)"
+        return False
+    try:
+        dev = torch.device("cuda", device_index)
+        x = torch.randint(0, 256, (64, 32), dtype=torch.uint8, device=dev)
+        for bits in (2, 4, 8):
+            for shift in range(0, 8, bits):
+                y = torch.empty(x.shape, dtype=torch.float16, device=dev)
+                _probe_unpack_kernel[(1,)](x, x.view(torch.int32), y, shift, bits, 64, 32, kind == "words")
+                want = ((x >> shift) & ((1 << bits) - 1)).half()
+                if not torch.equal(y, want):
+                    FAST_UNPACK_ERROR[kind] = f"wrong codes for bits={bits} shift={shift}"
+                    return False
+        return True
+    except Exception as err:  # noqa: BLE001 - any compile/launch failure means "not available here"
+        FAST_UNPACK_ERROR[kind] = f"{type(err).__name__}: {err}"[:2000]
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-element tensor standing in for an absent input (cached: no allocation per call)."""
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
+def _tl_dtype(dt: torch.dtype):
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dt]
+
+
+def _check_fp(pair, b: int, h: int, d: int, i: int):
+    k, v = pair
+    if k.dim() != 4 or v.shape != k.shape or k.shape[0] != b or k.shape[1] != h or k.shape[3] != d:
+        raise ValueError(f"fp segment {i}: k/v must both be (B={b}, H={h}, F, D={d}), got "
+                         f"{tuple(k.shape)} / {tuple(v.shape)}")
+    if k.dtype not in (torch.float16, torch.bfloat16, torch.float32) or v.dtype != k.dtype:
+        raise ValueError(f"fp segment {i}: k/v must share a float16/bfloat16/float32 dtype, got {k.dtype}/{v.dtype}")
+    if k.stride(3) != 1 or v.stride(3) != 1:
+        raise ValueError(f"fp segment {i}: the last dim of k and v must be contiguous")
+
+
+@functools.lru_cache(maxsize=None)
+def _check_layout(d, rep, k_bits, v_bits, k_group, v_group, k_axis, block_n) -> None:
+    why = supports(head_dim=d, k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group,
+                   k_axis=k_axis, rep=rep, block_n=block_n)
+    if why:
+        raise ValueError(f"decode_attention does not support this layout: {why}")
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, dev_type, dev_index, config,
+          interp):
+    """The kernel's compile-time choices for one layout (cached): see the module docstring."""
+    pk, pv = d * k_bits // 8, d * v_bits // 8
+    ieee = q_dtype == torch.float32
+    dot_t = tl.float32 if ieee else tl.float16
+    unpack = config.unpack
+    words_ok = pk % 4 == 0 and pv % 4 == 0  # int32 views of the code rows
+    cuda = dev_type == "cuda"
+    if ieee:
+        unpack = 0  # exact float32 codes; the float16 tricks are for the float16 products
+    elif unpack is None:  # measured on an H200: PTX bytes >= PTX words > Triton-ops bytes > words
+        if cuda and fast_unpack_available(dev_index, "bytes"):
+            unpack = 2
+        elif cuda and words_ok and fast_unpack_available(dev_index, "words"):
+            unpack = 3
+        else:
+            unpack = 1
+    elif unpack == 3 and not (cuda and fast_unpack_available(dev_index, "words")):
+        unpack = 4  # no inline PTX here: the same trick in Triton ops
+    elif unpack == 2 and not (cuda and fast_unpack_available(dev_index, "bytes")):
+        unpack = 1
+    if unpack >= 3 and not words_ok:
+        unpack = 1
+    block_n = _pow2_divisor(k_group, config.block_n) if k_axis == "channel" else config.block_n
+    k_fold = k_axis == "channel"
+    v_fold = v_group >= pv and v_group % pv == 0
+    ngv = d // v_group
+    zp = max(16, triton.next_power_of_2(ngv))
+    r_pad = max(16, triton.next_power_of_2(rep))
+    # the interpreter's tl.dot has no bfloat16 (stored as uint16 there): float32 products instead
+    fp_t = tl.float32 if (fp_dtype == torch.float32 or interp) else _tl_dtype(fp_dtype)
+    fp_ieee = fp_dtype == torch.float32 or interp
+    fp_block = max(16, min(config.fp_block, 8192 // d))  # (FP_BLOCK, D) K and V tiles: keep them <= 8K elements
+    return unpack, dot_t, ieee, block_n, k_fold, v_fold, ngv, zp, r_pad, fp_t, fp_ieee, fp_block
+
+
+def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_bits, k_group, v_group,
+            k_axis, scaling, softcap, packed_start, packed_end, packed_position, fp_segments, fp_positions,
+            mask, config: DecodeConfig) -> torch.Tensor:
+    """Check shapes/dtypes/contiguity, pick the code path, launch split + combine kernels.
+
+    Shapes: q (B, Hq, D); k_codes (B, H, N, PK) u8, PK = D*k_bits/8; k_scale/k_zero f16
+    (B, H, N/k_group, D) [channel] or (B, H, N, D/k_group) [token]; v_codes (B, H, N, PV) u8;
+    v_scale/v_zero f16 (B, H, N, D/v_group); fp segments (B, H, F, D); mask (B|1, L) bool/u8;
+    packed_start/end (B,) int. Returns float32 (B, Hq, D).
+    """
+    if q.dim() != 3 or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q must be (B, Hq, D) float16/bfloat16/float32, got {tuple(q.shape)} {q.dtype}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    bsz, hq, d = q.shape
+    dev = q.device
+    fp = [tuple(s) for s in fp_segments if s is not None and s[0] is not None and s[0].shape[2] > 0]
+    positions = list(fp_positions) or [0] * len(fp_segments)
+    fp_pos = [p for s, p in zip(fp_segments, positions) if s is not None and s[0] is not None and s[0].shape[2] > 0]
+    if len(fp) > 2:
+        raise ValueError(f"at most two full-precision segments, got {len(fp)}")
+    n = 0 if k_codes is None else int(k_codes.shape[2])
+    if k_codes is not None:
+        h = k_codes.shape[1]
+    elif fp:
+        h = fp[0][0].shape[1]
+    else:
+        return torch.zeros((bsz, hq, d), dtype=torch.float32, device=dev)
+    if hq % h:
+        raise ValueError(f"query heads {hq} are not a multiple of kv heads {h}")
+    rep = hq // h
+    _check_layout(d, rep, k_bits, v_bits, k_group, v_group, k_axis, config.block_n)
+    for i, pair in enumerate(fp):
+        _check_fp(pair, bsz, h, d, i)
+    pk, pv = d * k_bits // 8, d * v_bits // 8
+    if n:
+        for name, t, shape in (("k_codes", k_codes, (bsz, h, n, pk)), ("v_codes", v_codes, (bsz, h, n, pv))):
+            if t is None or t.dtype != torch.uint8 or tuple(t.shape) != shape:
+                raise ValueError(f"{name} must be uint8 {shape}, got {None if t is None else (t.dtype, tuple(t.shape))}")
+            if t.stride(3) != 1:
+                raise ValueError(f"{name}: the packed (last) dim must be contiguous")
+        kshape = (bsz, h, n // k_group, d) if k_axis == "channel" else (bsz, h, n, d // k_group)
+        if k_axis == "channel" and n % k_group:
+            raise ValueError(f"per-channel keys: N={n} must be a multiple of k_group={k_group}")
+        vshape = (bsz, h, n, d // v_group)
+        for name, t, shape in (("k_scale", k_scale, kshape), ("k_zero", k_zero, kshape),
+                               ("v_scale", v_scale, vshape), ("v_zero", v_zero, vshape)):
+            if t is None or t.dtype != torch.float16 or tuple(t.shape) != shape:
+                raise ValueError(f"{name} must be float16 {shape}, got {None if t is None else (t.dtype, tuple(t.shape))}")
+            if t.stride(3) != 1:
+                raise ValueError(f"{name}: the last dim must be contiguous")
+        if k_scale.stride() != k_zero.stride() or v_scale.stride() != v_zero.stride():
+            raise ValueError("k_scale/k_zero (and v_scale/v_zero) must have the same strides")
+
+    # ---- code paths (decided once per layout / dtype / config / device: no per-step Python cost)
+    fp_dtype = fp[0][0].dtype if fp else torch.float32
+    if fp and any(s[0].dtype != fp_dtype for s in fp):
+        raise ValueError("both full-precision segments must share a dtype")
+    (unpack, dot_t, ieee, block_n, k_fold, v_fold, ngv, zp, r_pad, fp_t, fp_ieee, fp_block) = _plan(
+        d, rep, k_bits, v_bits, k_group, v_group, k_axis, q.dtype, fp_dtype, dev.type, dev.index or 0,
+        config, _interpreting())
+
+    # ---- work split
+    if n:
+        n_blocks = _cdiv(n, block_n)
+        if config.num_splits is not None:
+            splits = min(config.num_splits, n_blocks)
+        else:
+            sms = _sm_count(dev.index or 0) if dev.type == "cuda" else 4
+            cap = max(1, n_blocks // max(1, config.min_split_blocks))
+            splits = max(1, min(cap, math.ceil(config.programs_per_sm * sms / (bsz * h))))
+        split_size = _cdiv(n_blocks, splits) * block_n
+        splits = _cdiv(n, split_size)
+    else:
+        splits, split_size = 0, block_n
+    f_lens = [s[0].shape[2] for s in fp]
+    chunks = [_cdiv(f, fp_block) for f in f_lens]
+    s_tot = splits + sum(chunks)
+    rows = bsz * hq
+    m_part = torch.empty((rows, max(s_tot, 1)), dtype=torch.float32, device=dev)
+    l_part = torch.empty_like(m_part)
+    o_part = torch.empty((rows, max(s_tot, 1), d), dtype=torch.float32, device=dev)
+    out = torch.empty((bsz, hq, d), dtype=torch.float32, device=dev)
+    if s_tot == 0:
+        return out.zero_()
+
+    # ---- arguments (dummies where a part is absent; their code is never reached)
+    dummy8 = _dummy(dev, torch.uint8)
+    dummy16 = _dummy(dev, torch.float16)
+    if n:
+        kc, ks, kz, vc, vs, vz = k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
+        if unpack >= 3:  # read the code rows as int32 words: 4 packed bytes per load element
+            kc, vc = kc.view(torch.int32), vc.view(torch.int32)
+        kcs, kss, vcs, vss = kc.stride()[:3], ks.stride()[:3], vc.stride()[:3], vs.stride()[:3]
+    else:
+        kc = vc = dummy8
+        ks = kz = vs = vz = dummy16
+        kcs = kss = vcs = vss = (0, 0, 0)
+    has_range = packed_start is not None or packed_end is not None
+    if has_range:
+        lo = (torch.zeros(bsz, dtype=torch.int32, device=dev) if packed_start is None
+              else packed_start.to(device=dev, dtype=torch.int32).contiguous())
+        hi = (torch.full((bsz,), n, dtype=torch.int32, device=dev) if packed_end is None
+              else packed_end.to(device=dev, dtype=torch.int32).clamp(max=n).contiguous())
+    else:
+        lo = hi = _dummy(dev, torch.int32)
+    has_mask = mask is not None
+    if has_mask:
+        if mask.dim() != 2 or mask.shape[0] not in (1, bsz):
+            raise ValueError(f"mask must be (B|1, L) bool, got {tuple(mask.shape)}")
+        mk = mask if mask.stride(1) == 1 else mask.contiguous()
+        mk = mk.view(torch.uint8) if mk.dtype == torch.bool else mk.to(torch.uint8)
+        stride_mb = 0 if mk.shape[0] == 1 else mk.stride(0)
+    else:
+        mk, stride_mb = dummy8, 0
+    segs = []
+    for i in range(2):
+        if i < len(fp):
+            fk, fv = fp[i]
+            segs.append((fk, fv, *fk.stride()[:3], *fv.stride()[:3], f_lens[i], int(fp_pos[i])))
+        else:
+            z = _dummy(dev, fp_dtype)
+            segs.append((z, z, 0, 0, 0, 0, 0, 0, 0, 0))
+    n_f1 = chunks[0] if fp else 0
+    if softcap:
+        qk_scale, cap = float(scaling), float(softcap)
+    else:
+        qk_scale, cap = float(scaling) * LOG2E, 1.0
+
+    _decode_split_kernel[(bsz * h, s_tot)](
+        q, q.stride(0), q.stride(1),
+        m_part, l_part, o_part, max(s_tot, 1),
+        kc, *kcs, ks, kz, *kss,
+        vc, *vcs, vs, vz, *vss,
+        lo, hi, n,
+        mk, stride_mb, int(packed_position),
+        *segs[0], *segs[1],
+        splits, split_size, n_f1,
+        qk_scale, cap,
+        h, R=rep, R_PAD=r_pad, D=d,
+        K_BITS=k_bits, V_BITS=v_bits, PK=pk, PV=pv, K_GROUP=k_group, V_GROUP=v_group,
+        K_FOLD=k_fold, V_FOLD=v_fold, NGV=ngv, ZP=zp,
+        HAS_RANGE=has_range, HAS_MASK=has_mask, HAS_SOFTCAP=bool(softcap),
+        DOT_T=dot_t, IEEE=ieee, FP_T=fp_t, FP_IEEE=fp_ieee,
+        UNPACK=unpack, BLOCK_N=block_n, FP_BLOCK=fp_block,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    _combine_kernel[(rows,)](m_part, l_part, o_part, max(s_tot, 1), out, D=d, S_BLOCK=16, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------- public function
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    k_zero: torch.Tensor | None,
+    v_codes: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    v_zero: torch.Tensor | None,
+    *,
+    k_bits: int,
+    v_bits: int,
+    k_group: int,
+    v_group: int,
+    k_axis: str = "channel",
+    scaling: float,
+    softcap: float | None = None,
+    packed_start: torch.Tensor | None = None,
+    packed_end: torch.Tensor | None = None,
+    packed_position: int = 0,
+    fp_segments: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    fp_positions: Sequence[int] = (),
+    mask: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over a packed + full-precision KV cache.
+
+    Same arguments and result as :func:`kvcalib_kernels.reference.decode_attention_reference`
+    (float32 ``(B, Hq, D)``), plus ``config`` (:class:`DecodeConfig`, tuning only). Runs on CUDA
+    tensors, or on CPU tensors under ``TRITON_INTERPRET=1``. Raises ValueError on shapes, dtypes
+    or layouts it does not handle (:func:`supports` says which, without raising).
+    """
+    return _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits=k_bits, v_bits=v_bits,
+                   k_group=k_group, v_group=v_group, k_axis=k_axis, scaling=scaling, softcap=softcap,
+                   packed_start=packed_start, packed_end=packed_end, packed_position=packed_position,
+                   fp_segments=fp_segments, fp_positions=fp_positions, mask=mask,
+                   config=config or DEFAULT_CONFIG)

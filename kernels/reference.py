@@ -1,0 +1,203 @@
+"""Pure-PyTorch references of the kernels in this package: same signatures, no triton.
+
+Each kernel is tested against its twin here (STYLE habit 1). The references are written for
+clarity, not speed: they dequantize the whole packed cache (the kernels never do).
+
+- :func:`decode_attention_reference` <-> :func:`kvcalib_kernels.decode_attention.decode_attention`
+- :func:`quantize_pack_keys_reference` <-> :func:`kvcalib_kernels.quant_pack.quantize_pack_keys`
+- :func:`quantize_pack_values_reference` <-> :func:`kvcalib_kernels.quant_pack.quantize_pack_values`
+
+The quantization references *are* :mod:`kvcalib.quant.uniform` (the specification of the
+packed layout); they are re-exported under the kernel signatures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvcalib.quant.uniform import (QuantizedTensor, dequantize_keys, dequantize_values,
+                                   quantize_keys, quantize_values)
+
+__all__ = [
+    "decode_attention_reference",
+    "decode_attention_reference_in",
+    "dequantize_packed",
+    "quantize_pack_keys_reference",
+    "quantize_pack_values_reference",
+]
+
+
+# ---------------------------------------------------------------- decode attention
+
+
+def dequantize_packed(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, *, bits: int,
+                      group: int, axis: str) -> torch.Tensor:
+    """Packed K or V -> float32 ``(B, H, N, D)``.
+
+    ``axis="channel"``: per-channel parameters over groups of ``group`` tokens, scale/zero
+    ``(B, H, N // group, D)`` (keys, KIVI). ``axis="token"``: per-token parameters over groups of
+    ``group`` channels, scale/zero ``(B, H, N, D // group)`` (values, or per-token keys).
+    The names follow :class:`kvcalib.recipe.LayerConfig` ``k_axis``.
+    """
+    if axis == "channel":
+        return dequantize_keys(QuantizedTensor(codes, scale, zero, bits, group, "token"))
+    if axis == "token":
+        return dequantize_values(QuantizedTensor(codes, scale, zero, bits, group, "channel"))
+    raise ValueError(f"axis must be 'channel' or 'token', got {axis!r}")
+
+
+def _visible(mask: torch.Tensor | None, b: int, pos: int, n: int, device) -> torch.Tensor:
+    """(B, n) bool: ``mask[:, pos:pos+n]`` broadcast over the batch, or all True."""
+    if mask is None:
+        return torch.ones((b, n), dtype=torch.bool, device=device)
+    return mask[:, pos:pos + n].to(device=device, dtype=torch.bool).expand(b, n)
+
+
+def decode_attention_reference_in(
+    dtype: torch.dtype,
+    q: torch.Tensor,
+    k_codes: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    k_zero: torch.Tensor | None,
+    v_codes: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    v_zero: torch.Tensor | None,
+    *,
+    k_bits: int,
+    v_bits: int,
+    k_group: int,
+    v_group: int,
+    k_axis: str = "channel",
+    scaling: float,
+    softcap: float | None = None,
+    packed_start: torch.Tensor | None = None,
+    packed_end: torch.Tensor | None = None,
+    packed_position: int = 0,
+    fp_segments: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    fp_positions: Sequence[int] = (),
+    mask: torch.Tensor | None = None,
+    config=None,
+) -> torch.Tensor:
+    """:func:`decode_attention_reference` computed in ``dtype`` (float64 for a "truth", the
+    query's dtype for the "same-dtype PyTorch" error that the tolerance rule scales).
+
+    K/V are dequantized exactly in float32, then cast to ``dtype``; scores and ``p @ V`` run in
+    ``dtype``, the softmax in float32 (float64 when ``dtype`` is float64).
+    Returns float32 ``(B, Hq, D)``.
+    """
+    del config  # kernel tuning knobs; the reference has none
+    b, hq, d = q.shape
+    ks, vs, valid = [], [], []
+    if k_codes is not None and k_codes.shape[2] > 0:
+        n = k_codes.shape[2]
+        ks.append(dequantize_packed(k_codes, k_scale, k_zero, bits=k_bits, group=k_group, axis=k_axis))
+        vs.append(dequantize_packed(v_codes, v_scale, v_zero, bits=v_bits, group=v_group, axis="token"))
+        idx = torch.arange(n, device=q.device)[None, :]  # (1, N)
+        lo = torch.zeros(b, dtype=torch.long, device=q.device) if packed_start is None else packed_start.long()
+        hi = torch.full((b,), n, dtype=torch.long, device=q.device) if packed_end is None else packed_end.long()
+        ok = (idx >= lo[:, None]) & (idx < hi[:, None])  # (B, N)
+        valid.append(ok & _visible(mask, b, packed_position, n, q.device))
+    positions = list(fp_positions) or [0] * len(fp_segments)
+    for (fk, fv), pos in zip(fp_segments, positions):
+        if fk is None or fk.shape[2] == 0:
+            continue
+        ks.append(fk.float())
+        vs.append(fv.float())
+        valid.append(_visible(mask, b, pos, fk.shape[2], q.device))
+    if not ks:
+        return torch.zeros((b, hq, d), dtype=torch.float32, device=q.device)
+    h = ks[0].shape[1]
+    r = hq // h
+    k = torch.cat(ks, dim=2).to(dtype)  # (B, H, L, D)
+    v = torch.cat(vs, dim=2).to(dtype)  # (B, H, L, D)
+    ok = torch.cat(valid, dim=1)  # (B, L)
+    qq = q.reshape(b, h, r, d).to(dtype)  # (B, H, R, D)
+    s = torch.einsum("bhrd,bhld->bhrl", qq, k) * scaling  # (B, H, R, L) in dtype
+    soft = torch.float64 if dtype == torch.float64 else torch.float32
+    s = s.to(soft)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~ok[:, None, None, :], float("-inf"))
+    any_ok = ok.any(dim=1)[:, None, None, None]  # rows with nothing visible -> 0
+    p = torch.softmax(torch.where(any_ok, s, torch.zeros_like(s)), dim=-1)
+    p = torch.where(any_ok, p, torch.zeros_like(p)).to(dtype)
+    out = torch.einsum("bhrl,bhld->bhrd", p, v)  # (B, H, R, D)
+    return out.reshape(b, hq, d).float()
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_codes: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    k_zero: torch.Tensor | None,
+    v_codes: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    v_zero: torch.Tensor | None,
+    *,
+    k_bits: int,
+    v_bits: int,
+    k_group: int,
+    v_group: int,
+    k_axis: str = "channel",
+    scaling: float,
+    softcap: float | None = None,
+    packed_start: torch.Tensor | None = None,
+    packed_end: torch.Tensor | None = None,
+    packed_position: int = 0,
+    fp_segments: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    fp_positions: Sequence[int] = (),
+    mask: torch.Tensor | None = None,
+    config=None,
+) -> torch.Tensor:
+    """One decode step of attention over packed K/V plus full-precision segments, in float32.
+
+    Args (shapes; B batch, Hq query heads, H kv heads, D head_dim, N packed tokens):
+        q: ``(B, Hq, D)``, any float dtype; ``Hq % H == 0`` (GQA: query head ``h * R + r``
+            reads kv head ``h``).
+        k_codes: uint8 ``(B, H, N, D * k_bits / 8)``, planar packing (kvcalib.quant.packing);
+            None (with the other packed tensors) when nothing is packed.
+        k_scale, k_zero: float16; ``k_axis="channel"``: ``(B, H, N / k_group, D)``;
+            ``k_axis="token"``: ``(B, H, N, D / k_group)``.
+        v_codes: uint8 ``(B, H, N, D * v_bits / 8)``; v_scale, v_zero float16
+            ``(B, H, N, D / v_group)``.
+        scaling: softmax scale (usually ``D ** -0.5``); softcap: ``softcap * tanh(s / softcap)``.
+        packed_start, packed_end: int ``(B,)``: packed tokens ``[start_b, end_b)`` are valid
+            (left padding / ragged batches); default all N.
+        packed_position: absolute position of packed token 0 (indexes ``mask``).
+        fp_segments: up to two full-precision ``(k, v)`` pairs ``(B, H, F, D)`` (sinks and the
+            pending window), at absolute positions ``fp_positions``.
+        mask: bool ``(B|1, L)`` over absolute positions; False = not visible (padding).
+
+    Returns float32 ``(B, Hq, D)``; a row that sees no token is 0.
+    """
+    return decode_attention_reference_in(
+        torch.float32, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits=k_bits,
+        v_bits=v_bits, k_group=k_group, v_group=v_group, k_axis=k_axis, scaling=scaling,
+        softcap=softcap, packed_start=packed_start, packed_end=packed_end,
+        packed_position=packed_position, fp_segments=fp_segments, fp_positions=fp_positions,
+        mask=mask, config=config)
+
+
+# ---------------------------------------------------------------- quantize and pack
+
+
+def quantize_pack_keys_reference(k: torch.Tensor, bits: int, group: int, clip=1.0,
+                                 valid: torch.Tensor | None = None) -> QuantizedTensor:
+    """Per-channel keys over groups of ``group`` tokens: :func:`kvcalib.quant.uniform.quantize_keys`.
+
+    k ``(B, H, T, D)`` -> codes uint8 ``(B, H, T, D * bits / 8)``, scale/zero float16
+    ``(B, H, T / group, D)``.
+    """
+    return quantize_keys(k, bits, group, clip=clip, valid=valid)
+
+
+def quantize_pack_values_reference(v: torch.Tensor, bits: int, group: int, clip=1.0,
+                                   valid: torch.Tensor | None = None) -> QuantizedTensor:
+    """Per-token values over groups of ``group`` channels: :func:`kvcalib.quant.uniform.quantize_values`.
+
+    v ``(B, H, T, D)`` -> codes uint8 ``(B, H, T, D * bits / 8)``, scale/zero float16
+    ``(B, H, T, D / group)``.
+    """
+    return quantize_values(v, bits, group, clip=clip, valid=valid)

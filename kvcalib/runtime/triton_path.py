@@ -1,0 +1,88 @@
+"""Adapter from a :class:`~kvcalib.runtime.cache.CompressedLayer` to the fused decode kernel.
+
+:func:`triton_decode_attention` returns None whenever the kernel does not cover the case, and
+the caller (:func:`kvcalib.runtime.backend.decode_attention`) then runs the PyTorch reference
+:func:`kvcalib.runtime.attention.attend_compressed`, which is the specification. Covered:
+
+- one query token per sequence (decode steps, ``Tq == 1``);
+- CUDA tensors (or any device under ``TRITON_INTERPRET=1``, for the CPU tests);
+- a compressed layer with both K and V at 2, 4 or 8 bits (a 16-bit side returns None), keys per
+  channel or per token, the group sizes :func:`kvcalib_kernels.decode_attention.supports` takes;
+- global-attention layers: padding comes from ``visible`` (its last query row, over absolute
+  positions), so left padding, holes, and ragged batches all work. Sliding-window layers return
+  None (their window limit would need a per-step lower bound; the reference handles them).
+
+Segments passed to the kernel, by absolute position: sinks ``[0, S)`` (unless dropped), packed
+tokens ``[view.start, view.start + n)``, pending full-precision tokens ``[pend_start, n_seen)``.
+Nothing is copied: the packed parts are views of the layer's growable buffers.
+
+Importing this module imports triton (through kvcalib_kernels.decode_attention) on first use
+of :func:`triton_decode_attention` only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_PACKED_BITS = (2, 4, 8)
+
+
+def _reason_unsupported(query: torch.Tensor, layer) -> str | None:
+    """Why the kernel cannot run this step (None: it can). Cheap: no device sync."""
+    b, hq, tq, d = query.shape
+    if tq != 1:
+        return "not a single-token decode step"
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if not (query.is_cuda or interp):
+        return "not a CUDA tensor"
+    if not getattr(layer, "is_initialized", False):
+        return "layer not initialised"
+    cfg = layer.cfg
+    if not cfg.compressed or cfg.k_bits not in _PACKED_BITS or cfg.v_bits not in _PACKED_BITS:
+        return "layer is not packed on both K and V"
+    if layer.is_sliding:
+        return "sliding-window layer"
+    h = layer.sink_k.shape[1]
+    if hq % h:
+        return "query heads not a multiple of kv heads"
+    from kvcalib_kernels.decode_attention import supports
+
+    return supports(head_dim=d, k_bits=cfg.k_bits, v_bits=cfg.v_bits, k_group=cfg.k_group,
+                    v_group=cfg.v_group, k_axis=cfg.k_axis, rep=hq // h)
+
+
+def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, scaling: float,
+                            softcap: float | None = None) -> torch.Tensor | None:
+    """Fused attention of ``query`` (B, Hq, 1, D) over ``layer``; (B, 1, Hq, D) float32 or None.
+
+    ``visible`` (B|1, 1, KV) bool over absolute positions ``0..n_seen-1`` (False = padding).
+    Returns None (use the reference) when the step or the layer is not covered (module doc).
+    """
+    if _reason_unsupported(query, layer) is not None:
+        return None
+    from kvcalib_kernels.decode_attention import decode_attention
+
+    cfg = layer.cfg
+    view = layer.packed_view()
+    segments, positions = [], []
+    if layer.sink_k.shape[2] and not layer.sinks_dropped:
+        segments.append((layer.sink_k, layer.sink_v))  # (B, H, S, D)
+        positions.append(0)
+    if layer.pend_k.shape[2]:
+        segments.append((layer.pend_k, layer.pend_v))  # (B, H, U, D)
+        positions.append(layer.pend_start)
+    n = view.n
+    packed = (view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale, view.v_zero)
+    if n == 0 or any(t is None for t in packed):
+        if n:
+            return None  # a 16-bit side stored raw: not this kernel's layout
+        packed = (None,) * 6
+    mask = visible[:, -1, :]  # (B|1, KV)
+    out = decode_attention(
+        query[:, :, 0, :], *packed,
+        k_bits=cfg.k_bits, v_bits=cfg.v_bits, k_group=cfg.k_group, v_group=cfg.v_group,
+        k_axis=cfg.k_axis, scaling=scaling, softcap=softcap, packed_position=view.start,
+        fp_segments=segments, fp_positions=positions, mask=mask)  # (B, Hq, D) float32
+    return out[:, None]

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The one script sent to the GPU machine (device tool `run`): kernel tests on CUDA and the
+# decode-attention benchmarks. Run from the repository root:
+#
+#   bash scripts/gpu_bench.sh [STAGE ...]       (default: tests micro)
+#
+# Stages: tests       pytest tests/kernels on CUDA (small grid + the `gpu`-marked full grid)
+#         micro       kernels/bench/bench_decode.py --mode micro (sweep, grid, quantize vs prefill)
+#         micro-nosweep   the grid with configs from $KV_CONFIG (JSON), no sweep
+#         tests-gpu   only the `gpu`-marked tests
+#         latency     GPU time (CUDA-graph replay) vs host time per call, small shapes
+#         e2e-smoke   end-to-end on a small random model (checks the path, seconds)
+#         e2e         end-to-end, random-weight Mistral-7B shape at 32k context
+# Everything is written under $OUT (the device tool returns it); each stage has a time limit so
+# the files of the earlier stages come back even if a later one runs long.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVCALIB_QUIET=1
+OUT="${OUT:-$PWD/artifacts/bench/gpu_run}"
+mkdir -p "$OUT"
+# not installed there: kvcalib imports from the repo root, kvcalib_kernels is kernels/ under its install name
+KK=/tmp/kvcalib_kernels_path
+mkdir -p "$KK" && ln -sfn "$PWD/kernels" "$KK/kvcalib_kernels"
+export PYTHONPATH="$PWD:$KK${PYTHONPATH:+:$PYTHONPATH}"
+PY=python3
+STAGES="${*:-tests micro}"
+T0=$(date +%s)
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+  $PY -c "import xdist" 2>/dev/null && echo "pytest-xdist: yes" || echo "pytest-xdist: no"
+} 2>&1 | tee "$OUT/env.log"
+XDIST=""
+$PY -c "import xdist" 2>/dev/null && XDIST="-n 8"
+for st in $STAGES; do
+  echo "=== stage $st at +$(( $(date +%s) - T0 )) s"
+  case "$st" in
+    tests)
+      timeout "${KV_TESTS_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider $XDIST --maxfail=30 -rfE tests/kernels \
+        > "$OUT/tests.log" 2>&1
+      echo "tests exit $?"; tail -n 30 "$OUT/tests.log" ;;
+    micro)
+      timeout "${KV_MICRO_TIMEOUT:-330}" $PY kernels/bench/bench_decode.py --mode micro --out "$OUT" > "$OUT/bench.log" 2>&1
+      echo "micro exit $?"; grep -E "^(device|  best|sweep|grid|  quantize)" "$OUT/bench.log"; tail -n 45 "$OUT/bench.log" ;;
+    micro-nosweep)
+      timeout "${KV_MICRO_TIMEOUT:-330}" $PY kernels/bench/bench_decode.py --mode micro --config "${KV_CONFIG}" --out "$OUT" \
+        > "$OUT/bench.log" 2>&1
+      echo "micro exit $?"; tail -n 45 "$OUT/bench.log" ;;
+    tests-gpu)
+      timeout "${KV_TESTS_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider $XDIST --maxfail=30 -rfE -m gpu tests/kernels \
+        > "$OUT/tests.log" 2>&1
+      echo "tests exit $?"; tail -n 5 "$OUT/tests.log" ;;
+    latency)
+      timeout "${KV_LAT_TIMEOUT:-150}" $PY kernels/bench/bench_decode.py --mode latency ${KV_CONFIG:+--config "$KV_CONFIG"} \
+        --out "$OUT" >> "$OUT/bench.log" 2>&1
+      echo "latency exit $?"; grep -E "ours do_bench" "$OUT/bench.log" | tail -n 12 ;;
+    e2e-smoke)
+      timeout "${KV_E2E_TIMEOUT:-90}" $PY kernels/bench/bench_decode.py --mode e2e --quick --steps 6 --batches-bf16 2 \
+        --batches-packed 2 --out "$OUT/smoke" > "$OUT/e2e_smoke.log" 2>&1
+      echo "e2e-smoke exit $?"; tail -n 12 "$OUT/e2e_smoke.log" ;;
+    e2e)
+      timeout "${KV_E2E_TIMEOUT:-300}" $PY kernels/bench/bench_decode.py --mode e2e --steps "${KV_E2E_STEPS:-140}" \
+        --batches-bf16 8 --batches-packed 8 32 --out "$OUT" > "$OUT/e2e.log" 2>&1
+      echo "e2e exit $?"; tail -n 12 "$OUT/e2e.log" ;;
+    *) echo "unknown stage $st" ;;
+  esac
+done
+echo "=== done at +$(( $(date +%s) - T0 )) s"

@@ -1,0 +1,355 @@
+"""Fused decode attention over packed K/V vs its PyTorch reference.
+
+Runs on CPU through Triton's interpreter (``TRITON_INTERPRET=1``, set here before any kernel
+module is imported) at small shapes, and on CUDA as is; the full-size grid is marked ``gpu``.
+
+Tolerance (STYLE habit 2, flash-attn's rule): ``|kernel - truth| <= 2 * |torch_same_dtype - truth|
++ atol(dtype)``, truth = the reference in float64, ``torch_same_dtype`` = the reference run in the
+query's dtype.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+# ---- setup: the interpreter must be chosen before a @triton.jit function is defined
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
+triton = pytest.importorskip("triton")
+if not HAS_CUDA and not INTERPRET:
+    pytest.skip("no CUDA and TRITON_INTERPRET=0: Triton kernels cannot run here", allow_module_level=True)
+da = importlib.import_module("kvcalib_kernels.decode_attention")
+if INTERPRET and type(da._decode_split_kernel).__name__ != "InterpretedFunction":
+    da = importlib.reload(da)  # imported earlier without the interpreter
+
+from kvcalib.quant.uniform import quantize_keys, quantize_values  # noqa: E402
+from kvcalib_kernels.reference import decode_attention_reference, decode_attention_reference_in  # noqa: E402
+
+requires_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (run through the device tool)")
+ATOL = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
+SMALL = da.DecodeConfig(block_n=16, fp_block=16)  # several blocks and chunks at test sizes
+
+
+def make_case(*, b=2, h=2, rep=4, d=64, n=48, f=(2, 5), k_bits=2, v_bits=2, k_group=16, v_group=32,
+              k_axis="channel", dtype=torch.bfloat16, seed=0, device=DEVICE, spare=0):
+    """Random packed cache (quantized from random K/V by the reference quantizer) + fp segments.
+
+    ``spare`` > 0 stores the packed tensors inside larger buffers (non-contiguous views, like the
+    cache's growable buffers). Returns (args, kwargs) for decode_attention(_reference).
+    """
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, h, n, d, generator=g) * 2 + torch.randn(1, 1, 1, d, generator=g)  # channel offsets
+    v = torch.randn(b, h, n, d, generator=g)
+    if n:
+        qk = quantize_keys(k, k_bits, k_group) if k_axis == "channel" else quantize_values(k, k_bits, k_group)
+        qv = quantize_values(v, v_bits, v_group)
+        packed = [qk.codes, qk.scale, qk.zero, qv.codes, qv.scale, qv.zero]
+        if spare:
+            def embed(t):
+                rows = t.shape[2]
+                big = torch.zeros(*t.shape[:2], rows + spare, t.shape[3], dtype=t.dtype)
+                big[:, :, 1:rows + 1] = t
+                return big.to(device)[:, :, 1:rows + 1]
+            packed = [embed(t) for t in packed]
+        else:
+            packed = [t.to(device) for t in packed]
+    else:
+        packed = [None] * 6
+    q = (torch.randn(b, h * rep, d, generator=g) * 1.5).to(dtype).to(device)
+    segs, pos = [], []
+    at = 0
+    for i, fl in enumerate(f):
+        if fl == 0:
+            continue
+        fk = (torch.randn(b, h, fl, d, generator=g) * 2).to(dtype).to(device)
+        fv = torch.randn(b, h, fl, d, generator=g).to(dtype).to(device)
+        segs.append((fk, fv))
+        if i == 0:
+            pos.append(0)
+            at = fl
+        else:
+            pos.append(at + n)
+    kwargs = dict(k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group, k_axis=k_axis,
+                  scaling=d ** -0.5, fp_segments=segs, fp_positions=pos,
+                  packed_position=f[0] if f and f[0] else 0)
+    return (q, *packed), kwargs
+
+
+def check(args, kwargs, config=SMALL):
+    out = da.decode_attention(*args, **kwargs, config=config)
+    q = args[0]
+    truth = decode_attention_reference_in(torch.float64, *args, **kwargs)
+    same = decode_attention_reference_in(q.dtype, *args, **kwargs)
+    err = float((out - truth).abs().max())
+    torch_err = float((same - truth).abs().max())
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    assert torch.isfinite(out).all()
+    assert err <= 2 * torch_err + ATOL[q.dtype], f"kernel error {err:.3g} vs torch {q.dtype} error {torch_err:.3g}"
+    return out
+
+
+# ---------------------------------------------------------------- small grid (CPU interpreter)
+
+
+@pytest.mark.parametrize("k_bits,v_bits", [(2, 2), (4, 4), (8, 8), (2, 4), (4, 2), (8, 2)],
+                         ids=lambda x: f"{x}b")
+def test_bits(k_bits, v_bits):
+    args, kw = make_case(k_bits=k_bits, v_bits=v_bits)
+    check(args, kw)
+
+
+@pytest.mark.parametrize("rep", [1, 3, 4, 7], ids=lambda r: f"gqa{r}")
+def test_gqa_ratios_head_dim_128(rep):
+    args, kw = make_case(rep=rep, d=128, h=1, b=1, k_bits=2, v_bits=4, v_group=64, dtype=torch.float16)
+    check(args, kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_query_dtypes(dtype):
+    args, kw = make_case(dtype=dtype, k_bits=4, v_bits=2)
+    check(args, kw)
+
+
+@pytest.mark.parametrize("unpack", [0, 1], ids=lambda u: f"unpack{u}")
+def test_unpack_modes(unpack):
+    args, kw = make_case(k_bits=2, v_bits=8, v_group=64)
+    check(args, kw, da.DecodeConfig(block_n=16, fp_block=16, unpack=unpack))
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3], ids=lambda s: f"splits{s}")
+def test_split_counts_give_the_same_answer(splits):
+    args, kw = make_case(n=64, b=1)
+    check(args, kw, da.DecodeConfig(block_n=16, fp_block=16, num_splits=splits))
+
+
+def test_splits_and_padding_start_inside_a_key_group():
+    """Key groups longer than a block: a split or a padded batch row may start mid-group."""
+    args, kw = make_case(b=2, n=96, k_group=32, k_bits=4, v_bits=2)
+    start = torch.tensor([0, 20], device=DEVICE)
+    check(args, {**kw, "packed_start": start}, da.DecodeConfig(block_n=16, fp_block=16, num_splits=2))
+
+
+def test_per_batch_range_not_a_multiple_of_the_block():
+    """Ragged batch / left padding: packed tokens [start_b, end_b), ends off the block grid."""
+    args, kw = make_case(b=3, n=48)
+    start = torch.tensor([0, 5, 17], device=DEVICE)
+    end = torch.tensor([48, 23, 18], device=DEVICE)  # 48, 18 and 1 valid packed tokens
+    check(args, {**kw, "packed_start": start, "packed_end": end})
+
+
+def test_one_packed_token_per_token_keys():
+    """k_axis='token' flushes single tokens: N = 1 packed token."""
+    args, kw = make_case(n=1, k_axis="token", k_group=32, k_bits=4, v_bits=4, b=1)
+    check(args, kw)
+
+
+def test_window_only_nothing_packed():
+    args, kw = make_case(n=0, f=(0, 7))
+    check(args, kw)
+
+
+def test_sinks_and_window_with_padding_mask():
+    """A mask over absolute positions hides left padding in the sinks, packed and window parts."""
+    args, kw = make_case(b=2, n=32, f=(3, 6))
+    total = 3 + 32 + 6
+    mask = torch.ones(2, total, dtype=torch.bool)
+    mask[1, :20] = False  # batch 1: 20 padding positions (sinks + part of the packed tokens)
+    mask[0, 3 + 7] = False  # a hole
+    mask[0, total - 2] = False
+    check(args, {**kw, "mask": mask.to(DEVICE)})
+
+
+def test_fully_masked_rows_are_zero():
+    args, kw = make_case(b=2, n=32, f=(0, 4))
+    mask = torch.ones(2, 36, dtype=torch.bool)
+    mask[0] = False
+    out = check(args, {**kw, "mask": mask.to(DEVICE)})
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+def test_small_value_groups_and_token_keys_dequantize_per_element():
+    """v_group smaller than a plane (and per-token keys) take the per-element path."""
+    args, kw = make_case(k_axis="token", k_group=16, k_bits=4, v_bits=4, v_group=16, n=40, d=64)
+    check(args, kw)
+
+
+def test_softcap():
+    args, kw = make_case(k_bits=4, v_bits=4)
+    check(args, {**kw, "softcap": 5.0})
+
+
+def test_non_contiguous_inputs():
+    args, kw = make_case(spare=9, b=2, n=32)
+    q = args[0]
+    qnc = torch.empty(q.shape[0], q.shape[1], 2 * q.shape[2], dtype=q.dtype, device=q.device)[..., ::2]
+    qnc.copy_(q)  # strided last dim: the launcher makes it contiguous
+    check((qnc, *args[1:]), kw)
+    check(args, kw)
+
+
+def test_rejects_unsupported_layouts():
+    args, kw = make_case(d=64)
+    with pytest.raises(ValueError, match="k_group"):
+        da.decode_attention(*args, **{**kw, "k_group": 12})
+    assert da.supports(head_dim=32, k_bits=2, v_bits=2, k_group=32, v_group=32) is not None
+    assert da.supports(head_dim=128, k_bits=2, v_bits=2, k_group=128, v_group=128) is None
+
+
+def test_reference_matches_attend_compressed_on_a_real_layer():
+    """The kernel reference and the runtime reference agree (two specifications, one answer)."""
+    from kvcalib.recipe import LayerConfig
+    from kvcalib.runtime.attention import attend_compressed
+
+    layer, q, vis = _filled_layer(LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2))
+    ref = attend_compressed(q, layer, vis, 64 ** -0.5)[:, 0]  # (B, Hq, D)
+    view = layer.packed_view()
+    kref = decode_attention_reference(
+        q[:, :, 0], view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale, view.v_zero,
+        k_bits=2, v_bits=4, k_group=16, v_group=32, scaling=64 ** -0.5, packed_position=view.start,
+        fp_segments=[(layer.sink_k, layer.sink_v), (layer.pend_k, layer.pend_v)],
+        fp_positions=[0, layer.pend_start], mask=vis[:, -1])
+    assert float((ref - kref).abs().max()) < 1e-5
+
+
+# ---------------------------------------------------------------- the runtime adapter
+
+
+def _filled_layer(cfg, b=2, h=2, rep=3, d=64, prompt=75, steps=3, pad=(0, 9), dtype=torch.float32, seed=1):
+    """A CompressedLayer after a prompt and a few decode steps; (layer, query (B,Hq,1,D), visible)."""
+    from kvcalib.runtime.cache import CompressedLayer
+
+    g = torch.Generator().manual_seed(seed)
+    layer = CompressedLayer(cfg)
+    total = prompt + steps + 1
+    vis = torch.ones(b, 1, total, dtype=torch.bool)
+    for i, p in enumerate(pad):
+        vis[i, :, :p] = False
+    for t_new in [prompt] + [1] * (steps + 1):
+        k = (torch.randn(b, h, t_new, d, generator=g) * 2).to(dtype).to(DEVICE)
+        v = torch.randn(b, h, t_new, d, generator=g).to(dtype).to(DEVICE)
+        layer.update(k, v)
+        layer.mark_padding(vis[:, 0, :layer.n_seen].to(DEVICE))
+        if layer.n_seen < total:
+            layer.flush()
+    q = (torch.randn(b, h * rep, 1, d, generator=g)).to(dtype).to(DEVICE)
+    return layer, q, vis.to(DEVICE)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(k_bits=2, v_bits=2, k_group=16, v_group=32, window=16, sinks=2),
+    dict(k_bits=4, v_bits=8, k_group=32, v_group=64, window=32, sinks=0),
+    dict(k_bits=4, v_bits=2, k_axis="token", k_group=16, v_group=16, window=0, sinks=3),
+], ids=["kivi2-sinks", "k4v8-nosinks", "token-keys"])
+def test_triton_path_matches_runtime_reference(cfg):
+    from kvcalib.recipe import LayerConfig
+    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.triton_path import triton_decode_attention
+
+    layer, q, vis = _filled_layer(LayerConfig(**cfg))
+    assert layer.n_packed > 0
+    out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
+    ref = attend_compressed(q, layer, vis, 64 ** -0.5)
+    assert out is not None and out.shape == ref.shape == (2, 1, 6, 64)
+    assert float((out - ref).abs().max()) < 1e-4
+
+
+def test_triton_path_declines_what_it_does_not_cover():
+    from kvcalib.recipe import LayerConfig
+    from kvcalib.runtime.cache import CompressedLayer
+    from kvcalib.runtime.triton_path import triton_decode_attention
+
+    layer, q, vis = _filled_layer(LayerConfig(k_bits=2, v_bits=2, k_group=16, v_group=32, window=16))
+    q2 = torch.cat([q, q], dim=2)  # two query tokens: not a decode step
+    assert triton_decode_attention(q2, layer, vis.expand(-1, 2, -1), 0.1) is None
+    raw, q, vis = _filled_layer(LayerConfig(k_bits=16, v_bits=2, k_group=16, v_group=32, window=16))
+    assert triton_decode_attention(q, raw, vis, 0.1) is None  # a 16-bit side
+    sliding = CompressedLayer(LayerConfig(k_bits=2, v_bits=2, k_group=16, v_group=32, window=16), sliding_window=8)
+    sliding.update(torch.randn(1, 2, 20, 64, device=DEVICE), torch.randn(1, 2, 20, 64, device=DEVICE))
+    assert triton_decode_attention(torch.randn(1, 2, 1, 64, device=DEVICE), sliding,
+                                   torch.ones(1, 1, 20, dtype=torch.bool, device=DEVICE), 0.1) is None
+
+
+def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch):
+    """A tiny model decodes through the kernel (counted) with the reference backend's logits."""
+    from kvcalib.recipe import LayerConfig, Recipe
+    from kvcalib.runtime import triton_path
+    from kvcalib.runtime.cache import CompressedCache
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama", head_dim=64, heads=4, kv_heads=2).to(DEVICE)
+    rec = Recipe(name="t", default_layer=LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2))
+    ids = torch.randint(0, 128, (1, 44), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    calls = []
+    real = triton_path.triton_decode_attention
+
+    def counted(*a, **k):
+        out = real(*a, **k)
+        if a[0].shape[2] == 1:  # decode steps (the prompt goes to the reference)
+            calls.append(out is not None)
+        return out
+
+    def run(backend):
+        monkeypatch.setenv("KVCALIB_BACKEND", backend)
+        cache = CompressedCache.from_recipe(model, rec)
+        outs = []
+        with torch.no_grad():
+            outs.append(model(input_ids=ids[:, :34], past_key_values=cache).logits[:, -1].float())
+            for i in range(34, ids.shape[1]):
+                outs.append(model(input_ids=ids[:, i:i + 1], past_key_values=cache).logits[:, -1].float())
+        return torch.stack(outs)
+
+    ref = run("reference")
+    monkeypatch.setattr(triton_path, "triton_decode_attention", counted)
+    fused = run("triton")
+    assert calls and all(calls)  # every decode step of every layer went through the kernel
+    assert float((fused - ref).abs().max()) < 1e-3 * max(1.0, float(ref.abs().max()))
+
+
+# ---------------------------------------------------------------- full-size grid (GPU)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("d,rep,dtype", [
+    (64, 3, torch.bfloat16), (128, 1, torch.bfloat16), (128, 4, torch.bfloat16), (128, 7, torch.bfloat16),
+    (256, 4, torch.bfloat16), (128, 4, torch.float16),
+], ids=lambda x: str(x))
+@pytest.mark.parametrize("k_bits,v_bits,k_group,v_group", [
+    (2, 2, 128, 128), (4, 4, 128, 128), (4, 4, 32, 32), (8, 8, 64, 64), (2, 4, 32, 128), (8, 2, 128, 32),
+], ids=lambda x: str(x))
+def test_gpu_grid(d, rep, dtype, k_bits, v_bits, k_group, v_group):
+    if d % v_group or d * min(k_bits, v_bits) // 8 < 16:
+        pytest.skip("layout not valid for this head_dim")
+    n = 4 * k_group * 9  # several splits
+    args, kw = make_case(b=3, h=2, rep=rep, d=d, n=n, f=(4, 131), k_bits=k_bits, v_bits=v_bits,
+                         k_group=k_group, v_group=v_group, dtype=dtype, seed=d + rep)
+    end = torch.tensor([n, n - 77, 1], device=DEVICE)
+    start = torch.tensor([0, 130, 0], device=DEVICE)
+    kw = {**kw, "packed_start": start, "packed_end": end}
+    for unpack in (1, 3):
+        check(args, kw, da.DecodeConfig(unpack=unpack))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("block_n,num_warps,num_stages,unpack", [
+    (64, 1, 1, 3), (32, 1, 2, 3), (64, 2, 1, 3), (128, 4, 2, 3), (64, 1, 1, 2), (64, 1, 1, 4), (64, 1, 1, 0),
+], ids=str)
+def test_gpu_configs(block_n, num_warps, num_stages, unpack):
+    args, kw = make_case(b=4, h=8, rep=4, d=128, n=128 * 40, f=(0, 128), dtype=torch.bfloat16,
+                         k_group=128, v_group=128, spare=256)
+    check(args, kw, da.DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, unpack=unpack))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("kind", ["bytes", "words"])
+def test_gpu_fast_unpack_probe(kind):
+    assert da.fast_unpack_available(0, kind), f"inline-PTX unpack ({kind}): {da.FAST_UNPACK_ERROR.get(kind)}"

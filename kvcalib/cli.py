@@ -237,12 +237,25 @@ def inspect(
         print("provenance: " + json.dumps(report["provenance"]))
 
 
-@app.command(epilog="Example:\n\n    kvcalib bench --shape mistral-7b")
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             epilog="Examples (on a CUDA machine):\n\n    kvcalib bench --mode micro --quick\n\n    kvcalib bench --mode e2e --context 32768\n\nResults go to artifacts/bench/ (decode_attention.json/md/png, e2e.json/md).")
 @user_errors
-def bench() -> None:
-    """GPU decode-attention and end-to-end benchmarks against bf16."""
-    _not_built("bench", "issue 6")
+def bench(ctx: typer.Context) -> None:
+    """GPU decode-attention and end-to-end benchmarks against bf16 (DESIGN.md protocol).
 
+    Arguments are passed to kernels/bench/bench_decode.py (--mode micro|latency|e2e|report,
+    --quick, --out DIR, ...).
+    """
+    import torch
+
+    args = list(ctx.args)
+    report_only = "report" in args
+    if not report_only and not torch.cuda.is_available():
+        raise KvcalibError("kvcalib bench needs a CUDA GPU (the Triton kernels are what it measures); "
+                           "on a CPU machine use `kvcalib bench --mode report` to rebuild tables from JSON.")
+    from kvcalib_kernels.bench.bench_decode import main as bench_main
+
+    bench_main(args)
 
 def main() -> None:
     """Console-script entry point."""

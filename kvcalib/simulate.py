@@ -59,8 +59,11 @@ def _simulated_attention(module, query, key, value, attention_mask, scaling=None
     h = key.shape[1]
     rep = hq // h
     scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
-    q = query.float().reshape(b, h, rep, t, d)  # (B, H, rep, T, D)
-    k, v = key.float(), value.float()  # (B, H, T, D)
+    from kvcalib.runtime.attention import compute_dtype
+
+    acc_dtype = compute_dtype(query.dtype)
+    q = query.to(acc_dtype).reshape(b, h, rep, t, d)  # (B, H, rep, T, D)
+    k, v = key.to(acc_dtype), value.to(acc_dtype)  # (B, H, T, D)
     if attention_mask is not None:
         vis = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask  # (B|1, T, T)
         if vis.dtype != torch.bool:
@@ -77,8 +80,8 @@ def _simulated_attention(module, query, key, value, attention_mask, scaling=None
         if nq_total:
             span = slice(cfg.sinks, cfg.sinks + nq_total)
             k_hat, v_hat = k.clone(), v.clone()
-            k_hat[:, :, span] = _blockwise(codec.roundtrip_keys, k[:, :, span], cfg.flush_block)
-            v_hat[:, :, span] = _blockwise(codec.roundtrip_values, v[:, :, span], cfg.flush_block)
+            k_hat[:, :, span] = _blockwise(codec.roundtrip_keys, k[:, :, span], cfg.flush_block).to(acc_dtype)
+            v_hat[:, :, span] = _blockwise(codec.roundtrip_values, v[:, :, span], cfg.flush_block).to(acc_dtype)
             qmask = quantized_mask(cfg, t, state.prompt_len, query.device)  # (T, T)
             scores_q = torch.einsum("bhrtd,bhnd->bhrtn", q, k_hat) * scale
             scores = torch.where(qmask, scores_q, scores)
@@ -141,7 +144,7 @@ def simulating(model, configs: list[LayerConfig], codecs: list[LayerCodec] | Non
 @torch.no_grad()
 def simulated_logits(model, input_ids: torch.Tensor, configs: list[LayerConfig],
                      codecs: list[LayerCodec] | None = None, prompt_len: int = 1) -> torch.Tensor:
-    """Logits (B, T, V) float32 of a decode-faithful teacher-forced forward over ``input_ids`` (B, T)."""
+    """Logits (B, T, V) (float32, or float64 for a float64 model) of a decode-faithful teacher-forced forward over ``input_ids`` (B, T)."""
     with simulating(model, configs, codecs, prompt_len):
         out = model(input_ids=input_ids, use_cache=False)
-    return out.logits.float()
+    return out.logits.to(torch.float64 if out.logits.dtype == torch.float64 else torch.float32)

@@ -19,6 +19,11 @@ import torch
 ATTN_NAME = "kvcalib"
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Attention arithmetic: float32, or float64 for a float64 model (exactness tests)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _visible_mask(attention_mask: torch.Tensor | None, layer, q_len: int, device) -> torch.Tensor:
     """(B|1, Tq, KV) bool, True where query t may attend key position j."""
     kv = layer.n_seen
@@ -41,17 +46,18 @@ def attend_compressed(query: torch.Tensor, layer, visible: torch.Tensor, scaling
                       softcap: float | None = None, block_tokens: int = 256) -> torch.Tensor:
     """Reference attention of ``query`` (B, Hq, Tq, D) over everything ``layer`` holds.
 
-    ``visible`` (B|1, Tq, KV) bool. Returns (B, Tq, Hq, D) float32. Online softmax over the
-    segments: m (running max), l (running sum), acc (running weighted sum), all float32.
+    ``visible`` (B|1, Tq, KV) bool. Returns (B, Tq, Hq, D) in :func:`compute_dtype`. Online
+    softmax over the segments: m (running max), l (running sum), acc (running weighted sum).
     """
     b, hq, tq, d = query.shape
     h = layer.sink_k.shape[1]
     rep = hq // h
-    q = query.float().reshape(b, h, rep, tq, d)  # (B, H, rep, Tq, D)
-    m = torch.full((b, h, rep, tq), float("-inf"), device=query.device)  # running max
-    l = torch.zeros((b, h, rep, tq), device=query.device)  # running denominator
-    acc = torch.zeros((b, h, rep, tq, d), device=query.device)  # running numerator
-    for start, k, v in layer.segments(block_tokens):  # k, v: (B, H, N, D) float32
+    acc_dtype = compute_dtype(query.dtype)
+    q = query.to(acc_dtype).reshape(b, h, rep, tq, d)  # (B, H, rep, Tq, D)
+    m = torch.full((b, h, rep, tq), float("-inf"), device=query.device, dtype=acc_dtype)  # running max
+    l = torch.zeros((b, h, rep, tq), device=query.device, dtype=acc_dtype)  # running denominator
+    acc = torch.zeros((b, h, rep, tq, d), device=query.device, dtype=acc_dtype)  # running numerator
+    for start, k, v in layer.segments(block_tokens, acc_dtype):  # k, v: (B, H, N, D)
         n = k.shape[-2]
         s = torch.einsum("bhrtd,bhnd->bhrtn", q, k) * scaling  # (B, H, rep, Tq, N)
         if softcap:
@@ -83,7 +89,8 @@ def kvcalib_attention(module, query, key, value, attention_mask, scaling=None, d
                                       dropout=dropout, softcap=softcap, **kwargs)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     visible = _visible_mask(attention_mask, layer, query.shape[-2], query.device)  # (B|1, Tq, KV)
-    layer.mark_padding(visible.any(dim=1).expand(layer.sink_k.shape[0], -1))
+    if attention_mask is not None:  # no mask: nothing is padding (and no host sync per layer)
+        layer.mark_padding(visible.any(dim=1).expand(layer.sink_k.shape[0], -1))
     from kvcalib.runtime.backend import decode_attention
 
     out = decode_attention(query, layer, visible, scale, softcap)

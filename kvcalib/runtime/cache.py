@@ -266,18 +266,18 @@ class CompressedLayer(CacheLayerMixin):
         start = self.valid.shape[1] - key_visible.shape[1]
         self.valid[:, start:] &= key_visible.to(self.valid.device)
 
-    def segments(self, block_tokens: int = 256):
-        """Yield (start, K (B,H,N,D) float32, V (B,H,N,D) float32) over everything cached, in
+    def segments(self, block_tokens: int = 256, dtype: torch.dtype = torch.float32):
+        """Yield (start, K (B,H,N,D), V (B,H,N,D)) in ``dtype`` over everything cached, in
         position order, dequantizing packed blocks a few at a time (never the whole cache)."""
         if self.sink_k.shape[-2] and not self.sinks_dropped:
-            yield 0, self.sink_k.float(), self.sink_v.float()
+            yield 0, self.sink_k.to(dtype), self.sink_v.to(dtype)
         step = max(self.cfg.flush_block, block_tokens // self.cfg.flush_block * self.cfg.flush_block)
         for a in range(0, self.packed.n, step):
             b = min(a + step, self.packed.n)
-            yield (self.packed.start + a, self.codec.decode_keys(self.packed.block("k", a, b)),
-                   self.codec.decode_values(self.packed.block("v", a, b)))
+            yield (self.packed.start + a, self.codec.decode_keys(self.packed.block("k", a, b), dtype),
+                   self.codec.decode_values(self.packed.block("v", a, b), dtype))
         if self.pend_k.shape[-2]:
-            yield self.pend_start, self.pend_k.float(), self.pend_v.float()
+            yield self.pend_start, self.pend_k.to(dtype), self.pend_v.to(dtype)
 
     @property
     def n_packed(self) -> int:

@@ -118,10 +118,15 @@ class LayerCodec:
 
     # -- fake quantization (simulation): the values decoding would see, (B, H, N, D) float32
     def roundtrip_keys(self, k: torch.Tensor) -> torch.Tensor:
-        return self.decode_keys(self.encode_keys(k))
+        return self.decode_keys(self.encode_keys(k), _out_dtype(k))
 
     def roundtrip_values(self, v: torch.Tensor) -> torch.Tensor:
-        return self.decode_values(self.encode_values(v))
+        return self.decode_values(self.encode_values(v), _out_dtype(v))
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 stays float64 (exactness tests); everything else decodes to float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _invert(perm: torch.Tensor) -> torch.Tensor:

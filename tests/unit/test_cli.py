@@ -54,8 +54,17 @@ def test_bad_input_exit_2_one_line(tmp_path, args, needle):
 
 
 def test_unbuilt_commands_say_so():
-    code, out = run("bench")
+    code, out = run("search")
     assert code == 2 and "not built yet" in out
+
+
+def test_bench_without_cuda_says_what_to_do():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA")
+    code, out = run("bench", "--mode", "micro", "--quick")
+    assert code == 2 and "CUDA" in out
 
 
 def test_inspect_json_preset():

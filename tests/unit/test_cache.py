@@ -140,8 +140,8 @@ def test_attention_never_materialises_the_whole_cache(monkeypatch):
     peak = {"tokens": 0}
     orig = cache_mod.CompressedLayer.segments
 
-    def spy(self, block_tokens=64):
-        for start, k, v in orig(self, 64):
+    def spy(self, block_tokens=64, dtype=torch.float32):
+        for start, k, v in orig(self, 64, dtype):
             if self.cfg.sinks <= start < self.pend_start:  # a run of dequantized packed tokens
                 peak["tokens"] = max(peak["tokens"], k.shape[-2])
             yield start, k, v

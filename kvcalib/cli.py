@@ -202,11 +202,44 @@ def run(
         print(f"token agreement with full precision: {token_agreement(result.new_tokens, ref.new_tokens):.3f}")
 
 
-@app.command(name="eval", epilog="Example:\n\n    kvcalib eval --preset kivi-2 --preset kivi-4")
+@app.command(name="eval", epilog="Examples:\n\n    kvcalib eval --preset fp16 --preset kivi-4 --preset kivi-2 --preset pertoken-4\n\n    kvcalib eval --model qwen2.5-coder-0.5b --recipe runs/qwen/recipe.safetensors --preset kivi-2 --metrics ppl,passkey --json out.json")
 @user_errors
-def eval_() -> None:
-    """Evaluate recipes side by side: perplexity, agreement, passkey, gsm8k, memory."""
-    _not_built("eval", "issue 3")
+def eval_(
+    model: str = typer.Option("smollm2-135m", help="Model to evaluate on."),
+    recipe: list[str] = typer.Option([], "--recipe", help="Recipe file (repeatable)."),
+    preset: list[str] = typer.Option([], "--preset", help="Preset name (repeatable)."),
+    data: str = typer.Option("embedded", help="Text source; only its evaluation split is read."),
+    metrics: str = typer.Option("ppl,agreement,passkey", help="Comma-separated subset of ppl,agreement,passkey,gsm8k."),
+    context_len: int = typer.Option(4096, help="Context length for effective bits and KV bytes."),
+    ppl_samples: int = typer.Option(16, help="Held-out sequences for perplexity."),
+    ppl_seq_len: int = typer.Option(1024, help="Tokens per perplexity sequence."),
+    agreement_prompts: int = typer.Option(8, help="Prompts for greedy token agreement."),
+    agreement_tokens: int = typer.Option(64, help="Generated tokens per agreement prompt."),
+    passkey_lengths: str = typer.Option("512,1024,2048", help="Passkey context lengths (tokens), comma-separated."),
+    passkey_trials: int = typer.Option(2, help="Passkey trials per (length, depth)."),
+    gsm8k_limit: int = typer.Option(100, help="gsm8k-100 problems to score."),
+    seed: int = typer.Option(0, help="Seed for sampling texts and passkeys."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write one JSON object per recipe here."),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda."),
+) -> None:
+    """Evaluate recipes side by side on identical inputs: perplexity, agreement, passkey, gsm8k, memory."""
+    from kvcalib.eval.harness import EvalConfig, evaluate, results_table_columns, results_table_rows, write_json
+
+    try:
+        lengths = tuple(int(x) for x in passkey_lengths.split(",") if x.strip())
+    except ValueError:
+        raise KvcalibError(f"--passkey-lengths {passkey_lengths!r} must be comma-separated integers.") from None
+    config = EvalConfig(model=model, recipes=[*recipe, *preset], data=data, metrics=metrics,
+                        context_len=context_len, ppl_samples=ppl_samples, ppl_seq_len=ppl_seq_len,
+                        agreement_prompts=agreement_prompts, agreement_tokens=agreement_tokens,
+                        passkey_lengths=lengths, passkey_trials=passkey_trials, gsm8k_limit=gsm8k_limit,
+                        seed=seed, device=device)
+    results = evaluate(config)
+    print_table(f"{model}: held-out evaluation (effective bits and KV bytes per sequence at {context_len})",
+                results_table_columns(results), results_table_rows(results))
+    if json_out is not None:
+        write_json(results, json_out, config)
+        print(f"results: {json_out}")
 
 
 @app.command(epilog="Examples:\n\n    kvcalib inspect kivi-2\n\n    kvcalib inspect runs/smol/recipe.safetensors --json")

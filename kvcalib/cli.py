@@ -97,8 +97,8 @@ def collect(
     trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the model's repository."),
 ) -> None:
     """Record K/V statistics (post-RoPE keys, as the cache stores them) on calibration text."""
-    from kvcalib.collect import CollectConfig
-    from kvcalib.collect import collect as run_collect
+    from kvcalib.collection import CollectConfig
+    from kvcalib.collection import collect as run_collect
 
     config = CollectConfig(model=model, data=data, split=split, text_field=text_field, samples=samples,
                            seq_len=seq_len, batch_size=batch_size, reservoir_blocks=reservoir_blocks,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from kvcalib.collect import collect_stats, left_pad
+from kvcalib.collection import collect_stats, left_pad
 from tests.conftest import tiny_model
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcalib.collect import collect_stats
+from kvcalib.collection import collect_stats
 from kvcalib.errors import KvcalibError
 from kvcalib.export import ExportConfig, export_recipe, parse_bits
 from kvcalib.recipe import LayerConfig, Recipe

@@ -1,7 +1,9 @@
-"""``kvcalib inspect``: a recipe as a per-layer report (table or JSON)."""
+"""``kvcalib inspect``: a recipe as a per-layer report (table or JSON), where it came from, and a
+layer-by-layer diff of two recipes (``kvcalib inspect A --diff B``)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kvcalib.models import DEFAULT_MODEL, ModelInfo
@@ -49,4 +51,103 @@ def inspect_recipe(spec: str, model: str | None = None, context: int = 4096) -> 
                    "components": mem.components},
         "tensors": {k: list(v.shape) for k, v in recipe.tensors.items()},
         "provenance": recipe.provenance,
+        "origin": provenance_summary(recipe.provenance),
+    }
+
+
+# provenance keys people ask about first, with their labels (kvcalib export/search write them)
+_ORIGIN_KEYS = (
+    ("made_by", "made by"), ("kvcalib_version", "kvcalib"), ("statistics", "statistics"),
+    ("data", "data"), ("samples", "samples"), ("seq_len", "seq len"), ("seed", "seed"),
+    ("methods", "methods"), ("objective", "objective"), ("objective_value", "objective value"),
+    ("budget", "budget"), ("bits_budget", "bits budget"), ("trials", "trials"), ("n_trials", "trials"),
+    ("search_budget", "search budget"), ("held_out", "held-out"), ("heldout", "held-out"),
+    ("held_out_kl", "held-out KL"), ("held_out_ppl", "held-out ppl"),
+)
+
+
+def provenance_summary(provenance: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, value) pairs saying where a recipe came from: the well-known keys first, in a fixed
+    order, then every other provenance key as it is (nothing recorded is hidden)."""
+    out: list[tuple[str, str]] = []
+    seen: set[str] = set()
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.6g}"
+        if isinstance(v, (dict, list)):
+            return json.dumps(v, sort_keys=True)
+        return str(v)
+
+    for key, label in _ORIGIN_KEYS:
+        if key in provenance and provenance[key] not in (None, "", [], {}):
+            out.append((label, fmt(provenance[key])))
+            seen.add(key)
+    for key in sorted(provenance):
+        if key not in seen and provenance[key] not in (None, "", [], {}):
+            out.append((key, fmt(provenance[key])))
+    return out
+
+
+_LAYER_FIELDS = ("k_bits", "v_bits", "k_axis", "k_group", "v_group", "window", "sinks")
+
+
+def _fitted(recipe: Recipe, layer: int) -> list[str]:
+    """Fitted tensor kinds of one layer, e.g. ``["k.clip", "v.perm"]`` (from ``layers.{i}.*`` names)."""
+    prefix = f"layers.{layer}."
+    return sorted(name[len(prefix):] for name in recipe.tensors if name.startswith(prefix))
+
+
+def _layer_bits(recipe: Recipe, info: ModelInfo, context: int) -> list[float]:
+    """Effective bits per element of each layer at ``context`` (payload, scales, full-precision parts)."""
+    per_layer = 2 * info.num_kv_heads * info.head_dim * context
+    return [8.0 * sum(layer_bytes(cfg, info.num_kv_heads, info.head_dim, context, info.sliding_window[i]).values()) / per_layer
+            for i, cfg in enumerate(recipe.layer_configs(info.num_layers))]
+
+
+def diff_recipes(a: str | Recipe, b: str | Recipe, model: str | None = None, context: int = 4096) -> dict[str, Any]:
+    """Compare two recipes layer by layer: only layers that differ, plus a summary.
+
+    Per differing layer: each of bits/groups/axis/window/sinks that differ as ``[a, b]``, the
+    fitted tensors present in only one of them, and both effective bits at ``context``. The
+    summary has both names, models, total effective bits, the count of differing layers per
+    field, and the provenance keys whose values differ. Both recipes must fit one geometry.
+    """
+    ra, rb = resolve_recipe(a), resolve_recipe(b)
+    info = _model_info_for(ra if ra.model is not None or rb.model is None else rb, model)
+    for r in (ra, rb):
+        r.check_model(info)  # refuses a recipe fitted for another model, naming the field
+    la, lb = ra.layer_configs(info.num_layers), rb.layer_configs(info.num_layers)
+    bits_a, bits_b = _layer_bits(ra, info, context), _layer_bits(rb, info, context)
+    layers: list[dict[str, Any]] = []
+    counts: dict[str, int] = {}
+    for i, (ca, cb) in enumerate(zip(la, lb)):
+        changes: dict[str, Any] = {}
+        for name in _LAYER_FIELDS:
+            va, vb = getattr(ca, name), getattr(cb, name)
+            if va != vb:
+                changes[name] = [va, vb]
+        fa, fb = _fitted(ra, i), _fitted(rb, i)
+        if fa != fb:
+            changes["fitted"] = [fa, fb]
+        if not changes:
+            continue
+        for name in changes:
+            counts[name] = counts.get(name, 0) + 1
+        layers.append({"layer": i, "changes": changes, "effective_bits": [bits_a[i], bits_b[i]]})
+    mem_a, mem_b = ra.memory(info, context), rb.memory(info, context)
+    prov_keys = sorted(k for k in set(ra.provenance) | set(rb.provenance)
+                       if ra.provenance.get(k) != rb.provenance.get(k))
+    return {
+        "a": {"name": ra.name, "model": ra.model.name if ra.model else None, "effective_bits": mem_a.effective_bits,
+              "total_bytes": mem_a.total_bytes, "origin": provenance_summary(ra.provenance)},
+        "b": {"name": rb.name, "model": rb.model.name if rb.model else None, "effective_bits": mem_b.effective_bits,
+              "total_bytes": mem_b.total_bytes, "origin": provenance_summary(rb.provenance)},
+        "model": info.name,
+        "context": context,
+        "num_layers": info.num_layers,
+        "layers": layers,
+        "summary": {"differing_layers": len(layers), "identical_layers": info.num_layers - len(layers),
+                    "fields": counts, "effective_bits_delta": mem_b.effective_bits - mem_a.effective_bits,
+                    "provenance_differs": {k: [ra.provenance.get(k), rb.provenance.get(k)] for k in prov_keys}},
     }

@@ -53,11 +53,6 @@ def test_bad_input_exit_2_one_line(tmp_path, args, needle):
     assert not (tmp_path / "o").exists()
 
 
-def test_unbuilt_commands_say_so():
-    code, out = run("search")
-    assert code == 2 and "not built yet" in out
-
-
 def test_bench_without_cuda_says_what_to_do():
     import torch
 

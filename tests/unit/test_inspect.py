@@ -1,0 +1,77 @@
+"""`kvcalib inspect`: provenance shown, and `--diff` comparing two recipes layer by layer."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from typer.testing import CliRunner
+
+from kvcalib.cli import app
+from kvcalib.inspect import diff_recipes, inspect_recipe, provenance_summary
+from kvcalib.models import model_info
+from kvcalib.recipe import LayerConfig, Recipe
+from tests.conftest import tiny_config
+
+
+def _recipes(tmp_path):
+    info = model_info(tiny_config("llama", layers=4), "tiny")
+    base = LayerConfig(k_bits=2, v_bits=2, k_group=8, v_group=8, window=16)
+    a = Recipe(name="a", layers=[base] * 4, model=info, provenance={
+        "made_by": "kvcalib search", "data": "embedded", "samples": 8, "objective": "kl",
+        "objective_value": 0.0123, "n_trials": 40, "held_out_ppl": 21.5})
+    layers_b = [base, LayerConfig(k_bits=4, v_bits=2, k_group=8, v_group=8, window=16), base,
+                LayerConfig(k_bits=2, v_bits=2, k_group=8, v_group=8, window=32, sinks=4)]
+    b = Recipe(name="b", layers=layers_b, model=info,
+               tensors={"layers.2.k.clip": torch.ones(2, 16)}, provenance={"made_by": "kvcalib export", "data": "embedded"})
+    pa, pb = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    a.save(pa)
+    b.save(pb)
+    return str(pa), str(pb)
+
+
+def test_diff_shows_only_differing_layers(tmp_path):
+    pa, pb = _recipes(tmp_path)
+    d = diff_recipes(pa, pb)
+    assert [r["layer"] for r in d["layers"]] == [1, 2, 3]
+    by = {r["layer"]: r for r in d["layers"]}
+    assert by[1]["changes"] == {"k_bits": [2, 4]}
+    assert by[1]["effective_bits"][1] > by[1]["effective_bits"][0]
+    assert by[2]["changes"] == {"fitted": [[], ["k.clip"]]}
+    assert by[3]["changes"] == {"window": [16, 32], "sinks": [0, 4]}
+    s = d["summary"]
+    assert s["differing_layers"] == 3 and s["identical_layers"] == 1
+    assert s["fields"] == {"k_bits": 1, "fitted": 1, "window": 1, "sinks": 1}
+    assert s["effective_bits_delta"] == d["b"]["effective_bits"] - d["a"]["effective_bits"]
+    assert "made_by" in s["provenance_differs"] and "data" not in s["provenance_differs"]
+    same = diff_recipes(pa, pa)
+    assert same["layers"] == [] and same["summary"]["differing_layers"] == 0
+
+
+def test_diff_of_presets_uses_model_geometry():
+    d = diff_recipes("kivi-2", "kivi-4", model="smollm2-135m")
+    assert d["summary"]["differing_layers"] == d["num_layers"] == 30
+    assert d["summary"]["fields"] == {"k_bits": 30, "v_bits": 30}
+
+
+def test_provenance_summary_orders_known_keys_and_keeps_the_rest():
+    got = provenance_summary({"zz": 1, "samples": 8, "data": "embedded", "objective_value": 0.123456789,
+                              "empty": None})
+    assert got == [("data", "embedded"), ("samples", "8"), ("objective value", "0.123457"), ("zz", "1")]
+
+
+def test_inspect_report_and_cli_show_origin(tmp_path):
+    pa, pb = _recipes(tmp_path)
+    report = inspect_recipe(pa)
+    assert ("objective", "kl") in [tuple(x) for x in report["origin"]]
+    runner = CliRunner()
+    res = runner.invoke(app, ["inspect", pa])
+    assert res.exit_code == 0, res.output
+    assert "made from:" in res.output and "held-out ppl: 21.5" in res.output and "trials: 40" in res.output
+    res = runner.invoke(app, ["inspect", pa, "--diff", pb])
+    assert res.exit_code == 0, res.output
+    assert "3 of 4 layers differ" in res.output and "k.clip" in res.output and "2 -> 4" in res.output
+    res = runner.invoke(app, ["inspect", pa, "--diff", pb, "--json"])
+    assert json.loads(res.output)["summary"]["differing_layers"] == 3
+    res = runner.invoke(app, ["inspect", pa, "--diff", str(tmp_path / "missing.safetensors")])
+    assert res.exit_code == 2 and "does not exist" in res.output

@@ -177,7 +177,8 @@ class EvalResult:
     gsm8k: float | None = None
     gsm8k_fp: float | None = None
     gsm8k_problems: int | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time of this recipe's metrics (the shared baseline excluded)
+    seconds_by_metric: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -347,6 +348,14 @@ def _score_recipe(config: EvalConfig, model, tok, inputs: _Inputs, fp: dict[str,
     from kvcalib.eval.perplexity import decode_faithful_nll
 
     lossless = not any(c.compressed for c in configs)
+    clock = time.perf_counter()
+
+    def lap(metric: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        res.seconds_by_metric[metric] = round(now - clock, 3)
+        clock = now
+
     if inputs.ppl_ids is not None:
         fp_nll, n_tok = fp["nll"]
         done = steps.unit(f"{name}: ppl", inputs.ppl_ids.shape[0])
@@ -359,20 +368,24 @@ def _score_recipe(config: EvalConfig, model, tok, inputs: _Inputs, fp: dict[str,
         res.ppl, res.ppl_fp = math.exp(nll / n_tok), math.exp(fp_nll / n_tok)
         res.ppl_delta_pct = 100.0 * (res.ppl / res.ppl_fp - 1.0)
         res.ppl_tokens = n_tok
+        lap("ppl")
     if inputs.prompts is not None:
         cand = greedy_generate(model, inputs.prompts, config.agreement_tokens, recipe, config.batch_size,
                                steps.unit(f"{name}: agreement", inputs.prompts.shape[0]))  # (N, T)
         stats = agreement_stats(fp["tokens"], cand)
         res.agreement, res.first_divergence, res.agreement_tokens = stats.agreement, stats.first_divergence, stats.n_tokens
+        lap("agreement")
     if inputs.passkey is not None:
         pk = run_passkey(model, tok, inputs.passkey, recipe, config.passkey_mode, config.passkey_chunk,
                          config.passkey_new_tokens, config.batch_size,
                          steps.unit(f"{name}: passkey", len(inputs.passkey)))
         res.passkey, res.passkey_fp, res.passkey_cells = pk.accuracy, fp["passkey"].accuracy, pk.by_cell
+        lap("passkey")
     if "gsm8k" in config.metrics:
         g = gsm8k_accuracy(model, tok, recipe, config.gsm8k_limit, config.gsm8k_shots, config.gsm8k_new_tokens,
                            steps.unit(f"{name}: gsm8k", fp["gsm8k"].n_problems))
         res.gsm8k, res.gsm8k_fp, res.gsm8k_problems = g.accuracy, fp["gsm8k"].accuracy, g.n_problems
+        lap("gsm8k")
 
 
 # ------------------------------------------------------------------ output

@@ -116,27 +116,62 @@ def collect(
     print(f"run record: {result.out_dir / 'run.json'}")
 
 
-# --------------------------------------------------------------------------- not built yet
+# --------------------------------------------------------------------------- search
 
 
-def _not_built(command: str, issue: str) -> None:
-    _err(f"`kvcalib {command}` is not built yet ({issue}); nothing was done.")
-    raise typer.Exit(EXIT_USER_ERROR)
-
-
-@app.command(epilog="Example:\n\n    kvcalib search --model smollm2-135m --data embedded")
+@app.command(epilog="Examples:\n\n    kvcalib search --model smollm2-135m --data embedded --budget-bits 3.0 --out runs/smol-search\n\n    kvcalib search --out runs/smol-search --resume --trials 60\n\n    kvcalib search --out runs/w1 --storage sqlite:////shared/study.db --study smol   (one per worker)")
 @user_errors
-def search() -> None:
+def search(
+    model: str = typer.Option("smollm2-135m", help="Embedded alias, hub alias/id, local folder or .gguf file."),
+    data: str = typer.Option("embedded", help="Calibration text (--data of `kvcalib collect`); its eval split is used for the held-out proof."),
+    text_field: Optional[str] = typer.Option(None, help="Column holding the text in .jsonl/.parquet/hub datasets."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Run folder (new, or one from `kvcalib collect`, or an interrupted search with --resume). Default: artifacts/runs/search-<time>."),
+    budget_bits: float = typer.Option(3.0, help="Memory budget: effective bits per element at --context (bf16 = 16)."),
+    trials: int = typer.Option(30, help="Finished trials the study should hold (all workers together)."),
+    samples: int = typer.Option(8, help="Calibration windows for the statistics (collect phase)."),
+    seq_len: int = typer.Option(256, help="Tokens per calibration / scoring window."),
+    score_samples: int = typer.Option(2, help="Held calibration windows the KL objective is computed on (after the collected ones)."),
+    space: Optional[Path] = typer.Option(None, help="Search space file (JSON/YAML: bits, groups, windows, sinks, layer_methods)."),
+    storage: Optional[str] = typer.Option(None, help="Optuna storage shared by workers: sqlite:///PATH, postgresql://..., or journal:PATH. Default: RUN_DIR/study.db."),
+    study: str = typer.Option("kvcalib-search", help="Study name inside --storage."),
+    resume: bool = typer.Option(False, help="Continue the interrupted study in --out (no finished trial is lost)."),
+    sweep: bool = typer.Option(True, help="Per-layer sensitivity sweep to warm-start the study."),
+    timeout: Optional[float] = typer.Option(None, help="Stop the trial phase after this many seconds."),
+    context: int = typer.Option(4096, help="Context length at which effective bits are accounted."),
+    eval_samples: int = typer.Option(4, help="Held-out perplexity sequences for the final proof."),
+    eval_seq_len: int = typer.Option(512, help="Tokens per held-out perplexity sequence."),
+    no_eval: bool = typer.Option(False, "--no-eval", help="Skip the held-out proof."),
+    seed: int = typer.Option(0, help="Seed for data, sampler and calibration."),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda."),
+    dtype: Optional[str] = typer.Option(None, help="bf16 | fp16 | fp32."),
+) -> None:
     """Optuna per-layer {2,4,8}-bit search for the best recipe under a memory budget."""
-    _not_built("search", "issue 5")
+    from kvcalib.optimize import SearchConfig
+    from kvcalib.optimize import search as run_search
+
+    config = SearchConfig(model=model, data=data, text_field=text_field, out=out, samples=samples, seq_len=seq_len,
+                          score_samples=score_samples, trials=trials, budget_bits=budget_bits, context=context,
+                          space=space, storage=storage, study=study, resume=resume, sweep=sweep, timeout=timeout,
+                          seed=seed, eval=not no_eval, eval_samples=eval_samples, eval_seq_len=eval_seq_len,
+                          device=device, dtype=dtype)
+    result = run_search(config)
+    if result.table:
+        print(result.table)
+    if result.recipe_path is not None:
+        print(f"chosen: trial {result.chosen_trial}, KL {result.kl:.4g} at {result.effective_bits:.3f} effective bits "
+              f"(budget {budget_bits:g}, floor {result.floor_bits:.3f}); {result.n_trials} trials, {result.seconds:.0f} s")
+        print(f"recipe: {result.recipe_path}")
+    else:
+        print(f"no finished trial is within {budget_bits:g} bits yet: run more trials with --resume")
+    print(f"report: {result.report_path}")
 
 
-@app.command(epilog="Examples:\n\n    kvcalib export runs/smol -o smol-k2v2.safetensors --bits k2v2 --group 32 --window 128\n\n    kvcalib export runs/smol -o smol-all.safetensors --bits k4v2 --reorder --clip --center")
+@app.command(epilog="Examples:\n\n    kvcalib export runs/smol -o smol-k2v2.safetensors --bits k2v2 --group 32 --window 128\n\n    kvcalib export runs/smol-search --budget-bits 3.5 -o smol-3.5.safetensors\n\n    kvcalib export runs/smol -o smol-all.safetensors --bits k4v2 --reorder --clip --center")
 @user_errors
 def export(
     run_dir: Path = typer.Argument(..., help="Run folder written by `kvcalib collect` (holds stats.safetensors)."),
     out: Path = typer.Option(..., "-o", "--out", help="Recipe file to write (.safetensors)."),
-    bits: str = typer.Option("k2v2", help="Key and value bits, k<2|4|8|16>v<2|4|8|16>."),
+    bits: Optional[str] = typer.Option(None, help="Key and value bits, k<2|4|8|16>v<2|4|8|16> (default k2v2)."),
     group: int = typer.Option(32, help="Group size: tokens per key group, channels per value group."),
     window: int = typer.Option(128, help="Recent tokens kept in full precision (0 or >= group)."),
     sinks: int = typer.Option(0, help="First tokens kept in full precision (attention sinks)."),
@@ -146,12 +181,40 @@ def export(
     name: Optional[str] = typer.Option(None, help="Recipe name (default from the settings)."),
     seed: int = typer.Option(0, help="Seed for KMeans."),
     force: bool = typer.Option(False, help="Replace an existing output file."),
+    budget_bits: Optional[float] = typer.Option(None, help="From a search run folder: the lowest-KL trial at or under this many effective bits."),
+    trial: Optional[int] = typer.Option(None, help="From a search run folder: this trial's recipe."),
+    format: str = typer.Option("kvcalib", "--format", help="kvcalib (a recipe file) or compressed-tensors (FP8 k_scale/v_scale folder for vLLM/SGLang)."),
+    model: Optional[str] = typer.Option(None, help="compressed-tensors: the model folder whose config.json to extend (default: from the run)."),
+    per_head: bool = typer.Option(False, help="compressed-tensors: per-head scales (vLLM with Flash Attention only)."),
 ) -> None:
-    """Build a fitted recipe from collected statistics, with the methods given as flags."""
-    from kvcalib.export import ExportConfig, export_recipe
+    """Build a fitted recipe from collected statistics, with the methods given as flags; or pick
+    a point of a `kvcalib search` run with --budget-bits / --trial (no new search)."""
+    from kvcalib.export import ExportConfig, export_recipe, export_search_point
 
+    if format not in ("kvcalib", "compressed-tensors"):
+        raise KvcalibError(f"--format {format!r} is not known: use kvcalib or compressed-tensors.")
+    if format == "compressed-tensors":
+        from kvcalib.serving import export_compressed_tensors
+
+        from kvcalib.export import parse_bits
+
+        sub8 = bits is not None and min(parse_bits(bits)) < 8
+        if sub8 or reorder or clip or center or budget_bits is not None or trial is not None:
+            raise KvcalibError(
+                f"--bits {bits} and recipe methods cannot be expressed in the FP8 compressed-tensors layout "
+                "(vLLM/SGLang hold FP8 K/V with per-tensor or per-head scales only): export the FP8 scales from "
+                f"the statistics with `kvcalib export {run_dir} --format compressed-tensors -o DIR`, and run "
+                "sub-8-bit recipes with the kvcalib runtime.")
+        written = export_compressed_tensors(run_dir, out, model=model, per_head=per_head, force=force)
+        print(f"wrote FP8 KV-cache scales and config.json to {written if written is not None else out}")
+        return
+    if budget_bits is not None or trial is not None:
+        recipe, record = export_search_point(run_dir, out, budget_bits=budget_bits, trial=trial, force=force)
+        print(f"wrote {out}: trial {record['number']} of the search, KL {record['kl']:.4g}, "
+              f"{record['effective_bits']:.3f} effective bits at {recipe.provenance.get('context', 4096)}")
+        return
     methods = [m for m, on in (("center", center), ("reorder", reorder), ("clip", clip)) if on]
-    config = ExportConfig(bits=bits, group=group, window=window, sinks=sinks, methods=methods, name=name, seed=seed)
+    config = ExportConfig(bits=bits or "k2v2", group=group, window=window, sinks=sinks, methods=methods, name=name, seed=seed)
     recipe = export_recipe(run_dir, out, config, force=force)
     mem = recipe.memory(recipe.model, 4096)
     print(f"wrote {out}: recipe {recipe.name} for {recipe.model.name}, {mem.effective_bits:.3f} effective bits at 4096")
@@ -242,15 +305,20 @@ def eval_(
         print(f"results: {json_out}")
 
 
-@app.command(epilog="Examples:\n\n    kvcalib inspect kivi-2\n\n    kvcalib inspect runs/smol/recipe.safetensors --json")
+@app.command(epilog="Examples:\n\n    kvcalib inspect kivi-2\n\n    kvcalib inspect runs/smol/recipe.safetensors --json\n\n    kvcalib inspect runs/smol/searched.safetensors --diff kivi-2")
 @user_errors
 def inspect(
     recipe: str = typer.Argument(..., help="Recipe file or preset name."),
+    diff: Optional[str] = typer.Option(None, "--diff", metavar="OTHER", help="Compare with this recipe (file or preset) layer by layer; only differing layers are shown."),
     model: Optional[str] = typer.Option(None, help="Model geometry for a preset's memory numbers (default smollm2-135m)."),
     context: int = typer.Option(4096, help="Context length for effective bits and bytes."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """Show a recipe's per-layer configuration, memory at a context length, and provenance."""
+    """Show a recipe's per-layer configuration, memory at a context length, and where it came from
+    (model, data, samples, search budget, objective, held-out result: whatever it records)."""
+    if diff is not None:
+        _inspect_diff(recipe, diff, model, context, as_json)
+        return
     from kvcalib.inspect import inspect_recipe
 
     report = inspect_recipe(recipe, model=model, context=context)
@@ -266,8 +334,47 @@ def inspect(
     print(f"effective bits per element at {context}: {mem['effective_bits']:.3f} "
           f"(bf16 = 16.0); KV bytes per sequence: {mem['total_bytes']:,.0f}")
     print("bytes by component: " + ", ".join(f"{k} {v:,.0f}" for k, v in mem["components"].items()))
-    if report["provenance"]:
-        print("provenance: " + json.dumps(report["provenance"]))
+    if report["tensors"]:
+        print(f"fitted tensors: {len(report['tensors'])}")
+    if report["origin"]:
+        print("made from: " + "; ".join(f"{k}: {v}" for k, v in report["origin"]))
+    else:
+        print("made from: no provenance recorded (a preset or a hand-written recipe)")
+
+
+def _inspect_diff(a: str, b: str, model: Optional[str], context: int, as_json: bool) -> None:
+    """``kvcalib inspect A --diff B``: differing layers as a table, then a summary."""
+    from kvcalib.inspect import diff_recipes
+
+    report = diff_recipes(a, b, model=model, context=context)
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    na, nb = report["a"]["name"], report["b"]["name"]
+
+    def pair(v: Any) -> str:
+        if isinstance(v[0], list):  # fitted tensors present
+            return f"{','.join(v[0]) or '-'} -> {','.join(v[1]) or '-'}"
+        return f"{v[0]} -> {v[1]}"
+
+    fields = [f for f in ("k_bits", "v_bits", "k_axis", "k_group", "v_group", "window", "sinks", "fitted")
+              if f in report["summary"]["fields"]]
+    if report["layers"]:
+        rows = [[r["layer"], *[pair(r["changes"][f]) if f in r["changes"] else "=" for f in fields],
+                 f"{r['effective_bits'][0]:.3f} -> {r['effective_bits'][1]:.3f}"] for r in report["layers"]]
+        print_table(f"{na} -> {nb} on {report['model']}: {len(rows)} of {report['num_layers']} layers differ",
+                    ["layer", *fields, "eff. bits"], rows)
+    else:
+        print(f"{na} and {nb} have the same configuration and fitted tensors in all {report['num_layers']} layers.")
+    s = report["summary"]
+    print(f"effective bits at {context}: {na} {report['a']['effective_bits']:.3f}, {nb} "
+          f"{report['b']['effective_bits']:.3f} (delta {s['effective_bits_delta']:+.3f}); "
+          f"differing layers: {s['differing_layers']}, identical: {s['identical_layers']}")
+    if s["fields"]:
+        print("layers differing by field: " + ", ".join(f"{k} {v}" for k, v in s["fields"].items()))
+    for side in ("a", "b"):
+        origin = report[side]["origin"]
+        print(f"{report[side]['name']} made from: " + ("; ".join(f"{k}: {v}" for k, v in origin) if origin else "no provenance recorded"))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},

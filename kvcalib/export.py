@@ -78,3 +78,43 @@ def export_recipe(run_dir: Path, out: Path, config: ExportConfig, *, force: bool
     })
     recipe.save(out)
     return recipe
+
+
+def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None = None, trial: int | None = None,
+                        force: bool = False) -> tuple[Recipe, dict]:
+    """Pick another point of a finished ``kvcalib search`` (``RUN_DIR/search.json``) without searching:
+    the lowest-KL complete trial at or under ``budget_bits``, or trial number ``trial``. Its recipe
+    tensors are refitted from ``RUN_DIR``'s statistics exactly as the search fitted them."""
+    from kvcalib.optimize.objective import SearchObjective
+    from kvcalib.optimize.space import Point, SearchSpace
+    from kvcalib.optimize.study import choose
+    from kvcalib.stats import CollectedStats
+
+    if (budget_bits is None) == (trial is None):
+        raise KvcalibError("pass exactly one of --budget-bits B or --trial N to pick a searched point.")
+    run_dir, out = Path(run_dir), Path(out)
+    if out.exists() and not force:
+        raise KvcalibError(f"{out} already exists: pass another -o path, or --force to replace it.")
+    path = run_dir / "search.json"
+    if not path.is_file():
+        raise KvcalibError(f"{run_dir} holds no search.json: --budget-bits/--trial pick points of a `kvcalib search` run folder.")
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise KvcalibError(f"{path} is not readable JSON ({err}): run the search again with --resume.") from None
+    record = choose(doc["trials"], budget_bits, trial)
+    space = SearchSpace.from_dict(doc["space"])
+    stats = CollectedStats.load(run_dir)
+    p = record["point"]
+    point = Point(p["group"], p["window"], p["sinks"], tuple(p["k_bits"]), tuple(p["v_bits"]),
+                  tuple(tuple(m) for m in p["methods"]), p.get("k_axis", space.k_axis))
+    import torch
+
+    objective = SearchObjective(None, stats.model, stats, torch.zeros(1, 2, dtype=torch.long),
+                                context=int(doc["context"]), seed=int(doc["config"]["seed"]))
+    from kvcalib.optimize import search_provenance
+
+    name = f"{stats.model.name}-search-trial{record['number']}"
+    recipe = objective.recipe(point, name, provenance=search_provenance(doc, record))
+    recipe.save(out)
+    return recipe, record

@@ -154,3 +154,15 @@ def test_round_trip_through_compressed_tensors(run_dir: Path, tmp_path: Path) ->
         # our entry is exactly what compressed-tensors serialises for these arguments
         ref = quant.QuantizationArgs(num_bits=8, type="float", strategy=args.strategy, dynamic=False, symmetric=True)
         assert q["kv_cache_scheme"] == ref.model_dump()
+
+
+def test_cli_refuses_sub8bit_compressed_tensors(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvcalib.cli import app
+
+    result = CliRunner().invoke(app, ["export", str(tmp_path), "--format", "compressed-tensors",
+                                      "--bits", "k2v2", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert "FP8" in result.output and "--format compressed-tensors" in result.output
+    assert not (tmp_path / "out").exists()

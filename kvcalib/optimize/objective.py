@@ -1,0 +1,152 @@
+"""The search objective: decode-faithful KL(full precision || compressed) on held calibration text.
+
+For a point of the space (:class:`~kvcalib.optimize.space.Point`) we fit its recipe tensors on the
+collected statistics (clip/center/reorder where the point switches them on; cached per
+(layer, config, methods) since trials share them), build the runtime codecs, and run
+:func:`~kvcalib.simulate.simulated_logits` on each scoring sequence. The score of one sequence is
+
+    KL = mean over positions t in [prompt_len, T) of  sum_v p_fp(v | <t) (log p_fp - log p_hat)
+
+the next-token distribution's divergence from full precision, exactly as token-by-token decoding
+through the compressed cache would produce it (one teacher-forced forward). The full-precision
+log-probabilities are computed once per sequence and cached (float32 ``(T, V)`` each).
+
+The scoring sequences must be disjoint from the sequences the statistics were collected on
+(:func:`kvcalib.optimize.study.scoring_sequences` takes the calibration windows after the
+collected ones), so the search does not reward overfitting the fitted tensors.
+
+Memory, the second objective / constraint, is ``Recipe.memory(info, context).effective_bits`` of
+the candidate recipe, fitted tensors included (DESIGN.md accounting; 4096 tokens by default).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from kvcalib.models import ModelInfo
+from kvcalib.optimize.space import Point
+from kvcalib.recipe import LayerConfig, Recipe
+from kvcalib.stats import CollectedStats
+
+
+def kl_to_reference(ref_logp: torch.Tensor, logits: torch.Tensor, start: int = 1) -> float:
+    """Mean over positions ``[start, T)`` of KL(ref || softmax(logits)); ref_logp, logits ``(T, V)``."""
+    ref = ref_logp[start:].double()  # (T', V)
+    logq = torch.log_softmax(logits[start:].double(), dim=-1)  # (T', V)
+    kl = (ref.exp() * (ref - logq)).sum(-1)  # (T',)
+    return float(kl.clamp_min(0.0).mean()) if kl.numel() else 0.0
+
+
+class SearchObjective:
+    """Scores points on fixed sequences against cached full-precision distributions.
+
+    Args:
+        model: a causal LM (eval mode) whose caches ``info`` describes.
+        stats: statistics collected on *other* sequences than ``ids`` (for the fitted tensors).
+        ids: scoring sequences, LongTensor ``(M, T)``.
+        context: context length (tokens) at which effective bits are accounted.
+    """
+
+    def __init__(self, model, info: ModelInfo, stats: CollectedStats | None, ids: torch.Tensor, *,
+                 context: int = 4096, seed: int = 0, prompt_len: int = 1) -> None:
+        if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 2:
+            raise ValueError(f"ids must be (M >= 1, T >= 2) token ids, got {tuple(ids.shape)}")
+        self.model, self.info, self.stats = model, info, stats
+        self.ids = ids  # (M, T)
+        self.context, self.seed, self.prompt_len = context, seed, prompt_len
+        self._ref: dict[int, torch.Tensor] = {}  # sequence -> (T, V) float32 log-probs
+        self._fitted: dict[tuple, dict[str, torch.Tensor]] = {}
+        self.simulations = 0  # forwards run (for timing reports)
+
+    @property
+    def n_sequences(self) -> int:
+        return int(self.ids.shape[0])
+
+    # ------------------------------------------------------------------ recipes
+    def fitted_tensors(self, point: Point) -> dict[str, torch.Tensor]:
+        """Recipe tensors ``layers.{i}.*`` of ``point``.
+
+        Fitted per (layer, side, bits, group, methods), the other side uncompressed: every
+        applied method fits K and V independently and ignores window and sinks, so trials that
+        share a layer's side share its fit (the cache makes later trials cheap).
+        """
+        from kvcalib.calibrate import fit_layer
+
+        out: dict[str, torch.Tensor] = {}
+        configs = point.layer_configs()
+        for i, (cfg, methods) in enumerate(zip(configs, point.methods or ((),) * len(configs))):
+            if not methods or not cfg.compressed:
+                continue
+            if self.stats is None:
+                raise ValueError("method switches need collected statistics")
+            for side, bits in (("k", cfg.k_bits), ("v", cfg.v_bits)):
+                if bits >= 16:
+                    continue
+                key = (i, side, bits, cfg.k_axis, cfg.k_group, cfg.v_group, tuple(methods))
+                if key not in self._fitted:
+                    one = LayerConfig(k_bits=bits if side == "k" else 16, v_bits=bits if side == "v" else 16,
+                                      k_axis=cfg.k_axis, k_group=cfg.k_group, v_group=cfg.v_group)
+                    fitted = fit_layer(self.stats.layers[i], one, list(methods), self.seed,
+                                       heads=self.info.num_kv_heads, head_dim=self.info.head_dim)
+                    self._fitted[key] = {k: t for k, t in fitted.items() if k.startswith(f"{side}.")}
+                out.update({f"layers.{i}.{name}": t for name, t in self._fitted[key].items()})
+        return out
+
+    def recipe(self, point: Point, name: str = "searched", provenance: dict | None = None) -> Recipe:
+        return Recipe(name=name, layers=point.layer_configs(), model=self.info,
+                      tensors=self.fitted_tensors(point), provenance=dict(provenance or {}))
+
+    def effective_bits(self, point: Point, with_tensors: bool = True) -> float:
+        tensors = self.fitted_tensors(point) if with_tensors else {}
+        rec = Recipe(name="p", layers=point.layer_configs(), model=self.info, tensors=tensors)
+        return rec.memory(self.info, self.context).effective_bits
+
+    # ------------------------------------------------------------------ KL
+    def reference(self, m: int) -> torch.Tensor:
+        """Full-precision next-token log-probs of sequence ``m``, (T, V) float32 (computed once)."""
+        if m not in self._ref:
+            with torch.no_grad():
+                logits = self.model(input_ids=self.ids[m:m + 1].to(self._device), use_cache=False).logits[0]
+            self._ref[m] = torch.log_softmax(logits.float(), dim=-1).cpu()  # (T, V)
+        return self._ref[m]
+
+    @property
+    def _device(self):
+        return next(self.model.parameters()).device
+
+    def kl_configs(self, configs: Sequence[LayerConfig], tensors: dict[str, torch.Tensor] | None = None,
+                   sequences: Sequence[int] | None = None,
+                   report: Callable[[int, float], None] | None = None) -> float:
+        """Mean KL over ``sequences`` (default all) of the recipe given by ``configs`` + ``tensors``.
+
+        ``report(step, running_mean)`` is called after each sequence (Optuna pruning raises there).
+        """
+        from kvcalib.runtime.state import build_codecs
+        from kvcalib.simulate import simulated_logits
+
+        configs = list(configs)
+        rec = Recipe(name="candidate", layers=configs, model=self.info, tensors=dict(tensors or {}))
+        codecs = build_codecs(rec, configs, self.info.head_dim)
+        seqs = list(range(self.n_sequences)) if sequences is None else list(sequences)
+        total = 0.0
+        for step, m in enumerate(seqs):
+            ref = self.reference(m)
+            if any(c.compressed for c in configs):
+                logits = simulated_logits(self.model, self.ids[m:m + 1].to(self._device), configs, codecs,
+                                          self.prompt_len)[0].cpu()  # (T, V)
+                self.simulations += 1
+                total += kl_to_reference(ref, logits, self.prompt_len)
+            if report is not None:
+                report(step, total / (step + 1))
+        return total / max(len(seqs), 1)
+
+    def kl(self, point: Point, sequences: Sequence[int] | None = None,
+           report: Callable[[int, float], None] | None = None) -> float:
+        return self.kl_configs(point.layer_configs(), self.fitted_tensors(point), sequences, report)
+
+    def kl_recipe(self, recipe: Recipe, sequences: Sequence[int] | None = None) -> float:
+        """KL of any recipe (a preset included) on the same sequences."""
+        configs = recipe.layer_configs(self.info.num_layers)
+        return self.kl_configs(configs, recipe.tensors, sequences)

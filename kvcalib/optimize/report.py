@@ -1,0 +1,160 @@
+"""Search outputs for people: ``pareto.png``, ``bits_per_layer.png`` and ``report.md``.
+
+Matplotlib is imported inside the functions (Agg backend: no display needed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_pareto(records: Sequence[dict[str, Any]], front: Sequence[int], presets: Sequence[dict[str, Any]],
+                budget: float, chosen: int | None, path: Path) -> None:
+    """Effective bits vs KL of every scored trial, the front, the budget and the presets."""
+    from kvcalib.io import atomic_path
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    done = [r for r in records if r["state"] == "COMPLETE" and r["kl"] is not None]
+    pruned = [r for r in records if r["state"] == "PRUNED" and r["kl"] is not None]
+    floor = 1e-6
+    if done:
+        ax.scatter([r["effective_bits"] for r in done], [max(r["kl"], floor) for r in done], s=14, c="tab:blue",
+                   alpha=0.6, label="trials")
+    if pruned:
+        ax.scatter([r["effective_bits"] for r in pruned], [max(r["kl"], floor) for r in pruned], s=10, c="0.6",
+                   marker="x", alpha=0.6, label="pruned (partial KL)")
+    by_num = {r["number"]: r for r in records}
+    fr = [by_num[n] for n in front if n in by_num]
+    if fr:
+        ax.step([r["effective_bits"] for r in fr], [max(r["kl"], floor) for r in fr], where="post", c="tab:blue", lw=1)
+    for p in presets:
+        if p.get("kl") is not None:
+            ax.scatter([p["effective_bits"]], [max(p["kl"], floor)], marker="s", s=40, c="tab:red")
+            ax.annotate(p["name"], (p["effective_bits"], max(p["kl"], floor)), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    if chosen is not None and chosen in by_num:
+        c = by_num[chosen]
+        ax.scatter([c["effective_bits"]], [max(c["kl"], floor)], marker="*", s=160, c="tab:green", label=f"chosen (trial {chosen})", zorder=5)
+    ax.axvline(budget, ls="--", c="0.4", lw=1, label=f"budget {budget:g} bits")
+    ax.set_yscale("log")
+    ax.set_xlabel("effective bits per element (context 4096)")
+    ax.set_ylabel("KL(full || compressed), nats/token")
+    ax.set_title("search: quality vs memory")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(Path(path)) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def plot_bits_per_layer(point: dict[str, Any], sensitivity: Sequence[float] | None, path: Path) -> None:
+    """K and V bits per layer of the chosen point (bars), and the layer sensitivity (line)."""
+    from kvcalib.io import atomic_path
+
+    plt = _plt()
+    k, v = point["k_bits"], point["v_bits"]
+    n = len(k)
+    xs = list(range(n))
+    fig, ax = plt.subplots(figsize=(max(6, 0.25 * n + 2), 3.8))
+    ax.bar([x - 0.2 for x in xs], k, width=0.4, label="K bits")
+    ax.bar([x + 0.2 for x in xs], v, width=0.4, label="V bits")
+    methods = point.get("methods") or []
+    for x, m in zip(xs, methods):
+        if m:
+            ax.annotate("".join(s[0] for s in m), (x, max(k[x], v[x]) + 0.2), ha="center", fontsize=6)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("bits")
+    ax.set_yticks([2, 4, 8])
+    ax.set_title("chosen recipe: bits per layer (c/r/C = clip/reorder/center)")
+    if sensitivity:
+        ax2 = ax.twinx()
+        ax2.plot(xs, [max(s, 1e-9) for s in sensitivity], c="k", lw=1, marker=".", label="sensitivity")
+        ax2.set_yscale("log")
+        ax2.set_ylabel("KL, layer alone at fewest bits")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    with atomic_path(Path(path)) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v):
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def held_out_rows(held_out: Sequence[dict[str, Any]], kl_by_name: dict[str, float]) -> tuple[list[str], list[list[Any]]]:
+    cols = ["recipe", "eff. bits", "search KL", "held-out ppl", "ppl fp", "Δppl %"]
+    rows = [[h["name"], round(h["effective_bits"], 3), kl_by_name.get(h["name"], "-"),
+             h.get("ppl") if h.get("ppl") is not None else "-", h.get("ppl_fp") if h.get("ppl_fp") is not None else "-",
+             round(h["ppl_delta_pct"], 3) if h.get("ppl_delta_pct") is not None else "-"] for h in held_out]
+    return cols, rows
+
+
+def write_report(doc: dict[str, Any], path: Path) -> str:
+    """``report.md`` from the ``search.json`` document; returns the held-out table (markdown)."""
+    from kvcalib.io import atomic_path
+
+    chosen = doc.get("chosen")
+    by_num = {r["number"]: r for r in doc["trials"]}
+    c = by_num.get(chosen) if chosen is not None else None
+    states: dict[str, int] = {}
+    for r in doc["trials"]:
+        states[r["state"]] = states.get(r["state"], 0) + 1
+    kl_by_name = {p["name"]: p["kl"] for p in doc.get("presets", [])}
+    if c is not None:
+        kl_by_name[doc.get("recipe_name", "searched")] = c["kl"]
+    lines = [f"# kvcalib search: {doc['model']['name']}", ""]
+    cfg = doc["config"]
+    lines += [f"- budget: **{doc['budget_bits']:g}** effective bits per element at context {doc['context']} "
+              f"(floor of the space: {doc['floor_bits']:.3f}; bf16 = 16)",
+              f"- objective: decode-faithful KL(full || compressed) on {doc['score_sequences']} held calibration "
+              f"sequence(s) of {doc['score_seq_len']} tokens, disjoint from the {doc['stats_samples']} "
+              f"collection sample(s); data `{cfg['data']}`, seed {cfg['seed']}",
+              f"- study `{doc['study']}` in `{doc['storage']}`: {len(doc['trials'])} trials "
+              f"({', '.join(f'{v} {k.lower()}' for k, v in sorted(states.items()))})",
+              f"- search time: {doc.get('seconds', 0):.0f} s", ""]
+    if c is not None:
+        lines += [f"**Chosen: trial {chosen}**, KL {c['kl']:.4g} at {c['effective_bits']:.3f} effective bits "
+                  f"(group {c['point']['group']}, window {c['point']['window']}, sinks {c['point']['sinks']}) "
+                  f"-> [`{doc.get('recipe')}`]({doc.get('recipe')})", ""]
+    table = ""
+    if doc.get("held_out"):
+        cols, rows = held_out_rows(doc["held_out"], kl_by_name)
+        table = markdown_table(cols, rows)
+        ho = doc.get("held_out_config", {})
+        lines += ["## Held-out proof", "",
+                  f"Decode-faithful perplexity on {ho.get('ppl_samples')} sequence(s) of {ho.get('ppl_seq_len')} tokens "
+                  f"of the evaluation split (never seen by collection or search); effective bits at {doc['context']}.", "",
+                  table, ""]
+    lines += ["## Quality vs memory", "", "![pareto](pareto.png)", "", "## Bits per layer", "",
+              "![bits per layer](bits_per_layer.png)", ""]
+    front = [by_num[n] for n in doc.get("pareto", []) if n in by_num]
+    if front:
+        lines += ["## Pareto front", "", "Pick any of these with `kvcalib export RUN_DIR --trial N -o recipe.safetensors`.", "",
+                  markdown_table(["trial", "eff. bits", "KL", "mean K bits", "mean V bits"],
+                                 [[r["number"], round(r["effective_bits"], 3), r["kl"],
+                                   round(sum(r["point"]["k_bits"]) / len(r["point"]["k_bits"]), 2),
+                                   round(sum(r["point"]["v_bits"]) / len(r["point"]["v_bits"]), 2)] for r in front]), ""]
+    if doc.get("presets"):
+        lines += ["## Presets on the same objective", "",
+                  markdown_table(["preset", "eff. bits", "KL"], [[p["name"], round(p["effective_bits"], 3), p["kl"]]
+                                                              for p in doc["presets"]]), ""]
+    lines += ["Every trial is in [`search.json`](search.json).", ""]
+    with atomic_path(Path(path)) as tmp:
+        tmp.write_text("\n".join(lines))
+    return table

@@ -1,0 +1,441 @@
+"""Optuna studies: storage, the constrained single-objective search, warm start and pruning.
+
+Formulation. One objective, KL (``objective.py``), minimised by a TPE sampler with a constraint
+``effective_bits - budget <= 0`` (``Trial.set_constraint``; ``TPESampler(constraints_func=...)`` on Optuna < 5): infeasible trials are
+still scored, so the whole (effective bits, KL) Pareto front is recorded and ``kvcalib export
+--budget-bits`` can pick another budget later without searching again. (A two-objective NSGA-II
+would spend most of a small trial budget far from the budget; Optuna also cannot prune
+multi-objective trials.)
+
+Warm start. A per-layer sensitivity sweep (each layer alone at the fewest bits, every other layer
+uncompressed; KL on one sequence) orders layers; a greedy allocation then gives bits to the
+(layer, K|V) with the largest estimated KL saving (sensitivity x 4^-(extra bits), the
+quantization-error law) while the budget holds. Those points, the all-fewest-bits point and one
+point over the budget are enqueued before the sampler takes over.
+
+Local moves. With a tight budget almost no randomly sampled point is feasible, so after each
+finished trial a neighbour of the best feasible trial (:func:`local_move`: bits to a sensitive
+side or a switch flipped, then repaired to the budget) is enqueued with probability 0.7; TPE
+proposes the others. Enqueued points are ordinary trials in the storage, so workers share them.
+
+Pruning. Sequences are scored one at a time; after each one the running KL is reported and the
+trial is pruned when a finished trial with no more effective bits already had a KL at least
+``PRUNE_MARGIN`` times lower on the same sequences (it is Pareto-dominated so far).
+
+Storage. SQLite in the run folder (``RUN_DIR/study.db``) by default; ``storage`` may be any
+Optuna RDB URL (``sqlite:///path``, ``postgresql://...``) or a journal file (``journal:PATH`` or a
+path ending in ``.log``/``.journal``) so several processes or machines join one study. The study
+records a fingerprint of its space: another space under the same name is refused.
+Optuna is imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from kvcalib.errors import KvcalibError
+from kvcalib.optimize.space import Point, SearchSpace, point_params
+
+if TYPE_CHECKING:  # pragma: no cover
+    import optuna
+
+    from kvcalib.optimize.objective import SearchObjective
+
+log = logging.getLogger(__name__)
+
+PRUNE_MARGIN = 1.25
+DEFAULT_STUDY = "kvcalib-search"
+ATTR_SPACE = "space_fingerprint"
+
+
+# ------------------------------------------------------------------ storage
+def storage_url(storage: str | None, run_dir: Path) -> str:
+    return storage if storage else f"sqlite:///{Path(run_dir).resolve() / 'study.db'}"
+
+
+def open_storage(url: str):
+    """An Optuna storage for ``url``; KvcalibError when it cannot be reached."""
+    import optuna
+
+    try:
+        if url.startswith("journal:") or url.endswith((".log", ".journal")):
+            from optuna.storages.journal import JournalFileBackend
+
+            path = Path(url[len("journal:"):] if url.startswith("journal:") else url)
+            if not path.parent.is_dir():
+                raise KvcalibError(f"journal storage {path}: folder {path.parent} does not exist; create it or pass another path.")
+            return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+        if "://" not in url:
+            raise KvcalibError(f"--storage {url!r} is neither a database URL (sqlite:///PATH, postgresql://...) "
+                               "nor a journal file (journal:PATH or PATH.log)")
+        if url.startswith("sqlite:///"):
+            parent = Path(url[len("sqlite:///"):]).parent
+            if not parent.is_dir():
+                raise KvcalibError(f"--storage {url}: folder {parent} does not exist; create it or pass another URL.")
+        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None)
+    except KvcalibError:
+        raise
+    except Exception as err:  # SQLAlchemy/driver errors vary by backend; all mean "unreachable"
+        raise KvcalibError(f"cannot open study storage {url}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. "
+                           "Check the URL, the server and the credentials.") from None
+
+
+def open_study(storage_url_: str, name: str, space: SearchSpace, num_layers: int, *, sampler=None,
+               pruner=None, create: bool = True, must_exist: bool = False) -> "optuna.Study":
+    """Create or load study ``name``; refuse a study made over another space (nothing is changed)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # our progress line says what happens
+    storage = open_storage(storage_url_)
+    fingerprint = space.fingerprint(num_layers)
+    existing = {s.study_name: s for s in storage.get_all_studies()} if hasattr(storage, "get_all_studies") else {}
+    if name in existing:
+        got = existing[name].user_attrs.get(ATTR_SPACE)
+        if got != fingerprint:
+            raise KvcalibError(
+                f"study {name!r} in {storage_url_} was made with another search space (fingerprint {got}, "
+                f"this one {fingerprint}): pass the same --space and model, or another --study name. "
+                "The existing study was not changed.")
+    elif must_exist:
+        raise KvcalibError(f"no study {name!r} in {storage_url_} to resume: drop --resume to start one.")
+    elif not create:
+        raise KvcalibError(f"no study {name!r} in {storage_url_}.")
+    try:
+        study = optuna.create_study(storage=storage, study_name=name, direction="minimize", sampler=sampler,
+                                    pruner=pruner, load_if_exists=True)
+    except Exception as err:  # storage errors surface here for lazily-connecting backends
+        raise KvcalibError(f"cannot open study {name!r} in {storage_url_}: {type(err).__name__}: {err}") from None
+    if name not in existing:
+        study.set_user_attr(ATTR_SPACE, fingerprint)
+        study.set_user_attr("space", space.to_dict())
+        study.set_user_attr("num_layers", num_layers)
+    return study
+
+
+def recover_interrupted(study: "optuna.Study") -> int:
+    """Re-enqueue the points of trials left RUNNING by an interrupted process; they are marked FAIL.
+
+    Only for a study this process owns (the default run-folder storage): in a shared study a
+    RUNNING trial may belong to a live worker.
+    """
+    import optuna
+
+    n = 0
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+        if t.params:
+            study.enqueue_trial(t.params, user_attrs={"recovered_from": t.number}, skip_if_exists=True)
+        n += 1
+    return n
+
+
+def _has_set_constraint() -> bool:
+    import optuna
+
+    return hasattr(optuna.trial.Trial, "set_constraint")  # Optuna >= 5; constraints_func before
+
+
+def set_bits(trial, bits: float, budget: float) -> None:
+    """Record a trial's effective bits and its budget constraint (feasible when bits - budget <= 0)."""
+    trial.set_user_attr("effective_bits", float(bits))
+    if _has_set_constraint():
+        trial.set_constraint("budget_bits", float(bits) - budget)
+
+
+def make_sampler(seed: int, budget: float, n_startup: int):
+    """TPE over the space with the budget as a constraint."""
+    import optuna
+
+    kwargs: dict[str, Any] = {}
+    if not _has_set_constraint():
+        def constraints(trial) -> list[float]:
+            bits = trial.user_attrs.get("effective_bits")
+            return [float(bits) - budget if bits is not None else 1.0]
+
+        kwargs["constraints_func"] = constraints
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(1, n_startup), multivariate=True,
+                                      **kwargs)
+
+
+def make_pruner(n_steps: int, margin: float = PRUNE_MARGIN):
+    """Prune a trial that a finished trial with no more bits beats by ``margin`` on the same sequences."""
+    import optuna
+
+    class ParetoPruner(optuna.pruners.BasePruner):
+        def prune(self, study, trial) -> bool:
+            step = trial.last_step
+            bits = trial.user_attrs.get("effective_bits")
+            if step is None or bits is None or step >= n_steps - 1:
+                return False
+            value = trial.intermediate_values[step]
+            for other in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+                ob, ov = other.user_attrs.get("effective_bits"), other.intermediate_values.get(step)
+                if ob is not None and ov is not None and ob <= bits + 1e-9 and ov * margin < value:
+                    return True
+            return False
+
+    return ParetoPruner()
+
+
+# ------------------------------------------------------------------ warm start
+def sensitivity_sweep(objective: "SearchObjective", space: SearchSpace,
+                      on_layer: Callable[[int], None] | None = None) -> list[float]:
+    """KL on sequence 0 with one layer at the fewest bits (K and V) and every other layer uncompressed."""
+    from kvcalib.recipe import LayerConfig
+
+    floor = space.floor_point(objective.info.num_layers)
+    low = floor.layer_configs()[0]
+    out = []
+    for i in range(objective.info.num_layers):
+        configs = [LayerConfig(k_axis=space.k_axis)] * objective.info.num_layers
+        configs[i] = low
+        out.append(objective.kl_configs(configs, None, sequences=[0]))
+        if on_layer is not None:
+            on_layer(i)
+    return out
+
+
+def greedy_point(objective: "SearchObjective", space: SearchSpace, sensitivity: list[float], budget: float,
+                 methods: tuple[str, ...] = ()) -> Point:
+    """Bits to the (layer, side) with the largest estimated KL saving while the budget holds."""
+    n = objective.info.num_layers
+    base = space.floor_point(n)
+    levels = list(space.bits)
+    k = [0] * n
+    v = [0] * n
+
+    def point(k_, v_):
+        return Point(base.group, base.window, base.sinks, tuple(levels[x] for x in k_), tuple(levels[x] for x in v_),
+                     (methods,) * n, space.k_axis)
+
+    def saving(i: int, lvl: int) -> float:
+        if lvl + 1 >= len(levels):
+            return -1.0
+        b0, b1 = levels[lvl], levels[lvl + 1]
+        return 0.5 * sensitivity[i] * (4.0 ** -(b0 - levels[0]) - 4.0 ** -(b1 - levels[0])) / (b1 - b0)
+
+    blocked: set[tuple[int, str]] = set()
+    while True:
+        cands = [(saving(i, k[i]), i, "k") for i in range(n) if (i, "k") not in blocked] + \
+                [(saving(i, v[i]), i, "v") for i in range(n) if (i, "v") not in blocked]
+        cands = [c for c in cands if c[0] > 0]
+        if not cands:
+            break
+        _, i, side = max(cands)
+        trial_k, trial_v = list(k), list(v)
+        (trial_k if side == "k" else trial_v)[i] += 1
+        if objective.effective_bits(point(trial_k, trial_v), with_tensors=False) <= budget - 1e-3:
+            k, v = trial_k, trial_v
+        else:
+            blocked.add((i, side))
+    return point(k, v)
+
+
+def warm_start_points(objective: "SearchObjective", space: SearchSpace, sensitivity: list[float],
+                      budget: float) -> list[Point]:
+    """Distinct warm-start points: greedy at the budget (methods on / off), below and above it, and the floor."""
+    n = objective.info.num_layers
+    all_methods = tuple(space.layer_methods)
+    floor = space.floor_point(n)
+    floor = Point(floor.group, floor.window, floor.sinks, floor.k_bits, floor.v_bits, (all_methods,) * n, floor.k_axis)
+    floor_bits = objective.effective_bits(floor, with_tensors=False)
+    pts = [greedy_point(objective, space, sensitivity, budget, all_methods)]
+    if all_methods:
+        pts.append(greedy_point(objective, space, sensitivity, budget, ()))
+    pts.append(floor)
+    for b in (floor_bits + 0.5 * (budget - floor_bits), budget + 1.0):
+        pts.append(greedy_point(objective, space, sensitivity, b, all_methods))
+    out: list[Point] = []
+    for p in pts:
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def enqueue(study: "optuna.Study", points: list[Point], space: SearchSpace) -> None:
+    for p in points:
+        study.enqueue_trial(point_params(p, space), user_attrs={"warm_start": True}, skip_if_exists=True)
+
+
+def local_move(best: Point, space: SearchSpace, sensitivity: list[float] | None, budget: float,
+               bits_of: Callable[[Point], float], rng) -> Point:
+    """A neighbour of the incumbent ``best`` that fits the budget.
+
+    One move (bits to a sensitive layer side, a method switch, or a global setting), then a
+    repair that takes bits from the least sensitive sides until the budget holds. This keeps
+    trials near the budget, where per-layer random sampling of 60+ categorical parameters
+    would almost never land (their average is far above a tight budget).
+    """
+    n = len(best.k_bits)
+    sens = list(sensitivity) if sensitivity else [1.0] * n
+    levels = list(space.bits)
+    k = [levels.index(b) for b in best.k_bits]
+    v = [levels.index(b) for b in best.v_bits]
+    methods = [set(m) for m in (best.methods or ((),) * n)]
+    group, window, sinks = best.group, best.window, best.sinks
+    move = rng.random()
+    if move < 0.6 or not space.layer_methods:  # upgrade a side, chosen in proportion to sensitivity
+        for _ in range(1 + int(rng.random() < 0.3)):
+            i = rng.choices(range(n), weights=[s + 1e-12 for s in sens])[0]
+            side = k if rng.random() < 0.5 else v
+            side[i] = min(side[i] + 1, len(levels) - 1)
+    elif move < 0.85:
+        i = rng.randrange(n)
+        m = rng.choice(space.layer_methods)
+        methods[i] ^= {m}
+    else:
+        which = rng.choice(["group", "window", "sinks"])
+        if which == "group":
+            group = rng.choice(space.groups)
+        elif which == "window":
+            window = rng.choice(space.windows)
+        else:
+            sinks = rng.choice(space.sinks)
+
+    def make() -> Point:
+        return Point(group, window, sinks, tuple(levels[x] for x in k), tuple(levels[x] for x in v),
+                     tuple(tuple(m for m in space.layer_methods if m in ms) for ms in methods), space.k_axis)
+
+    # repair: lower the side with the least sensitivity per level until within budget
+    for _ in range(4 * n):
+        if bits_of(make()) <= budget - 1e-3:
+            break
+        cands = [(sens[i] * 4.0 ** -(lv), i, side) for side in (k, v) for i, lv in enumerate(side) if lv > 0]
+        if not cands:
+            break
+        _, i, side = min(cands, key=lambda c: (c[0], rng.random()))
+        side[i] -= 1
+    return make()
+
+
+def make_local_callback(objective: "SearchObjective", space: SearchSpace, budget: float, seed: int,
+                        fraction: float = 0.7) -> Callable:
+    """After each finished trial, enqueue (with probability ``fraction``) a neighbour of the best
+    feasible trial; the sampler (TPE) proposes the rest."""
+    import random
+
+    import optuna
+
+    rng = random.Random(seed)
+    n = objective.info.num_layers
+
+    def callback(study: "optuna.Study", trial) -> None:
+        if rng.random() >= fraction:
+            return
+        feasible = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+                    if t.user_attrs.get("effective_bits", math.inf) <= budget + 1e-9 and t.value is not None]
+        if not feasible:
+            return
+        best = min(feasible, key=lambda t: t.value)
+        incumbent = Point.from_params(best.params, space, n)
+        seen = {tuple(sorted(t.params.items())) for t in study.get_trials(deepcopy=False)}
+        sens = study.user_attrs.get("sensitivity")
+        for _ in range(20):
+            p = local_move(incumbent, space, sens, budget, lambda q: objective.effective_bits(q, with_tensors=False), rng)
+            params = point_params(p, space)
+            if tuple(sorted(params.items())) not in seen:
+                study.enqueue_trial(params, user_attrs={"local_move": best.number})
+                return
+
+    return callback
+
+
+# ------------------------------------------------------------------ running
+def make_objective_fn(objective: "SearchObjective", space: SearchSpace, budget: float) -> Callable:
+    import optuna
+
+    n = objective.info.num_layers
+
+    def fn(trial: "optuna.Trial") -> float:
+        point = space.sample(trial, n)
+        set_bits(trial, objective.effective_bits(point), budget)
+
+        def report(step: int, value: float) -> None:
+            trial.report(value, step)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
+
+        return objective.kl(point, report=report)
+
+    return fn
+
+
+def finished_count(study: "optuna.Study") -> int:
+    import optuna
+
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    return len(study.get_trials(deepcopy=False, states=states))
+
+
+def run_trials(study: "optuna.Study", fn: Callable, n_trials: int, *, timeout: float | None = None,
+               on_trial: Callable[["optuna.Study", Any], None] | None = None,
+               extra_callbacks: tuple[Callable, ...] = ()) -> None:
+    """Run until the study holds ``n_trials`` finished (complete + pruned) trials, all workers together."""
+    import optuna
+
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    left = n_trials - finished_count(study)
+    if left <= 0:
+        return
+    callbacks = [optuna.study.MaxTrialsCallback(n_trials, states=states), *extra_callbacks]
+    if on_trial is not None:
+        callbacks.append(on_trial)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study.optimize(fn, n_trials=left, timeout=timeout, callbacks=callbacks, catch=(), gc_after_trial=False)
+
+
+def trial_records(study: "optuna.Study", space: SearchSpace, num_layers: int, budget: float) -> list[dict[str, Any]]:
+    """Every trial: number, state, KL (value or last intermediate), effective bits, point."""
+    out = []
+    import optuna
+
+    for t in study.get_trials(deepcopy=False):
+        if t.state == optuna.trial.TrialState.WAITING:  # enqueued, not run yet (a resume runs it)
+            continue
+        bits = t.user_attrs.get("effective_bits")
+        kl = t.value if t.value is not None else (t.intermediate_values[t.last_step] if t.last_step is not None else None)
+        try:
+            point = Point.from_params(t.params, space, num_layers).to_dict()
+        except KeyError:
+            point = None
+        out.append({"number": t.number, "state": t.state.name, "kl": kl, "effective_bits": bits,
+                    "feasible": bits is not None and bits <= budget + 1e-9,
+                    "sequences": len(t.intermediate_values), "warm_start": bool(t.user_attrs.get("warm_start")),
+                    "local_move_of": t.user_attrs.get("local_move"),
+                    "seconds": t.duration.total_seconds() if t.duration else None, "point": point})
+    return out
+
+
+def pareto_front(records: list[dict[str, Any]]) -> list[int]:
+    """Numbers of the complete trials no other complete trial beats in both bits and KL (by bits)."""
+    done = sorted((r for r in records if r["state"] == "COMPLETE" and r["kl"] is not None and r["effective_bits"] is not None),
+                  key=lambda r: (r["effective_bits"], r["kl"]))
+    front, best = [], math.inf
+    for r in done:
+        if r["kl"] < best:
+            front.append(r["number"])
+            best = r["kl"]
+    return front
+
+
+def choose(records: list[dict[str, Any]], budget: float | None = None, trial: int | None = None) -> dict[str, Any]:
+    """The lowest-KL complete trial at or under ``budget``, or trial number ``trial``."""
+    done = [r for r in records if r["state"] == "COMPLETE" and r["kl"] is not None and r["point"] is not None]
+    if trial is not None:
+        for r in records:
+            if r["number"] == trial:
+                if r not in done:
+                    raise KvcalibError(f"trial {trial} is {r['state']}, not complete: pick a complete trial "
+                                       f"({', '.join(str(d['number']) for d in done[:20])}...)")
+                return r
+        raise KvcalibError(f"there is no trial {trial}: the study holds trials 0..{len(records) - 1}")
+    assert budget is not None
+    ok = [r for r in done if r["effective_bits"] <= budget + 1e-9]
+    if not ok:
+        lowest = min((r["effective_bits"] for r in done), default=None)
+        raise KvcalibError(f"no complete trial is at or under {budget} effective bits"
+                           + (f" (the cheapest has {lowest:.3f}): raise the budget or search more" if lowest else ""))
+    return min(ok, key=lambda r: (r["kl"], r["effective_bits"]))

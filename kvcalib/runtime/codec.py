@@ -23,6 +23,7 @@ import torch
 
 from kvcalib.quant.uniform import (QuantizedTensor, dequantize_keys, dequantize_values,
                                    quantize_keys, quantize_values)
+from kvcalib.calibrate.reorder import apply_perm, invert_perm
 from kvcalib.recipe import LayerConfig
 
 
@@ -58,7 +59,7 @@ class LayerCodec:
         self.cfg = cfg
         self.clip = {"k": k_clip, "v": v_clip}
         self.perm = {"k": k_perm, "v": v_perm}  # (H, D) int64: stored channel j = input channel perm[h, j]
-        self.inv = {s: (None if p is None else _invert(p)) for s, p in self.perm.items()}
+        self.inv = {s: (None if p is None else invert_perm(p)) for s, p in self.perm.items()}
         self.center = {"k": int(k_center), "v": int(v_center)}  # mean bits: 0 off, 8 or 16
 
     def _bits_group(self, side: str) -> tuple[int, int]:
@@ -80,7 +81,7 @@ class LayerCodec:
             else:
                 mean_q = quantize_values(mean_f, 8, mean_f.shape[-1])
         if self.perm[side] is not None:
-            x = _gather(x, self.perm[side])
+            x = apply_perm(x, self.perm[side])
         m = None if valid is None else valid[:, None, :]  # (B, 1, N)
         per_channel_keys = side == "k" and self.cfg.k_axis == "channel"
         quantize = quantize_keys if per_channel_keys else quantize_values
@@ -92,7 +93,7 @@ class LayerCodec:
         per_channel_keys = side == "k" and self.cfg.k_axis == "channel"
         out = (dequantize_keys if per_channel_keys else dequantize_values)(block.quantized)  # (B, H, N, D)
         if self.inv[side] is not None:
-            out = _gather(out, self.inv[side])
+            out = apply_perm(out, self.inv[side])
         if block.mean is not None:
             out = out + block.mean.float()
         elif block.mean_q is not None:
@@ -127,17 +128,3 @@ class LayerCodec:
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
     """float64 stays float64 (exactness tests); everything else decodes to float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _invert(perm: torch.Tensor) -> torch.Tensor:
-    """Inverse permutation (H, D): inv[h, perm[h, j]] = j."""
-    perm = perm.long()
-    inv = torch.empty_like(perm)
-    inv.scatter_(-1, perm, torch.arange(perm.shape[-1]).expand_as(perm).contiguous())
-    return inv
-
-
-def _gather(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """out[b, h, n, j] = x[b, h, n, perm[h, j]] for x (B, H, N, D), perm (H, D)."""
-    idx = perm.long().to(x.device)[None, :, None, :].expand(x.shape)
-    return torch.gather(x, -1, idx)

@@ -31,7 +31,7 @@ def _clip(recipe: Recipe, i: int, side: str) -> float | torch.Tensor:
 
 APPLIED = ("clip", "perm", "center")
 # fitted by calibration but only informative at runtime (the search reads them)
-INFORMATIVE = ("center_gain", "outlier_gain", "clip_error")
+INFORMATIVE = ("center_gain", "outlier_gain", "clip_error", "huffman")  # huffman: code lengths (2**bits,) uint8
 
 
 def _perm(recipe: Recipe, i: int, side: str, head_dim: int | None) -> torch.Tensor | None:

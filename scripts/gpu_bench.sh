@@ -9,6 +9,8 @@
 #         micro-nosweep   the grid with configs from $KV_CONFIG (JSON), no sweep
 #         tests-gpu   only the `gpu`-marked tests
 #         latency     GPU time (CUDA-graph replay) vs host time per call, small shapes
+#         splits      split-K parallelism sweep at batch 1/8 (CUDA-graph time)
+#         huffman     kernels/bench/bench_huffman.py (entropy-coded decode and fused attention)
 #         e2e-smoke   end-to-end on a small random model (checks the path, seconds)
 #         e2e         end-to-end, random-weight Mistral-7B shape at 32k context
 # Everything is written under $OUT (the device tool returns it); each stage has a time limit so
@@ -53,6 +55,12 @@ for st in $STAGES; do
       timeout "${KV_LAT_TIMEOUT:-150}" $PY kernels/bench/bench_decode.py --mode latency ${KV_CONFIG:+--config "$KV_CONFIG"} \
         --out "$OUT" >> "$OUT/bench.log" 2>&1
       echo "latency exit $?"; grep -E "ours do_bench" "$OUT/bench.log" | tail -n 12 ;;
+    splits)
+      timeout "${KV_SPLITS_TIMEOUT:-200}" $PY kernels/bench/bench_decode.py --mode splits --out "$OUT" > "$OUT/splits.log" 2>&1
+      echo "splits exit $?"; grep -E "^  b=" "$OUT/splits.log" ;;
+    huffman)
+      timeout "${KV_HUFF_TIMEOUT:-200}" $PY kernels/bench/bench_huffman.py --out "$OUT" > "$OUT/huffman.log" 2>&1
+      echo "huffman exit $?"; tail -n 20 "$OUT/huffman.log" ;;
     e2e-smoke)
       timeout "${KV_E2E_TIMEOUT:-90}" $PY kernels/bench/bench_decode.py --mode e2e --quick --steps 6 --batches-bf16 2 \
         --batches-packed 2 --out "$OUT/smoke" > "$OUT/e2e_smoke.log" 2>&1

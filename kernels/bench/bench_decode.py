@@ -459,6 +459,78 @@ def main_latency(args) -> None:
                     f"-> speedup (graph) {r['speedup_graph'] or float('nan'):.2f}")
 
 
+def main_splits(args) -> None:
+    """Split-K parallelism at small batch: CUDA-graph time of the kernel for several
+    (block_n, programs_per_sm, min_split_blocks) on the Mistral shape at batch 1 and 8, with the
+    bf16 SDPA graph time of the same shape. Writes ``decode_splits.json``."""
+    import triton.testing
+
+    from kvcalib_kernels.decode_attention import DecodeConfig
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    hq, h, d = MODELS["mistral-7b"]
+    scale = d ** -0.5
+
+    def graph_ms(fns):
+        def all_sets():
+            for f in fns:
+                f()
+        all_sets()
+        torch.cuda.synchronize()
+        return float(triton.testing.do_bench_cudagraph(all_sets, rep=30, return_mode="median")) / len(fns)
+
+    base = {2: dict(block_n=64, programs_per_sm=32.0), 4: dict(block_n=32, programs_per_sm=16.0)}
+    grid = [(bn, pps, msb) for bn in (32, 64) for pps in (16.0, 32.0, 64.0) for msb in (1, 2, 4)]
+    rows = []
+    for b, ctx in ((1, 4096), (1, 16384), (1, 32768), (8, 4096), (8, 32768)):
+        n = ctx - WINDOW
+        bb = bf16_bytes(b, h, hq, ctx, d)
+        bsets = max(1, min(32, math.ceil(256e6 / bb)))
+        kvs = [(torch.randn(b, hq, 1, d, device=dev, dtype=torch.bfloat16),
+                torch.randn(b, h, ctx, d, device=dev, dtype=torch.bfloat16),
+                torch.randn(b, h, ctx, d, device=dev, dtype=torch.bfloat16)) for _ in range(bsets)]
+        bf = {}
+        for name in ("sdpa_enable_gqa", "sdpa_grouped_rows_flash"):
+            try:
+                bf[name] = graph_ms([bf16_variants(q4, k, v, scale)[name] for q4, k, v in kvs])
+            except Exception as err:  # noqa: BLE001
+                log(f"  {name}: {type(err).__name__}: {str(err)[:120]}")
+        del kvs
+        torch.cuda.empty_cache()
+        bf16_ms = min(bf.values()) if bf else float("nan")
+        for bits in (2, 4):
+            nb = packed_bytes(b, h, hq, n, WINDOW, d, bits, 128, 128)["total"]
+            sets = max(1, min(32, math.ceil(256e6 / nb)))
+            inputs = []
+            for i in range(sets):
+                inputs.append((torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16),
+                               packed_inputs(b, h, n, d, bits, 128, 128, dev, seed=i),
+                               (torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16),
+                                torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16))))
+            best = None
+            for bn, pps, msb in grid:
+                cfg = DecodeConfig(block_n=bn, programs_per_sm=pps, min_split_blocks=msb, num_warps=1, num_stages=2)
+                try:
+                    ms = graph_ms([kernel_call(q, pk, w, bits, 128, 128, n, scale, cfg) for q, pk, w in inputs])
+                except Exception as err:  # noqa: BLE001
+                    log(f"  config {cfg_dict(cfg)} failed: {type(err).__name__}: {str(err)[:160]}")
+                    continue
+                is_default = dict(block_n=bn, programs_per_sm=pps) == base[bits] and msb == 4
+                rows.append({"model": "mistral-7b", "batch": b, "context": ctx, "bits": bits, **cfg_dict(cfg),
+                             "ms_graph": ms, "bf16_ms_graph": bf16_ms, "speedup": bf16_ms / ms, "default": is_default})
+                if best is None or ms < best[0]:
+                    best = (ms, cfg_dict(cfg))
+            default = [r["ms_graph"] for r in rows if r["default"] and r["batch"] == b and r["context"] == ctx
+                       and r["bits"] == bits]
+            log(f"  b={b} ctx={ctx:6d} bits={bits}: bf16 {bf16_ms:.4f} ms | default {default[0] if default else float('nan'):.4f} ms"
+                f" | best {best[0]:.4f} ms {best[1]}")
+            del inputs
+            torch.cuda.empty_cache()
+            _write_json(out / "decode_splits.json", {"rows": rows})
+
+
 # ---------------------------------------------------------------- end to end
 
 
@@ -817,7 +889,7 @@ def main_report(args) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=("micro", "latency", "e2e", "report"), default="micro")
+    ap.add_argument("--mode", choices=("micro", "latency", "splits", "e2e", "report"), default="micro")
     ap.add_argument("--out", default="artifacts/bench")
     ap.add_argument("--quick", action="store_true", help="a few shapes only (smoke test)")
     ap.add_argument("--no-sweep", action="store_true", help="default config, no sweep")
@@ -827,7 +899,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batches-bf16", type=int, nargs="*", default=[8])
     ap.add_argument("--batches-packed", type=int, nargs="*", default=[8, 32])
     args = ap.parse_args(argv)
-    {"micro": main_micro, "latency": main_latency, "e2e": main_e2e, "report": main_report}[args.mode](args)
+    {"micro": main_micro, "latency": main_latency, "splits": main_splits, "e2e": main_e2e,
+     "report": main_report}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -256,7 +256,9 @@ def fit_params(
         # alpha == 1 must reproduce the unclipped range exactly, not up to rounding of c
         lo = torch.where(alpha == 1.0, lo, lo_c)
         hi = torch.where(alpha == 1.0, hi, hi_c)
-    scale16 = ((hi - lo) / qmax).to(torch.float16)  # (S)
+    # tensor / tensor: IEEE division on every device (PyTorch's CUDA tensor / Python-scalar
+    # multiplies by the reciprocal, which rounds differently from the Triton kernel's div_rn)
+    scale16 = ((hi - lo) / torch.full_like(hi, float(qmax))).to(torch.float16)  # (S)
     zero16 = lo.to(torch.float16)  # (S)
     if not (torch.isfinite(scale16).all() and torch.isfinite(zero16).all()):
         raise ValueError(

@@ -37,6 +37,7 @@ VALID_BITS = (2, 4, 8, 16)  # 16 = kept in full precision (not quantized)
 KEY_AXES = ("channel", "token")  # keys per channel over token groups (KIVI) or per token
 FP_BITS = 16  # full-precision segments are accounted at 16 bits, as stored on GPU (bf16/fp16)
 SCALE_BYTES = 2  # scales and zero-points are float16
+MAX_OUTLIER_POOL = 1024  # full-precision pool slots per kv head; beyond this a pool defeats compression
 
 
 @dataclass(frozen=True)
@@ -212,14 +213,83 @@ class Recipe:
                     "(kvcalib collect + export/search) or use a preset."
                 )
 
+    # ------------------------------------------------------------------ per-layer fitted state
+    def outlier_pool(self, i: int, cfg: LayerConfig) -> int:
+        """OTT pool size of layer ``i`` from ``layers.{i}.kv.outlier_pool`` (0 = off / absent).
+
+        Refuses (naming the tensor) a non-integer or non-scalar tensor, a negative size, and a
+        pool on a layer kept at 16 bits.
+        """
+        name = f"layers.{i}.kv.outlier_pool"
+        t = self.tensors.get(name)
+        if t is None:
+            return 0
+        if t.numel() != 1 or t.is_floating_point() or t.dtype == torch.bool:
+            raise RecipeError(f"recipe {self.name!r}: tensor {name} must be an integer scalar (the OTT pool "
+                              f"size), got {t.dtype} of shape {tuple(t.shape)}: re-export the recipe")
+        size = int(t.reshape(-1)[0])
+        if not 0 <= size <= MAX_OUTLIER_POOL:
+            raise RecipeError(f"recipe {self.name!r}: tensor {name} is {size}; the outlier pool size must be "
+                              f">= 0 and <= {MAX_OUTLIER_POOL} (0 = off, OTT uses 3): re-export the recipe")
+        if size and not cfg.compressed:
+            raise RecipeError(f"recipe {self.name!r}: tensor {name} is {size} but layer {i} keeps K and V at "
+                              "16 bits (nothing is flushed): set it to 0 or drop the tensor")
+        return size
+
+    def schedule(self, i: int, cfg: LayerConfig):
+        """PATS schedule of layer ``i`` from ``layers.{i}.kv.schedule`` (None when absent).
+
+        Returns a :class:`~kvcalib.calibrate.schedule.Schedule` (sinks from the layer config),
+        validated: ages start at 0 and strictly increase, bits never increase with age, and the
+        first quantized tier is the layer config (window, bits, sinks). Refusals name the tensor.
+        """
+        name = f"layers.{i}.kv.schedule"
+        t = self.tensors.get(name)
+        if t is None:
+            return None
+        from kvcalib.calibrate.schedule import Schedule
+        from kvcalib.errors import KvcalibError
+
+        try:
+            sched = Schedule.from_tensor(t, sinks=cfg.sinks)
+            sched.check_layer(cfg)
+        except KvcalibError as err:
+            raise RecipeError(f"recipe {self.name!r}: tensor {name} (rows age, k_bits, v_bits) is invalid: "
+                              f"{err}. Re-export the recipe (kvcalib export --schedule ...)") from None
+        return sched
+
     def memory(self, info: ModelInfo, context: int = 4096) -> MemoryBreakdown:
-        """Accounted bytes per sequence at ``context`` (DESIGN.md's memory accounting)."""
+        """Accounted bytes per sequence at ``context`` (DESIGN.md's memory accounting).
+
+        Per layer: :func:`layer_bytes`, or, with a PATS schedule, ``schedule_bytes`` (each flushed
+        block at its tier's bits); centering means; OTT pools (``pool_bytes``: full-precision
+        pool + extra pool slots, int32 positions, counters, and ``ceil(G / 8)`` mask bytes per
+        flushed block per kv head, as the cache stores them); fitted tensors amortised.
+        """
+        from kvcalib.calibrate.outliers import EXTRA_CAPACITY, pool_bytes
+        from kvcalib.calibrate.schedule import schedule_bytes
+
         comps: dict[str, float] = {}
+        fp_bytes = FP_BITS // 8
         for i, cfg in enumerate(self.layer_configs(info.num_layers)):
-            for key, val in layer_bytes(cfg, info.num_kv_heads, info.head_dim, context, info.sliding_window[i]).items():
-                comps[key] = comps.get(key, 0.0) + val
             kept = context if info.sliding_window[i] is None else min(context, info.sliding_window[i])
+            sched = self.schedule(i, cfg)
+            if sched is not None and cfg.compressed:
+                base = schedule_bytes(sched, kept, info.num_kv_heads, info.head_dim, cfg.k_group, cfg.v_group,
+                                      cfg.k_axis, fp_bytes)
+            else:
+                base = layer_bytes(cfg, info.num_kv_heads, info.head_dim, context, info.sliding_window[i])
+            for key, val in base.items():
+                comps[key] = comps.get(key, 0.0) + val
             nq = quantized_token_count(cfg, kept)
+            pool = self.outlier_pool(i, cfg)
+            if pool and nq:  # the cache allocates the pools at the first flush
+                blocks = nq // cfg.flush_block
+                mask_tokens = blocks * ((cfg.flush_block + 7) // 8) * 8  # whole bytes per block
+                ott = pool_bytes(info.num_kv_heads, info.head_dim, pool, EXTRA_CAPACITY, mask_tokens, fp_bytes)
+                for key, val in (("outlier_pool", ott["fp_k_v"]), ("outlier_positions", ott["positions"] + ott["counters"]),
+                                 ("outlier_masks", ott["masks"])):
+                    comps[key] = comps.get(key, 0.0) + val
             for side in ("k", "v"):
                 t = self.tensors.get(f"layers.{i}.{side}.center")
                 bits = int(round(float(t.reshape(-1)[0]))) if t is not None else 0

@@ -12,6 +12,18 @@ i tokens: positions [S, S + n_q(i)) with ``n_q = recipe.quantized_token_count``.
 quantized from the same consecutive tokens either way, so we precompute every block's quantized
 K/V once and pick, per (i, j), full precision or quantized: two score matrices and a mask,
 one forward per sequence instead of a token-by-token loop.
+
+OTT (the codec's ``outlier_pool`` > 0): a flushed token chosen for the pool at its own flush stays
+in full precision forever, and one not chosen is quantized forever, per (batch row, kv head);
+:func:`~kvcalib.calibrate.outliers.trace_outliers` runs the runtime's flushes over the flushed
+keys and gives that set. Those tokens are seen in full precision by every query and are left out
+of their group's range (the codec's ``keep`` mask), exactly as the cache does.
+
+PATS (the codec's ``schedule``): the cache requantizes, after each step at context T, every block
+``[s, e)`` to the tier of age ``T - e``, going through every tier in between. Query i sees the
+state left after context i (the same timing as the flushes), so it sees key j at the stored tier
+``u`` with ``tiers[u].age <= i - e_j`` (the last such), i.e. ``codec.roundtrip_tiers(...)[u]``: the
+first quantization followed by the chain of requantizations. One score matrix per stored tier.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from typing import Iterator
 
 import torch
 
+from kvcalib.calibrate.outliers import EXTRA_CAPACITY, trace_outliers
 from kvcalib.recipe import LayerConfig, quantized_token_count
 from kvcalib.runtime.codec import LayerCodec
 
@@ -47,6 +60,19 @@ def quantized_mask(cfg: LayerConfig, t: int, prompt_len: int, device=None) -> to
     j = torch.arange(t, device=device)
     quant = (j[None, :] >= cfg.sinks) & (j[None, :] < cfg.sinks + nq[:, None])  # (T, T)
     return quant & (i[:, None] >= prompt_len)
+
+
+def stored_tier_index(cfg: LayerConfig, codec: LayerCodec, t: int, device=None) -> torch.Tensor:
+    """(T, T) int64: the stored tier (index into ``codec.tiers``) in which query i sees key j,
+    for keys j that are packed by then (elsewhere meaningless): the last tier whose first age is
+    ``<= i - e_j``, ``e_j`` the end of j's flush block (module docstring)."""
+    block = cfg.flush_block
+    i = torch.arange(t, device=device)  # (T,)
+    j = torch.arange(t, device=device)
+    block_end = cfg.sinks + ((j - cfg.sinks).clamp_min(0) // block + 1) * block  # (T,) e_j
+    age = i[:, None] - block_end[None, :]  # (T, T)
+    ages = torch.tensor([a for a, _, _ in codec.tiers], device=device)  # (U,) increasing
+    return (torch.searchsorted(ages, age.contiguous(), right=True) - 1).clamp_min(0)  # (T, T)
 
 
 def _simulated_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -75,42 +101,67 @@ def _simulated_attention(module, query, key, value, attention_mask, scaling=None
             vis &= pos[None, :] > pos[:, None] - state.sliding[layer]
         vis = vis[None]
     scores = torch.einsum("bhrtd,bhnd->bhrtn", q, k) * scale  # (B, H, rep, T, T)
-    if cfg.compressed:
-        nq_total = quantized_token_count(cfg, t)
-        if nq_total:
-            span = slice(cfg.sinks, cfg.sinks + nq_total)
-            k_hat, v_hat = k.clone(), v.clone()
-            k_hat[:, :, span] = _blockwise(codec.roundtrip_keys, k[:, :, span], cfg.flush_block).to(acc_dtype)
-            v_hat[:, :, span] = _blockwise(codec.roundtrip_values, v[:, :, span], cfg.flush_block).to(acc_dtype)
-            qmask = quantized_mask(cfg, t, state.prompt_len, query.device)  # (T, T)
-            scores_q = torch.einsum("bhrtd,bhnd->bhrtn", q, k_hat) * scale
-            scores = torch.where(qmask, scores_q, scores)
-        else:
-            qmask = None
-    else:
-        qmask = None
+    nq_total = quantized_token_count(cfg, t) if cfg.compressed else 0
+    # sel[u] (B|1, H|1, 1, T, T) bool: query i sees key j quantized, at stored tier u
+    sel: list[torch.Tensor] = []
+    v_hats: list[torch.Tensor] = []
+    if nq_total:
+        span = slice(cfg.sinks, cfg.sinks + nq_total)
+        keep = None  # (B, H, N) OTT quant mask over the flushed span
+        if codec.outlier_pool:
+            fp, _ = trace_outliers(key[:, :, span], cfg.flush_block, codec.outlier_pool, EXTRA_CAPACITY,
+                                   start=cfg.sinks, v=value[:, :, span])  # (B, H, N): kept in the pool
+            keep = ~fp
+        k_tiers = _blockwise_tiers(codec, "k", k[:, :, span], keep, cfg.flush_block)  # U x (B, H, N, D)
+        v_tiers = _blockwise_tiers(codec, "v", v[:, :, span], keep, cfg.flush_block)
+        qmask2 = quantized_mask(cfg, t, state.prompt_len, query.device)  # (T, T)
+        slot = torch.zeros(b, h, t, dtype=torch.bool, device=query.device)  # (B, H, T) quantized slots
+        slot[:, :, span] = True if keep is None else keep
+        qmask = qmask2[None, None, None] & slot[:, :, None, None, :]  # (B, H, 1, T, T)
+        tier, used = None, range(len(codec.tiers))
+        if len(codec.tiers) > 1:
+            tier = stored_tier_index(cfg, codec, t, query.device)  # (T, T)
+            used = set(tier[qmask2].unique().tolist())  # tiers some query reaches (one sync per layer)
+        for u, (k_u, v_u) in enumerate(zip(k_tiers, v_tiers)):
+            if u not in used:
+                continue
+            m = qmask if tier is None else qmask & (tier == u)  # (B, H, 1, T, T)
+            k_hat = k.clone()
+            k_hat[:, :, span] = k_u.to(acc_dtype)
+            v_hat = v.clone()
+            v_hat[:, :, span] = v_u.to(acc_dtype)
+            scores = torch.where(m, torch.einsum("bhrtd,bhnd->bhrtn", q, k_hat) * scale, scores)
+            sel.append(m)
+            v_hats.append(v_hat)
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~vis[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0
-    if qmask is None:
-        out = torch.einsum("bhrtn,bhnd->bhrtd", probs, v)
-    else:
-        p_q = probs * qmask
-        out = torch.einsum("bhrtn,bhnd->bhrtd", probs - p_q, v) + torch.einsum("bhrtn,bhnd->bhrtd", p_q, v_hat)
+    p_fp = probs
+    out = 0.0
+    for m, v_hat in zip(sel, v_hats):
+        p_u = probs * m
+        p_fp = p_fp - p_u  # exact: each probability is either kept whole or removed whole
+        out = out + torch.einsum("bhrtn,bhnd->bhrtd", p_u, v_hat)
+    out = torch.einsum("bhrtn,bhnd->bhrtd", p_fp, v) + out
     out = out.reshape(b, hq, t, d).transpose(1, 2)  # (B, T, Hq, D)
     return out.to(query.dtype), None
 
 
-def _blockwise(fn, x: torch.Tensor, block: int) -> torch.Tensor:
-    """Apply a block quantizer to (B, H, N, D) with N a multiple of ``block`` (blocks independent)."""
+def _blockwise_tiers(codec: LayerCodec, side: str, x: torch.Tensor, keep: torch.Tensor | None,
+                     block: int) -> list[torch.Tensor]:
+    """``codec.roundtrip_tiers`` on (B, H, N, D) with N a multiple of ``block``, every block
+    quantized on its own exactly as the runtime flushes it; ``keep`` (B, H, N) or None.
+    Returns one (B, H, N, D) per stored tier."""
     b, h, n, d = x.shape
-    if block == 1:
-        return fn(x)
-    # fold blocks into the batch dim: each block is quantized exactly as the runtime flushes it
-    xb = x.reshape(b, h, n // block, block, d).permute(0, 2, 1, 3, 4).reshape(b * (n // block), h, block, d)
-    yb = fn(xb)
-    return yb.reshape(b, n // block, h, block, d).permute(0, 2, 1, 3, 4).reshape(b, h, n, d)
+    if block == 1:  # per-token layouts: every token is its own group already
+        return codec.roundtrip_tiers(side, x, keep)
+    nb = n // block
+    # fold blocks into the batch dim: (B * NB, H, G, D)
+    xb = x.reshape(b, h, nb, block, d).permute(0, 2, 1, 3, 4).reshape(b * nb, h, block, d)
+    kb = None if keep is None else keep.reshape(b, h, nb, block).permute(0, 2, 1, 3).reshape(b * nb, h, block)
+    return [y.reshape(b, nb, h, block, d).permute(0, 2, 1, 3, 4).reshape(b, h, n, d)
+            for y in codec.roundtrip_tiers(side, xb, kb)]
 
 
 def _register() -> None:

@@ -33,16 +33,22 @@ Layers: OTT finds no outlier tokens in the first 1-2 layers and sets the pool to
 Runtime contract (per layer; ``kv.outlier_pool`` = ``pool_size``, int64 scalar, 0 = off):
 
 - hold an :class:`OutlierState` per layer: pool K/V ``(B, H, P, D)`` and extra pool K/V
-  ``(B, H, E, D)`` in full precision with their absolute positions (-1 = empty slot);
+  ``(B, H, E, D)`` in full precision with their absolute positions (int32, -1 = empty slot);
 - at each flush of a group (after the group's attention has run): ``sel = select_outliers(k_g,
-  v_g, state, group_start)``; quantize the group with ``valid=sel.quant_mask`` (or quantize
+  v_g, state, group_start, valid=padding)``; padding tokens never enter the pool; quantize the
+  group with ``valid=sel.quant_mask`` (or quantize
   ``sel.k_fill``/``sel.v_fill``: same key scales/zeros); store ``sel.quant_mask`` with the block
   (1 bit per token per kv head) and keep ``sel.state``;
 - attention: the packed block's slots with ``quant_mask`` False are masked out (score -inf);
   pool and extra-pool tokens with position >= 0 are attended in full precision, merged with the
   other full-precision segments. Every token is then seen exactly once;
 - memory: ``pool_bytes(...)``: the pools' allocated K/V slots in full precision, their int32
-  positions, and the 1-bit-per-token masks.
+  positions, the per-(row, head) counters (``extra_count`` int64, ``tracking`` bool), and the
+  1-bit-per-token masks.
+
+The runtime that does this is :mod:`kvcalib.runtime.outlier_pool` (state and masks) with
+:mod:`kvcalib.runtime.cache` (flush, attention segments); :mod:`kvcalib.simulate` reproduces it
+with :func:`trace_outliers`.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ __all__ = [
 
 DEFAULT_POOL = 3  # OTT's outlier_num
 EXTRA_CAPACITY = 32  # OTT's extra pool for evicted outlier tokens
+POS_DTYPE = torch.int32  # pool positions as stored and accounted (pool_bytes pos_bytes=4)
 
 
 @dataclass
@@ -86,9 +93,10 @@ class OutlierState:
 
     Attributes:
         pool_k, pool_v: ``(B, H, P, D)``, P = pool_size, in the cache dtype.
-        pool_pos: int64 ``(B, H, P)`` absolute token positions, -1 = empty slot.
+        pool_pos: int32 ``(B, H, P)`` absolute token positions, -1 = empty slot (int32: what
+            :func:`pool_bytes` accounts; contexts stay far below 2**31).
         extra_k, extra_v: ``(B, H, E, D)``, E = extra capacity; filled from slot 0 upward.
-        extra_pos: int64 ``(B, H, E)``, -1 = empty slot.
+        extra_pos: int32 ``(B, H, E)``, -1 = empty slot.
         extra_count: int64 ``(B, H)`` filled extra slots.
         tracking: bool ``(B, H)``: False once tracking has stopped for that row/head.
     """
@@ -111,7 +119,7 @@ class OutlierState:
             if isinstance(val, bool) or not isinstance(val, int) or val < 0:
                 raise CalibrationError(f"{name} must be a non-negative int, got {val!r}")
         z = dict(dtype=dtype, device=device)
-        i = dict(dtype=torch.int64, device=device)
+        i = dict(dtype=POS_DTYPE, device=device)
         return cls(
             pool_k=torch.zeros(batch, heads, pool_size, head_dim, **z),
             pool_v=torch.zeros(batch, heads, pool_size, head_dim, **z),
@@ -119,7 +127,7 @@ class OutlierState:
             extra_k=torch.zeros(batch, heads, extra_capacity, head_dim, **z),
             extra_v=torch.zeros(batch, heads, extra_capacity, head_dim, **z),
             extra_pos=torch.full((batch, heads, extra_capacity), -1, **i),
-            extra_count=torch.zeros(batch, heads, **i),
+            extra_count=torch.zeros(batch, heads, dtype=torch.int64, device=device),
             tracking=torch.ones(batch, heads, dtype=torch.bool, device=device),
         )
 
@@ -197,6 +205,7 @@ def select_outliers(
     group_start: int,
     pool_size: int = DEFAULT_POOL,
     extra_capacity: int = EXTRA_CAPACITY,
+    valid: torch.Tensor | None = None,
 ) -> OutlierSelection:
     """One OTT flush (module docstring, steps 1-6).
 
@@ -205,6 +214,8 @@ def select_outliers(
         state: the pools before this flush; None = empty pools of ``pool_size`` /
             ``extra_capacity`` (then those two arguments are used; otherwise the state's sizes are).
         group_start: absolute position of the group's first token.
+        valid: optional bool ``(B, G)``: False = padding, never a candidate (it stays in the
+            group with ``quant_mask`` True; the cache's padding mask keeps it out of the ranges).
 
     Returns: :class:`OutlierSelection` (never modifies ``state`` in place).
     """
@@ -222,11 +233,15 @@ def select_outliers(
         return OutlierSelection(ones, k_group, v_group, torch.zeros(b, h, 0, dtype=torch.bool, device=dev),
                                 torch.zeros(b, h, dtype=torch.bool, device=dev), state)
 
-    group_pos = group_start + torch.arange(g, device=dev).expand(b, h, g)  # (B, H, G)
+    group_pos = group_start + torch.arange(g, device=dev, dtype=POS_DTYPE).expand(b, h, g)  # (B, H, G)
     cand_k = torch.cat([state.pool_k.to(k_group.dtype), k_group], dim=2)  # (B, H, P+G, D)
     cand_v = torch.cat([state.pool_v.to(v_group.dtype), v_group], dim=2)  # (B, H, P+G, D)
-    cand_pos = torch.cat([state.pool_pos, group_pos], dim=2)  # (B, H, P+G)
+    cand_pos = torch.cat([state.pool_pos.to(POS_DTYPE), group_pos], dim=2)  # (B, H, P+G)
     real = cand_pos >= 0  # (B, H, P+G)
+    if valid is not None:
+        if valid.dtype != torch.bool or tuple(valid.shape) != (b, g):
+            raise CalibrationError(f"valid must be bool (B, G) = {(b, g)}, got {valid.dtype} {tuple(valid.shape)}")
+        real = real & torch.cat([real.new_ones(b, h, p), valid.to(dev)[:, None, :].expand(b, h, g)], dim=2)
     norm = cand_k.float().norm(dim=-1).masked_fill(~real, float("inf"))  # (B, H, P+G)
     keep = torch.sort(norm, dim=-1, stable=True).indices[..., :p]  # (B, H, P) candidate indices
     chosen = torch.zeros_like(real).scatter(-1, keep, True) & real  # (B, H, P+G)
@@ -243,7 +258,7 @@ def select_outliers(
     kidx = keep[..., None].expand(b, h, p, d)  # (B, H, P, D)
     new_pos = torch.where(torch.gather(chosen, -1, keep), torch.gather(cand_pos, -1, keep), -1)  # (B, H, P)
     okp = ok[..., None]  # (B, H, 1)
-    pool_pos = torch.where(okp, new_pos, state.pool_pos)
+    pool_pos = torch.where(okp, new_pos, state.pool_pos.to(POS_DTYPE))
     pool_k = torch.where(okp[..., None], torch.gather(cand_k, 2, kidx), state.pool_k.to(k_group.dtype))
     pool_v = torch.where(okp[..., None], torch.gather(cand_v, 2, kidx), state.pool_v.to(v_group.dtype))
 
@@ -254,10 +269,10 @@ def select_outliers(
     sidx = slot[..., None].expand(b, h, p, d)
     extra_k = torch.cat([state.extra_k.to(k_group.dtype), state.extra_k.new_zeros(b, h, 1, d).to(k_group.dtype)], 2)
     extra_v = torch.cat([state.extra_v.to(v_group.dtype), state.extra_v.new_zeros(b, h, 1, d).to(v_group.dtype)], 2)
-    extra_pos = torch.cat([state.extra_pos, state.extra_pos.new_full((b, h, 1), -1)], 2)
+    extra_pos = torch.cat([state.extra_pos.to(POS_DTYPE), cand_pos.new_full((b, h, 1), -1)], 2)
     extra_k = extra_k.scatter(2, sidx, state.pool_k.to(k_group.dtype))[:, :, :e]
     extra_v = extra_v.scatter(2, sidx, state.pool_v.to(v_group.dtype))[:, :, :e]
-    extra_pos = extra_pos.scatter(2, slot, state.pool_pos)[:, :, :e]
+    extra_pos = extra_pos.scatter(2, slot, state.pool_pos.to(POS_DTYPE))[:, :, :e]
     extra_count = state.extra_count + evicted.sum(-1)
     tracking = state.tracking & ok & (extra_count < e)
 
@@ -279,6 +294,7 @@ def trace_outliers(
     extra_capacity: int = EXTRA_CAPACITY,
     start: int = 0,
     v: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, OutlierState]:
     """Run the flushes of ``k (B, H, T, D)`` group by group; which tokens stay in full precision.
 
@@ -287,6 +303,7 @@ def trace_outliers(
             (sinks excluded); only the first ``(T // group) * group`` tokens are flushed.
         group: flush size G.
         v: values (only carried into the pools); defaults to ``k``.
+        valid: optional bool ``(B, T)``, False = padding (never selected).
 
     Returns:
         ``fp_mask`` bool ``(B, H, T)`` (True = kept in full precision by the tracing; tokens of an
@@ -302,7 +319,8 @@ def trace_outliers(
     state = OutlierState.empty(b, h, d, pool_size, extra_capacity, k.dtype, k.device)
     fp = torch.zeros(b, h, t, dtype=torch.bool, device=k.device)
     for s in range(0, (t // group) * group, group):
-        sel = select_outliers(k[:, :, s : s + group], v[:, :, s : s + group], state, start + s)
+        sel = select_outliers(k[:, :, s : s + group], v[:, :, s : s + group], state, start + s,
+                              valid=None if valid is None else valid[:, s : s + group])
         fp[:, :, s : s + group] = ~sel.quant_mask
         state = sel.state
     return fp, state
@@ -321,15 +339,17 @@ def pool_bytes(heads: int, head_dim: int, pool_size: int, extra_capacity: int = 
     """Bytes one sequence's outlier pools of one layer hold (allocated capacity, K and V).
 
     ``fp_k_v``: ``(P + E)`` slots x ``H`` x ``D`` x 2 (K and V) x ``fp_bytes``; ``positions``:
-    ``(P + E) x H x pos_bytes`` (int32); ``masks``: 1 bit per flushed token per kv head. Zero for
+    ``(P + E) x H x pos_bytes`` (int32); ``counters``: ``extra_count`` (int64) and ``tracking``
+    (bool) per kv head; ``masks``: 1 bit per flushed token per kv head. Zero for
     ``pool_size == 0`` (no pools are allocated).
     """
     if pool_size == 0:
-        return {"fp_k_v": 0.0, "positions": 0.0, "masks": 0.0}
+        return {"fp_k_v": 0.0, "positions": 0.0, "counters": 0.0, "masks": 0.0}
     slots = pool_size + extra_capacity
     return {
         "fp_k_v": float(slots * heads * head_dim * 2 * fp_bytes),
         "positions": float(slots * heads * pos_bytes),
+        "counters": float(heads * (8 + 1)),
         "masks": tokens_flushed * heads / 8.0,
     }
 

@@ -52,6 +52,12 @@ layer's ``sinks`` stay in the LayerConfig):
 - the decode-faithful simulation must reproduce the *chain* of requantizations, not a direct
   quantization at the final bits: :func:`fake_quantize_chain` with :meth:`Schedule.bits_chain`;
 - memory: :func:`schedule_bytes` counts each block at its tier's bits plus its scales/zeros.
+
+The runtime that does this is :mod:`kvcalib.runtime.tiers` (one packed store per stored tier,
+advanced right after each step's flush). Timing, as for flushes: the step that attends query i
+ends at context T = i + 1 and leaves every block at ``block_tier(e, i + 1)``, so query i itself
+sees the tiers of context i (the state the previous step left); :mod:`kvcalib.simulate`
+reproduces exactly that.
 """
 
 from __future__ import annotations

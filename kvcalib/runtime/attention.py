@@ -2,12 +2,15 @@
 transformers' ``AttentionInterface`` as ``"kvcalib"``.
 
 The reference path reads the compressed layer segment by segment (sinks, a few packed blocks
-at a time, the full-precision window) with an online softmax, so no dequantized copy of the whole
-cache ever exists. After attending it tells the layer to flush: the prompt's own attention runs
+at a time, the OTT outlier pools, the full-precision window) with an online softmax, so no
+dequantized copy of the whole cache ever exists. Packed slots of tokens that live in the outlier
+pool are masked out (the segment's ``keep``) and the pools are attended in full precision at
+their own positions, so every token is seen exactly once. After attending it tells the layer to flush: the prompt's own attention runs
 over full-precision prompt K/V, and only then is the prompt compressed.
 
 On CUDA with the Triton runtime available (``KVCALIB_BACKEND=triton`` or auto), decode steps go
-to the fused kernels; the reference path here is their specification.
+to the fused kernels; the reference path here is their specification. Layers with OTT pools or
+PATS tiers always run here (the kernels know neither; :mod:`kvcalib.runtime.triton_path`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,27 @@ def _visible_mask(attention_mask: torch.Tensor | None, layer, q_len: int, device
     return vis[None]  # (1, Tq, KV)
 
 
+def _segment_visible(visible: torch.Tensor, seg) -> torch.Tensor:
+    """Which (query, key) pairs of one segment count: (B|1, H|1, 1, Tq, N) bool.
+
+    ``visible`` (B|1, Tq, KV) over absolute positions; contiguous segments slice it, the pools
+    gather it at their positions (empty slots, -1, never count); ``keep`` masks packed slots.
+    """
+    n = seg.k.shape[-2]
+    if seg.positions is None:
+        vis = visible[:, None, None, :, seg.start:seg.start + n]  # (B|1, 1, 1, Tq, N)
+    else:
+        pos = seg.positions  # (B, H, N)
+        b, h, _ = pos.shape
+        tq = visible.shape[1]
+        rows = visible.expand(b, -1, -1)[:, None].expand(b, h, tq, visible.shape[-1])  # (B, H, Tq, KV)
+        idx = pos.clamp_min(0)[:, :, None, :].expand(b, h, tq, n)  # (B, H, Tq, N)
+        vis = (rows.gather(-1, idx) & (pos >= 0)[:, :, None, :])[:, :, None]  # (B, H, 1, Tq, N)
+    if seg.keep is not None:
+        vis = vis & seg.keep[:, :, None, None, :]  # (B, H, 1, Tq, N)
+    return vis
+
+
 def attend_compressed(query: torch.Tensor, layer, visible: torch.Tensor, scaling: float,
                       softcap: float | None = None, block_tokens: int = 256) -> torch.Tensor:
     """Reference attention of ``query`` (B, Hq, Tq, D) over everything ``layer`` holds.
@@ -57,12 +81,12 @@ def attend_compressed(query: torch.Tensor, layer, visible: torch.Tensor, scaling
     m = torch.full((b, h, rep, tq), float("-inf"), device=query.device, dtype=acc_dtype)  # running max
     l = torch.zeros((b, h, rep, tq), device=query.device, dtype=acc_dtype)  # running denominator
     acc = torch.zeros((b, h, rep, tq, d), device=query.device, dtype=acc_dtype)  # running numerator
-    for start, k, v in layer.segments(block_tokens, acc_dtype):  # k, v: (B, H, N, D)
-        n = k.shape[-2]
+    for seg in layer.segments(block_tokens, acc_dtype):  # seg.k, seg.v: (B, H, N, D)
+        k, v = seg.k, seg.v
         s = torch.einsum("bhrtd,bhnd->bhrtn", q, k) * scaling  # (B, H, rep, Tq, N)
         if softcap:
             s = softcap * torch.tanh(s / softcap)
-        vis = visible[:, None, None, :, start:start + n]  # (B|1, 1, 1, Tq, N)
+        vis = _segment_visible(visible, seg)  # (B|1, H|1, 1, Tq, N)
         s = s.masked_fill(~vis, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)

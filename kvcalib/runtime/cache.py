@@ -4,9 +4,16 @@ Per layer the cache keeps, for a batch (B, H kv-heads, D head_dim):
 
 - sinks: the first S positions, full precision, (B, H, S, D);
 - packed blocks: older tokens, flushed in blocks of ``flush_block`` tokens (a key group), through
-  the layer's :class:`~kvcalib.runtime.codec.LayerCodec`;
+  the layer's :class:`~kvcalib.runtime.codec.LayerCodec`, held in one store per PATS tier
+  (:mod:`kvcalib.runtime.tiers`; one store without a schedule);
 - pending: every later token in full precision, (B, H, U, D), with window <= U < window + block
-  after each flush.
+  after each flush;
+- OTT (when the codec's ``outlier_pool`` > 0, :mod:`kvcalib.runtime.outlier_pool`): the outlier
+  pool and extra pool in full precision, and one quant mask per packed block.
+
+A flush of one block (:meth:`CompressedLayer._flush_block`): choose its outliers (OTT), encode K
+and V without them, store codes + mask. After the flushes of a step, :meth:`PackedTiers.advance`
+requantizes the blocks whose tier now says fewer bits (PATS).
 
 Timing (this is what the decode-faithful simulation reproduces): ``update`` only appends; the
 registered attention function attends over sinks + packed blocks + pending, and only *then* the
@@ -19,161 +26,34 @@ Attention must go through :func:`kvcalib.runtime.attention.kvcalib_attention` (t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcalib.errors import KvcalibError
 from kvcalib.recipe import LayerConfig, Recipe, resolve_recipe
-from kvcalib.runtime.codec import LayerCodec, PackedBlock
+from kvcalib.runtime.codec import LayerCodec
+from kvcalib.runtime.outlier_pool import OutlierPool, pack_keep
+from kvcalib.runtime.store import GrowBuffer, PackedStore, PackedView  # noqa: F401  (re-exported)
+from kvcalib.runtime.tiers import PackedTiers
 
 LAYER_ATTR = "_kvcalib_layer"  # attribute on the key tensor returned by update()
 
 
-class GrowBuffer:
-    """A tensor that grows along dim 2 with capacity doubling (amortised O(1) appends)."""
+class Segment(NamedTuple):
+    """A run of cached tokens for attention, in the attention's dtype.
 
-    def __init__(self) -> None:
-        self.buf: torch.Tensor | None = None
-        self.n = 0  # used entries along dim 2
-        self.front = 0  # entries dropped from the front (sliding layers)
-
-    def append(self, x: torch.Tensor) -> None:
-        """Append ``x`` (B, H, N, ...) along dim 2."""
-        need = self.n + x.shape[2]
-        if self.buf is None or need > self.buf.shape[2]:
-            live = self.n - self.front
-            cap = max(live + x.shape[2], 2 * live, 16)
-            new = x.new_empty((*x.shape[:2], cap, *x.shape[3:]))
-            if live:
-                new[:, :, :live] = self.buf[:, :, self.front:self.n]
-            self.n, self.front, self.buf = live, 0, new
-            need = live + x.shape[2]
-        self.buf[:, :, self.n:need] = x
-        self.n = need
-
-    def drop_front(self, count: int) -> None:
-        self.front = min(self.n, self.front + count)
-
-    def view(self) -> torch.Tensor | None:
-        """(B, H, n - front, ...) live entries (a view, no copy)."""
-        return None if self.buf is None else self.buf[:, :, self.front:self.n]
-
-    def nbytes(self) -> int:
-        """Bytes of the live entries (capacity slack is an allocator detail, reported apart)."""
-        v = self.view()
-        return 0 if v is None else int(v.numel() * v.element_size())
-
-
-@dataclass
-class PackedView:
-    """Contiguous views of a layer's packed storage, for kernels (shapes in codec.py's docstring).
-
-    ``k_codes``/``v_codes`` (B, H, N, packed D) uint8 or, for a 16-bit side, ``k_raw``/``v_raw``
-    (B, H, N, D); scales/zeros float16. Packed tokens hold absolute positions [start, start + N).
+    ``k``, ``v``: (B, H, N, D). Contiguous segments hold absolute positions ``[start, start + N)``;
+    the outlier pools instead give ``positions`` (B, H, N) int64 (-1 = empty slot). ``keep``
+    (B, H, N) bool, when given, masks slots out (False: an OTT pool entrant's packed slot).
     """
 
-    cfg: LayerConfig
     start: int
-    n: int
-    k_codes: torch.Tensor | None
-    k_scale: torch.Tensor | None
-    k_zero: torch.Tensor | None
-    k_raw: torch.Tensor | None
-    v_codes: torch.Tensor | None
-    v_scale: torch.Tensor | None
-    v_zero: torch.Tensor | None
-    v_raw: torch.Tensor | None
-
-
-class PackedStore:
-    """All flushed tokens of one layer, K and V, in contiguous growable buffers."""
-
-    def __init__(self, cfg: LayerConfig) -> None:
-        self.cfg = cfg
-        self.start = 0  # absolute position of the first live packed token
-        self.n = 0  # live packed tokens
-        self.parts = {name: GrowBuffer() for name in
-                      ("k_codes", "k_scale", "k_zero", "k_raw", "v_codes", "v_scale", "v_zero", "v_raw",
-                       "k_mean", "v_mean", "k_mean_codes", "k_mean_scale", "k_mean_zero",
-                       "v_mean_codes", "v_mean_scale", "v_mean_zero")}
-
-    def append(self, start: int, k: PackedBlock, v: PackedBlock, n: int) -> None:
-        if self.n == 0:
-            self.start = start
-        for side, blk in (("k", k), ("v", v)):
-            if blk.quantized is not None:
-                self.parts[f"{side}_codes"].append(blk.quantized.codes)
-                self.parts[f"{side}_scale"].append(blk.quantized.scale)
-                self.parts[f"{side}_zero"].append(blk.quantized.zero)
-            else:
-                self.parts[f"{side}_raw"].append(blk.raw)
-            if blk.mean is not None:
-                self.parts[f"{side}_mean"].append(blk.mean)
-            if blk.mean_q is not None:
-                self.parts[f"{side}_mean_codes"].append(blk.mean_q.codes)
-                self.parts[f"{side}_mean_scale"].append(blk.mean_q.scale)
-                self.parts[f"{side}_mean_zero"].append(blk.mean_q.zero)
-        self.n += n
-
-    def _scale_rows(self, side: str, tokens: int) -> int:
-        """Rows of the scale tensor along dim 2 for ``tokens`` tokens."""
-        if side == "k" and self.cfg.k_axis == "channel":
-            return tokens // self.cfg.k_group
-        return tokens
-
-    def drop_front(self, tokens: int) -> None:
-        """Forget the oldest ``tokens`` packed tokens (a multiple of the flush block)."""
-        tokens = min(tokens, self.n)
-        for side in ("k", "v"):
-            for name in ("codes", "raw", "mean", "mean_codes", "mean_scale", "mean_zero"):
-                self.parts[f"{side}_{name}"].drop_front(tokens)
-            rows = self._scale_rows(side, tokens)
-            self.parts[f"{side}_scale"].drop_front(rows)
-            self.parts[f"{side}_zero"].drop_front(rows)
-        self.start += tokens
-        self.n -= tokens
-
-    def view(self) -> PackedView:
-        p = {k: b.view() for k, b in self.parts.items() if "mean" not in k}
-        return PackedView(self.cfg, self.start, self.n, **p)
-
-    def centred(self) -> bool:
-        return any(self.parts[n].buf is not None for n in ("k_mean", "v_mean", "k_mean_codes", "v_mean_codes"))
-
-    def block(self, side: str, a: int, b: int) -> PackedBlock:
-        """Tokens [a, b) (relative to the live start) of one side, as a PackedBlock of views."""
-        from kvcalib.quant.uniform import QuantizedTensor
-
-        raw = self.parts[f"{side}_raw"].view()
-        if raw is not None:
-            return PackedBlock(None, raw[:, :, a:b])
-        bits = self.cfg.k_bits if side == "k" else self.cfg.v_bits
-        group = self.cfg.k_group if side == "k" else self.cfg.v_group
-        axis = "token" if (side == "k" and self.cfg.k_axis == "channel") else "channel"
-        ra, rb = self._scale_rows(side, a), self._scale_rows(side, b)
-        mean = self.parts[f"{side}_mean"].view()
-        mean_codes = self.parts[f"{side}_mean_codes"].view()
-        mean_q = None
-        if mean_codes is not None:
-            mean_q = QuantizedTensor(mean_codes[:, :, a:b], self.parts[f"{side}_mean_scale"].view()[:, :, a:b],
-                                     self.parts[f"{side}_mean_zero"].view()[:, :, a:b], 8, mean_codes.shape[-1], "channel")
-        return PackedBlock(QuantizedTensor(
-            self.parts[f"{side}_codes"].view()[:, :, a:b], self.parts[f"{side}_scale"].view()[:, :, ra:rb],
-            self.parts[f"{side}_zero"].view()[:, :, ra:rb], bits, group, axis), None,
-            None if mean is None else mean[:, :, a:b], mean_q)
-
-    def nbytes(self) -> dict[str, int]:
-        out = {"k_packed": 0, "k_scales": 0, "v_packed": 0, "v_scales": 0}
-        for side in ("k", "v"):
-            out[f"{side}_packed"] += self.parts[f"{side}_codes"].nbytes() + self.parts[f"{side}_raw"].nbytes()
-            out[f"{side}_scales"] += self.parts[f"{side}_scale"].nbytes() + self.parts[f"{side}_zero"].nbytes()
-            mean = sum(self.parts[f"{side}_{n}"].nbytes() for n in ("mean", "mean_codes", "mean_scale", "mean_zero"))
-            if mean:
-                out[f"{side}_mean"] = mean
-        return out
+    k: torch.Tensor
+    v: torch.Tensor
+    keep: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -198,7 +78,8 @@ class CompressedLayer(CacheLayerMixin):
         self.pend_k: torch.Tensor | None = None  # (B, H, U, D)
         self.pend_v: torch.Tensor | None = None
         self.pend_start = 0  # absolute position of pend_k[:, :, 0]
-        self.packed = PackedStore(cfg)
+        self.packed = PackedTiers(cfg, self.codec)  # one store per PATS tier
+        self.outliers = OutlierPool(self.codec.outlier_pool)  # OTT pools (inactive at pool 0)
         self.valid: torch.Tensor | None = None  # (B, n_seen) bool: False = padding
         self.awaiting_attention = False
 
@@ -267,28 +148,49 @@ class CompressedLayer(CacheLayerMixin):
         self.valid[:, start:] &= key_visible.to(self.valid.device)
 
     def segments(self, block_tokens: int = 256, dtype: torch.dtype = torch.float32):
-        """Yield (start, K (B,H,N,D), V (B,H,N,D)) in ``dtype`` over everything cached, in
-        position order, dequantizing packed blocks a few at a time (never the whole cache)."""
+        """Yield :class:`Segment` s in ``dtype`` over everything cached: sinks, packed blocks in
+        position order (dequantized a few at a time, never the whole cache; OTT slots masked by
+        ``keep``), the outlier pools (``positions``), then the pending window."""
         if self.sink_k.shape[-2] and not self.sinks_dropped:
-            yield 0, self.sink_k.to(dtype), self.sink_v.to(dtype)
+            yield Segment(0, self.sink_k.to(dtype), self.sink_v.to(dtype))
         step = max(self.cfg.flush_block, block_tokens // self.cfg.flush_block * self.cfg.flush_block)
-        for a in range(0, self.packed.n, step):
-            b = min(a + step, self.packed.n)
-            yield (self.packed.start + a, self.codec.decode_keys(self.packed.block("k", a, b), dtype),
-                   self.codec.decode_values(self.packed.block("v", a, b), dtype))
+        for store, a, b in self.packed.runs(step):
+            yield Segment(store.start + a, self.codec.decode_keys(store.block("k", a, b), dtype),
+                          self.codec.decode_values(store.block("v", a, b), dtype), store.keep(a, b))
+        pool = self.outliers.segment(dtype)
+        if pool is not None:
+            pk, pv, pos = pool  # (B, H, P + E, D) x 2, (B, H, P + E)
+            yield Segment(0, pk, pv, positions=pos)
         if self.pend_k.shape[-2]:
-            yield self.pend_start, self.pend_k.to(dtype), self.pend_v.to(dtype)
+            yield Segment(self.pend_start, self.pend_k.to(dtype), self.pend_v.to(dtype))
 
     @property
     def n_packed(self) -> int:
         return self.packed.n
 
+    @property
+    def uses_pools_or_tiers(self) -> bool:
+        """OTT pools or PATS tiers: layouts only the reference attention reads."""
+        return self.outliers.active or self.codec.tiered
+
     def packed_view(self) -> PackedView:
-        """Contiguous views of the packed tokens, for the Triton path."""
+        """Contiguous views of the packed tokens, for the Triton path (untiered layers only)."""
         return self.packed.view()
 
+    def _flush_block(self, off: int, block: int) -> None:
+        """Pending tokens [off, off + block) -> packed storage: OTT selection, then encode."""
+        start = self.pend_start + off  # absolute position of the block's first token
+        k_blk = self.pend_k[:, :, off:off + block]  # (B, H, G, D)
+        v_blk = self.pend_v[:, :, off:off + block]  # (B, H, G, D)
+        valid = None if self.valid is None else self.valid[:, start:start + block]  # (B, G) padding
+        keep = self.outliers.select(k_blk, v_blk, start, valid)  # (B, H, G): False = into the pool; or None
+        k_packed = self.codec.encode_keys(k_blk, valid, keep)
+        v_packed = self.codec.encode_values(v_blk, valid, keep)
+        self.packed.append(start, k_packed, v_packed, block, None if keep is None else pack_keep(keep))
+
     def flush(self) -> None:
-        """Move due pending tokens into packed storage; drop what a sliding window no longer needs."""
+        """Move due pending tokens into packed storage, move aged blocks down their PATS tiers;
+        drop what a sliding window no longer needs."""
         self.awaiting_attention = False
         cfg = self.cfg
         if cfg.compressed:
@@ -296,15 +198,11 @@ class CompressedLayer(CacheLayerMixin):
             due = (self.pend_k.shape[-2] - cfg.window) // block * block
             if due > 0:
                 for off in range(0, due, block):
-                    k_blk = self.pend_k[:, :, off:off + block]  # (B, H, G, D)
-                    v_blk = self.pend_v[:, :, off:off + block]
-                    valid = (None if self.valid is None else
-                             self.valid[:, self.pend_start + off:self.pend_start + off + block])  # (B, G)
-                    self.packed.append(self.pend_start + off, self.codec.encode_keys(k_blk, valid),
-                                       self.codec.encode_values(v_blk, valid), block)
+                    self._flush_block(off, block)
                 self.pend_k = self.pend_k[:, :, due:].clone()
                 self.pend_v = self.pend_v[:, :, due:].clone()
                 self.pend_start += due
+            self.packed.advance(self.n_seen, self.valid)
         if self.sliding_window is not None:
             oldest_needed = self.n_seen - self.sliding_window + 1  # next query's first visible key
             stale = (oldest_needed - self.packed.start) // cfg.flush_block * cfg.flush_block
@@ -330,7 +228,8 @@ class CompressedLayer(CacheLayerMixin):
         out = {
             "sinks": size(self.sink_k) + size(self.sink_v),
             "window": size(self.pend_k) + size(self.pend_v),
-            **self.packed.nbytes(),
+            **self.packed.nbytes(),  # codes, scales, means, OTT masks (all tiers)
+            **self.outliers.nbytes(),  # OTT pools, positions, counters
             "padding_mask": 0 if self.valid is None else size(self.valid),
         }
         return out

@@ -3,8 +3,12 @@
 The codec is the single place that knows a layer's quantization layout; the cache stores what it
 returns and the attention reads blocks back through it. Fitted state from the recipe enters here:
 clip scales (SKVQ), channel permutations (SKVQ reordering: channels permuted before quantizing
-so similar channels share a group, un-permuted on decode) and mean-centering across kv heads
-(TaDA: the per-token mean over heads stored once at 8 or 16 bits, deviations quantized).
+so similar channels share a group, un-permuted on decode), mean-centering across kv heads
+(TaDA: the per-token mean over heads stored once at 8 or 16 bits, deviations quantized), the
+OTT outlier pool size (``outlier_pool``; the cache holds the pools, the codec quantizes each
+group with the pool entrants excluded from its ranges: ``keep``), and the PATS tiers
+(``schedule``: which bits a stored block holds as it ages; :meth:`LayerCodec.requantize` moves a
+block down, :meth:`LayerCodec.roundtrip_tiers` is what the simulation sees at every tier).
 
 Packed layout (the PyTorch reference the Triton kernels follow):
 
@@ -24,6 +28,8 @@ import torch
 from kvcalib.quant.uniform import (QuantizedTensor, dequantize_keys, dequantize_values,
                                    quantize_keys, quantize_values)
 from kvcalib.calibrate.reorder import apply_perm, invert_perm
+from kvcalib.calibrate.schedule import Schedule, requantize
+from kvcalib.errors import KvcalibError
 from kvcalib.recipe import LayerConfig
 
 
@@ -46,28 +52,67 @@ class PackedBlock:
         return n
 
 
+def _range_mask(valid: torch.Tensor | None, keep: torch.Tensor | None) -> torch.Tensor | None:
+    """Tokens that set a group's range: ``valid`` (B, N) padding mask and/or ``keep`` (B, H, N)
+    OTT quant mask -> bool broadcastable to (B, H, N), or None (every token)."""
+    m = None if valid is None else valid[:, None, :]  # (B, 1, N)
+    if keep is not None:
+        m = keep if m is None else m & keep  # (B, H, N)
+    return m
+
+
 class LayerCodec:
     """Quantize/dequantize blocks for one layer according to its LayerConfig and fitted state.
 
     ``k_clip``/``v_clip``: clip scale alpha in (0, 1] (float or tensor broadcastable to the
     per-group scale shape), fitted offline (SKVQ); 1.0 = no clipping.
+    ``outlier_pool``: OTT pool size P (0 = off); the cache keeps the pools.
+    ``schedule``: PATS tiers (None = every block stays at the config's bits); it must agree with
+    the config (:meth:`~kvcalib.calibrate.schedule.Schedule.check_layer`).
     """
 
     def __init__(self, cfg: LayerConfig, k_clip: float | torch.Tensor = 1.0,
                  v_clip: float | torch.Tensor = 1.0, k_perm: torch.Tensor | None = None,
-                 v_perm: torch.Tensor | None = None, k_center: int = 0, v_center: int = 0) -> None:
+                 v_perm: torch.Tensor | None = None, k_center: int = 0, v_center: int = 0,
+                 outlier_pool: int = 0, schedule: Schedule | None = None) -> None:
         self.cfg = cfg
         self.clip = {"k": k_clip, "v": v_clip}
         self.perm = {"k": k_perm, "v": v_perm}  # (H, D) int64: stored channel j = input channel perm[h, j]
         self.inv = {s: (None if p is None else invert_perm(p)) for s, p in self.perm.items()}
         self.center = {"k": int(k_center), "v": int(v_center)}  # mean bits: 0 off, 8 or 16
+        if isinstance(outlier_pool, bool) or not isinstance(outlier_pool, int) or outlier_pool < 0:
+            raise KvcalibError(f"outlier_pool must be a non-negative int (0 = off), got {outlier_pool!r}")
+        if outlier_pool and not cfg.compressed:
+            raise KvcalibError(f"an outlier pool ({outlier_pool}) needs a compressed layer; this layer keeps "
+                               "K and V at 16 bits: set the pool to 0")
+        self.outlier_pool = outlier_pool
+        if schedule is not None:
+            if not isinstance(schedule, Schedule):
+                raise KvcalibError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+            schedule.check_layer(cfg)  # first quantized tier == config (sinks, window, bits)
+            if not cfg.compressed:
+                schedule = None  # nothing is ever stored packed: the schedule has nothing to act on
+        self.schedule = schedule
+        # stored tiers, youngest first: (first age, k_bits, v_bits); one entry without a schedule
+        if schedule is None:
+            self.tiers = [(cfg.window, cfg.k_bits, cfg.v_bits)]
+        else:
+            first = next(i for i, t in enumerate(schedule.tiers) if t.quantized)
+            self.tiers = [(t.age, t.k_bits, t.v_bits) for t in schedule.tiers[first:]]
+
+    @property
+    def tiered(self) -> bool:
+        """Whether stored blocks move to fewer bits as they age (more than one stored tier)."""
+        return len(self.tiers) > 1
 
     def _bits_group(self, side: str) -> tuple[int, int]:
         cfg = self.cfg
         return (cfg.k_bits, cfg.k_group) if side == "k" else (cfg.v_bits, cfg.v_group)
 
-    def _encode(self, side: str, x: torch.Tensor, valid: torch.Tensor | None) -> PackedBlock:
-        """x (B, H, N, D) -> PackedBlock: centre, permute, clip-quantize."""
+    def _encode(self, side: str, x: torch.Tensor, valid: torch.Tensor | None,
+                keep: torch.Tensor | None = None) -> PackedBlock:
+        """x (B, H, N, D) -> PackedBlock: centre, permute, clip-quantize (ranges over
+        :func:`_range_mask`'s tokens)."""
         bits, group = self._bits_group(side)
         if bits >= 16:
             return PackedBlock(None, x)
@@ -82,7 +127,7 @@ class LayerCodec:
                 mean_q = quantize_values(mean_f, 8, mean_f.shape[-1])
         if self.perm[side] is not None:
             x = apply_perm(x, self.perm[side])
-        m = None if valid is None else valid[:, None, :]  # (B, 1, N)
+        m = _range_mask(valid, keep)  # (B, 1|H, N) or None
         per_channel_keys = side == "k" and self.cfg.k_axis == "channel"
         quantize = quantize_keys if per_channel_keys else quantize_values
         return PackedBlock(quantize(x, bits, group, clip=self.clip[side], valid=m), None, mean, mean_q)
@@ -100,19 +145,32 @@ class LayerCodec:
             out = out + dequantize_values(block.mean_q)
         return out.to(dtype)
 
+    def requantize(self, side: str, block: PackedBlock, bits: int, valid: torch.Tensor | None = None,
+                   keep: torch.Tensor | None = None) -> PackedBlock:
+        """A stored block's side at fewer ``bits`` (PATS tier move), same layout, groups, mean and
+        permutation: :func:`~kvcalib.calibrate.schedule.requantize` on the codes, with the same
+        range mask as at the first quantization (``valid`` (B, N), ``keep`` (B, H, N))."""
+        if block.quantized is None:
+            raise KvcalibError(f"the {side} side is stored at 16 bits: a schedule cannot requantize it")
+        q = requantize(block.quantized, bits, valid=_range_mask(valid, keep))
+        return PackedBlock(q, None, block.mean, block.mean_q)
+
     # -- keys
-    def encode_keys(self, k: torch.Tensor, valid: torch.Tensor | None = None) -> PackedBlock:
-        """k (B, H, N, D) -> packed block; ``valid`` (B, N) bool excludes padding from ranges."""
-        return self._encode("k", k, valid)
+    def encode_keys(self, k: torch.Tensor, valid: torch.Tensor | None = None,
+                    keep: torch.Tensor | None = None) -> PackedBlock:
+        """k (B, H, N, D) -> packed block; ``valid`` (B, N) bool excludes padding from ranges,
+        ``keep`` (B, H, N) bool excludes OTT pool entrants (False) per kv head."""
+        return self._encode("k", k, valid, keep)
 
     def decode_keys(self, block: PackedBlock, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Packed block -> (B, H, N, D) in ``dtype`` (original channel order, mean added back)."""
         return self._decode("k", block, dtype)
 
     # -- values
-    def encode_values(self, v: torch.Tensor, valid: torch.Tensor | None = None) -> PackedBlock:
-        """v (B, H, N, D) -> packed block (per token over channel groups)."""
-        return self._encode("v", v, valid)
+    def encode_values(self, v: torch.Tensor, valid: torch.Tensor | None = None,
+                      keep: torch.Tensor | None = None) -> PackedBlock:
+        """v (B, H, N, D) -> packed block (per token over channel groups); masks as encode_keys."""
+        return self._encode("v", v, valid, keep)
 
     def decode_values(self, block: PackedBlock, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self._decode("v", block, dtype)
@@ -123,6 +181,24 @@ class LayerCodec:
 
     def roundtrip_values(self, v: torch.Tensor) -> torch.Tensor:
         return self.decode_values(self.encode_values(v), _out_dtype(v))
+
+    def roundtrip_tiers(self, side: str, x: torch.Tensor, keep: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """What decoding sees of ``x`` (B, H, N, D) (whole flush blocks) at each stored tier:
+        one tensor (B, H, N, D) per entry of :attr:`tiers`, reached as the cache reaches it --
+        encoded at the first tier's bits, then requantized at every tier whose bits for this side
+        are lower (PATS's chain, ``Schedule.bits_chain``). ``keep`` (B, H, N): OTT quant mask."""
+        dtype = _out_dtype(x)
+        blk = self._encode(side, x, None, keep)
+        bits = self._bits_group(side)[0]
+        out = [self._decode(side, blk, dtype)]
+        for _, kb, vb in self.tiers[1:]:
+            new = kb if side == "k" else vb
+            if new < bits:
+                blk, bits = self.requantize(side, blk, new, None, keep), new
+                out.append(self._decode(side, blk, dtype))
+            else:
+                out.append(out[-1])
+        return out
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:

@@ -5,8 +5,16 @@ Tensor names (``layers.{i}.{k|v}.{name}``):
 - ``clip``: clip scale alpha per kv head, (H, 1) (or (H, D)), broadcast over blocks.
 - ``perm``: channel permutation per kv head, (H, D) int64 (SKVQ reordering).
 - ``center``: scalar, the stored mean's bits (8 or 16), 0 = off (TaDA centering).
+- ``kv.outlier_pool``: int64 scalar, OTT pool size P (0 = off); the cache keeps the pools
+  (:mod:`kvcalib.runtime.outlier_pool`), the simulation traces them.
+- ``kv.schedule``: int64 (N, 3) rows (age, k_bits, v_bits), PATS tiers; its first quantized tier
+  must be the layer config (:mod:`kvcalib.runtime.tiers`).
 
-Unknown names are refused, so a recipe from a newer kvcalib cannot be half-applied.
+Both ``kv.*`` tensors are read and validated by :meth:`Recipe.outlier_pool` /
+:meth:`Recipe.schedule` (a :class:`RecipeError` names the tensor) and handed to each layer's
+:class:`LayerCodec`, so the cache, the simulation and the search objective all get them from the
+codec. Unknown names are refused, so a recipe from a newer kvcalib cannot be half-applied; a known
+name under the wrong side (``k.schedule``, ``kv.clip``) is refused too, instead of being ignored.
 """
 
 from __future__ import annotations
@@ -29,9 +37,12 @@ def _clip(recipe: Recipe, i: int, side: str) -> float | torch.Tensor:
     return t[None, :, None, :] if t.dim() == 2 else t
 
 
-APPLIED = ("clip", "perm", "center")
+APPLIED = ("clip", "perm", "center", "outlier_pool", "schedule")
 # fitted by calibration but only informative at runtime (the search reads them)
 INFORMATIVE = ("center_gain", "outlier_gain", "clip_error", "huffman")  # huffman: code lengths (2**bits,) uint8
+# names that exist for K and V together only (``layers.{i}.kv.{name}``), and applied names that are per side
+KV_ONLY = ("outlier_pool", "schedule", "outlier_gain")
+PER_SIDE_APPLIED = ("clip", "perm", "center")
 
 
 def _perm(recipe: Recipe, i: int, side: str, head_dim: int | None) -> torch.Tensor | None:
@@ -64,6 +75,11 @@ def check_tensor_names(recipe: Recipe, num_layers: int) -> None:
         if not ok:
             raise RecipeError(f"recipe {recipe.name!r} holds tensor {name!r}, which this kvcalib does not apply: "
                               "re-export the recipe with this version")
+        side, what = parts[2], parts[3]
+        if (what in KV_ONLY and side != "kv") or (what in PER_SIDE_APPLIED and side == "kv"):
+            want = "kv" if what in KV_ONLY else "k or v"
+            raise RecipeError(f"recipe {recipe.name!r} holds tensor {name!r}: {parts[3]} belongs under "
+                              f"layers.{parts[1]}.{want}.{parts[3]}: re-export the recipe")
 
 
 def build_codecs(recipe: Recipe, configs: list[LayerConfig], head_dim: int | None = None) -> list[LayerCodec]:
@@ -71,5 +87,6 @@ def build_codecs(recipe: Recipe, configs: list[LayerConfig], head_dim: int | Non
     check_tensor_names(recipe, len(configs))
     return [LayerCodec(cfg, k_clip=_clip(recipe, i, "k"), v_clip=_clip(recipe, i, "v"),
                        k_perm=_perm(recipe, i, "k", head_dim), v_perm=_perm(recipe, i, "v", head_dim),
-                       k_center=_center(recipe, i, "k"), v_center=_center(recipe, i, "v"))
+                       k_center=_center(recipe, i, "k"), v_center=_center(recipe, i, "v"),
+                       outlier_pool=recipe.outlier_pool(i, cfg), schedule=recipe.schedule(i, cfg))
             for i, cfg in enumerate(configs)]

@@ -12,6 +12,17 @@ the caller (:func:`kvcalib.runtime.backend.decode_attention`) then runs the PyTo
   positions), so left padding, holes, and ragged batches all work. Sliding-window layers return
   None (their window limit would need a per-step lower bound; the reference handles them).
 
+Not covered, per layer (the reference runs that layer; other layers still use the kernel):
+
+- OTT outlier pools (``kv.outlier_pool`` > 0): the kernel takes at most two contiguous
+  full-precision segments and no per-slot mask, while the pools sit at scattered positions and
+  their packed slots must be masked out;
+- PATS tiers (a ``kv.schedule`` with more than one stored tier): the packed tokens live in one
+  store per bit width, and the kernel reads one bit width per call;
+- TaDA centering or SKVQ channel permutations (``{k|v}.center``, ``{k|v}.perm``): the kernel
+  neither adds the stored mean back nor un-permutes channels, so it would read such a layer's
+  codes as if they were plain K/V.
+
 Segments passed to the kernel, by absolute position: sinks ``[0, S)`` (unless dropped), packed
 tokens ``[view.start, view.start + n)``, pending full-precision tokens ``[pend_start, n_seen)``.
 Nothing is copied: the packed parts are views of the layer's growable buffers.
@@ -44,6 +55,11 @@ def _reason_unsupported(query: torch.Tensor, layer) -> str | None:
         return "layer is not packed on both K and V"
     if layer.is_sliding:
         return "sliding-window layer"
+    if layer.uses_pools_or_tiers:
+        return "OTT outlier pools or PATS tiers (reference path)"
+    codec = layer.codec
+    if any(codec.center.values()) or any(p is not None for p in codec.perm.values()):
+        return "centering or channel permutation (reference path)"
     h = layer.sink_k.shape[1]
     if hq % h:
         return "query heads not a multiple of kv heads"

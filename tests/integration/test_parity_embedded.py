@@ -10,6 +10,11 @@ quantizer works on, so the two paths must agree exactly up to float64 noise.
 
 Stated tolerance: max |logit difference| <= 1e-6 x max |logit|, and the preset must move the
 logits by far more than that (so the test can fail).
+
+The same holds for fitted recipes with OTT outlier pools (OTT's static rule: pool 3 from layer 2
+on), PATS tiers (small ages, 32/64/128 tokens, so blocks change tiers during the 30 decode steps
+and a prompt block lands several tiers down at once), and both; there the recipe must also move
+the logits away from the same config without the method.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcalib.recipe import list_presets, load_preset
+from kvcalib.calibrate.outliers import default_pool_sizes
+from kvcalib.recipe import LayerConfig, Recipe, list_presets, load_preset
 from kvcalib.runtime.state import build_codecs
 from kvcalib.simulate import simulated_logits
 from tests.unit.test_cache import decode_logits
@@ -55,3 +61,37 @@ def test_simulation_matches_decode_on_smollm2(smol, preset):
     assert float((sim - dec).abs().max()) <= 1e-6 * scale
     if preset != "fp16":
         assert float((sim - full).abs().max()) > 1e-3 * scale
+
+
+# window 32: blocks flush during the prompt and the decode steps; ages 32/64/128 (the first tier
+# starts at the window): by token 180 blocks sit at 8, 4 and 2 bits
+TIERED = LayerConfig(k_bits=8, v_bits=8, k_group=32, v_group=32, window=32, sinks=4)
+TIERS = torch.tensor([[0, 16, 16], [32, 8, 8], [64, 4, 4], [128, 2, 2]])  # (N, 3) (age, k_bits, v_bits)
+KIVI_W32 = LayerConfig(k_bits=2, v_bits=2, k_group=32, v_group=32, window=32)
+
+
+def _fitted(cfg: LayerConfig, n: int, outliers: bool, schedule: bool) -> Recipe:
+    tensors = {}
+    for i, pool in enumerate(default_pool_sizes(n)):
+        if outliers:
+            tensors[f"layers.{i}.kv.outlier_pool"] = torch.tensor(pool)
+        if schedule:
+            tensors[f"layers.{i}.kv.schedule"] = TIERS
+    return Recipe(name="fitted", layers=[cfg] * n, tensors=tensors)
+
+
+@pytest.mark.parametrize("case", ["outliers", "schedule", "outliers+schedule"])
+def test_simulation_matches_decode_with_ott_and_pats_on_smollm2(smol, case):
+    loaded, ids, full = smol
+    n = loaded.info.num_layers
+    cfg = KIVI_W32 if case == "outliers" else TIERED
+    rec = _fitted(cfg, n, "outliers" in case, "schedule" in case)
+    codecs = build_codecs(rec, rec.layers)
+    dec, cache = decode_logits(loaded.model, ids, rec, prompt_len=PROMPT)  # (1, LENGTH, V)
+    sim = simulated_logits(loaded.model, ids, rec.layers, codecs, prompt_len=PROMPT)
+    without = simulated_logits(loaded.model, ids, rec.layers, prompt_len=PROMPT)  # same config, no method
+    scale = float(dec.abs().max())
+    assert float((sim - dec).abs().max()) <= 1e-6 * scale
+    assert float((sim - without).abs().max()) > 1e-3 * scale
+    if "schedule" in case:
+        assert [s.bits["k"] for s in cache.layers[5].packed.stores if s.n] == [8, 4, 2]

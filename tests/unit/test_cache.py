@@ -141,10 +141,10 @@ def test_attention_never_materialises_the_whole_cache(monkeypatch):
     orig = cache_mod.CompressedLayer.segments
 
     def spy(self, block_tokens=64, dtype=torch.float32):
-        for start, k, v in orig(self, 64, dtype):
-            if self.cfg.sinks <= start < self.pend_start:  # a run of dequantized packed tokens
-                peak["tokens"] = max(peak["tokens"], k.shape[-2])
-            yield start, k, v
+        for seg in orig(self, 64, dtype):
+            if seg.positions is None and self.cfg.sinks <= seg.start < self.pend_start:  # dequantized packed run
+                peak["tokens"] = max(peak["tokens"], seg.k.shape[-2])
+            yield seg
 
     monkeypatch.setattr(cache_mod.CompressedLayer, "segments", spy)
     cache = CompressedCache.from_recipe(model, recipe(cfg))
@@ -160,3 +160,25 @@ def test_cache_refuses_non_kvcalib_attention():
     model.set_attn_implementation("sdpa")
     with pytest.raises(KvcalibError, match="kvcalib"):
         model.generate(torch.randint(0, 128, (1, 8)), max_new_tokens=3, past_key_values=cache)
+
+
+def test_triton_path_declines_centred_or_permuted_layers(monkeypatch):
+    """The fused kernel adds no stored mean and un-permutes no channel: such layers must go to the
+    reference (checked before any triton import), plain layers are not declined for that reason."""
+    from kvcalib.runtime.cache import CompressedLayer
+    from kvcalib.runtime.codec import LayerCodec
+    from kvcalib.runtime.triton_path import _reason_unsupported
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = LayerConfig(k_bits=4, v_bits=4, k_group=32, v_group=32, window=32)
+    perm = torch.stack([torch.randperm(64) for _ in range(2)])
+    for codec in (LayerCodec(cfg, v_center=8), LayerCodec(cfg, v_perm=perm)):
+        layer = CompressedLayer(cfg, codec)
+        layer.update(torch.randn(1, 2, 80, 64), torch.randn(1, 2, 80, 64))
+        layer.flush()
+        assert "centering or channel permutation" in _reason_unsupported(torch.randn(1, 4, 1, 64), layer)
+    pytest.importorskip("triton")
+    plain = CompressedLayer(cfg, LayerCodec(cfg, v_clip=0.9))  # clipping only changes the codes: covered
+    plain.update(torch.randn(1, 2, 80, 64), torch.randn(1, 2, 80, 64))
+    plain.flush()
+    assert _reason_unsupported(torch.randn(1, 4, 1, 64), plain) is None

@@ -673,6 +673,20 @@ def test_outliers_pool_zero_and_bad_input():
     assert not fp[..., 6:].any()
 
 
+def test_outliers_padding_never_enters_the_pool():
+    k, _ = _planted_outlier_keys(b=2, h=2, t=64)
+    valid = torch.ones(2, 64, dtype=torch.bool)
+    valid[1, :40] = False  # row 1: left padding over the first group and a half
+    k[1, :, :40] *= 1e-3  # padding with the smallest norms of all
+    fp, state = trace_outliers(k, 32, pool_size=3, valid=valid)
+    assert not fp[1, :, :40].any() and fp[1, :, 40:].sum() == 2 * 3, "the pool fills from real tokens only"
+    fp_all, _ = trace_outliers(k, 32, pool_size=3)
+    assert torch.equal(fp[0], fp_all[0]), "rows are independent"
+    assert state.pool_pos.dtype == torch.int32 and (state.pool_pos[1] >= 40).all()
+    with pytest.raises(CalibrationError, match="valid"):
+        select_outliers(k[:, :, :32], k[:, :, :32], None, 0, valid=valid[:, :31])
+
+
 def test_outliers_default_pool_sizes_and_bytes():
     assert default_pool_sizes(5) == [0, 0, 3, 3, 3]
     assert default_pool_sizes(3, pool=1, skip_first=1) == [0, 1, 1]
@@ -680,7 +694,8 @@ def test_outliers_default_pool_sizes_and_bytes():
     with pytest.raises(CalibrationError):
         default_pool_sizes(-1)
     got = pool_bytes(heads=8, head_dim=128, pool_size=3, extra_capacity=32, tokens_flushed=4096)
-    assert got == {"fp_k_v": 35 * 8 * 128 * 2 * 2.0, "positions": 35 * 8 * 4.0, "masks": 4096 * 8 / 8}
+    assert got == {"fp_k_v": 35 * 8 * 128 * 2 * 2.0, "positions": 35 * 8 * 4.0, "counters": 8 * 9.0,
+                   "masks": 4096 * 8 / 8}
     assert sum(pool_bytes(8, 128, 0).values()) == 0
 
 

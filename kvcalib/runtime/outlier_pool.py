@@ -1,0 +1,100 @@
+"""OTT in the cache: one layer's outlier pools and the per-block quant masks.
+
+This is the runtime side of :mod:`kvcalib.calibrate.outliers` (read its "Runtime contract"):
+
+- :class:`OutlierPool` holds the layer's :class:`~kvcalib.calibrate.outliers.OutlierState`
+  (pool and extra pool K/V in full precision, int32 positions, counters), allocated at the first
+  flush. :meth:`OutlierPool.select` runs ``select_outliers`` on a group being flushed and returns
+  its quant mask; :meth:`OutlierPool.segment` gives the pools to attention (full precision, with
+  absolute positions so the attention can look up their visibility; empty slots are -1);
+- the quant mask of each flushed block is stored with the block, packed 8 tokens per byte
+  (:func:`pack_keep` / :func:`unpack_keep`): ``ceil(G / 8)`` bytes per block per kv head. A slot
+  whose bit is 0 holds a token that lives in the pool: attention masks the packed slot out, so
+  every token is seen exactly once.
+
+A pool size of 0 means OTT is off for the layer: nothing is allocated and nothing is stored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcalib.calibrate.outliers import EXTRA_CAPACITY, OutlierState, select_outliers
+
+
+def mask_bytes_per_block(block: int) -> int:
+    """Bytes of one block's quant mask per kv head (8 tokens per byte, rounded up)."""
+    return (block + 7) // 8
+
+
+def pack_keep(keep: torch.Tensor) -> torch.Tensor:
+    """bool ``(B, H, G)`` -> uint8 ``(B, H, ceil(G / 8))``; token ``t`` is bit ``t % 8`` of byte ``t // 8``."""
+    b, h, g = keep.shape
+    nb = mask_bytes_per_block(g)
+    bits = torch.zeros(b, h, nb * 8, dtype=torch.uint8, device=keep.device)  # (B, H, 8 * nb)
+    bits[..., :g] = keep.to(torch.uint8)
+    weights = (1 << torch.arange(8, device=keep.device, dtype=torch.int32)).to(torch.uint8)  # (8,)
+    return (bits.reshape(b, h, nb, 8) * weights).sum(-1, dtype=torch.int32).to(torch.uint8)  # (B, H, nb)
+
+
+def unpack_keep(packed: torch.Tensor, block: int) -> torch.Tensor:
+    """uint8 ``(B, H, nblocks * ceil(G / 8))`` of whole blocks -> bool ``(B, H, nblocks * G)``."""
+    b, h, r = packed.shape
+    nb = mask_bytes_per_block(block)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)  # (8,)
+    bits = (packed[..., None] >> shifts) & 1  # (B, H, R, 8)
+    return bits.reshape(b, h, r // nb, nb * 8)[..., :block].reshape(b, h, -1).bool()
+
+
+class OutlierPool:
+    """One layer's OTT state in the cache (``pool_size`` 0 = off)."""
+
+    def __init__(self, pool_size: int = 0, extra_capacity: int = EXTRA_CAPACITY) -> None:
+        self.pool_size = int(pool_size)
+        self.extra_capacity = int(extra_capacity)
+        self.state: OutlierState | None = None  # allocated at the first flush
+
+    @property
+    def active(self) -> bool:
+        return self.pool_size > 0
+
+    def select(self, k_blk: torch.Tensor, v_blk: torch.Tensor, start: int,
+               valid: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One flush of ``k_blk``/``v_blk`` ``(B, H, G, D)`` starting at absolute ``start``.
+
+        ``valid`` ``(B, G)`` bool marks real tokens (padding never enters the pool). Returns the
+        quant mask bool ``(B, H, G)`` (False = the token went to the pool), or None when OTT is off.
+        """
+        if not self.active:
+            return None
+        if self.state is None:
+            b, h, _, d = k_blk.shape
+            self.state = OutlierState.empty(b, h, d, self.pool_size, self.extra_capacity, k_blk.dtype,
+                                            k_blk.device)
+        sel = select_outliers(k_blk, v_blk, self.state, start, valid=valid)
+        self.state = sel.state
+        return sel.quant_mask
+
+    def segment(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Pool and extra pool for attention: K, V ``(B, H, P + E, D)`` in ``dtype`` and int64
+        positions ``(B, H, P + E)`` (-1 = empty slot); None before the first flush or when off.
+        No host sync: empty slots are left for the attention to mask."""
+        s = self.state
+        if s is None:
+            return None
+        k = torch.cat([s.pool_k, s.extra_k], dim=2).to(dtype)  # (B, H, P + E, D)
+        v = torch.cat([s.pool_v, s.extra_v], dim=2).to(dtype)  # (B, H, P + E, D)
+        pos = torch.cat([s.pool_pos, s.extra_pos], dim=2).long()  # (B, H, P + E)
+        return k, v, pos
+
+    def nbytes(self) -> dict[str, int]:
+        """Held bytes: ``outlier_pool`` (K/V slots), ``outlier_positions`` (positions + counters)."""
+        s = self.state
+        if s is None:
+            return {}
+
+        def size(*ts: torch.Tensor) -> int:
+            return sum(int(t.numel() * t.element_size()) for t in ts)
+
+        return {"outlier_pool": size(s.pool_k, s.pool_v, s.extra_k, s.extra_v),
+                "outlier_positions": size(s.pool_pos, s.extra_pos, s.extra_count, s.tracking)}

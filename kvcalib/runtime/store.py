@@ -1,0 +1,188 @@
+"""Packed storage of one layer's flushed tokens: growable buffers of codes, scales and masks.
+
+A :class:`PackedStore` holds a contiguous run of absolute positions ``[start, start + n)`` at
+one bit width per side (shapes in :mod:`kvcalib.runtime.codec`'s docstring). A layer without a
+PATS schedule has one store; with one, :class:`kvcalib.runtime.tiers.PackedTiers` keeps one
+store per quantized tier. When OTT is on, each flushed block also stores its quant mask,
+``ceil(G / 8)`` bytes per kv head (:mod:`kvcalib.runtime.outlier_pool`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcalib.quant.uniform import QuantizedTensor
+from kvcalib.recipe import LayerConfig
+from kvcalib.runtime.codec import PackedBlock
+from kvcalib.runtime.outlier_pool import mask_bytes_per_block, unpack_keep
+
+
+class GrowBuffer:
+    """A tensor that grows along dim 2 with capacity doubling (amortised O(1) appends)."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.n = 0  # used entries along dim 2
+        self.front = 0  # entries dropped from the front (sliding layers, tier moves)
+
+    def append(self, x: torch.Tensor) -> None:
+        """Append ``x`` (B, H, N, ...) along dim 2."""
+        need = self.n + x.shape[2]
+        if self.buf is None or need > self.buf.shape[2]:
+            live = self.n - self.front
+            cap = max(live + x.shape[2], 2 * live, 16)
+            new = x.new_empty((*x.shape[:2], cap, *x.shape[3:]))
+            if live:
+                new[:, :, :live] = self.buf[:, :, self.front:self.n]
+            self.n, self.front, self.buf = live, 0, new
+            need = live + x.shape[2]
+        self.buf[:, :, self.n:need] = x
+        self.n = need
+
+    def drop_front(self, count: int) -> None:
+        self.front = min(self.n, self.front + count)
+
+    def view(self) -> torch.Tensor | None:
+        """(B, H, n - front, ...) live entries (a view, no copy)."""
+        return None if self.buf is None else self.buf[:, :, self.front:self.n]
+
+    def nbytes(self) -> int:
+        """Bytes of the live entries (capacity slack is an allocator detail, reported apart)."""
+        v = self.view()
+        return 0 if v is None else int(v.numel() * v.element_size())
+
+
+@dataclass
+class PackedView:
+    """Contiguous views of a layer's packed storage, for kernels (shapes in codec.py's docstring).
+
+    ``k_codes``/``v_codes`` (B, H, N, packed D) uint8 or, for a 16-bit side, ``k_raw``/``v_raw``
+    (B, H, N, D); scales/zeros float16. Packed tokens hold absolute positions [start, start + N).
+    """
+
+    cfg: LayerConfig
+    start: int
+    n: int
+    k_codes: torch.Tensor | None
+    k_scale: torch.Tensor | None
+    k_zero: torch.Tensor | None
+    k_raw: torch.Tensor | None
+    v_codes: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    v_zero: torch.Tensor | None
+    v_raw: torch.Tensor | None
+
+
+class PackedStore:
+    """Flushed tokens of one layer at one bit width per side, K and V, in growable buffers.
+
+    ``k_bits``/``v_bits`` default to the layer config's (a tier store passes its tier's bits).
+    """
+
+    def __init__(self, cfg: LayerConfig, k_bits: int | None = None, v_bits: int | None = None) -> None:
+        self.cfg = cfg
+        self.bits = {"k": cfg.k_bits if k_bits is None else k_bits, "v": cfg.v_bits if v_bits is None else v_bits}
+        self.start = 0  # absolute position of the first live packed token
+        self.n = 0  # live packed tokens
+        self.parts = {name: GrowBuffer() for name in
+                      ("k_codes", "k_scale", "k_zero", "k_raw", "v_codes", "v_scale", "v_zero", "v_raw",
+                       "k_mean", "v_mean", "k_mean_codes", "k_mean_scale", "k_mean_zero",
+                       "v_mean_codes", "v_mean_scale", "v_mean_zero", "keep")}
+
+    def append(self, start: int, k: PackedBlock, v: PackedBlock, n: int, keep: torch.Tensor | None = None) -> None:
+        """Append ``n`` tokens at absolute ``start`` (right after the live ones); ``keep`` = their
+        packed quant masks, uint8 ``(B, H, blocks * ceil(G / 8))`` (OTT), or None."""
+        if self.n == 0:
+            self.start = start
+        for side, blk in (("k", k), ("v", v)):
+            if blk.quantized is not None:
+                self.parts[f"{side}_codes"].append(blk.quantized.codes)
+                self.parts[f"{side}_scale"].append(blk.quantized.scale)
+                self.parts[f"{side}_zero"].append(blk.quantized.zero)
+            else:
+                self.parts[f"{side}_raw"].append(blk.raw)
+            if blk.mean is not None:
+                self.parts[f"{side}_mean"].append(blk.mean)
+            if blk.mean_q is not None:
+                self.parts[f"{side}_mean_codes"].append(blk.mean_q.codes)
+                self.parts[f"{side}_mean_scale"].append(blk.mean_q.scale)
+                self.parts[f"{side}_mean_zero"].append(blk.mean_q.zero)
+        if keep is not None:
+            self.parts["keep"].append(keep)
+        self.n += n
+
+    def _scale_rows(self, side: str, tokens: int) -> int:
+        """Rows of the scale tensor along dim 2 for ``tokens`` tokens."""
+        if side == "k" and self.cfg.k_axis == "channel":
+            return tokens // self.cfg.k_group
+        return tokens
+
+    def _keep_rows(self, tokens: int) -> int:
+        """Bytes of packed quant mask along dim 2 for ``tokens`` tokens (whole flush blocks)."""
+        block = self.cfg.flush_block
+        return tokens // block * mask_bytes_per_block(block)
+
+    def drop_front(self, tokens: int) -> None:
+        """Forget the oldest ``tokens`` packed tokens (a multiple of the flush block)."""
+        tokens = min(tokens, self.n)
+        for side in ("k", "v"):
+            for name in ("codes", "raw", "mean", "mean_codes", "mean_scale", "mean_zero"):
+                self.parts[f"{side}_{name}"].drop_front(tokens)
+            rows = self._scale_rows(side, tokens)
+            self.parts[f"{side}_scale"].drop_front(rows)
+            self.parts[f"{side}_zero"].drop_front(rows)
+        self.parts["keep"].drop_front(self._keep_rows(tokens))
+        self.start += tokens
+        self.n -= tokens
+
+    def view(self) -> PackedView:
+        p = {k: b.view() for k, b in self.parts.items() if "mean" not in k and k != "keep"}
+        return PackedView(self.cfg, self.start, self.n, **p)
+
+    def centred(self) -> bool:
+        return any(self.parts[n].buf is not None for n in ("k_mean", "v_mean", "k_mean_codes", "v_mean_codes"))
+
+    def block(self, side: str, a: int, b: int) -> PackedBlock:
+        """Tokens [a, b) (relative to the live start) of one side, as a PackedBlock of views."""
+        raw = self.parts[f"{side}_raw"].view()
+        if raw is not None:
+            return PackedBlock(None, raw[:, :, a:b])
+        bits = self.bits[side]
+        group = self.cfg.k_group if side == "k" else self.cfg.v_group
+        axis = "token" if (side == "k" and self.cfg.k_axis == "channel") else "channel"
+        ra, rb = self._scale_rows(side, a), self._scale_rows(side, b)
+        mean = self.parts[f"{side}_mean"].view()
+        mean_codes = self.parts[f"{side}_mean_codes"].view()
+        mean_q = None
+        if mean_codes is not None:
+            mean_q = QuantizedTensor(mean_codes[:, :, a:b], self.parts[f"{side}_mean_scale"].view()[:, :, a:b],
+                                     self.parts[f"{side}_mean_zero"].view()[:, :, a:b], 8, mean_codes.shape[-1], "channel")
+        return PackedBlock(QuantizedTensor(
+            self.parts[f"{side}_codes"].view()[:, :, a:b], self.parts[f"{side}_scale"].view()[:, :, ra:rb],
+            self.parts[f"{side}_zero"].view()[:, :, ra:rb], bits, group, axis), None,
+            None if mean is None else mean[:, :, a:b], mean_q)
+
+    def keep_bytes(self, a: int, b: int) -> torch.Tensor | None:
+        """Packed quant masks of tokens [a, b) (whole blocks), uint8 ``(B, H, R)``; None without OTT."""
+        keep = self.parts["keep"].view()
+        return None if keep is None else keep[:, :, self._keep_rows(a):self._keep_rows(b)]
+
+    def keep(self, a: int, b: int) -> torch.Tensor | None:
+        """Quant masks of tokens [a, b) (whole blocks), bool ``(B, H, b - a)``: False = the token
+        lives in the outlier pool; None without OTT."""
+        packed = self.keep_bytes(a, b)
+        return None if packed is None else unpack_keep(packed, self.cfg.flush_block)
+
+    def nbytes(self) -> dict[str, int]:
+        out = {"k_packed": 0, "k_scales": 0, "v_packed": 0, "v_scales": 0}
+        for side in ("k", "v"):
+            out[f"{side}_packed"] += self.parts[f"{side}_codes"].nbytes() + self.parts[f"{side}_raw"].nbytes()
+            out[f"{side}_scales"] += self.parts[f"{side}_scale"].nbytes() + self.parts[f"{side}_zero"].nbytes()
+            mean = sum(self.parts[f"{side}_{n}"].nbytes() for n in ("mean", "mean_codes", "mean_scale", "mean_zero"))
+            if mean:
+                out[f"{side}_mean"] = mean
+        if self.parts["keep"].nbytes():
+            out["outlier_masks"] = self.parts["keep"].nbytes()
+        return out

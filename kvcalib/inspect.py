@@ -30,7 +30,14 @@ def _model_info_for(recipe: Recipe, model: str | None) -> ModelInfo:
 
 
 def inspect_recipe(spec: str, model: str | None = None, context: int = 4096) -> dict[str, Any]:
-    """Everything `kvcalib inspect` shows, as a JSON-ready dict."""
+    """Everything `kvcalib inspect` shows, as a JSON-ready dict.
+
+    With Huffman codebooks in the recipe (``layers.{i}.{k|v}.huffman``, validated: a corrupt one
+    raises :class:`~kvcalib.errors.RecipeError` naming it), each layer also gets ``k_huffman_bits``
+    / ``v_huffman_bits`` (estimated bits per symbol, None = uncoded side) and
+    ``coded_effective_bits``, and ``report["huffman"]`` holds the coded memory at ``context``
+    (:func:`kvcalib.calibrate.codebooks.entropy_memory`); it is None without codebooks.
+    """
     recipe = resolve_recipe(spec)
     info = _model_info_for(recipe, model)
     recipe.check_model(info)
@@ -49,10 +56,72 @@ def inspect_recipe(spec: str, model: str | None = None, context: int = 4096) -> 
         "layers": layers,
         "memory": {"effective_bits": mem.effective_bits, "total_bytes": mem.total_bytes,
                    "components": mem.components},
+        "huffman": _huffman_section(recipe, info, context, layers, elements_per_layer),
         "tensors": {k: list(v.shape) for k, v in recipe.tensors.items()},
         "provenance": recipe.provenance,
         "origin": provenance_summary(recipe.provenance),
     }
+
+
+def _huffman_section(recipe: Recipe, info: ModelInfo, context: int, layers: list[dict[str, Any]],
+                     elements_per_layer: int) -> dict[str, Any] | None:
+    """Per-layer bits/symbol and coded effective bits (added to ``layers`` in place) and the coded
+    memory of a recipe with codebooks; None without."""
+    from kvcalib.calibrate.codebooks import HUFFMAN, StreamLayout, codebook_bits, entropy_memory
+
+    configs = recipe.layer_configs(info.num_layers)
+    bits, source = codebook_bits(recipe, configs)  # validates the codebooks (RecipeError)
+    if not bits:
+        return None
+    layout = StreamLayout()
+    prov = recipe.provenance.get(HUFFMAN)
+    if isinstance(prov, dict) and isinstance(prov.get("layout"), dict):
+        try:
+            layout = StreamLayout(**prov["layout"])
+        except (TypeError, ValueError):
+            pass  # an unreadable note: account the default layout
+    coded = entropy_memory(recipe, info, bits, context, layout)
+    delta = [0.0] * info.num_layers  # coded - raw bytes of each layer
+    for side in coded.sides:
+        delta[side["layer"]] += side["coded_bytes"] - side["raw_bytes"]
+    for row in layers:
+        i = row["layer"]
+        row["k_huffman_bits"] = bits.get((i, "k"))
+        row["v_huffman_bits"] = bits.get((i, "v"))
+        row["coded_effective_bits"] = row["effective_bits"] + 8.0 * delta[i] / elements_per_layer
+    return {
+        "estimate": source,
+        "coded_sides": len(bits),
+        "quantized_sides": sum((c.k_bits < 16) + (c.v_bits < 16) for c in configs),
+        "layout": {"tokens_per_stream": layout.tokens_per_stream, "chunk_tokens": layout.chunk_tokens},
+        "effective_bits": coded.coded.effective_bits,
+        "uncoded_effective_bits": coded.uncoded.effective_bits,
+        "reduction_pct": 100.0 * coded.reduction,
+        "total_bytes": coded.coded.total_bytes,
+        "components": coded.coded.components,
+    }
+
+
+def huffman_lines(report: dict[str, Any]) -> list[str]:
+    """Human-readable lines for the Huffman part of an :func:`inspect_recipe` report (empty
+    without codebooks): a summary, then bits/symbol per layer as ``layer: K|V`` (``-`` uncoded)."""
+    h = report.get("huffman")
+    if not h:
+        return []
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    lines = [
+        f"Huffman-coded effective bits at {report['context']}: {h['effective_bits']:.3f} "
+        f"(uncoded {h['uncoded_effective_bits']:.3f}, {h['reduction_pct']:.1f}% saved); "
+        f"{h['coded_sides']} of {h['quantized_sides']} quantized sides coded; bits/symbol: {h['estimate']}; "
+        f"streams of {h['layout']['tokens_per_stream']} token(s) in {h['layout']['chunk_tokens']}-token chunks",
+        "bits/symbol K|V (coded eff. bits) per layer: " + ", ".join(
+            f"{r['layer']}: {fmt(r['k_huffman_bits'])}|{fmt(r['v_huffman_bits'])} ({r['coded_effective_bits']:.3f})"
+            for r in report["layers"]),
+    ]
+    return lines
 
 
 # provenance keys people ask about first, with their labels (kvcalib export/search write them)
@@ -83,10 +152,31 @@ def provenance_summary(provenance: dict[str, Any]) -> list[tuple[str, str]]:
         if key in provenance and provenance[key] not in (None, "", [], {}):
             out.append((label, fmt(provenance[key])))
             seen.add(key)
+    if isinstance(provenance.get("huffman"), dict):  # a per-layer record: summarised, not dumped
+        out.append(("huffman", _huffman_origin(provenance["huffman"])))
+        seen.add("huffman")
     for key in sorted(provenance):
         if key not in seen and provenance[key] not in (None, "", [], {}):
             out.append((key, fmt(provenance[key])))
     return out
+
+
+def _huffman_origin(note: dict[str, Any]) -> str:
+    """One line from ``provenance["huffman"]`` (written by ``add_codebooks``)."""
+    parts = []
+    if "max_len" in note:
+        parts.append(f"max_len {note['max_len']}")
+    if note.get("reservoir_blocks"):
+        parts.append(f"from {note['reservoir_blocks']} reservoir blocks of {note.get('block_len', '?')} tokens")
+    per = note.get("bits_per_symbol")
+    if isinstance(per, dict):
+        for side in ("k", "v"):
+            vals = [v for v in per.get(side) or [] if isinstance(v, (int, float))]
+            if vals:
+                parts.append(f"{side.upper()} {sum(vals) / len(vals):.3f} bits/symbol (calibration, mean of {len(vals)} layers)")
+    if note.get("uncoded"):
+        parts.append(f"left uncoded: {len(note['uncoded'])} sides")
+    return "; ".join(parts) or json.dumps(note, sort_keys=True)
 
 
 _LAYER_FIELDS = ("k_bits", "v_bits", "k_axis", "k_group", "v_group", "window", "sinks")

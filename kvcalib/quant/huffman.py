@@ -93,7 +93,15 @@ offsets, payload long enough, flags consistent with lengths) and, while decoding
 runs past its end or ends with bits left over. A bit flip inside a payload that keeps every
 stream aligned decodes to wrong symbols undetected (Huffman has no checksum).
 
-Memory: :meth:`EncodedBlocks.nbytes` counts payload, offsets and flags; the codebook
+:func:`decode_bit_ranges` runs the same loop on streams given by explicit ``[start, end)`` bit
+ranges, for layouts that store offsets another way. The KV cache is one such layout
+(:mod:`kvcalib.calibrate.codebooks`): word-aligned chunks, a 32-bit word index per chunk and an
+8- or 16-bit length per stream. ``decode_blocks`` is ``decode_bit_ranges(payload, off[:-1],
+off[1:], ...)``.
+
+Memory: :meth:`EncodedBlocks.nbytes` counts payload, offsets and flags as this in-memory format
+holds them (int64 offsets, one ``bool`` per stream). A GPU layout needs far less; the cache
+layout's bytes are counted by :class:`kvcalib.calibrate.codebooks.CacheStreams`. The codebook
 (:meth:`Codebook.nbytes`, ``2**b`` bytes of lengths) is shared, so the caller amortises it.
 """
 
@@ -113,6 +121,7 @@ __all__ = [
     "EncodedBlocks",
     "HuffmanError",
     "build_codebook",
+    "decode_bit_ranges",
     "decode_blocks",
     "encode_blocks",
     "encoded_bits_per_symbol",
@@ -479,21 +488,7 @@ class EncodedBlocks:
                 f"{need} uint32 words (with the guard word), got {self.payload.numel()} "
                 f"(truncated payload or offsets past its end)"
             )
-        raw_size = L * bits
-        bad_raw = np.flatnonzero(raw & (size != raw_size))
-        if bad_raw.size:
-            i = int(bad_raw[0])
-            raise HuffmanError(
-                f"corrupt block: stream {i} is flagged raw but holds {int(size[i])} bits, not "
-                f"n_symbols * bits = {raw_size}"
-            )
-        bad_coded = np.flatnonzero(~raw & ((size < L) | (size >= raw_size)))
-        if bad_coded.size:
-            i = int(bad_coded[0])
-            raise HuffmanError(
-                f"corrupt block: coded stream {i} holds {int(size[i])} bits; {L} code words "
-                f"take at least {L} and the encoder codes only below the raw size {raw_size}"
-            )
+        _check_stream_sizes(raw, size, L, bits)
 
     @property
     def n_streams(self) -> int:
@@ -512,6 +507,26 @@ class EncodedBlocks:
             for t in (self.payload, self.bit_offsets, self.raw_fallback)
         )
 
+
+
+def _check_stream_sizes(raw: np.ndarray, size: np.ndarray, n_symbols: int, bits: int) -> None:
+    """A raw stream holds exactly ``n_symbols * bits`` bits; a coded one at least one bit per
+    symbol and less than raw (the escape rule). raw (N,) bool, size (N,) int64 stream bits."""
+    raw_size = n_symbols * bits
+    bad_raw = np.flatnonzero(raw & (size != raw_size))
+    if bad_raw.size:
+        i = int(bad_raw[0])
+        raise HuffmanError(
+            f"corrupt block: stream {i} is flagged raw but holds {int(size[i])} bits, not "
+            f"n_symbols * bits = {raw_size}"
+        )
+    bad_coded = np.flatnonzero(~raw & ((size < n_symbols) | (size >= raw_size)))
+    if bad_coded.size:
+        i = int(bad_coded[0])
+        raise HuffmanError(
+            f"corrupt block: coded stream {i} holds {int(size[i])} bits; {n_symbols} code words "
+            f"take at least {n_symbols} and the encoder codes only below the raw size {raw_size}"
+        )
 
 def _payload_words(total_bits: int) -> int:
     """Words for ``total_bits`` stream bits plus the zero guard word."""
@@ -593,20 +608,84 @@ def decode_blocks(encoded: EncodedBlocks, codebook: Codebook) -> torch.Tensor:
         raise HuffmanError(f"encoded must be EncodedBlocks, got {type(encoded).__name__}")
     if not isinstance(codebook, Codebook):
         raise HuffmanError(f"codebook must be a Codebook, got {type(codebook).__name__}")
-    b, M, L = codebook.bits, codebook.max_len, encoded.n_symbols
-    if encoded.bits != b:
+    if encoded.bits != codebook.bits:
         raise HuffmanError(
-            f"blocks were encoded with {encoded.bits}-bit symbols but the codebook is {b}-bit"
+            f"blocks were encoded with {encoded.bits}-bit symbols but the codebook is "
+            f"{codebook.bits}-bit"
         )
-    payload = _as_numpy(encoded.payload).astype(np.uint64)  # (W,)
-    off = _as_numpy(encoded.bit_offsets)  # (N+1,)
-    raw = _as_numpy(encoded.raw_fallback)  # (N,)
+    off = encoded.bit_offsets
+    return decode_bit_ranges(
+        encoded.payload, off[:-1], off[1:], encoded.raw_fallback, encoded.n_symbols, codebook
+    )
+
+
+def decode_bit_ranges(
+    payload: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    raw_fallback: torch.Tensor,
+    n_symbols: int,
+    codebook: Codebook,
+) -> torch.Tensor:
+    """Decode streams given by explicit bit ranges of a payload (the lockstep loop of the doc).
+
+    :func:`decode_blocks` calls this with ``starts = off[:-1]``, ``ends = off[1:]``; layouts
+    that store offsets differently (e.g. word-aligned chunks with per-stream lengths, see
+    :mod:`kvcalib.calibrate.codebooks`) compute ``starts``/``ends`` and call it directly.
+
+    Args:
+        payload: ``uint32 (W,)``, bits MSB-first as in the block format; its last word is read
+            only as the guard of a 64-bit window, so every stream must end by bit ``32 * (W - 1)``.
+        starts, ends: ``int64 (N,)``, stream ``i`` is bits ``[starts[i], ends[i])``. Streams need
+            not be contiguous or ordered.
+        raw_fallback: ``bool (N,)``, stream stored raw (``n_symbols * bits`` bits).
+        n_symbols: ``L``, symbols per stream.
+        codebook: the code the streams were written with.
+
+    Returns:
+        ``uint8 (N, L)`` on ``payload.device``.
+
+    Raises:
+        HuffmanError: bad dtypes/shapes, a range outside the payload, a size that contradicts
+            its raw flag, or a stream that runs past its end or ends with bits left over. Every
+            read stays inside the payload and the loop runs exactly ``L`` steps: corrupt input
+            never hangs and never reads out of bounds.
+    """
+    if not isinstance(codebook, Codebook):
+        raise HuffmanError(f"codebook must be a Codebook, got {type(codebook).__name__}")
+    _check_tensor(payload, "payload", torch.uint32, 1)
+    _check_tensor(starts, "starts", torch.int64, 1)
+    _check_tensor(ends, "ends", torch.int64, 1)
+    _check_tensor(raw_fallback, "raw_fallback", torch.bool, 1)
+    L = n_symbols
+    if isinstance(L, bool) or not isinstance(L, int) or L < 0:
+        raise HuffmanError(f"n_symbols must be an int >= 0, got {L!r}")
+    n = raw_fallback.numel()
+    if starts.numel() != n or ends.numel() != n:
+        raise HuffmanError(
+            f"starts ({starts.numel()}), ends ({ends.numel()}) and raw_fallback ({n}) must have "
+            f"one entry per stream"
+        )
+    b, M = codebook.bits, codebook.max_len
+    payload_np = _as_numpy(payload).astype(np.uint64)  # (W,)
+    start = _as_numpy(starts)  # (N,)
+    end = _as_numpy(ends)  # (N,)
+    raw = _as_numpy(raw_fallback)  # (N,)
+    limit = _WORD_BITS * (payload_np.shape[0] - 1)  # last readable stream bit + 1 (guard word)
+    size = end - start
+    bad = np.flatnonzero((start < 0) | (size < 0) | (end > limit))
+    if bad.size:
+        i = int(bad[0])
+        raise HuffmanError(
+            f"corrupt block: stream {i} spans bits [{int(start[i])}, {int(end[i])}), outside "
+            f"the payload's {max(limit, 0)} stream bits (W = {payload_np.shape[0]} words, the "
+            f"last one a zero guard word)"
+        )
+    _check_stream_sizes(raw, size, L, b)
     table_sym, table_len = (_as_numpy(t) for t in codebook.decode_table())  # (2**M,) each
     table_len = table_len.astype(np.int64)
 
-    n = raw.shape[0]
-    end = off[1:]
-    pos = off[:-1].copy()  # (N,) next bit of each stream
+    pos = start.copy()  # (N,) next bit of each stream
     out = np.empty((n, L), dtype=np.uint8)
     mask = np.uint64((1 << M) - 1)
     for k in range(L):
@@ -615,10 +694,10 @@ def decode_blocks(encoded: EncodedBlocks, codebook: Codebook) -> torch.Tensor:
             i = int(np.flatnonzero(done)[0])
             raise HuffmanError(
                 f"corrupt block: stream {i} ends after {k} of {L} symbols "
-                f"(bits [{int(off[i])}, {int(end[i])}))"
+                f"(bits [{int(start[i])}, {int(end[i])}))"
             )
         w, s = pos >> 5, pos & 31
-        window = (payload[w] << np.uint64(32)) | payload[w + 1]  # (N,) 64-bit windows
+        window = (payload_np[w] << np.uint64(32)) | payload_np[w + 1]  # (N,) 64-bit windows
         peek = ((window >> (64 - s - M).astype(np.uint64)) & mask).astype(np.int64)  # (N,)
         out[:, k] = np.where(raw, peek >> (M - b), table_sym[peek])
         pos += np.where(raw, b, table_len[peek])
@@ -634,9 +713,9 @@ def decode_blocks(encoded: EncodedBlocks, codebook: Codebook) -> torch.Tensor:
         i = int(np.flatnonzero(short)[0])
         raise HuffmanError(
             f"corrupt block: stream {i} has {int(end[i] - pos[i])} bits left after its {L} "
-            f"symbols (bits [{int(off[i])}, {int(end[i])}))"
+            f"symbols (bits [{int(start[i])}, {int(end[i])}))"
         )
-    return torch.from_numpy(out).to(encoded.payload.device)
+    return torch.from_numpy(out).to(payload.device)
 
 
 def encoded_bits_per_symbol(encoded: EncodedBlocks, include_overhead: bool = False) -> float:

@@ -19,6 +19,7 @@ from kvcalib.quant.huffman import (
     EncodedBlocks,
     HuffmanError,
     build_codebook,
+    decode_bit_ranges,
     decode_blocks,
     encode_blocks,
     encoded_bits_per_symbol,
@@ -591,3 +592,47 @@ def test_decoding_with_a_different_codebook_is_caught_or_well_formed():
         assert "corrupt block" in str(err)
     else:
         assert out.shape == x.shape
+
+
+# ----------------------------------------------------------------------------------------------
+# decode_bit_ranges: streams at explicit bit ranges (the cache layout decodes through it)
+
+
+def test_bit_ranges_decode_any_order_and_subset():
+    cb, x, enc = _fixture()
+    off = enc.bit_offsets
+    assert torch.equal(decode_bit_ranges(enc.payload, off[:-1], off[1:], enc.raw_fallback, enc.n_symbols, cb), x)
+    order = torch.tensor([7, 3, 3, 0, 11])  # any order, repeats allowed
+    got = decode_bit_ranges(enc.payload, off[:-1][order], off[1:][order], enc.raw_fallback[order],
+                            enc.n_symbols, cb)
+    assert torch.equal(got, x[order])
+    empty = decode_bit_ranges(enc.payload, off[:0], off[:0], enc.raw_fallback[:0], enc.n_symbols, cb)
+    assert empty.shape == (0, enc.n_symbols)
+
+
+@pytest.mark.parametrize(("mutate", "match"), [
+    (lambda s, e, r: (s - 10**6, e, r), "outside the payload"),
+    (lambda s, e, r: (s, e + 10**6, r), "outside the payload"),
+    (lambda s, e, r: (e, s, r), "outside the payload"),  # end before start
+    (lambda s, e, r: (s, e, ~r), "raw|coded stream"),
+    (lambda s, e, r: (s + 1, e, r), "holds|ends after|left after|past"),
+    (lambda s, e, r: (s, e[:-1], r), "one entry per stream"),
+    (lambda s, e, r: (s.to(torch.int32), e, r), "dtype"),
+], ids=["start<0", "end_past_payload", "swapped", "flags_flipped", "start+1", "short_ends", "dtype"])
+def test_bit_ranges_corrupt_raise(mutate, match):
+    cb, _, enc = _fixture()
+    off = enc.bit_offsets
+    starts, ends, raw = mutate(off[:-1], off[1:], enc.raw_fallback)
+    with pytest.raises(HuffmanError, match=match):
+        decode_bit_ranges(enc.payload, starts, ends, raw, enc.n_symbols, cb)
+
+
+def test_bit_ranges_stop_at_the_guard_word():
+    """A stream may end at bit 32 * (W - 1) but not inside the guard word."""
+    cb, _, enc = _fixture()
+    last = enc.bit_offsets[-1]
+    w = enc.payload.numel()
+    assert int(last) <= 32 * (w - 1)
+    with pytest.raises(HuffmanError, match="outside the payload"):
+        decode_bit_ranges(enc.payload[: (int(last) + 31) // 32], enc.bit_offsets[:-1], enc.bit_offsets[1:],
+                          enc.raw_fallback, enc.n_symbols, cb)

@@ -75,3 +75,59 @@ def test_inspect_report_and_cli_show_origin(tmp_path):
     assert json.loads(res.output)["summary"]["differing_layers"] == 3
     res = runner.invoke(app, ["inspect", pa, "--diff", str(tmp_path / "missing.safetensors")])
     assert res.exit_code == 2 and "does not exist" in res.output
+
+
+def _coded_recipe(tmp_path, store_histograms=False, corrupt=False):
+    from tests.unit.test_codebooks import CONFIGS, _recipe, _stats
+
+    from kvcalib.calibrate.codebooks import add_codebooks
+
+    rec = add_codebooks(_recipe(), _stats(), store_histograms=store_histograms, only_if_smaller=False)
+    if corrupt:
+        rec.tensors["layers.0.v.huffman"] = torch.ones(16, dtype=torch.uint8)  # Kraft sum 8 > 1
+    path = tmp_path / "coded.safetensors"
+    rec.save(path)
+    return str(path), rec, CONFIGS
+
+
+def test_inspect_shows_huffman_bits_and_coded_effective_bits(tmp_path):
+    import pytest
+
+    from kvcalib.calibrate.codebooks import codebook_bits, entropy_memory
+    from kvcalib.errors import RecipeError
+    from kvcalib.inspect import huffman_lines
+
+    path, rec, configs = _coded_recipe(tmp_path)
+    report = inspect_recipe(path, context=512)
+    h = report["huffman"]
+    bits, source = codebook_bits(rec, configs)
+    mem = entropy_memory(rec, rec.model, bits, 512)
+    assert h["estimate"] == source and h["coded_sides"] == h["quantized_sides"] == 3
+    assert h["effective_bits"] == mem.coded.effective_bits and h["uncoded_effective_bits"] == mem.uncoded.effective_bits
+    rows = {r["layer"]: r for r in report["layers"]}
+    assert rows[1]["k_huffman_bits"] is None and rows[1]["v_huffman_bits"] == bits[(1, "v")]
+    # per-layer coded bits add up to the whole (recipe tensors and centering means, like the
+    # uncoded per-layer column, are counted only in the total)
+    per_layer = sum(r["coded_effective_bits"] for r in report["layers"]) / len(rows)
+    c = mem.coded.components
+    rest = 8 * (c["recipe_state"] + c.get("k_mean", 0) + c.get("v_mean", 0)) / mem.coded.elements
+    assert per_layer + rest == pytest.approx(h["effective_bits"])
+    lines = huffman_lines(report)
+    assert "Huffman-coded effective bits at 512" in lines[0] and "1: -|" in lines[1]
+    assert any(label == "huffman" and "max_len 12" in value for label, value in report["origin"])
+    res = CliRunner().invoke(app, ["inspect", path, "--json", "--context", "512"])
+    assert res.exit_code == 0 and json.loads(res.output)["huffman"]["coded_sides"] == 3
+    hist_path, _, _ = _coded_recipe(tmp_path / "h", store_histograms=True)
+    assert inspect_recipe(hist_path)["huffman"]["estimate"] == "calibration histogram"
+    bad_path, _, _ = _coded_recipe(tmp_path / "bad", corrupt=True)
+    with pytest.raises(RecipeError, match="layers.0.v.huffman"):
+        inspect_recipe(bad_path)
+
+
+def test_inspect_without_codebooks_has_no_huffman_section(tmp_path):
+    from kvcalib.inspect import huffman_lines
+
+    pa, _ = _recipes(tmp_path)
+    report = inspect_recipe(pa)
+    assert report["huffman"] is None and huffman_lines(report) == []
+    assert "k_huffman_bits" not in report["layers"][0]

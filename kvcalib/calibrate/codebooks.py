@@ -1,0 +1,790 @@
+"""Huffman codebooks for a recipe's quantized cache (KVComp), the cache's stream layout, and
+what the coded cache costs in memory.
+
+This is the offline ``codebooks`` step of DESIGN.md. It runs after a recipe is fitted, because
+the symbols it counts are the codes the recipe's own codec stores.
+
+Codebooks
+---------
+For every layer ``i`` and side ``s`` in ``{k, v}`` quantized below 16 bits, :func:`layer_histograms`
+quantizes the reservoir of the collected statistics with the recipe's codec
+(:func:`kvcalib.runtime.state.build_codecs`: centering, channel permutation and clipping
+applied exactly as the runtime applies them). It cuts the reservoir into flush-sized blocks
+(``LayerConfig.flush_block`` tokens, the unit the cache quantizes) and quantizes them as a
+batch. It unpacks the codes and counts the symbols: ``int64 (2**bits,)``.
+:func:`add_codebooks` turns each histogram into a length-limited canonical code
+(:func:`kvcalib.quant.huffman.build_codebook`, ``max_len`` 12) and returns a new recipe with the
+tensors
+
+=============================  ================  ==================================================
+``layers.{i}.{s}.huffman``     ``uint8 (2**b,)``  code length of each symbol (canonical code words
+                                                  follow from the lengths alone)
+``layers.{i}.{s}.huffman_hist``  ``int64 (2**b,)``  the calibration histogram; only with
+                                                  ``store_histograms=True`` (the runtime's list of
+                                                  tensor names must accept it first)
+=============================  ================  ==================================================
+
+and a provenance entry ``"huffman"`` (max_len, reservoir blocks, symbols counted, the
+calibration estimate of bits per symbol for each layer and side, and the order-0 entropy).
+16-bit sides get no codebook. :func:`load_codebooks` validates these tensors and rebuilds them
+as :class:`~kvcalib.quant.huffman.Codebook` objects. A length set that is not a complete prefix
+code (Kraft sum != 1) is refused with a :class:`~kvcalib.errors.RecipeError` naming the tensor,
+and so is one of the wrong size for the layer's bits, a length outside 1..max_len, or a codebook
+on a 16-bit side.
+
+Cache stream layout (version 1): what the Triton decoder reads
+---------------------------------------------------------------
+The symbols are the unpacked codes of one side of one layer: ``unpack_codes(q.codes, bits)``
+of the codec's :class:`~kvcalib.quant.uniform.QuantizedTensor`, ``uint8 (B, H, N, D)``, channels
+in *stored* order (after the recipe's permutation, before any un-permutation).
+
+1. Stream: ``tokens_per_stream`` (T_s, default 1) consecutive tokens of one (b, kv head), so
+   ``L = T_s * D`` symbols, token-major, then stored channel order. Streams are coded with
+   :mod:`kvcalib.quant.huffman` (canonical codes, MSB-first, raw fallback when coding would not
+   be shorter).
+2. Chunk: the streams of ``chunk_tokens`` (default 32, a multiple of T_s) consecutive tokens of one
+   (b, h). A chunk starts on a 32-bit word boundary of ``payload`` (zero bits pad its last word),
+   and its streams follow back to back with no padding.
+3. ``payload uint32 (W,)``: chunks in (b, h, chunk) order, then one zero guard word, so the
+   64-bit window read of the decode loop stays in bounds. ``chunk_word int32 (B, H, C)``: the word
+   index where each chunk starts. ``C = ceil(N / chunk_tokens)``.
+4. ``stream_excess (B, H, N / T_s)``: each stream's length in bits minus ``L`` (a code word has at
+   least 1 bit). It is ``uint8`` when ``L * (bits - 1) <= 255`` (2-bit codes with D <= 255, 4-bit
+   with D <= 85), else ``int16``. A stream is stored raw exactly when its excess is
+   ``L * (bits - 1)``, so no flag array is stored.
+5. Stream ``s`` of (b, h) lies in chunk ``c = s // (chunk_tokens / T_s)`` and starts at bit
+   ``32 * chunk_word[b, h, c] + sum(L + stream_excess[b, h, s'])`` over the earlier streams
+   ``s'`` of its chunk. A program decoding a tile of BLOCK_N tokens x D (BLOCK_N a multiple of
+   ``chunk_tokens``) loads one word index per chunk and BLOCK_N excess values. An exclusive
+   cumsum gives every lane its start bit. Then each lane runs the ``L``-step table loop of
+   :mod:`kvcalib.quant.huffman` on its own token, with no dependence on any other tile.
+
+:func:`encode_side` / :func:`decode_side` code a side as format-v1 blocks (one bit string, int64
+offsets: the in-memory reference). :func:`to_cache_streams` converts them to the layout above
+(:class:`CacheStreams`, the bytes a GPU cache holds). :func:`decode_cache_streams` is the
+reference decoder of that layout; a Triton kernel must match it bit for bit.
+
+Why one token per stream: a tile's lanes are then its tokens, for keys (per-channel scales)
+and values (per-token scales) alike, and a lane's loop is only D steps. The price is the
+per-stream length field. For 2-bit codes and D = 64 that is 8 bits per 64 symbols, 0.125
+bits/symbol, against a saving of at most ~0.2-0.3 bits/symbol (see Memory).
+``tokens_per_stream = 4`` cuts the field to 0.03 bits/symbol but makes each lane decode 4 tokens
+in sequence. :class:`StreamLayout` holds both knobs, so either choice can be accounted.
+
+Memory
+------
+:func:`entropy_memory` starts from ``Recipe.memory(info, context)`` (DESIGN.md's accounting:
+full-precision sinks and window, scales, zero-points, means, recipe tensors). It keeps all of
+that, replaces each coded side's ``{s}_codes`` bytes by its coded bytes, and adds the decode
+tables:
+
+- payload: ``bits_per_symbol * symbols / 8``, plus on average 16 bits of word padding per chunk
+  (an estimate; :meth:`CacheStreams.nbytes` counts the exact padding of real data), plus one
+  4-byte guard word per layer and side;
+- ``chunk_word``: 4 bytes per chunk; ``stream_excess``: 1 or 2 bytes per stream (point 4). The
+  format-v1 ``bit_offsets`` are int64 with a ``bool`` flag per stream in memory; what is counted
+  here is what the GPU layout stores. Raw-fallback flags cost nothing, because they follow
+  from the lengths;
+- codebooks: the ``uint8`` lengths are recipe tensors, already in ``recipe_state``. The decode
+  table a kernel keeps (``2**max(lengths)`` entries of 2 bytes, symbol and length) is counted as
+  ``huffman_tables``.
+
+All counts are per sequence (batch 1), as ``Recipe.memory`` counts them.
+
+Not covered yet: recipes with a PATS schedule (older blocks stored at fewer bits would need a
+codebook per tier width; refused with a RecipeError). With an OTT outlier pool, the cache leaves
+the pool's tokens out of each group's range. The histograms here quantize without that mask, so
+the estimate is slightly off for such recipes, but every code still decodes correctly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcalib.calibrate.base import CalibrationError, reservoir_to_bhtd
+from kvcalib.errors import RecipeError
+from kvcalib.models import ModelInfo
+from kvcalib.quant.huffman import (
+    DEFAULT_MAX_LEN,
+    Codebook,
+    EncodedBlocks,
+    HuffmanError,
+    build_codebook,
+    decode_bit_ranges,
+    decode_blocks,
+    encode_blocks,
+    symbol_histogram,
+)
+from kvcalib.quant.packing import unpack_codes
+from kvcalib.recipe import LayerConfig, MemoryBreakdown, Recipe, quantized_token_count
+from kvcalib.stats import CollectedStats
+
+__all__ = [
+    "HUFFMAN",
+    "HUFFMAN_HIST",
+    "CacheStreams",
+    "CodedMemory",
+    "StreamLayout",
+    "add_codebooks",
+    "codebook_bits",
+    "decode_cache_streams",
+    "decode_side",
+    "encode_cache_streams",
+    "encode_side",
+    "entropy_memory",
+    "flush_blocks",
+    "flush_codes",
+    "implied_bits",
+    "layer_histograms",
+    "load_codebooks",
+    "side_coded_bytes",
+    "side_codes",
+    "strip_codebooks",
+    "symbol_entropy",
+    "tensor_name",
+    "to_cache_streams",
+]
+
+HUFFMAN = "huffman"  # layers.{i}.{k|v}.huffman: uint8 code lengths (2**bits,)
+HUFFMAN_HIST = "huffman_hist"  # layers.{i}.{k|v}.huffman_hist: int64 calibration histogram (2**bits,)
+SIDES = ("k", "v")
+_WORD = 32  # payload word bits
+_TABLE_ENTRY_BYTES = 2  # decode table entry: symbol (uint8) + length (uint8)
+
+Key = tuple[int, str]  # (layer, side)
+
+
+def _side_bits(cfg: LayerConfig, side: str) -> int:
+    return cfg.k_bits if side == "k" else cfg.v_bits
+
+
+def tensor_name(layer: int, side: str, kind: str = HUFFMAN) -> str:
+    """``layers.{layer}.{side}.{kind}``."""
+    return f"layers.{layer}.{side}.{kind}"
+
+
+# ----------------------------------------------------------------------------------------------
+# symbols exactly as the codec stores them
+
+
+def flush_blocks(x: torch.Tensor, flush: int) -> torch.Tensor:
+    """Cut token runs into the blocks the cache flushes: ``(NB, H, T, D)`` ->
+    ``(NB * (T // flush), H, flush, D)``; a tail shorter than ``flush`` is dropped (the cache
+    would still hold it in full precision)."""
+    nb, h, t, d = x.shape
+    n = t // flush
+    if n == 0:
+        raise CalibrationError(
+            f"token runs of {t} tokens are shorter than one flush block ({flush} tokens): collect "
+            f"with --block-len >= {flush}"
+        )
+    x = x[:, :, : n * flush].reshape(nb, h, n, flush, d)  # (NB, H, n, F, D)
+    return x.permute(0, 2, 1, 3, 4).reshape(nb * n, h, flush, d)
+
+
+def side_codes(codec: Any, side: str, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Unpacked codes ``uint8 (B, H, N, D)`` (stored channel order) of ``x`` ``(B, H, N, D)`` as
+    ``codec`` (a :class:`~kvcalib.runtime.codec.LayerCodec`) stores side ``side``. ``N`` must be
+    a multiple of the flush block (keys quantized per channel need whole groups)."""
+    if side not in SIDES:
+        raise ValueError(f"side must be 'k' or 'v', got {side!r}")
+    block = codec.encode_keys(x, valid) if side == "k" else codec.encode_values(x, valid)
+    if block.quantized is None:
+        raise ValueError(f"side {side!r} is kept at 16 bits: it has no codes to entropy-code")
+    q = block.quantized
+    return unpack_codes(q.codes, q.bits)
+
+
+def flush_codes(codec: Any, side: str, x: torch.Tensor) -> torch.Tensor:
+    """Codes ``uint8 (B, H, N, D)`` of ``x`` ``(B, H, N, D)`` quantized one flush block at a time,
+    as the cache does (``N`` a multiple of the codec's flush block), in token order."""
+    b, h, n, d = x.shape
+    flush = codec.cfg.flush_block
+    if n % flush:
+        raise ValueError(f"{n} tokens are not a whole number of flush blocks of {flush} tokens")
+    if n == 0:
+        return torch.zeros((b, h, 0, d), dtype=torch.uint8)
+    codes = side_codes(codec, side, flush_blocks(x, flush))  # (B * n/F, H, F, D)
+    return codes.reshape(b, n // flush, h, flush, d).permute(0, 2, 1, 3, 4).reshape(b, h, n, d)
+
+
+def strip_codebooks(recipe: Recipe) -> Recipe:
+    """A copy of ``recipe`` without Huffman tensors and provenance (the same recipe, uncoded)."""
+    tensors = {k: v for k, v in recipe.tensors.items() if k.split(".")[-1] not in (HUFFMAN, HUFFMAN_HIST)}
+    prov = {k: v for k, v in recipe.provenance.items() if k != HUFFMAN}
+    return Recipe(name=recipe.name, layers=None if recipe.layers is None else list(recipe.layers),
+                  default_layer=recipe.default_layer, model=recipe.model, tensors=tensors, provenance=prov)
+
+
+def _refuse_tiered(recipe: Recipe) -> None:
+    """Codebooks are per (layer, side) at the layer's configured bits; a PATS schedule
+    (``layers.{i}.kv.schedule``) stores older blocks at fewer bits, which would need one codebook
+    per tier width: not supported yet, so refuse rather than code some blocks wrongly."""
+    tiered = sorted(k for k in recipe.tensors if k.endswith(".kv.schedule"))
+    if tiered:
+        raise RecipeError(f"recipe {recipe.name!r} has a position-adaptive schedule ({tiered[0]}): Huffman "
+                          "codebooks are built for one bit width per layer and side, not per schedule tier; "
+                          "use a recipe without --schedule")
+
+
+def _codecs(recipe: Recipe, info: ModelInfo) -> tuple[list[LayerConfig], list[Any]]:
+    from kvcalib.runtime.state import build_codecs
+
+    configs = recipe.layer_configs(info.num_layers)
+    return configs, build_codecs(strip_codebooks(recipe), configs, info.head_dim)
+
+
+def layer_histograms(recipe: Recipe, stats: CollectedStats) -> dict[Key, torch.Tensor]:
+    """Symbol histograms ``int64 (2**bits,)`` per quantized (layer, side) of ``recipe``, counted
+    over the reservoir of ``stats`` quantized exactly as the recipe's codec stores it.
+
+    Raises:
+        RecipeError: the recipe does not fit the statistics' model.
+        CalibrationError: the reservoir is empty or its blocks are shorter than a flush block.
+    """
+    info = stats.model
+    recipe.check_model(info)
+    _refuse_tiered(recipe)
+    configs, codecs = _codecs(recipe, info)
+    out: dict[Key, torch.Tensor] = {}
+    for i, (cfg, codec, layer) in enumerate(zip(configs, codecs, stats.layers)):
+        for side in SIDES:
+            bits = _side_bits(cfg, side)
+            if bits >= 16:
+                continue
+            res = layer.reservoir_k if side == "k" else layer.reservoir_v  # (NB, BL, H, D)
+            if res.dim() != 4 or res.shape[0] == 0:
+                raise CalibrationError(
+                    f"layer {i}: the statistics hold no reservoir blocks, so there are no symbols to "
+                    "count: collect with --reservoir-blocks >= 1"
+                )
+            x = flush_blocks(reservoir_to_bhtd(res), cfg.flush_block)  # (NB*n, H, F, D)
+            out[(i, side)] = symbol_histogram(side_codes(codec, side, x), bits)  # (2**bits,)
+    return out
+
+
+def symbol_entropy(hist: torch.Tensor) -> float:
+    """Order-0 entropy in bits/symbol of a histogram (0 for an empty one)."""
+    p = hist.double() / max(int(hist.sum()), 1)
+    p = p[p > 0]
+    return float(-(p * p.log2()).sum())
+
+
+def add_codebooks(recipe: Recipe, stats: CollectedStats, max_len: int = DEFAULT_MAX_LEN, *,
+                  store_histograms: bool = False, layout: StreamLayout | None = None,
+                  only_if_smaller: bool = True) -> Recipe:
+    """A new recipe with a Huffman codebook per quantized (layer, side) (see module docstring).
+
+    Args:
+        recipe: a fitted recipe or a preset; a preset becomes a fitted recipe for
+            ``stats.model``, because codebooks are model-specific. Existing Huffman tensors are
+            replaced.
+        stats: collected statistics whose reservoir supplies the symbols.
+        max_len: code length limit (decode-table width); 12 by default.
+        store_histograms: also store ``layers.{i}.{s}.huffman_hist``. The runtime's list of
+            tensor names (``kvcalib.runtime.state``) must accept that name first.
+        layout: the stream layout the cache will use (default :class:`StreamLayout`()); it sets
+            the index overhead that ``only_if_smaller`` weighs.
+        only_if_smaller: give a side a codebook only when its calibration estimate plus the
+            layout's index overhead (:meth:`StreamLayout.overhead_bits`) is below its raw bits.
+            Otherwise coding would make that side bigger, and the side stays uncoded. The
+            sides left out are listed in ``provenance["huffman"]["uncoded"]``.
+
+    Raises:
+        RecipeError: the recipe does not fit the statistics' model, or quantizes no side.
+        CalibrationError: empty reservoir.
+    """
+    info = stats.model
+    hists = layer_histograms(recipe, stats)
+    if not hists:
+        raise RecipeError(f"recipe {recipe.name!r} keeps every layer at 16 bits: there are no codes to entropy-code")
+    base = strip_codebooks(recipe)
+    configs = recipe.layer_configs(info.num_layers)
+    tensors = dict(base.tensors)
+    bits_ps: dict[str, list[float | None]] = {s: [None] * info.num_layers for s in SIDES}
+    entropy: dict[str, list[float | None]] = {s: [None] * info.num_layers for s in SIDES}
+    layout = layout or StreamLayout()
+    uncoded: list[str] = []
+    for (i, side), hist in sorted(hists.items()):
+        cb = build_codebook(hist, max_len=max_len)
+        bps = cb.expected_bits(hist)
+        entropy[side][i] = round(symbol_entropy(hist), 4)
+        bits = _side_bits(configs[i], side)
+        if only_if_smaller and bps + layout.overhead_bits(info.head_dim, bits) >= bits:
+            uncoded.append(f"{i}.{side}")
+            continue
+        tensors[tensor_name(i, side)] = cb.lengths.clone()
+        if store_histograms:
+            tensors[tensor_name(i, side, HUFFMAN_HIST)] = hist.clone()
+        bits_ps[side][i] = round(bps, 4)
+    provenance = dict(base.provenance)
+    provenance[HUFFMAN] = {
+        "made_by": "kvcalib.calibrate.codebooks.add_codebooks",
+        "max_len": max_len,
+        "reservoir_blocks": int(stats.layers[0].reservoir_k.shape[0]) if stats.layers else 0,
+        "block_len": int(stats.layers[0].reservoir_k.shape[1]) if stats.layers else 0,
+        "symbols": {s: int(sum(int(h.sum()) for (_, sd), h in hists.items() if sd == s)) for s in SIDES},
+        "bits_per_symbol": bits_ps,  # expected code length under the calibration histogram
+        "entropy": entropy,  # order-0 entropy of the calibration histogram
+        "layout": {"tokens_per_stream": layout.tokens_per_stream, "chunk_tokens": layout.chunk_tokens},
+        "uncoded": uncoded,  # "layer.side" left uncoded: coding would not make them smaller
+    }
+    return Recipe(name=recipe.name, layers=list(configs), model=info, tensors=tensors, provenance=provenance)
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+
+
+def _parse_name(name: str) -> tuple[int, str, str] | None:
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "layers" and parts[3] in (HUFFMAN, HUFFMAN_HIST):
+        if not parts[1].isdigit():
+            raise RecipeError(f"recipe tensor {name!r}: the layer index {parts[1]!r} is not a number")
+        return int(parts[1]), parts[2], parts[3]
+    return None
+
+
+def load_codebooks(recipe: Recipe, configs: list[LayerConfig], max_len: int = DEFAULT_MAX_LEN,
+                   ) -> dict[Key, Codebook]:
+    """Validate a recipe's Huffman tensors and rebuild its codebooks.
+
+    Args:
+        recipe: the recipe.
+        configs: its per-layer configs for the model (``recipe.layer_configs(num_layers)``).
+        max_len: the longest code length accepted (and the decode-table width).
+
+    Returns:
+        ``{(layer, side): Codebook}`` for every coded side (sides without a codebook are absent:
+        stored uncoded).
+
+    Raises:
+        RecipeError: naming the tensor, when it is on a layer the model lacks or a side that is
+            not k/v, on a 16-bit side, not a 1-D integer tensor (``uint8`` for lengths), of the
+            wrong size for the layer's bits, has a length outside 1..max_len or a Kraft sum != 1,
+            or (histograms) has negative counts.
+    """
+    out: dict[Key, Codebook] = {}
+    for name, t in recipe.tensors.items():
+        parsed = _parse_name(name)
+        if parsed is None:
+            continue
+        i, side, kind = parsed
+        where = f"recipe {recipe.name!r}: tensor {name}"
+        if i >= len(configs):
+            raise RecipeError(f"{where} is for layer {i}, but the model has {len(configs)} layers")
+        if side not in SIDES:
+            raise RecipeError(f"{where}: side must be k or v, got {side!r}")
+        bits = _side_bits(configs[i], side)
+        if bits >= 16:
+            raise RecipeError(f"{where}: layer {i} keeps {side.upper()} at 16 bits, which has no codes to "
+                              "entropy-code; remove the tensor or re-run add_codebooks")
+        want = 1 << bits
+        if t.dim() != 1 or t.numel() != want:
+            raise RecipeError(f"{where} has shape {tuple(t.shape)}; layer {i} stores {bits}-bit "
+                              f"{side.upper()} codes, so it needs ({want},) entries (one per symbol)")
+        if kind == HUFFMAN_HIST:
+            if t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
+                raise RecipeError(f"{where} must hold integer counts (int64), got {t.dtype}")
+            if bool((t < 0).any()):
+                raise RecipeError(f"{where} has negative counts")
+            continue
+        if t.dtype != torch.uint8:
+            raise RecipeError(f"{where} must be uint8 code lengths, got {t.dtype}")
+        try:
+            out[(i, side)] = Codebook.from_lengths(t, max_len=max_len)
+        except HuffmanError as err:
+            raise RecipeError(f"{where}: {err}") from None
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# bits per symbol: calibration estimate, or what the lengths imply
+
+
+def implied_bits(codebook: Codebook) -> float:
+    """Mean code length under the distribution the code is optimal for (``p_s = 2**-len_s``):
+    what the lengths alone say about bits per symbol when no histogram is at hand."""
+    lengths = codebook.lengths.double()
+    return float((lengths * torch.exp2(-lengths)).sum())
+
+
+def codebook_bits(recipe: Recipe, configs: list[LayerConfig],
+                  histograms: Mapping[Key, torch.Tensor] | None = None) -> tuple[dict[Key, float], str]:
+    """Estimated stream bits per symbol of every coded side, and where the estimate comes from.
+
+    In order of preference: ``histograms`` (expected code length under them); the recipe's
+    ``huffman_hist`` tensors; the calibration estimate recorded in ``provenance["huffman"]``;
+    the bits the lengths imply (:func:`implied_bits`). Returns ``({}, "none")`` for an uncoded
+    recipe.
+    """
+    books = load_codebooks(recipe, configs)
+    if not books:
+        return {}, "none"
+    if histograms is not None:
+        return {k: cb.expected_bits(histograms[k]) for k, cb in books.items() if k in histograms}, "histograms"
+    stored = {k: recipe.tensors.get(tensor_name(*k, HUFFMAN_HIST)) for k in books}
+    if all(t is not None for t in stored.values()):
+        return {k: cb.expected_bits(stored[k].long()) for k, cb in books.items()}, "calibration histogram"
+    prov = recipe.provenance.get(HUFFMAN)
+    if isinstance(prov, dict) and isinstance(prov.get("bits_per_symbol"), dict):
+        per = prov["bits_per_symbol"]
+        got: dict[Key, float] = {}
+        for (i, side) in books:
+            vals = per.get(side)
+            if isinstance(vals, list) and i < len(vals) and isinstance(vals[i], (int, float)):
+                got[(i, side)] = float(vals[i])
+        if len(got) == len(books):
+            return got, "calibration estimate (provenance)"
+    return {k: implied_bits(cb) for k, cb in books.items()}, "implied by the code lengths"
+
+
+# ----------------------------------------------------------------------------------------------
+# streams of one side
+
+
+@dataclass(frozen=True)
+class StreamLayout:
+    """The knobs of the cache stream layout (module docstring)."""
+
+    tokens_per_stream: int = 1
+    chunk_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_stream", "chunk_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.chunk_tokens % self.tokens_per_stream:
+            raise ValueError(f"chunk_tokens ({self.chunk_tokens}) must be a multiple of tokens_per_stream "
+                             f"({self.tokens_per_stream})")
+
+    def symbols_per_stream(self, head_dim: int) -> int:
+        return self.tokens_per_stream * head_dim
+
+    def overhead_bits(self, head_dim: int, bits: int) -> float:
+        """Index and padding bits per symbol this layout adds to a side's payload: the stream
+        length field, the 32-bit chunk word and 16 bits of mean padding per chunk."""
+        excess = torch.empty((), dtype=self.excess_dtype(head_dim, bits)).element_size()
+        return 8.0 * excess / self.symbols_per_stream(head_dim) + 48.0 / (self.chunk_tokens * head_dim)
+
+    def excess_dtype(self, head_dim: int, bits: int) -> torch.dtype:
+        """dtype of ``stream_excess``: the smallest holding ``L * (bits - 1)``."""
+        top = self.symbols_per_stream(head_dim) * (bits - 1)
+        if top <= 255:
+            return torch.uint8
+        if top <= 32767:
+            return torch.int16
+        return torch.int32
+
+
+def _check_codes(codes: object) -> torch.Tensor:
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.dim() != 4:
+        got = f"{codes.dtype} {tuple(codes.shape)}" if isinstance(codes, torch.Tensor) else type(codes).__name__
+        raise HuffmanError(f"codes must be unpacked uint8 (B, H, N, D), got {got}")
+    return codes
+
+
+def encode_side(codes: torch.Tensor, codebook: Codebook, tokens_per_stream: int = 1) -> EncodedBlocks:
+    """Code one side's unpacked codes ``uint8 (B, H, N, D)`` as format-v1 streams of
+    ``tokens_per_stream`` tokens each, in (b, h, stream) order (``N % tokens_per_stream == 0``)."""
+    b, h, n, d = _check_codes(codes).shape
+    if isinstance(tokens_per_stream, bool) or not isinstance(tokens_per_stream, int) or tokens_per_stream < 1:
+        raise HuffmanError(f"tokens_per_stream must be a positive int, got {tokens_per_stream!r}")
+    if n % tokens_per_stream:
+        raise HuffmanError(f"N = {n} tokens do not split into streams of {tokens_per_stream} tokens")
+    rows = codes.reshape(b * h * (n // tokens_per_stream), tokens_per_stream * d)  # copies if non-contiguous
+    return encode_blocks(rows, codebook)
+
+
+def decode_side(encoded: EncodedBlocks, codebook: Codebook, shape: tuple[int, int, int, int],
+                tokens_per_stream: int = 1) -> torch.Tensor:
+    """Inverse of :func:`encode_side`: ``uint8 shape`` = (B, H, N, D)."""
+    b, h, n, d = shape
+    if n % tokens_per_stream or encoded.n_streams != b * h * (n // tokens_per_stream) \
+            or encoded.n_symbols != tokens_per_stream * d:
+        raise HuffmanError(
+            f"blocks of {encoded.n_streams} streams x {encoded.n_symbols} symbols do not hold a side of "
+            f"shape {tuple(shape)} in streams of {tokens_per_stream} tokens"
+        )
+    return decode_blocks(encoded, codebook).reshape(b, h, n, d)
+
+
+@dataclass(frozen=True, eq=False)
+class CacheStreams:
+    """One side of one layer in the cache stream layout (module docstring, points 1-5).
+
+    Attributes:
+        payload: ``uint32 (W,)`` word-aligned chunks, then a zero guard word.
+        chunk_word: ``int32 (B, H, C)`` first word of each chunk.
+        stream_excess: ``(B, H, S)`` stream length minus ``L`` (dtype from
+            :meth:`StreamLayout.excess_dtype`); ``S = N / tokens_per_stream``.
+        shape: ``(B, H, N, D)`` of the unpacked codes.
+        bits: bits per raw symbol.
+        layout: the :class:`StreamLayout`.
+
+    Construction validates the structure and raises :class:`HuffmanError` if it is corrupt:
+    excess out of range, a chunk starting outside the payload, chunks overlapping or out of order,
+    the last chunk running into the guard word.
+    """
+
+    payload: torch.Tensor
+    chunk_word: torch.Tensor
+    stream_excess: torch.Tensor
+    shape: tuple[int, int, int, int]
+    bits: int
+    layout: StreamLayout = field(default_factory=StreamLayout)
+
+    def __post_init__(self) -> None:
+        b, h, n, d = self.shape
+        lay = self.layout
+        if n % lay.tokens_per_stream:
+            raise HuffmanError(f"N = {n} is not a multiple of tokens_per_stream = {lay.tokens_per_stream}")
+        s = n // lay.tokens_per_stream
+        c = math.ceil(n / lay.chunk_tokens)
+        if not isinstance(self.payload, torch.Tensor) or self.payload.dtype != torch.uint32 or self.payload.dim() != 1:
+            raise HuffmanError("payload must be a 1-D uint32 tensor")
+        if self.payload.numel() < 1:
+            raise HuffmanError("corrupt cache streams: the payload lacks its guard word")
+        if self.chunk_word.dtype != torch.int32 or tuple(self.chunk_word.shape) != (b, h, c):
+            raise HuffmanError(f"chunk_word must be int32 {(b, h, c)}, got {self.chunk_word.dtype} "
+                               f"{tuple(self.chunk_word.shape)}")
+        want = lay.excess_dtype(d, self.bits)
+        if self.stream_excess.dtype != want or tuple(self.stream_excess.shape) != (b, h, s):
+            raise HuffmanError(f"stream_excess must be {want} {(b, h, s)}, got {self.stream_excess.dtype} "
+                               f"{tuple(self.stream_excess.shape)}")
+        top = lay.symbols_per_stream(d) * (self.bits - 1)
+        ex = self.stream_excess.long()
+        if bool(((ex < 0) | (ex > top)).any()):
+            raise HuffmanError(f"corrupt cache streams: a stream_excess lies outside 0..{top} "
+                               f"(L * (bits - 1))")
+        words = self.chunk_word.long().reshape(-1)  # (B*H*C,)
+        w_all = self.payload.numel()
+        if bool(((words < 0) | (words >= w_all)).any()):
+            raise HuffmanError(f"corrupt cache streams: a chunk_word lies outside the payload's {w_all} words")
+        if words.numel():
+            bits_c = self._chunk_bits().reshape(-1)  # (B*H*C,)
+            end_word = words + (bits_c + _WORD - 1) // _WORD  # one past each chunk's last word
+            nxt = torch.cat([words[1:], torch.tensor([w_all - 1])])  # the guard word stays free
+            if bool((end_word > nxt).any()):
+                j = int(torch.nonzero(end_word > nxt)[0])
+                raise HuffmanError(f"corrupt cache streams: chunk {j} (in (b, h, chunk) order) runs into the "
+                                   "next chunk or the guard word (chunk_word out of order or stream_excess "
+                                   "too large)")
+
+    @property
+    def n_symbols(self) -> int:
+        """``L``, symbols per stream."""
+        return self.layout.symbols_per_stream(self.shape[3])
+
+    def _sizes(self) -> torch.Tensor:
+        return self.stream_excess.long() + self.n_symbols  # (B, H, S) stream bits
+
+    def _chunk_bits(self) -> torch.Tensor:
+        """Bits of each chunk's streams ``int64 (B, H, C)``."""
+        b, h, _, _ = self.shape
+        spc = self.layout.chunk_tokens // self.layout.tokens_per_stream
+        sizes = self._sizes()
+        s = sizes.shape[-1]
+        c = self.chunk_word.shape[-1]
+        padded = torch.zeros(b, h, c * spc, dtype=torch.int64)
+        padded[:, :, :s] = sizes
+        return padded.reshape(b, h, c, spc).sum(-1)
+
+    def raw_fallback(self) -> torch.Tensor:
+        """``bool (B, H, S)``: streams stored raw (excess == L * (bits - 1))."""
+        return self.stream_excess.long() == self.n_symbols * (self.bits - 1)
+
+    def bit_ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start and end bit ``int64 (B*H*S,)`` of every stream (module docstring, point 5)."""
+        spc = self.layout.chunk_tokens // self.layout.tokens_per_stream
+        sizes = self._sizes()  # (B, H, S)
+        s = sizes.shape[-1]
+        incl = sizes.cumsum(-1)
+        excl = incl - sizes  # (B, H, S) exclusive prefix sum over the whole (b, h) row
+        chunk = torch.arange(s) // spc  # (S,)
+        first = chunk * spc  # first stream of each stream's chunk
+        base = excl[:, :, first] if s else excl  # prefix at the chunk's first stream
+        starts = _WORD * self.chunk_word.long()[:, :, chunk] + (excl - base)  # (B, H, S)
+        return starts.reshape(-1), (starts + sizes).reshape(-1)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held, by part: ``payload`` (with padding and guard word), ``chunk_index``,
+        ``stream_index``."""
+        def size(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+        return {"payload": size(self.payload), "chunk_index": size(self.chunk_word),
+                "stream_index": size(self.stream_excess)}
+
+    def stream_bits(self) -> int:
+        """Bits of all streams (no padding, no index)."""
+        return int(self._sizes().sum())
+
+
+def to_cache_streams(encoded: EncodedBlocks, shape: tuple[int, int, int, int],
+                     layout: StreamLayout = StreamLayout()) -> CacheStreams:
+    """Re-lay format-v1 streams from :func:`encode_side` as :class:`CacheStreams` (word-aligned
+    chunks, 32-bit chunk word index, per-stream excess lengths)."""
+    b, h, n, d = shape
+    tps, spc = layout.tokens_per_stream, layout.chunk_tokens // layout.tokens_per_stream
+    if n % tps or encoded.n_streams != b * h * (n // tps) or encoded.n_symbols != tps * d:
+        raise HuffmanError(f"blocks of {encoded.n_streams} x {encoded.n_symbols} symbols are not a side of "
+                           f"shape {tuple(shape)} in streams of {tps} tokens")
+    s = n // tps
+    c = math.ceil(n / layout.chunk_tokens)
+    off = encoded.bit_offsets.cpu().numpy()  # (B*H*S + 1,)
+    src = encoded.payload.cpu().numpy().astype(np.uint64)  # (W,)
+    # first and one-past-last stream of every chunk, in (b, h, chunk) order
+    row = np.arange(b * h)[:, None] * s  # (BH, 1)
+    first = row + np.minimum(np.arange(c) * spc, s)[None, :]  # (BH, C)
+    last = row + np.minimum((np.arange(c) + 1) * spc, s)[None, :]
+    c_start, c_end = off[first].reshape(-1), off[last].reshape(-1)  # (BH*C,) chunk bit ranges
+    c_bits = c_end - c_start
+    c_words = (c_bits + _WORD - 1) // _WORD  # (BH*C,)
+    dest = np.zeros(c_words.shape[0] + 1, dtype=np.int64)
+    np.cumsum(c_words, out=dest[1:])
+    total_words = int(dest[-1])
+    if total_words >= 2**31 - 1:
+        raise HuffmanError("one side's payload exceeds 2**31 words: chunk_word (int32) cannot index it")
+    # every destination word j of chunk q reads 32 source bits from c_start[q] + 32 j
+    q = np.repeat(np.arange(c_words.shape[0]), c_words)  # (total_words,)
+    j = np.arange(total_words) - dest[q]
+    p = c_start[q] + _WORD * j
+    w, sh = p >> 5, (p & 31).astype(np.uint64)
+    window = (src[w] << np.uint64(32)) | src[w + 1]  # w + 1 exists: p < total bits, guard word
+    val = (window >> (np.uint64(32) - sh)) & np.uint64(0xFFFFFFFF)
+    left = c_bits[q] - _WORD * j  # bits of the chunk still to copy
+    keep = np.minimum(left, _WORD).astype(np.uint64)
+    val &= ~((np.uint64(1) << (np.uint64(32) - keep)) - np.uint64(1)) & np.uint64(0xFFFFFFFF)
+    payload = np.concatenate([val.astype(np.uint32), np.zeros(1, dtype=np.uint32)])
+    excess = (np.diff(off) - tps * d).reshape(b, h, s)
+    return CacheStreams(
+        payload=torch.from_numpy(payload),
+        chunk_word=torch.from_numpy(dest[:-1].astype(np.int32).reshape(b, h, c)),
+        stream_excess=torch.from_numpy(excess).to(layout.excess_dtype(d, encoded.bits)),
+        shape=(b, h, n, d), bits=encoded.bits, layout=layout,
+    )
+
+
+def encode_cache_streams(codes: torch.Tensor, codebook: Codebook,
+                         layout: StreamLayout = StreamLayout()) -> CacheStreams:
+    """Unpacked codes ``uint8 (B, H, N, D)`` -> :class:`CacheStreams`."""
+    enc = encode_side(codes, codebook, layout.tokens_per_stream)
+    return to_cache_streams(enc, tuple(codes.shape), layout)  # type: ignore[arg-type]
+
+
+def decode_cache_streams(streams: CacheStreams, codebook: Codebook) -> torch.Tensor:
+    """Reference decoder of the cache stream layout -> ``uint8 (B, H, N, D)``.
+
+    Raises:
+        HuffmanError: bits mismatch, or corrupt streams (see :func:`kvcalib.quant.huffman.decode_bit_ranges`).
+    """
+    if not isinstance(streams, CacheStreams):
+        raise HuffmanError(f"streams must be CacheStreams, got {type(streams).__name__}")
+    if streams.bits != codebook.bits:
+        raise HuffmanError(f"the streams hold {streams.bits}-bit symbols but the codebook is {codebook.bits}-bit")
+    starts, ends = streams.bit_ranges()
+    out = decode_bit_ranges(streams.payload, starts, ends, streams.raw_fallback().reshape(-1),
+                            streams.n_symbols, codebook)
+    return out.reshape(streams.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# memory
+
+
+@dataclass(frozen=True)
+class CodedMemory:
+    """A recipe's accounted memory at ``context`` without and with Huffman coding.
+
+    ``sides``: one dict per coded (layer, side): ``layer``, ``side``, ``bits`` (raw),
+    ``bits_per_symbol`` (the payload estimate used), ``symbols``, ``raw_bytes``, ``payload_bytes``,
+    ``index_bytes`` (chunk words + stream lengths), ``table_bytes``, ``coded_bytes``.
+    """
+
+    context: int
+    uncoded: MemoryBreakdown
+    coded: MemoryBreakdown
+    sides: list[dict[str, Any]]
+
+    @property
+    def reduction(self) -> float:
+        """Fraction of effective bits saved: ``1 - coded / uncoded``."""
+        return 1.0 - self.coded.effective_bits / self.uncoded.effective_bits
+
+
+def side_coded_bytes(tokens: int, heads: int, head_dim: int, bits: int, bits_per_symbol: float,
+                     layout: StreamLayout = StreamLayout()) -> dict[str, float]:
+    """Estimated bytes of one side of one layer holding ``tokens`` packed tokens per head.
+
+    Whole streams only: tokens that do not fill a stream (``tokens % tokens_per_stream``) are
+    counted raw. Payload padding is estimated as 16 bits per chunk (its mean).
+    """
+    tps = layout.tokens_per_stream
+    coded_tokens = tokens // tps * tps
+    streams = heads * (coded_tokens // tps)
+    chunks = heads * math.ceil(coded_tokens / layout.chunk_tokens)
+    bps = min(float(bits_per_symbol), float(bits))  # the raw fallback bounds every stream
+    payload = bps * heads * coded_tokens * head_dim / 8 + chunks * 2.0 + (4.0 if streams else 0.0)
+    excess = torch.empty((), dtype=layout.excess_dtype(head_dim, bits)).element_size()
+    index = chunks * 4.0 + streams * float(excess)
+    tail = heads * (tokens - coded_tokens) * head_dim * bits / 8
+    return {"payload": payload + tail, "index": index}
+
+
+def entropy_memory(recipe: Recipe, info: ModelInfo, bits_per_symbol: Mapping[Key, float],
+                   context: int = 4096, layout: StreamLayout = StreamLayout()) -> CodedMemory:
+    """Accounted bytes at ``context`` with each coded side's codes replaced by Huffman streams.
+
+    Args:
+        recipe: a recipe with codebooks (:func:`add_codebooks`); sides without one stay uncoded.
+        info: the model's geometry.
+        bits_per_symbol: stream bits per symbol of each coded (layer, side): the calibration
+            estimate (:func:`codebook_bits`) or a measurement (:mod:`kvcalib.eval.entropy`).
+        context: tokens cached (T), 4096 unless said otherwise.
+        layout: the stream layout whose index is counted.
+
+    Returns:
+        :class:`CodedMemory`. ``uncoded`` is ``Recipe.memory`` of the same recipe without its
+        Huffman tensors. ``coded`` has the same components except that ``{s}_codes`` only holds
+        the uncoded sides. Coded sides are reported as ``{s}_huffman_payload``,
+        ``{s}_huffman_index`` and ``huffman_tables``, and the codebook lengths are in
+        ``recipe_state``.
+    """
+    configs = recipe.layer_configs(info.num_layers)
+    books = load_codebooks(recipe, configs)
+    if books:
+        _refuse_tiered(recipe)
+    missing = sorted(set(books) - set(bits_per_symbol))
+    if missing:
+        raise ValueError(f"bits_per_symbol lacks coded sides {missing[:4]}")
+    uncoded = strip_codebooks(recipe).memory(info, context)
+    comps = dict(recipe.memory(info, context).components)
+    sides: list[dict[str, Any]] = []
+    for (i, side), cb in sorted(books.items()):
+        cfg = configs[i]
+        bits = _side_bits(cfg, side)
+        kept = context if info.sliding_window[i] is None else min(context, info.sliding_window[i])
+        nq = quantized_token_count(cfg, kept)
+        raw = nq * info.num_kv_heads * info.head_dim * bits / 8
+        est = side_coded_bytes(nq, info.num_kv_heads, info.head_dim, bits, bits_per_symbol[(i, side)], layout)
+        table = float(_TABLE_ENTRY_BYTES * (1 << int(cb.lengths.max()))) if nq else 0.0
+        comps[f"{side}_codes"] = comps.get(f"{side}_codes", 0.0) - raw
+        comps[f"{side}_huffman_payload"] = comps.get(f"{side}_huffman_payload", 0.0) + est["payload"]
+        comps[f"{side}_huffman_index"] = comps.get(f"{side}_huffman_index", 0.0) + est["index"]
+        comps["huffman_tables"] = comps.get("huffman_tables", 0.0) + table
+        sides.append({"layer": i, "side": side, "bits": bits, "bits_per_symbol": float(bits_per_symbol[(i, side)]),
+                      "symbols": nq * info.num_kv_heads * info.head_dim, "raw_bytes": raw,
+                      "payload_bytes": est["payload"], "index_bytes": est["index"], "table_bytes": table,
+                      "coded_bytes": est["payload"] + est["index"] + table})
+    for side in SIDES:  # drop emptied code components (all sides coded); keep exact zeros out
+        if f"{side}_codes" in comps and abs(comps[f"{side}_codes"]) < 1e-6:
+            del comps[f"{side}_codes"]
+    coded = MemoryBreakdown(context, uncoded.elements, comps)
+    return CodedMemory(context, uncoded, coded, sides)

@@ -7,9 +7,11 @@ Phases, all into one run folder (never overwritten; ``resume`` continues it):
 2. objective: the next ``score_samples`` windows of the same packing (disjoint from 1), cut to
    ``seq_len`` tokens; full-precision log-probs cached (:mod:`.objective`);
 3. warm start + study (:mod:`.study`): sensitivity sweep, greedy points, TPE with the budget as
-   a constraint, Pareto pruning, SQLite/journal storage;
+   a constraint, Pareto pruning, SQLite/journal storage; ``resume`` first re-enqueues the
+   points of trials an interrupted run left FAIL or RUNNING (:func:`.study.recover_interrupted`);
 4. outputs: ``search.json`` (every trial), ``recipe.safetensors`` (lowest KL at or under the
-   budget), ``pareto.png``, ``bits_per_layer.png``, ``report.md`` (:mod:`.report`);
+   budget), ``pareto.png``, ``bits_per_layer.png``, ``report.md`` (:mod:`.report`); they record
+   the run folder and storage without machine paths, and the command line (:mod:`.provenance`);
 5. held-out proof: :func:`kvcalib.eval.harness.evaluate` (ppl) of the chosen recipe and the
    presets on the evaluation split.
 
@@ -18,12 +20,14 @@ Import cost: this package imports neither optuna nor matplotlib until a search r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from kvcalib.errors import KvcalibError
 from kvcalib.optimize.space import Point, SearchSpace, SpaceError
@@ -62,6 +66,8 @@ class SearchConfig:
     dtype: str | None = None
     reservoir_blocks: int = 8
     block_len: int = 128
+    command: str | None = None  # the command line that started the search (recorded; the CLI sets it)
+    huffman: bool = True  # add Huffman codebooks (KVComp) to the chosen recipe where coding shrinks a side
 
     def __post_init__(self) -> None:
         for name, low in (("samples", 1), ("seq_len", 2), ("score_samples", 1), ("trials", 1), ("context", 1),
@@ -86,11 +92,19 @@ class SearchConfig:
         self.presets = tuple(self.presets)
         if self.out is not None:
             self.out = Path(self.out)
+        from kvcalib.optimize.space import check_scored_schedules
+
+        check_scored_schedules(self.space, self.seq_len, self.context)  # before any model is loaded
 
     def to_dict(self) -> dict[str, Any]:
+        """The resolved config as recorded in ``search.json``: the run folder and storage without
+        machine paths (:mod:`.provenance`)."""
+        from kvcalib.optimize.provenance import describe_storage, display_path
+
         out = asdict(self)
         out["space"] = self.space.to_dict()  # type: ignore[union-attr]
-        out["out"] = str(self.out) if self.out else None
+        out["out"] = display_path(self.out) if self.out else None
+        out["storage"] = describe_storage(self.storage) if self.storage else None
         out["presets"] = list(self.presets)
         return out
 
@@ -145,7 +159,8 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     from kvcalib.io import write_json_atomic
     from kvcalib.optimize import report, study as st
     from kvcalib.optimize.objective import SearchObjective
-    from kvcalib.progress import ProgressBar
+    from kvcalib.optimize.provenance import describe_storage, display_path
+    from kvcalib.optimize.space import check_scored_schedules
     from kvcalib.recipe import load_preset
 
     t0 = time.perf_counter()
@@ -155,12 +170,11 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     for g in space.groups:  # value groups run along channels: they must divide head_dim
         if info.head_dim % g:
             raise SpaceError(f"search space group {g} does not divide head_dim {info.head_dim} of {info.name}")
+    check_scored_schedules(space, int(score_ids.shape[1]), config.context)
+    check_runtime_applies(space)
     objective = SearchObjective(model, info, stats, score_ids, context=config.context, seed=config.seed)
-    floor_bits = objective.effective_bits(space.floor_point(n), with_tensors=False)
-    if config.budget_bits < floor_bits - 1e-9:
-        raise KvcalibError(f"--budget-bits {config.budget_bits:g} is below the floor of the search space: every layer at "
-                           f"{min(space.bits)} bits (group {max(space.groups)}, window {min(space.windows)}) already takes "
-                           f"{floor_bits:.3f} effective bits at context {config.context}. Pass --budget-bits {math.ceil(floor_bits * 100) / 100:.2f} or more.")
+    floor_bits = st.floor_bits(objective, space)
+    check_budget(config, space, floor_bits)
     url = st.storage_url(config.storage, run_dir)
     default_storage = config.storage is None
     if default_storage and (run_dir / "study.db").exists() and not config.resume:
@@ -169,11 +183,11 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     study = st.open_study(url, config.study, space, n, sampler=st.make_sampler(config.seed, config.budget_bits, warm_n),
                           pruner=st.make_pruner(objective.n_sequences),
                           must_exist=config.resume and default_storage)
-    if config.resume and default_storage:
-        st.recover_interrupted(study)
+    # an interrupted run's unfinished trials run again; RUNNING ones only in a study we own
+    recovered = st.recover_interrupted(study, running=default_storage) if (config.resume or not default_storage) else []
     sensitivity = study.user_attrs.get("sensitivity")
     new_study = len(study.trials) == 0
-    with ProgressBar(None, "search: warm start", "") as bar:
+    with _bar(progress, None, "search: warm start", "") as bar:
         for m in range(objective.n_sequences):
             objective.reference(m)
         if new_study and config.sweep:
@@ -184,19 +198,16 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
             pts = (st.warm_start_points(objective, space, sensitivity, config.budget_bits) if sensitivity
                    else [space.floor_point(n)])
             st.enqueue(study, pts, space)
-    with ProgressBar(config.trials, "search", "trials") as bar:
-        bar.advance(st.finished_count(study))
-        start = time.perf_counter()
+    line = TrialProgress(config.trials, config.budget_bits, st.finished_count(study), timeout=config.timeout)
+    with _bar(progress, config.trials, "search", "trials") as bar:
+        bar.advance(line.done_at_start)
+        plain = progress and not _quiet() and not sys.stderr.isatty()  # a log file gets one line per trial
 
         def on_trial(study_, trial) -> None:
-            done = st.finished_count(study_)
-            recs = [t for t in study_.get_trials(deepcopy=False) if t.value is not None
-                    and t.user_attrs.get("effective_bits", math.inf) <= config.budget_bits + 1e-9]
-            best = min((t.value for t in recs), default=None)
-            el = time.perf_counter() - start
-            left = (config.trials - done) * el / max(1, done) if done else 0
-            bar.update(completed=done, info=f"best KL at <= {config.budget_bits:g} bits: "
-                       f"{'-' if best is None else f'{best:.4g}'} | ~{left:.0f} s left")
+            text = line.update(st.finished_count(study_), study_.get_trials(deepcopy=False))
+            bar.update(completed=line.done, info=text)
+            if plain:
+                print(f"search: {line.done}/{config.trials} trials | {text}", file=sys.stderr, flush=True)
 
         st.run_trials(study, st.make_objective_fn(objective, space, config.budget_bits), config.trials, timeout=config.timeout,
                       on_trial=on_trial,
@@ -217,18 +228,28 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
         chosen = None
     doc: dict[str, Any] = {
         "format": "kvcalib-search", "version": 1, "kvcalib_version": __version__,
+        "run_dir": display_path(run_dir), "command": config.command,
         "config": config.to_dict(), "model": info.to_dict(), "space": space.to_dict(),
-        "study": config.study, "storage": url, "budget_bits": config.budget_bits, "context": config.context,
+        "study": config.study, "storage": describe_storage(config.storage), "budget_bits": config.budget_bits,
+        "context": config.context,
         "floor_bits": floor_bits, "score_sequences": objective.n_sequences, "score_seq_len": int(score_ids.shape[1]),
         "stats_samples": (extra or {}).get("stats_samples"), "sensitivity": sensitivity, "presets": presets,
         "trials": records, "pareto": front, "chosen": chosen["number"] if chosen else None,
-        "recipe": None, "recipe_name": None, "seconds": round(time.perf_counter() - t0, 1),
+        "recovered": recovered, "recipe": None, "recipe_name": None, "seconds": round(time.perf_counter() - t0, 1),
     }
     doc.update(extra or {})
     if chosen is not None:
         point = Point.from_params(study.trials[chosen["number"]].params, space, n)
         name = f"{info.name}-search-{config.budget_bits:g}b"
         recipe = objective.recipe(point, name, provenance=search_provenance(doc, chosen))
+        if config.huffman and objective.stats is not None:
+            from kvcalib.calibrate.codebooks import add_codebooks
+
+            try:
+                recipe = add_codebooks(recipe, objective.stats)
+                doc["huffman"] = recipe.provenance.get("huffman")
+            except KvcalibError as err:  # e.g. all 16-bit, or PATS tiers (one codebook per tier is not built)
+                doc["huffman"] = {"skipped": str(err)}
         recipe.save(run_dir / "recipe.safetensors")
         doc["recipe"], doc["recipe_name"] = "recipe.safetensors", name
         report.plot_bits_per_layer(chosen["point"], sensitivity, run_dir / "bits_per_layer.png")
@@ -238,16 +259,104 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     return doc
 
 
+def check_budget(config: SearchConfig, space: SearchSpace, floor_bits: float) -> None:
+    """Refuse a budget below the cheapest point of the space (nothing could satisfy it)."""
+    if config.budget_bits < floor_bits - 1e-9:
+        raise KvcalibError(f"--budget-bits {config.budget_bits:g} is below the floor of the search space: every layer at "
+                           f"{min(space.bits)} bits (group {max(space.groups)}, window {min(space.windows)}) already takes "
+                           f"{floor_bits:.3f} effective bits at context {config.context}. Pass --budget-bits {math.ceil(floor_bits * 100) / 100:.2f} or more.")
+
+
+def check_runtime_applies(space: SearchSpace) -> None:
+    """Refuse switches whose recipe tensors this kvcalib's runtime would not apply (it refuses
+    to load them): searching them would score recipes that cannot be run."""
+    from kvcalib.optimize.objective import runtime_applies
+
+    wanted = []
+    if "outliers" in space.layer_methods:
+        wanted.append(("outlier_pool", "layer_methods 'outliers'"))
+    if any(s != "none" for s in space.schedules):
+        wanted.append(("schedule", "schedules other than 'none'"))
+    for tensor, what in wanted:
+        if not runtime_applies(tensor):
+            raise SpaceError(f"search space {what}: this kvcalib's runtime does not apply recipe tensor "
+                             f"layers.i.kv.{tensor} yet, so the search cannot score it; remove it from the space.")
+
+
+def _quiet() -> bool:
+    from kvcalib.progress import _quiet as quiet
+
+    return quiet()
+
+
+def _bar(progress: bool, total, description: str, unit: str):
+    from kvcalib.progress import ProgressBar, _NullBar
+
+    if not progress:
+        return contextlib.nullcontext(_NullBar())
+    return ProgressBar(total, description, unit)
+
+
+class TrialProgress:
+    """The live line of the trial phase: trials done, the best KL at or under the budget, and the
+    time left, from the rate of trials finished since this process started (a resumed study's
+    earlier trials and other workers' trials before that do not inflate the rate)."""
+
+    def __init__(self, total: int, budget: float, done_at_start: int, timeout: float | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.total, self.budget, self.timeout, self.clock = total, budget, timeout, clock
+        self.done_at_start = self.done = done_at_start
+        self.start = clock()
+
+    def seconds_left(self) -> float | None:
+        """None until a trial has finished in this process."""
+        elapsed = self.clock() - self.start
+        new = self.done - self.done_at_start
+        if new <= 0:
+            return None
+        left = max(0, self.total - self.done) * elapsed / new
+        if self.timeout is not None:
+            left = min(left, max(0.0, self.timeout - elapsed))
+        return left
+
+    def update(self, done: int, trials: Sequence[Any]) -> str:
+        """The line after a trial; ``trials``: the study's frozen trials."""
+        self.done = done
+        feasible = [t for t in trials if t.value is not None
+                    and t.user_attrs.get("effective_bits", math.inf) <= self.budget + 1e-9]
+        best = min(feasible, key=lambda t: t.value, default=None)
+        left = self.seconds_left()
+        best_s = "-" if best is None else f"{best.value:.4g} (trial {best.number}, {best.user_attrs['effective_bits']:.3f} bits)"
+        left_s = "?" if left is None else _duration(left)
+        return f"best KL at <= {self.budget:g} bits: {best_s} | ~{left_s} left"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
 def search_provenance(doc: dict[str, Any], chosen: dict[str, Any]) -> dict[str, Any]:
+    """What a searched recipe records about its origin (also for ``kvcalib export --trial``;
+    ``doc`` may be a ``search.json`` written before ``run_dir``/``command`` existed)."""
     from kvcalib import __version__
+    from kvcalib.optimize.provenance import describe_storage
 
     cfg = doc["config"]
+    storage = doc.get("storage")
+    if isinstance(storage, str):  # idempotent; an older search.json recorded absolute paths
+        storage = describe_storage(storage)
     return {"made_by": "kvcalib search", "kvcalib_version": __version__, "data": cfg["data"],
             "samples": doc.get("stats_samples"), "score_samples": doc["score_sequences"],
             "seq_len": doc["score_seq_len"], "seed": cfg["seed"], "objective": "decode-faithful KL",
             "objective_value": chosen["kl"], "effective_bits": chosen["effective_bits"], "trial": chosen["number"],
             "trials": len(doc["trials"]), "budget_bits": doc["budget_bits"], "context": doc["context"],
-            "study": doc["study"], "storage": doc["storage"]}
+            "study": doc["study"], "storage": storage, "run": doc.get("run_dir"), "command": doc.get("command"),
+            "schedule": (chosen.get("point") or {}).get("schedule", "none")}
 
 
 def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> SearchResult:
@@ -273,18 +382,16 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
         from kvcalib.optimize.study import open_storage
 
         open_storage(config.storage)
+    space: SearchSpace = config.space  # type: ignore[assignment]
+    check_runtime_applies(space)
     loaded = loaded or load_model(config.model, device=config.device, dtype=config.dtype)
     info = loaded.info
-    space: SearchSpace = config.space  # type: ignore[assignment]
     # the floor check runs before any work, so a bad budget costs nothing and touches nothing
     from kvcalib.optimize.objective import SearchObjective
+    from kvcalib.optimize.study import floor_bits
 
-    floor_bits = SearchObjective(loaded.model, info, None, torch.zeros(1, 2, dtype=torch.long),
-                                 context=config.context).effective_bits(space.floor_point(info.num_layers), with_tensors=False)
-    if config.budget_bits < floor_bits - 1e-9:
-        raise KvcalibError(f"--budget-bits {config.budget_bits:g} is below the floor of the search space: every layer at "
-                           f"{min(space.bits)} bits (group {max(space.groups)}, window {min(space.windows)}) already takes "
-                           f"{floor_bits:.3f} effective bits at context {config.context}. Pass --budget-bits {math.ceil(floor_bits * 100) / 100:.2f} or more.")
+    check_budget(config, space, floor_bits(SearchObjective(loaded.model, info, None, torch.zeros(1, 2, dtype=torch.long),
+                                                           context=config.context), space))
     if not has_stats:
         collect(CollectConfig(model=config.model, data=config.data, split="calib", text_field=config.text_field,
                               samples=config.samples, seq_len=config.seq_len, batch_size=4,
@@ -307,6 +414,9 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
                           ppl_samples=config.eval_samples, ppl_seq_len=config.eval_seq_len, seed=config.seed)
         results = evaluate(ecfg, loaded)
         held = [r.to_dict() for r in results]
+        for h in held:  # the searched recipe by its path relative to the run folder, not the machine's
+            if h["recipe"] == str(run_dir / "recipe.safetensors"):
+                h["recipe"] = "recipe.safetensors"
         doc["held_out"] = held
         doc["held_out_config"] = {"ppl_samples": config.eval_samples, "ppl_seq_len": config.eval_seq_len, "data": config.data}
     doc["seconds"] = round(time.perf_counter() - t0, 1)

@@ -1,8 +1,10 @@
 """The search objective: decode-faithful KL(full precision || compressed) on held calibration text.
 
 For a point of the space (:class:`~kvcalib.optimize.space.Point`) we fit its recipe tensors on the
-collected statistics (clip/center/reorder where the point switches them on; cached per
-(layer, config, methods) since trials share them), build the runtime codecs, and run
+collected statistics (clip/center/reorder/outliers where the point switches them on, and the
+point's schedule; cached per (layer, config, methods) since trials share them), build the
+runtime codecs (:func:`~kvcalib.runtime.state.build_codecs`, which carries every applied tensor),
+and run
 :func:`~kvcalib.simulate.simulated_logits` on each scoring sequence. The score of one sequence is
 
     KL = mean over positions t in [prompt_len, T) of  sum_v p_fp(v | <t) (log p_fp - log p_hat)
@@ -12,7 +14,7 @@ through the compressed cache would produce it (one teacher-forced forward). The 
 log-probabilities are computed once per sequence and cached (float32 ``(T, V)`` each).
 
 The scoring sequences must be disjoint from the sequences the statistics were collected on
-(:func:`kvcalib.optimize.study.scoring_sequences` takes the calibration windows after the
+(:func:`kvcalib.optimize.scoring_sequences` takes the calibration windows after the
 collected ones), so the search does not reward overfitting the fitted tensors.
 
 Memory, the second objective / constraint, is ``Recipe.memory(info, context).effective_bits`` of
@@ -29,6 +31,21 @@ from kvcalib.models import ModelInfo
 from kvcalib.optimize.space import Point
 from kvcalib.recipe import LayerConfig, Recipe
 from kvcalib.stats import CollectedStats
+
+
+def runtime_applies(tensor: str) -> bool:
+    """Whether the runtime applies recipe tensor ``layers.{i}.kv.<tensor>`` (``outlier_pool``,
+    ``schedule``): probed on :func:`kvcalib.runtime.state.check_tensor_names`, which refuses
+    tensors it would not apply."""
+    from kvcalib.errors import RecipeError
+    from kvcalib.runtime.state import check_tensor_names
+
+    try:
+        check_tensor_names(Recipe(name="probe", layers=[LayerConfig()], tensors={
+            f"layers.0.kv.{tensor}": torch.zeros((), dtype=torch.int64)}), 1)
+    except RecipeError:
+        return False
+    return True
 
 
 def kl_to_reference(ref_logp: torch.Tensor, logits: torch.Tensor, start: int = 1) -> float:
@@ -65,41 +82,84 @@ class SearchObjective:
         return int(self.ids.shape[0])
 
     # ------------------------------------------------------------------ recipes
-    def fitted_tensors(self, point: Point) -> dict[str, torch.Tensor]:
+    def fitted_tensors(self, point: Point, *, sides: bool = True, layers: bool = True) -> dict[str, torch.Tensor]:
         """Recipe tensors ``layers.{i}.*`` of ``point``.
 
-        Fitted per (layer, side, bits, group, methods), the other side uncompressed: every
-        applied method fits K and V independently and ignores window and sinks, so trials that
-        share a layer's side share its fit (the cache makes later trials cheap).
+        ``sides``: the K/V methods (center, reorder, clip), fitted per (layer, side, bits, group,
+        methods) with the other side uncompressed: each fits K and V independently and ignores
+        window and sinks, so trials that share a layer's side share its fit (cached).
+        ``layers``: the whole-layer tensors ``layers.{i}.kv.*``: the OTT outlier pool where the
+        layer switches ``outliers`` on (fitted per layer and bits/groups, cached) and the point's
+        schedule (static tiers, :class:`~kvcalib.calibrate.schedule.ScheduleMethod`).
         """
         from kvcalib.calibrate import fit_layer
+        from kvcalib.optimize.space import SIDE_METHODS, schedule_ages
 
         out: dict[str, torch.Tensor] = {}
         configs = point.layer_configs()
+        ages = schedule_ages(point.schedule)
         for i, (cfg, methods) in enumerate(zip(configs, point.methods or ((),) * len(configs))):
-            if not methods or not cfg.compressed:
+            if not cfg.compressed:
                 continue
-            if self.stats is None:
-                raise ValueError("method switches need collected statistics")
+            side_methods = tuple(m for m in methods if m in SIDE_METHODS)
+            if (side_methods and sides) or ("outliers" in methods and layers):
+                if self.stats is None:
+                    raise ValueError("method switches need collected statistics")
             for side, bits in (("k", cfg.k_bits), ("v", cfg.v_bits)):
-                if bits >= 16:
+                if bits >= 16 or not side_methods or not sides:
                     continue
-                key = (i, side, bits, cfg.k_axis, cfg.k_group, cfg.v_group, tuple(methods))
+                key = (i, side, bits, cfg.k_axis, cfg.k_group, cfg.v_group, side_methods)
                 if key not in self._fitted:
                     one = LayerConfig(k_bits=bits if side == "k" else 16, v_bits=bits if side == "v" else 16,
                                       k_axis=cfg.k_axis, k_group=cfg.k_group, v_group=cfg.v_group)
-                    fitted = fit_layer(self.stats.layers[i], one, list(methods), self.seed,
+                    fitted = fit_layer(self.stats.layers[i], one, list(side_methods), self.seed,
                                        heads=self.info.num_kv_heads, head_dim=self.info.head_dim)
                     self._fitted[key] = {k: t for k, t in fitted.items() if k.startswith(f"{side}.")}
                 out.update({f"layers.{i}.{name}": t for name, t in self._fitted[key].items()})
+            if not layers:
+                continue
+            if "outliers" in methods:
+                # OTT reads the key reservoir at the layer's key bits/groups (window and sinks unused)
+                key = (i, "outliers", cfg.k_bits, cfg.v_bits, cfg.k_axis, cfg.k_group, cfg.v_group)
+                if key not in self._fitted:
+                    fitted = fit_layer(self.stats.layers[i], LayerConfig(
+                        k_bits=cfg.k_bits, v_bits=cfg.v_bits, k_axis=cfg.k_axis, k_group=cfg.k_group,
+                        v_group=cfg.v_group), ["outliers"], self.seed,
+                        heads=self.info.num_kv_heads, head_dim=self.info.head_dim)
+                    self._fitted[key] = {k: t for k, t in fitted.items() if k.startswith("kv.")}
+                out.update({f"layers.{i}.{name}": t for name, t in self._fitted[key].items()})
+            if ages:
+                key = (i, "schedule", ages, tuple(sorted(cfg.to_dict().items())))
+                if key not in self._fitted:
+                    self._fitted[key] = self._schedule_tensors(i, cfg, ages)
+                out.update({f"layers.{i}.{name}": t for name, t in self._fitted[key].items()})
         return out
+
+    def _schedule_tensors(self, i: int, cfg: LayerConfig, ages: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """``kv.schedule`` of one layer: ScheduleMethod on the layer's statistics; without
+        statistics (the floor check before collection) the same static tiers directly."""
+        from kvcalib.calibrate.schedule import Schedule, ScheduleMethod
+
+        if self.stats is not None:
+            fitted = ScheduleMethod(ages).fit(self.stats.layers[i], cfg, self.seed, heads=self.info.num_kv_heads,
+                                              head_dim=self.info.head_dim)
+            return {k: t for k, t in fitted.items() if k.startswith("kv.")}
+        sched = Schedule.from_layer(cfg, ages)  # what ScheduleMethod fits: nothing is read from data
+        sched.check_layer(cfg)
+        return {"kv.schedule": sched.to_tensor()}
 
     def recipe(self, point: Point, name: str = "searched", provenance: dict | None = None) -> Recipe:
         return Recipe(name=name, layers=point.layer_configs(), model=self.info,
                       tensors=self.fitted_tensors(point), provenance=dict(provenance or {}))
 
-    def effective_bits(self, point: Point, with_tensors: bool = True) -> float:
-        tensors = self.fitted_tensors(point) if with_tensors else {}
+    def effective_bits(self, point: Point, with_tensors: bool | str = True) -> float:
+        """Effective bits of ``point`` at ``context``: with every fitted tensor (True), with the
+        whole-layer tensors only (``"layers"``: outlier pool and schedule, which change memory;
+        cheap, for allocation moves) or with none (False: the layer configs alone)."""
+        if with_tensors == "layers":
+            tensors = self.fitted_tensors(point, sides=False)
+        else:
+            tensors = self.fitted_tensors(point) if with_tensors else {}
         rec = Recipe(name="p", layers=point.layer_configs(), model=self.info, tensors=tensors)
         return rec.memory(self.info, self.context).effective_bits
 

@@ -57,6 +57,9 @@ def plot_pareto(records: Sequence[dict[str, Any]], front: Sequence[int], presets
     plt.close(fig)
 
 
+_METHOD_LETTERS = {"clip": "c", "reorder": "r", "center": "C", "outliers": "o"}
+
+
 def plot_bits_per_layer(point: dict[str, Any], sensitivity: Sequence[float] | None, path: Path) -> None:
     """K and V bits per layer of the chosen point (bars), and the layer sensitivity (line)."""
     from kvcalib.io import atomic_path
@@ -71,11 +74,12 @@ def plot_bits_per_layer(point: dict[str, Any], sensitivity: Sequence[float] | No
     methods = point.get("methods") or []
     for x, m in zip(xs, methods):
         if m:
-            ax.annotate("".join(s[0] for s in m), (x, max(k[x], v[x]) + 0.2), ha="center", fontsize=6)
+            ax.annotate("".join(_METHOD_LETTERS.get(s, s[0]) for s in m), (x, max(k[x], v[x]) + 0.2), ha="center",
+                        fontsize=6)
     ax.set_xlabel("layer")
     ax.set_ylabel("bits")
     ax.set_yticks([2, 4, 8])
-    ax.set_title("chosen recipe: bits per layer (c/r/C = clip/reorder/center)")
+    ax.set_title("chosen recipe: bits per layer (c/r/C/o = clip/reorder/center/outliers)")
     if sensitivity:
         ax2 = ax.twinx()
         ax2.plot(xs, [max(s, 1e-9) for s in sensitivity], c="k", lw=1, marker=".", label="sensitivity")
@@ -105,6 +109,14 @@ def held_out_rows(held_out: Sequence[dict[str, Any]], kl_by_name: dict[str, floa
     return cols, rows
 
 
+def _storage_md(storage: str) -> str:
+    """The storage for report.md: the run folder's ``study.db`` as a relative link; any other
+    storage as recorded (already free of machine paths and passwords), in code style."""
+    if storage == "study.db":
+        return "[`study.db`](study.db)"
+    return f"`{storage}`"
+
+
 def write_report(doc: dict[str, Any], path: Path) -> str:
     """``report.md`` from the ``search.json`` document; returns the held-out table (markdown)."""
     from kvcalib.io import atomic_path
@@ -125,13 +137,20 @@ def write_report(doc: dict[str, Any], path: Path) -> str:
               f"- objective: decode-faithful KL(full || compressed) on {doc['score_sequences']} held calibration "
               f"sequence(s) of {doc['score_seq_len']} tokens, disjoint from the {doc['stats_samples']} "
               f"collection sample(s); data `{cfg['data']}`, seed {cfg['seed']}",
-              f"- study `{doc['study']}` in `{doc['storage']}`: {len(doc['trials'])} trials "
-              f"({', '.join(f'{v} {k.lower()}' for k, v in sorted(states.items()))})",
-              f"- search time: {doc.get('seconds', 0):.0f} s", ""]
+              f"- study `{doc['study']}` in {_storage_md(doc['storage'])}: {len(doc['trials'])} trials "
+              f"({', '.join(f'{v} {k.lower()}' for k, v in sorted(states.items()))})"
+              + (f"; {len(doc['recovered'])} interrupted trial(s) retried" if doc.get("recovered") else ""),
+              f"- search time: {doc.get('seconds', 0):.0f} s"]
+    if doc.get("run_dir"):
+        lines.append(f"- run folder: `{doc['run_dir']}`")
+    if doc.get("command"):
+        lines.append(f"- made by: `{doc['command']}`")
+    lines.append("")
     if c is not None:
         lines += [f"**Chosen: trial {chosen}**, KL {c['kl']:.4g} at {c['effective_bits']:.3f} effective bits "
-                  f"(group {c['point']['group']}, window {c['point']['window']}, sinks {c['point']['sinks']}) "
-                  f"-> [`{doc.get('recipe')}`]({doc.get('recipe')})", ""]
+                  f"(group {c['point']['group']}, window {c['point']['window']}, sinks {c['point']['sinks']}"
+                  + (f", schedule {c['point']['schedule']}" if c["point"].get("schedule", "none") != "none" else "")
+                  + f") -> [`{doc.get('recipe')}`]({doc.get('recipe')})", ""]
     table = ""
     if doc.get("held_out"):
         cols, rows = held_out_rows(doc["held_out"], kl_by_name)

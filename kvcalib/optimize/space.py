@@ -1,9 +1,11 @@
 """The search space: what the search may choose, per layer and globally.
 
 Per layer ``i``: ``k{i}``/``v{i}`` key and value bits in ``bits`` (a subset of {2, 4, 8}), and one
-on/off switch ``{method}{i}`` per method in ``layer_methods`` (a subset of the calibration methods
-the runtime applies: ``clip``, ``center``, ``reorder``). Global: ``group`` (tokens per key group,
-channels per value group), ``window`` (recent tokens in full precision) and ``sinks``.
+on/off switch ``{method}{i}`` per method in ``layer_methods`` (a subset of :data:`SEARCH_METHODS`:
+``center``, ``reorder``, ``clip`` fit K and V apart; ``outliers`` is OTT's outlier-token pool,
+``layers.{i}.kv.outlier_pool``, fitted per layer). Global: ``group`` (tokens per key group,
+channels per value group), ``window`` (recent tokens in full precision), ``sinks``, and
+``schedule`` (PATS age tiers, ``layers.{i}.kv.schedule``; see below).
 
 Every ``window`` must be 0 or at least every ``group`` (the runtime flushes whole groups out of
 the window; see :class:`~kvcalib.recipe.LayerConfig`), so any sampled pair is valid.
@@ -11,10 +13,27 @@ the window; see :class:`~kvcalib.recipe.LayerConfig`), so any sampled pair is va
 A space file is JSON or YAML with any subset of the keys of :class:`SearchSpace`::
 
     {"bits": [2, 4, 8], "groups": [32, 64], "windows": [64, 128], "sinks": [0, 4],
-     "layer_methods": ["clip"]}
+     "layer_methods": ["clip"], "schedules": ["none"]}
 
 Unknown keys, an empty file and values outside the allowed sets are refused with a
 :class:`~kvcalib.errors.KvcalibError` naming the key. Optuna is not imported here.
+
+Schedules. ``schedules`` lists the global choices: ``"none"`` (every flushed token keeps its
+layer's bits), ``"ages:A,B,..."`` (the layer's sinks, window and bits, then bits halved at token
+ages A, B, ...: 8 -> 4 -> 2), or a PATS name for ages 1024 and 4096 (as ``kvcalib export
+--schedule``): ``"middle-heavy"`` (both ends kept: the space's ``sinks`` must all be >= 1) or
+``"old-heavy"`` (no sinks: the space's ``sinks`` must be ``[0]``). ``new-heavy`` (every token at
+the lowest bits from the start) is not a per-layer-bits schedule and is not searched. The tiers
+come from :class:`kvcalib.calibrate.schedule.ScheduleMethod` (``Schedule.from_layer``). The
+default space has ``["none"]`` only; outliers are off by default too (``layer_methods: ["clip"]``).
+
+Honesty rule for schedules (:func:`check_scored_schedules`). Effective bits are counted at
+``context`` (4096 by default), but the KL objective is scored on ``seq_len``-token sequences. A
+tier that holds tokens at ``context`` but none in a ``seq_len``-token sequence lowers the counted
+bits while the KL never sees its error, so the search would reward a schedule it never scored.
+Such a space is **refused** (:class:`SpaceError` naming the schedule, the age and the
+``--seq-len`` that would score it). Ages are not scaled down to the scoring length instead: the
+recipe shipped must be the recipe scored.
 """
 
 from __future__ import annotations
@@ -29,7 +48,13 @@ from kvcalib.errors import KvcalibError
 from kvcalib.recipe import LayerConfig
 
 SEARCH_BITS = (2, 4, 8)
-SEARCH_METHODS = ("center", "reorder", "clip")  # the methods the runtime applies
+SIDE_METHODS = ("center", "reorder", "clip")  # fitted for K and V apart (tensors layers.{i}.k|v.*)
+KV_METHODS = ("outliers",)  # fitted on the whole layer (tensors layers.{i}.kv.*)
+SEARCH_METHODS = SIDE_METHODS + KV_METHODS  # per-layer switches, in calibration pipeline order
+NO_SCHEDULE = "none"
+# name -> ages where bits halve (kvcalib.calibrate.schedule.preset_schedule's ages; the PATS shape
+# comes from the sinks: middle-heavy keeps them, old-heavy has none; checked on the space)
+SCHEDULE_PRESETS = {NO_SCHEDULE: (), "middle-heavy": (1024, 4096), "old-heavy": (1024, 4096)}
 
 
 class SpaceError(KvcalibError, ValueError):
@@ -51,6 +76,31 @@ def _int_tuple(name: str, value: Any, allowed: tuple[int, ...] | None = None, lo
     return tuple(sorted(dict.fromkeys(out)))
 
 
+def schedule_ages(name: str) -> tuple[int, ...]:
+    """Ages (tokens) at which a schedule halves a layer's bits: ``()`` for ``"none"``.
+
+    ``name`` is a key of :data:`SCHEDULE_PRESETS` or ``"ages:A,B,..."`` (strictly increasing
+    positive integers). Raises :class:`SpaceError` otherwise.
+    """
+    if not isinstance(name, str):
+        raise SpaceError(f"search space key 'schedules': {name!r} is not a string")
+    if name in SCHEDULE_PRESETS:
+        return SCHEDULE_PRESETS[name]
+    if name.startswith("ages:"):
+        try:
+            ages = tuple(int(a) for a in name[len("ages:"):].split(","))
+        except ValueError:
+            ages = ()
+        if ages and all(a >= 1 for a in ages) and list(ages) == sorted(set(ages)):
+            return ages
+        raise SpaceError(f"search space key 'schedules': {name!r} must list strictly increasing positive ages, "
+                         "e.g. 'ages:1024,4096'")
+    hint = (" (new-heavy stores every token at the lowest bits from the start: search per-layer bits "
+            "at 2 bits instead)" if name == "new-heavy" else "")
+    raise SpaceError(f"search space key 'schedules': unknown schedule {name!r}{hint}; use "
+                     f"{', '.join(repr(k) for k in SCHEDULE_PRESETS)} or 'ages:A,B,...'")
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """Choices the search samples from (user configuration; validated on construction)."""
@@ -61,6 +111,7 @@ class SearchSpace:
     sinks: tuple[int, ...] = (0, 4)
     layer_methods: tuple[str, ...] = ("clip",)  # per-layer on/off switches
     k_axis: str = "channel"
+    schedules: tuple[str, ...] = (NO_SCHEDULE,)  # global choice (module docstring)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen dataclass: normalise in place
@@ -73,7 +124,9 @@ class SearchSpace:
         methods = tuple(dict.fromkeys(self.layer_methods))
         bad = [m for m in methods if m not in SEARCH_METHODS]
         if bad:
-            raise SpaceError(f"search space key 'layer_methods': unknown method(s) {bad}; use a subset of {list(SEARCH_METHODS)}")
+            hint = " ('schedule' is a global choice: use the 'schedules' key)" if "schedule" in bad else ""
+            raise SpaceError(f"search space key 'layer_methods': unknown method(s) {bad}; use a subset of "
+                             f"{list(SEARCH_METHODS)}{hint}")
         set_(self, "layer_methods", tuple(m for m in SEARCH_METHODS if m in methods))
         if self.k_axis not in ("channel", "token"):
             raise SpaceError(f"search space key 'k_axis' must be 'channel' or 'token', got {self.k_axis!r}")
@@ -81,6 +134,24 @@ class SearchSpace:
         if short:
             raise SpaceError(f"search space: windows {short} are shorter than group {max(self.groups)}; "
                              "every window must be 0 or at least every group (the runtime flushes whole groups)")
+        if isinstance(self.schedules, str) or not hasattr(self.schedules, "__iter__"):
+            raise SpaceError(f"search space key 'schedules' must be a list, got {self.schedules!r}")
+        schedules = tuple(dict.fromkeys(self.schedules))
+        if not schedules:
+            raise SpaceError("search space key 'schedules' is empty: give at least one value (e.g. ['none'])")
+        for name in schedules:
+            ages = schedule_ages(name)
+            if ages and ages[0] <= max(self.windows):
+                raise SpaceError(f"search space key 'schedules': {name!r} changes bits at age {ages[0]}, inside the "
+                                 f"full-precision window {max(self.windows)}; every age must exceed every window")
+            if name == "middle-heavy" and min(self.sinks) < 1:
+                raise SpaceError("search space key 'schedules': 'middle-heavy' keeps the oldest tokens as sinks, but "
+                                 f"the space's sinks include 0 ({list(self.sinks)}): give sinks >= 1 only (e.g. [4]), "
+                                 "or use 'ages:1024,4096' (the same tiers with any sinks)")
+            if name == "old-heavy" and max(self.sinks) > 0:
+                raise SpaceError("search space key 'schedules': 'old-heavy' keeps no sinks, but the space's sinks are "
+                                 f"{list(self.sinks)}: give sinks [0], or use 'ages:1024,4096' (the same tiers with any sinks)")
+        set_(self, "schedules", schedules)
 
     # ------------------------------------------------------------------ files
     @classmethod
@@ -117,9 +188,21 @@ class SearchSpace:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
     def fingerprint(self, num_layers: int) -> str:
-        """A hash of the space and layer count: a study only continues in the same space."""
-        doc = json.dumps({"space": self.to_dict(), "num_layers": num_layers}, sort_keys=True)
+        """A hash of the space and layer count: a study only continues in the same space.
+
+        ``schedules`` enters the hash only when it is not the default ``["none"]``, so studies
+        made before schedules existed keep their fingerprint (and resume).
+        """
+        space = self.to_dict()
+        if tuple(space["schedules"]) == (NO_SCHEDULE,):
+            del space["schedules"]
+        doc = json.dumps({"space": space, "num_layers": num_layers}, sort_keys=True)
         return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+    @property
+    def searches_schedule(self) -> bool:
+        """Whether the schedule is a sampled parameter (more than one choice)."""
+        return len(self.schedules) > 1
 
     # ------------------------------------------------------------------ points
     def sample(self, trial, num_layers: int) -> "Point":
@@ -131,12 +214,66 @@ class SearchSpace:
         v = [trial.suggest_categorical(f"v{i}", list(self.bits)) for i in range(num_layers)]
         methods = [tuple(m for m in self.layer_methods if trial.suggest_categorical(f"{m}{i}", [False, True]))
                    for i in range(num_layers)]
-        return Point(group, window, sinks, tuple(k), tuple(v), tuple(methods), self.k_axis)
+        schedule = (trial.suggest_categorical("schedule", list(self.schedules)) if self.searches_schedule
+                    else self.schedules[0])
+        return Point(group, window, sinks, tuple(k), tuple(v), tuple(methods), self.k_axis, schedule)
 
-    def floor_point(self, num_layers: int) -> "Point":
-        """The cheapest point of the space: every layer at its fewest bits."""
+    def floor_point(self, num_layers: int, schedule: str | None = None) -> "Point":
+        """The cheapest point of the space without method switches: every layer at its fewest
+        bits (with ``schedule``, default the first of :attr:`schedules`)."""
         return Point(max(self.groups), min(self.windows), min(self.sinks), (min(self.bits),) * num_layers,
-                     (min(self.bits),) * num_layers, ((),) * num_layers, self.k_axis)
+                     (min(self.bits),) * num_layers, ((),) * num_layers, self.k_axis,
+                     self.schedules[0] if schedule is None else schedule)
+
+
+def min_scoring_length(space: SearchSpace, context: int) -> int:
+    """The shortest scoring sequence in which every schedule tier that holds tokens at ``context``
+    also holds tokens, for every (bits, group, window, sinks) of ``space``; 0 without schedules.
+
+    A block's tier is that of its youngest token (``Schedule.block_tier``), and the oldest
+    flushed block of a T-token sequence ends at ``sinks + block``, so tier ``age`` holds tokens
+    at T once ``T >= sinks + block + age`` (``block`` = key group for per-channel keys).
+    """
+    from kvcalib.calibrate.schedule import Schedule, tier_token_counts
+    from kvcalib.recipe import LayerConfig
+
+    need = 0
+    for name in space.schedules:
+        ages = schedule_ages(name)
+        if not ages:
+            continue
+        for bits in space.bits:
+            for group in space.groups:
+                for window in space.windows:
+                    for sinks in space.sinks:
+                        cfg = LayerConfig(k_bits=bits, v_bits=bits, k_axis=space.k_axis, k_group=group,
+                                          v_group=group, sinks=sinks, window=window)
+                        sched = Schedule.from_layer(cfg, ages)
+                        at_context = tier_token_counts(sched, context, group, space.k_axis)["tiers"]
+                        block = cfg.flush_block
+                        for tier, n in zip(sched.tiers, at_context):
+                            if n and tier.age > 0:
+                                need = max(need, sinks + block + tier.age)
+    return need
+
+
+def check_scored_schedules(space: SearchSpace, seq_len: int, context: int) -> None:
+    """Refuse schedules whose tiers the memory accounting at ``context`` counts but
+    ``seq_len``-token scoring sequences never reach (the module docstring's honesty rule)."""
+    for name in space.schedules:
+        one = SearchSpace(bits=space.bits, groups=space.groups, windows=space.windows, sinks=space.sinks,
+                          layer_methods=(), k_axis=space.k_axis, schedules=(name,))
+        need = min_scoring_length(one, context)
+        if need > seq_len:
+            ages = [a for a in schedule_ages(name) if a < context]
+            reach = seq_len - max(space.sinks) - max(space.groups)  # oldest age every scored layout reaches
+            hint = (f"give ages the scoring sequences reach (between {max(space.windows) + 1} and {reach}, e.g. "
+                    f"'ages:{reach}'), " if reach > max(space.windows) else "")
+            raise SpaceError(
+                f"search space schedule {name!r} lowers bits at token age(s) {ages}, which the {seq_len}-token "
+                f"scoring sequences never reach, while effective bits at context {context} count those tokens at "
+                f"the lower bits: the KL objective would reward a schedule it never scored. Score longer "
+                f"sequences (--seq-len {need} or more), {hint}or drop the schedule.")
 
 
 @dataclass(frozen=True)
@@ -150,6 +287,7 @@ class Point:
     v_bits: tuple[int, ...]
     methods: tuple[tuple[str, ...], ...] = field(default=())  # per layer
     k_axis: str = "channel"
+    schedule: str = NO_SCHEDULE  # global (SearchSpace.schedules)
 
     def layer_configs(self) -> list[LayerConfig]:
         return [LayerConfig(k_bits=k, v_bits=v, k_axis=self.k_axis, k_group=self.group, v_group=self.group,
@@ -165,7 +303,16 @@ class Point:
     def to_dict(self) -> dict[str, Any]:
         return {"group": self.group, "window": self.window, "sinks": self.sinks, "k_axis": self.k_axis,
                 "k_bits": list(self.k_bits), "v_bits": list(self.v_bits),
-                "methods": [list(m) for m in self.methods]}
+                "methods": [list(m) for m in self.methods], "schedule": self.schedule}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], space: SearchSpace | None = None) -> "Point":
+        """The point of a ``search.json`` trial record (``to_dict``); records written before
+        schedules existed have none (``"none"``)."""
+        k_axis = data.get("k_axis", space.k_axis if space is not None else "channel")
+        return cls(int(data["group"]), int(data["window"]), int(data["sinks"]), tuple(int(b) for b in data["k_bits"]),
+                   tuple(int(b) for b in data["v_bits"]), tuple(tuple(m) for m in data.get("methods", ())),
+                   k_axis, data.get("schedule", NO_SCHEDULE))
 
     @classmethod
     def from_params(cls, params: dict[str, Any], space: SearchSpace, num_layers: int) -> "Point":
@@ -174,13 +321,15 @@ class Point:
                    tuple(int(params[f"k{i}"]) for i in range(num_layers)),
                    tuple(int(params[f"v{i}"]) for i in range(num_layers)),
                    tuple(tuple(m for m in space.layer_methods if params.get(f"{m}{i}")) for i in range(num_layers)),
-                   space.k_axis)
+                   space.k_axis, params.get("schedule", space.schedules[0]))
 
 
 def point_params(point: Point, space: SearchSpace) -> dict[str, Any]:
-    """All Optuna parameters of ``point`` in ``space`` (method switches included)."""
+    """All Optuna parameters of ``point`` in ``space`` (method switches and schedule included)."""
     out = point.params()
     for i, methods in enumerate(point.methods or ((),) * len(point.k_bits)):
         for m in space.layer_methods:
             out[f"{m}{i}"] = m in methods
+    if space.searches_schedule:
+        out["schedule"] = point.schedule
     return out

@@ -115,21 +115,66 @@ def open_study(storage_url_: str, name: str, space: SearchSpace, num_layers: int
     return study
 
 
-def recover_interrupted(study: "optuna.Study") -> int:
-    """Re-enqueue the points of trials left RUNNING by an interrupted process; they are marked FAIL.
+ATTR_INTERRUPTED = "interrupted"  # user attr of a trial stopped by Ctrl-C / SIGINT
+ATTR_ERROR = "error"  # user attr of a trial whose objective raised
+ATTR_RECOVERED = "recovered_from"  # user attr of a re-enqueued trial: the number it retries
+ATTR_REQUEUED = "requeued"  # user attr of a WAITING trial moved behind the retries (it never ran)
 
-    Only for a study this process owns (the default run-folder storage): in a shared study a
-    RUNNING trial may belong to a live worker.
+
+def recover_interrupted(study: "optuna.Study", *, running: bool = True) -> list[int]:
+    """Re-enqueue the points of trials an interrupted search left unfinished; returns their numbers.
+
+    - FAIL trials (Ctrl-C / SIGINT mark the running trial FAIL, as does an exception in the
+      objective) are retried once: a trial that already has a retry (a trial whose user attr
+      ``recovered_from`` names it) is skipped, and so is a failed retry whose objective raised
+      an error (the point itself fails, not the interruption).
+    - RUNNING trials (the process was killed) are marked FAIL first, then retried; only with
+      ``running=True``, for a study this process owns (the default run-folder storage): in a
+      shared study a RUNNING trial may belong to a live worker.
+
+    The retry gets the failed trial's parameters as fixed parameters (its enqueued parameters
+    when it failed before sampling) and its user attrs (warm start, local move). Optuna's
+    ``enqueue_trial(skip_if_exists=True)`` cannot be used: it finds the failed trial itself.
+
+    Retries run first. Optuna runs WAITING trials oldest first, so with ``running=True`` (a
+    study nobody else works on) the points still waiting from before (warm start, local moves)
+    are enqueued again behind the retries and their old WAITING entries are closed (FAIL, user
+    attr ``requeued``; :func:`trial_records` leaves them out). Otherwise a resumed search that
+    needs only a few more trials could spend them all on the older queue and never retry the
+    interrupted point. In a shared study retries keep Optuna's order (another worker may be
+    taking a WAITING trial at this moment).
     """
     import optuna
 
-    n = 0
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
-        if t.params:
-            study.enqueue_trial(t.params, user_attrs={"recovered_from": t.number}, skip_if_exists=True)
-        n += 1
-    return n
+    state = optuna.trial.TrialState
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.user_attrs.get(ATTR_RECOVERED) for t in trials if t.user_attrs.get(ATTR_RECOVERED) is not None}
+    out: list[int] = []
+    waiting = [t for t in trials if t.state == state.WAITING]
+    for t in trials:
+        if t.state == state.RUNNING and running:
+            study._storage.set_trial_state_values(t._trial_id, state.FAIL)
+        elif t.state != state.FAIL:
+            continue
+        if t.number in retried or t.user_attrs.get(ATTR_REQUEUED):
+            continue
+        if t.user_attrs.get(ATTR_RECOVERED) is not None and t.user_attrs.get(ATTR_ERROR):
+            log.warning("trial %d (a retry of trial %d) failed again with %s: not retried", t.number,
+                        t.user_attrs[ATTR_RECOVERED], t.user_attrs[ATTR_ERROR])
+            continue
+        params = {**t.system_attrs.get("fixed_params", {}), **t.params}
+        if not params:  # failed before any parameter was fixed: nothing of it to keep
+            continue
+        attrs = {k: v for k, v in t.user_attrs.items()
+                 if k not in ("effective_bits", ATTR_INTERRUPTED, ATTR_ERROR, ATTR_RECOVERED)}
+        study.enqueue_trial(params, user_attrs={**attrs, ATTR_RECOVERED: t.number})
+        out.append(t.number)
+    if out and running:
+        for w in waiting:
+            study.enqueue_trial(dict(w.system_attrs.get("fixed_params", {})), user_attrs=dict(w.user_attrs))
+            study._storage.set_trial_user_attr(w._trial_id, ATTR_REQUEUED, True)
+            study._storage.set_trial_state_values(w._trial_id, state.FAIL)
+    return out
 
 
 def _has_set_constraint() -> bool:
@@ -181,6 +226,13 @@ def make_pruner(n_steps: int, margin: float = PRUNE_MARGIN):
 
 
 # ------------------------------------------------------------------ warm start
+def floor_bits(objective: "SearchObjective", space: SearchSpace) -> float:
+    """Effective bits of the cheapest point of the space: every layer at the fewest bits, no
+    method switch, the cheapest schedule (schedule tiers counted, no statistics needed)."""
+    n = objective.info.num_layers
+    return min(objective.effective_bits(space.floor_point(n, s), with_tensors="layers") for s in space.schedules)
+
+
 def sensitivity_sweep(objective: "SearchObjective", space: SearchSpace,
                       on_layer: Callable[[int], None] | None = None) -> list[float]:
     """KL on sequence 0 with one layer at the fewest bits (K and V) and every other layer uncompressed."""
@@ -199,17 +251,17 @@ def sensitivity_sweep(objective: "SearchObjective", space: SearchSpace,
 
 
 def greedy_point(objective: "SearchObjective", space: SearchSpace, sensitivity: list[float], budget: float,
-                 methods: tuple[str, ...] = ()) -> Point:
+                 methods: tuple[str, ...] = (), schedule: str | None = None) -> Point:
     """Bits to the (layer, side) with the largest estimated KL saving while the budget holds."""
     n = objective.info.num_layers
-    base = space.floor_point(n)
+    base = space.floor_point(n, schedule)
     levels = list(space.bits)
     k = [0] * n
     v = [0] * n
 
     def point(k_, v_):
         return Point(base.group, base.window, base.sinks, tuple(levels[x] for x in k_), tuple(levels[x] for x in v_),
-                     (methods,) * n, space.k_axis)
+                     (methods,) * n, space.k_axis, base.schedule)
 
     def saving(i: int, lvl: int) -> float:
         if lvl + 1 >= len(levels):
@@ -227,7 +279,7 @@ def greedy_point(objective: "SearchObjective", space: SearchSpace, sensitivity: 
         _, i, side = max(cands)
         trial_k, trial_v = list(k), list(v)
         (trial_k if side == "k" else trial_v)[i] += 1
-        if objective.effective_bits(point(trial_k, trial_v), with_tensors=False) <= budget - 1e-3:
+        if objective.effective_bits(point(trial_k, trial_v), with_tensors="layers") <= budget - 1e-3:
             k, v = trial_k, trial_v
         else:
             blocked.add((i, side))
@@ -236,15 +288,19 @@ def greedy_point(objective: "SearchObjective", space: SearchSpace, sensitivity: 
 
 def warm_start_points(objective: "SearchObjective", space: SearchSpace, sensitivity: list[float],
                       budget: float) -> list[Point]:
-    """Distinct warm-start points: greedy at the budget (methods on / off), below and above it, and the floor."""
+    """Distinct warm-start points: greedy at the budget (methods on / off, each schedule), below
+    and above it, and the floor."""
     n = objective.info.num_layers
     all_methods = tuple(space.layer_methods)
     floor = space.floor_point(n)
-    floor = Point(floor.group, floor.window, floor.sinks, floor.k_bits, floor.v_bits, (all_methods,) * n, floor.k_axis)
-    floor_bits = objective.effective_bits(floor, with_tensors=False)
+    floor = Point(floor.group, floor.window, floor.sinks, floor.k_bits, floor.v_bits, (all_methods,) * n, floor.k_axis,
+                  floor.schedule)
+    floor_bits = objective.effective_bits(floor, with_tensors="layers")
     pts = [greedy_point(objective, space, sensitivity, budget, all_methods)]
     if all_methods:
         pts.append(greedy_point(objective, space, sensitivity, budget, ()))
+    for schedule in space.schedules[1:]:
+        pts.append(greedy_point(objective, space, sensitivity, budget, all_methods, schedule))
     pts.append(floor)
     for b in (floor_bits + 0.5 * (budget - floor_bits), budget + 1.0):
         pts.append(greedy_point(objective, space, sensitivity, b, all_methods))
@@ -275,7 +331,7 @@ def local_move(best: Point, space: SearchSpace, sensitivity: list[float] | None,
     k = [levels.index(b) for b in best.k_bits]
     v = [levels.index(b) for b in best.v_bits]
     methods = [set(m) for m in (best.methods or ((),) * n)]
-    group, window, sinks = best.group, best.window, best.sinks
+    group, window, sinks, schedule = best.group, best.window, best.sinks, best.schedule
     move = rng.random()
     if move < 0.6 or not space.layer_methods:  # upgrade a side, chosen in proportion to sensitivity
         for _ in range(1 + int(rng.random() < 0.3)):
@@ -287,17 +343,20 @@ def local_move(best: Point, space: SearchSpace, sensitivity: list[float] | None,
         m = rng.choice(space.layer_methods)
         methods[i] ^= {m}
     else:
-        which = rng.choice(["group", "window", "sinks"])
+        which = rng.choice(["group", "window", "sinks"] + (["schedule"] if space.searches_schedule else []))
         if which == "group":
             group = rng.choice(space.groups)
         elif which == "window":
             window = rng.choice(space.windows)
-        else:
+        elif which == "sinks":
             sinks = rng.choice(space.sinks)
+        else:
+            schedule = rng.choice(space.schedules)
 
     def make() -> Point:
         return Point(group, window, sinks, tuple(levels[x] for x in k), tuple(levels[x] for x in v),
-                     tuple(tuple(m for m in space.layer_methods if m in ms) for ms in methods), space.k_axis)
+                     tuple(tuple(m for m in space.layer_methods if m in ms) for ms in methods), space.k_axis,
+                     schedule)
 
     # repair: lower the side with the least sensitivity per level until within budget
     for _ in range(4 * n):
@@ -334,7 +393,7 @@ def make_local_callback(objective: "SearchObjective", space: SearchSpace, budget
         seen = {tuple(sorted(t.params.items())) for t in study.get_trials(deepcopy=False)}
         sens = study.user_attrs.get("sensitivity")
         for _ in range(20):
-            p = local_move(incumbent, space, sens, budget, lambda q: objective.effective_bits(q, with_tensors=False), rng)
+            p = local_move(incumbent, space, sens, budget, lambda q: objective.effective_bits(q, with_tensors="layers"), rng)
             params = point_params(p, space)
             if tuple(sorted(params.items())) not in seen:
                 study.enqueue_trial(params, user_attrs={"local_move": best.number})
@@ -360,7 +419,35 @@ def make_objective_fn(objective: "SearchObjective", space: SearchSpace, budget: 
 
         return objective.kl(point, report=report)
 
-    return fn
+    return tag_failures(fn)
+
+
+def tag_failures(fn: Callable) -> Callable:
+    """Wrap an objective so a failed trial records why (:func:`recover_interrupted` reads it):
+    user attr ``interrupted`` for KeyboardInterrupt (Ctrl-C, SIGINT), ``error`` for an exception.
+    Optuna then marks the trial FAIL and re-raises, as without the wrapper."""
+    import optuna
+
+    def wrapped(trial: "optuna.Trial"):
+        try:
+            return fn(trial)
+        except optuna.TrialPruned:
+            raise
+        except KeyboardInterrupt:
+            _try_set_attr(trial, ATTR_INTERRUPTED, True)
+            raise
+        except Exception as err:
+            _try_set_attr(trial, ATTR_ERROR, f"{type(err).__name__}: {err}"[:500])
+            raise
+
+    return wrapped
+
+
+def _try_set_attr(trial, key: str, value: Any) -> None:
+    try:
+        trial.set_user_attr(key, value)
+    except Exception as err:  # the storage itself may be what failed: keep the original error
+        log.debug("could not record %s on trial %s: %s", key, getattr(trial, "number", "?"), err)
 
 
 def finished_count(study: "optuna.Study") -> int:
@@ -395,6 +482,8 @@ def trial_records(study: "optuna.Study", space: SearchSpace, num_layers: int, bu
     for t in study.get_trials(deepcopy=False):
         if t.state == optuna.trial.TrialState.WAITING:  # enqueued, not run yet (a resume runs it)
             continue
+        if t.user_attrs.get(ATTR_REQUEUED):  # a waiting entry moved behind a retry: never ran
+            continue
         bits = t.user_attrs.get("effective_bits")
         kl = t.value if t.value is not None else (t.intermediate_values[t.last_step] if t.last_step is not None else None)
         try:
@@ -404,7 +493,7 @@ def trial_records(study: "optuna.Study", space: SearchSpace, num_layers: int, bu
         out.append({"number": t.number, "state": t.state.name, "kl": kl, "effective_bits": bits,
                     "feasible": bits is not None and bits <= budget + 1e-9,
                     "sequences": len(t.intermediate_values), "warm_start": bool(t.user_attrs.get("warm_start")),
-                    "local_move_of": t.user_attrs.get("local_move"),
+                    "local_move_of": t.user_attrs.get("local_move"), "recovered_from": t.user_attrs.get(ATTR_RECOVERED),
                     "seconds": t.duration.total_seconds() if t.duration else None, "point": point})
     return out
 

@@ -1,5 +1,6 @@
 """A very small ``kvcalib search`` on the real embedded SmolLM2-135M: 3 trials, one short scoring
-sequence, outputs written and the chosen recipe within the budget (< 90 s on a 2-core CPU)."""
+sequence, outputs written and the chosen recipe within the budget, no machine paths in them
+(< 90 s on a 2-core CPU)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,8 @@ def test_tiny_search_on_smollm2(tmp_path):
     names = [h["name"] for h in result.held_out]
     assert names[1:] == ["kivi-2"] and all(h["ppl_delta_pct"] is not None for h in result.held_out)
     assert "Held-out proof" in (tmp_path / "run" / "report.md").read_text()
+    # outputs name the run folder and the searched recipe without machine paths
+    for name in ("search.json", "report.md"):
+        assert str(tmp_path) not in (tmp_path / "run" / name).read_text(), name
+    assert result.held_out[0]["recipe"] == "recipe.safetensors"
+    assert rec.provenance["run"] == "run" and str(tmp_path) not in str(rec.provenance)

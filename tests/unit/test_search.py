@@ -38,10 +38,22 @@ def test_default_space_and_files(tmp_path):
     ('{"bits": [16]}', "not allowed"),
     ('{"bits": []}', "empty"),
     ('{"groups": [64], "windows": [32]}', "shorter than group"),
-    ('{"layer_methods": ["outliers"]}', "unknown method"),
+    ('{"layer_methods": ["schedule"]}', "global choice"),
+    ('{"layer_methods": ["huffman"]}', "unknown method"),
     ("{not json", "not valid JSON"),
+    ('{"schedules": []}', "empty"),
+    ('{"schedules": "none"}', "must be a list"),
+    ('{"schedules": ["fast"]}', "unknown schedule"),
+    ('{"schedules": ["ages:4096,1024"]}', "strictly increasing"),
+    ('{"schedules": ["ages:x"]}', "strictly increasing"),
+    ('{"windows": [64, 128], "schedules": ["ages:100"]}', "inside the full-precision window"),
+    ('{"schedules": ["none", "middle-heavy"]}', "sinks include 0"),
+    ('{"sinks": [4], "schedules": ["old-heavy"]}', "keeps no sinks"),
+    ('{"schedules": ["new-heavy"]}', "lowest bits from the start"),
 ], ids=["empty-file", "empty-object", "unknown-key", "bits-3", "bits-16", "no-bits", "short-window",
-        "unapplied-method", "bad-json"])
+        "schedule-as-layer-method", "unknown-method", "bad-json", "no-schedules", "schedules-string",
+        "unknown-schedule", "ages-decreasing", "ages-not-int", "age-in-window", "middle-heavy-no-sinks",
+        "old-heavy-sinks", "new-heavy"])
 def test_space_file_errors(tmp_path, text, match):
     from kvcalib.optimize.space import SearchSpace
 
@@ -225,13 +237,20 @@ def test_unreachable_storage(tmp_path):
 
 
 WORKER = textwrap.dedent("""
-    import sys
+    import pathlib, sys, time
     from kvcalib.optimize.space import SearchSpace
     from kvcalib.optimize import study as st
     url, n = sys.argv[1], int(sys.argv[2])
     space = SearchSpace(bits=(2, 4, 8), groups=(32,), windows=(32,), sinks=(0,), layer_methods=())
     study = st.open_study(url, "shared", space, 3, sampler=st.make_sampler(0, 4.0, 2), pruner=st.make_pruner(2))
+    # barrier: on a loaded machine one worker can finish every trial before the other has started
+    here = pathlib.Path(__file__).parent
+    (here / f"ready-{sys.argv[3]}").touch()
+    deadline = time.time() + 120
+    while len(list(here.glob("ready-*"))) < 2 and time.time() < deadline:
+        time.sleep(0.05)
     def fn(trial):
+        time.sleep(0.05)
         p = space.sample(trial, 3)
         st.set_bits(trial, float(sum(p.k_bits + p.v_bits)) / 6, 4.0)
         trial.set_user_attr("worker", sys.argv[3])
@@ -277,3 +296,308 @@ def test_cli_bad_input_exits_2(tmp_path, args, match):
     assert res.exit_code == 2, res.output
     assert match in (res.stderr if hasattr(res, "stderr") else res.output)
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ old files, outliers, schedules
+OLD_SEARCH = "recipes/smollm2-135m/search.json"  # written before schedules and provenance fields
+
+
+def test_old_search_json_still_reads():
+    import hashlib
+    from pathlib import Path
+
+    from kvcalib.optimize.space import Point, SearchSpace
+    from kvcalib.optimize.study import choose
+
+    path = Path(__file__).resolve().parents[2] / OLD_SEARCH
+    doc = json.loads(path.read_text())
+    space = SearchSpace.from_dict(doc["space"])
+    assert space.schedules == ("none",)
+    # the fingerprint of a space without schedules is the one studies made before them recorded
+    old = json.dumps({"space": doc["space"], "num_layers": 30}, sort_keys=True)
+    assert space.fingerprint(30) == hashlib.sha256(old.encode()).hexdigest()[:16]
+    rec = choose(doc["trials"], doc["budget_bits"])
+    assert rec["number"] == doc["chosen"]
+    point = Point.from_dict(rec["point"], space)
+    assert point.schedule == "none" and point.to_dict()["k_bits"] == rec["point"]["k_bits"]
+    from kvcalib.optimize import search_provenance
+
+    prov = search_provenance(doc, rec)  # what `kvcalib export --trial` writes from an old run
+    assert prov["storage"] == "sqlite:///study.db" and prov["run"] is None and prov["schedule"] == "none"
+
+
+def test_schedule_scoring_length_rule():
+    from kvcalib.calibrate.schedule import Schedule, tier_token_counts
+    from kvcalib.optimize.space import SearchSpace, SpaceError, check_scored_schedules, min_scoring_length
+    from kvcalib.recipe import LayerConfig
+
+    space = SearchSpace(sinks=(4,), schedules=("none", "middle-heavy"))
+    # 4 sinks + one 64-token key group + age 1024 (the age-4096 tier holds nothing at context 4096)
+    with pytest.raises(SpaceError, match=r"age\(s\) \[1024\].*never reach.*--seq-len 1092 .*'ages:188'"):
+        check_scored_schedules(space, 256, 4096)
+    check_scored_schedules(space, 1092, 4096)
+    check_scored_schedules(SearchSpace(), 16, 4096)  # no schedule: nothing to check
+    # an age the accounting context never reaches changes nothing counted: accepted
+    check_scored_schedules(SearchSpace(schedules=("ages:8192",)), 256, 4096)
+    # the rule is exact: at need - 1 tokens some layout's last counted tier is empty, at need it is not
+    small = SearchSpace(bits=(8,), groups=(16,), windows=(32,), sinks=(0, 2), schedules=("ages:40,80",))
+    need = min_scoring_length(small, 512)
+    assert need == 2 + 16 + 80
+    cfg = LayerConfig(k_bits=8, v_bits=8, k_group=16, v_group=16, sinks=2, window=32)
+    sched = Schedule.from_layer(cfg, (40, 80))
+    assert tier_token_counts(sched, need, 16)["tiers"][-1] > 0
+    assert tier_token_counts(sched, need - 1, 16)["tiers"][-1] == 0
+    with pytest.raises(SpaceError, match="ages:"):
+        check_scored_schedules(small, need - 1, 512)
+
+
+def test_search_config_refuses_unscored_schedule(tmp_path):
+    from kvcalib.optimize import SearchConfig
+
+    with pytest.raises(KvcalibError, match="never scored"):
+        SearchConfig(out=tmp_path / "run", seq_len=256, space={"sinks": [4], "schedules": ["none", "middle-heavy"]})
+    SearchConfig(out=tmp_path / "run", seq_len=1092, space={"sinks": [4], "schedules": ["none", "middle-heavy"]})
+
+
+def test_space_samples_outliers_and_schedule():
+    import optuna
+
+    from kvcalib.optimize.space import Point, SearchSpace, point_params
+
+    space = SearchSpace(groups=(8,), windows=(16,), sinks=(0,), layer_methods=("clip", "outliers"),
+                        schedules=("none", "ages:64"))
+    assert space.layer_methods == ("clip", "outliers") and space.searches_schedule
+    p = Point(8, 16, 0, (2, 4), (8, 2), (("outliers",), ("clip", "outliers")), "channel", "ages:64")
+    params = point_params(p, space)
+    assert params["schedule"] == "ages:64" and params["outliers1"] is True and params["clip0"] is False
+    assert space.sample(optuna.trial.FixedTrial(params), 2) == p
+    assert Point.from_params(params, space, 2) == p
+    assert Point.from_dict(p.to_dict(), space) == p
+    # the default space samples neither (its parameters are those of studies made before them)
+    assert "schedule" not in point_params(SearchSpace().floor_point(2), SearchSpace())
+
+
+def test_objective_fits_outlier_pool_and_schedule(tiny):
+    from kvcalib.calibrate.schedule import Schedule
+    from kvcalib.optimize.space import Point
+
+    obj, _ = _floor(tiny)
+    p = Point(8, 8, 0, (2, 4), (2, 4), (("outliers", "clip"), ()), "channel", "ages:16,24")
+    t = obj.fitted_tensors(p)
+    assert t["layers.0.kv.outlier_pool"].dtype == torch.int64 and "layers.1.kv.outlier_pool" not in t
+    assert "layers.0.k.clip" in t and "layers.1.k.clip" not in t
+    for i, cfg in enumerate(p.layer_configs()):
+        assert torch.equal(t[f"layers.{i}.kv.schedule"], Schedule.from_layer(cfg, (16, 24)).to_tensor())
+    layer_only = obj.fitted_tensors(p, sides=False)
+    assert "layers.0.k.clip" not in layer_only and "layers.0.kv.outlier_pool" in layer_only
+    assert obj.fitted_tensors(p)["layers.0.kv.outlier_pool"] is t["layers.0.kv.outlier_pool"]  # cached
+    # without statistics (the floor check before collection) the schedule is the same static tiers
+    from kvcalib.optimize.objective import SearchObjective
+
+    model, info, _, ids = tiny
+    bare = SearchObjective(model, info, None, ids, context=256)
+    q = Point(8, 8, 0, (2, 4), (2, 4), ((), ()), "channel", "ages:16,24")
+    assert torch.equal(bare.fitted_tensors(q)["layers.1.kv.schedule"], t["layers.1.kv.schedule"])
+
+
+def test_space_switch_the_runtime_does_not_apply_is_refused(tiny, tmp_path):
+    """Outlier pools and schedules are searched only once the runtime applies their tensors."""
+    from kvcalib.optimize import SearchConfig, check_runtime_applies, search_with
+    from kvcalib.optimize.objective import runtime_applies
+    from kvcalib.optimize.space import SearchSpace, SpaceError
+
+    for tensor, space in (("outlier_pool", {**TINY_SPACE, "layer_methods": ["outliers"]}),
+                          ("schedule", {**TINY_SPACE, "schedules": ["none", "ages:17"]})):
+        if runtime_applies(tensor):
+            check_runtime_applies(SearchSpace.from_dict(space))
+            continue
+        with pytest.raises(SpaceError, match=f"does not apply recipe tensor layers.i.kv.{tensor}"):
+            check_runtime_applies(SearchSpace.from_dict(space))
+        model, info, stats, ids = tiny
+        _, floor = _floor(tiny)
+        cfg = SearchConfig(**_config(tmp_path, budget_bits=floor + 1, space=space, seq_len=40))
+        with pytest.raises(SpaceError):
+            search_with(cfg, model, info, stats, ids, tmp_path / "run", progress=False)
+        assert not (tmp_path / "run" / "study.db").exists()
+
+
+# ------------------------------------------------------------------ interrupted searches
+def _interrupt_after(monkeypatch, n_calls: int):
+    """Make the n-th trial's KL computation raise KeyboardInterrupt (Ctrl-C in the middle of a trial)."""
+    from kvcalib.optimize.objective import SearchObjective
+
+    real = SearchObjective.kl
+    calls = {"n": 0}
+
+    def kl(self, point, sequences=None, report=None):
+        calls["n"] += 1
+        if calls["n"] == n_calls:
+            raise KeyboardInterrupt
+        return real(self, point, sequences, report)
+
+    monkeypatch.setattr(SearchObjective, "kl", kl)
+    return calls
+
+
+def test_interrupted_search_resumes_and_retries_the_stale_trials(tiny, tmp_path, monkeypatch):
+    import optuna
+
+    from kvcalib.optimize import SearchConfig, search_with
+    from kvcalib.optimize.space import SearchSpace
+    from kvcalib.optimize.study import ATTR_RECOVERED, open_study
+
+    model, info, stats, ids = tiny
+    _, floor = _floor(tiny)
+    run = tmp_path / "run"
+    run.mkdir()
+    # 3 trials: the interrupt leaves 1 finished, 1 FAIL, then a killed RUNNING one and warm-start
+    # points still waiting; the resume has exactly 2 trials left, which must go to the 2 retries
+    cfg = SearchConfig(**_config(tmp_path, budget_bits=round(floor + 1.0, 3), trials=3))
+    _interrupt_after(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        search_with(cfg, model, info, stats, ids, run, progress=False)
+    monkeypatch.undo()
+    url, space = f"sqlite:///{run / 'study.db'}", SearchSpace.from_dict(TINY_SPACE)
+    study = open_study(url, "kvcalib-search", space, 2)
+    failed = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
+    assert len(failed) == 1 and failed[0].user_attrs.get("interrupted") and failed[0].params
+    finished_before = {t.number: t.params for t in study.trials if t.state.is_finished() and t.state.name != "FAIL"}
+    assert len(finished_before) == 1
+    # a killed process leaves its trial RUNNING, with its parameters sampled (here the next
+    # enqueued warm-start point)
+    killed = study.ask()
+    space.sample(killed, 2)
+    assert killed.params
+    assert any(t.state.name == "WAITING" for t in study.trials)  # warm-start points queued before the retries
+
+    cfg.resume = True
+    doc = search_with(cfg, model, info, stats, ids, run, progress=False)
+    study = open_study(url, "kvcalib-search", space, 2)
+    by_num = {t.number: t for t in study.trials}
+    states = [t.state.name for t in study.trials]
+    assert states.count("COMPLETE") + states.count("PRUNED") == 3  # the same number as an uninterrupted run
+    assert sorted(doc["recovered"]) == sorted([failed[0].number, killed.number])
+    assert by_num[killed.number].state.name == "FAIL"
+    for stale in (failed[0].number, killed.number):
+        retry = [t for t in study.trials if t.user_attrs.get(ATTR_RECOVERED) == stale]
+        assert len(retry) == 1 and retry[0].state.name in ("COMPLETE", "PRUNED")
+        assert retry[0].params == by_num[stale].params
+    assert all(by_num[n].params == p for n, p in finished_before.items())  # nothing finished was lost
+    # the points that were waiting still wait, behind the retries, for a later --resume with more trials
+    requeued = [t for t in study.trials if t.user_attrs.get("requeued")]
+    assert requeued and all(t.state.name == "FAIL" for t in requeued)
+    assert not {t.number for t in requeued} & {r["number"] for r in doc["trials"]}  # never ran: not recorded
+    waiting = [t.system_attrs["fixed_params"] for t in study.trials if t.state.name == "WAITING"]
+    assert waiting[:len(requeued)] == [t.system_attrs["fixed_params"] for t in requeued]  # then local moves
+    assert "interrupted trial(s) retried" in (run / "report.md").read_text()
+    # a second resume retries nothing again
+    from kvcalib.optimize.study import recover_interrupted
+
+    assert recover_interrupted(study) == []
+
+
+def test_failed_retry_is_not_retried_forever(tmp_path):
+    import optuna
+
+    from kvcalib.optimize.study import ATTR_RECOVERED, recover_interrupted, tag_failures
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}")
+
+    def broken(trial):
+        trial.suggest_categorical("x", [1, 2])
+        raise RuntimeError("this point always fails")
+
+    with pytest.raises(RuntimeError):
+        study.optimize(tag_failures(broken), n_trials=1)
+    assert recover_interrupted(study) == [0]
+    with pytest.raises(RuntimeError):
+        study.optimize(tag_failures(broken), n_trials=1)
+    assert study.trials[1].user_attrs[ATTR_RECOVERED] == 0 and "always fails" in study.trials[1].user_attrs["error"]
+    assert study.trials[1].params == study.trials[0].params
+    assert recover_interrupted(study) == []  # the retry failed by itself: the point is the problem
+
+
+# ------------------------------------------------------------------ progress and provenance
+def test_progress_line_counts_this_session_only():
+    from types import SimpleNamespace
+
+    from kvcalib.optimize import TrialProgress
+
+    now = [100.0]
+    line = TrialProgress(total=10, budget=3.0, done_at_start=4, clock=lambda: now[0])
+    trials = [SimpleNamespace(number=0, value=0.5, user_attrs={"effective_bits": 2.9}),
+              SimpleNamespace(number=1, value=0.1, user_attrs={"effective_bits": 3.5}),  # over budget
+              SimpleNamespace(number=2, value=None, user_attrs={"effective_bits": 2.0})]
+    assert line.seconds_left() is None
+    now[0] = 120.0
+    text = line.update(6, trials)  # 2 trials in 20 s here; the 4 resumed ones do not count
+    assert line.seconds_left() == pytest.approx(40.0)
+    assert "best KL at <= 3 bits: 0.5 (trial 0, 2.900 bits)" in text and "~40 s left" in text
+    capped = TrialProgress(total=10, budget=3.0, done_at_start=0, timeout=30.0, clock=lambda: now[0])
+    now[0] = 130.0
+    capped.update(1, [])
+    assert capped.seconds_left() == pytest.approx(20.0)
+    assert "best KL at <= 3 bits: - |" in capped.update(1, [])
+
+
+def test_provenance_paths(tmp_path):
+    from kvcalib.optimize.provenance import command_line, describe_storage, display_path
+
+    cwd = tmp_path / "work"
+    assert display_path(cwd / "artifacts" / "runs" / "x", cwd) == "artifacts/runs/x"
+    assert display_path("artifacts/runs/x", cwd) == "artifacts/runs/x"
+    assert display_path("/tmp/kvs_demo3", cwd) == "kvs_demo3"
+    assert display_path(cwd / ".." / "other" / "run", cwd) == "run"
+    assert describe_storage(None) == "study.db"
+    assert describe_storage("sqlite:////tmp/kvs/study.db", cwd=cwd) == "sqlite:///study.db"
+    assert describe_storage(f"journal:{cwd}/j/s.log", cwd=cwd) == "journal:j/s.log"
+    assert describe_storage("postgresql://bob:secret@db:5432/optuna") == "postgresql://bob:***@db:5432/optuna"
+    line = command_line(["/x/.venv/bin/kvcalib", "search", "--out", "/tmp/kvs_demo3", "--budget-bits", "3",
+                         "--storage=sqlite:////tmp/s/study.db", "--study", "my study"], cwd)
+    assert line == "kvcalib search --out kvs_demo3 --budget-bits 3 --storage=sqlite:///study.db --study 'my study'"
+
+
+def test_outputs_hold_no_machine_paths(searched):
+    from kvcalib.recipe import Recipe
+
+    cfg, doc, run = searched
+    base = str(run.parent)
+    assert base not in (run / "search.json").read_text()
+    assert base not in (run / "report.md").read_text()
+    prov = Recipe.load(run / "recipe.safetensors").provenance
+    assert base not in json.dumps(prov)
+    assert prov["run"] == "run" and prov["storage"] == "study.db"
+    assert "[`study.db`](study.db)" in (run / "report.md").read_text()
+
+
+def test_search_with_outliers_and_schedule(tiny, tmp_path):
+    """Once the runtime applies them: the objective scores what the switches change (KL and
+    bits), and a search over them writes a recipe carrying their tensors."""
+    from kvcalib.optimize import SearchConfig, search_with
+    from kvcalib.optimize.objective import runtime_applies
+    from kvcalib.optimize.space import Point
+    from kvcalib.recipe import Recipe
+
+    if not (runtime_applies("outlier_pool") and runtime_applies("schedule")):
+        pytest.skip("the runtime does not apply layers.i.kv.outlier_pool / kv.schedule yet")
+    model, info, stats, ids = tiny
+    obj, floor = _floor(tiny)
+    plain = Point(8, 8, 0, (8, 8), (8, 8), ((), ()), "channel", "none")
+    sched = Point(8, 8, 0, (8, 8), (8, 8), ((), ()), "channel", "ages:12,20")
+    assert obj.effective_bits(sched) < obj.effective_bits(plain)  # older blocks at 4 then 2 bits
+    assert obj.kl(sched) > obj.kl(plain)  # ... and the scored sequences (40 tokens) see them
+    pooled = Point(8, 8, 0, (2, 2), (2, 2), (("outliers",), ("outliers",)), "channel", "none")
+    assert obj.effective_bits(pooled) > obj.effective_bits(Point(8, 8, 0, (2, 2), (2, 2), ((), ())))  # pools counted
+    space = {**TINY_SPACE, "layer_methods": ["clip", "outliers"], "schedules": ["none", "ages:20"]}
+    cfg = SearchConfig(**_config(tmp_path, budget_bits=round(floor + 2.0, 3), trials=5, space=space, seq_len=40))
+    run = tmp_path / "run"
+    run.mkdir()
+    doc = search_with(cfg, model, info, stats, ids, run, progress=False)
+    points = [t["point"] for t in doc["trials"] if t["point"]]
+    assert {p["schedule"] for p in points} <= {"none", "ages:20"}
+    assert any("outliers" in m for p in points for m in p["methods"])
+    chosen = next(t for t in doc["trials"] if t["number"] == doc["chosen"])
+    rec = Recipe.load(run / "recipe.safetensors")
+    has_pool = any(k.endswith("kv.outlier_pool") for k in rec.tensors)
+    assert has_pool == any("outliers" in m for m in chosen["point"]["methods"])
+    assert any(k.endswith("kv.schedule") for k in rec.tensors) == (chosen["point"]["schedule"] != "none")

@@ -131,16 +131,17 @@ def search(
     samples: int = typer.Option(8, help="Calibration windows for the statistics (collect phase)."),
     seq_len: int = typer.Option(256, help="Tokens per calibration / scoring window."),
     score_samples: int = typer.Option(2, help="Held calibration windows the KL objective is computed on (after the collected ones)."),
-    space: Optional[Path] = typer.Option(None, help="Search space file (JSON/YAML: bits, groups, windows, sinks, layer_methods)."),
+    space: Optional[Path] = typer.Option(None, help="Search space file (JSON/YAML: bits, groups, windows, sinks, layer_methods, schedules)."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage shared by workers: sqlite:///PATH, postgresql://..., or journal:PATH. Default: RUN_DIR/study.db."),
     study: str = typer.Option("kvcalib-search", help="Study name inside --storage."),
-    resume: bool = typer.Option(False, help="Continue the interrupted study in --out (no finished trial is lost)."),
+    resume: bool = typer.Option(False, help="Continue the interrupted study in --out: finished trials are kept, trials left unfinished by Ctrl-C or a kill run again."),
     sweep: bool = typer.Option(True, help="Per-layer sensitivity sweep to warm-start the study."),
     timeout: Optional[float] = typer.Option(None, help="Stop the trial phase after this many seconds."),
     context: int = typer.Option(4096, help="Context length at which effective bits are accounted."),
     eval_samples: int = typer.Option(4, help="Held-out perplexity sequences for the final proof."),
     eval_seq_len: int = typer.Option(512, help="Tokens per held-out perplexity sequence."),
     no_eval: bool = typer.Option(False, "--no-eval", help="Skip the held-out proof."),
+    huffman: bool = typer.Option(True, help="Add Huffman codebooks (KVComp) to the chosen recipe where coding shrinks a side."),
     seed: int = typer.Option(0, help="Seed for data, sampler and calibration."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
     dtype: Optional[str] = typer.Option(None, help="bf16 | fp16 | fp32."),
@@ -148,13 +149,21 @@ def search(
     """Optuna per-layer {2,4,8}-bit search for the best recipe under a memory budget."""
     from kvcalib.optimize import SearchConfig
     from kvcalib.optimize import search as run_search
+    from kvcalib.optimize.provenance import command_line
 
     config = SearchConfig(model=model, data=data, text_field=text_field, out=out, samples=samples, seq_len=seq_len,
                           score_samples=score_samples, trials=trials, budget_bits=budget_bits, context=context,
                           space=space, storage=storage, study=study, resume=resume, sweep=sweep, timeout=timeout,
                           seed=seed, eval=not no_eval, eval_samples=eval_samples, eval_seq_len=eval_seq_len,
-                          device=device, dtype=dtype)
-    result = run_search(config)
+                          device=device, dtype=dtype, command=command_line(), huffman=huffman)
+    try:
+        result = run_search(config)
+    except KeyboardInterrupt:
+        if config.out is not None and (Path(config.out) / "study.db").is_file():
+            _err(f"interrupted; the study in {config.out} keeps every finished trial, and the interrupted one "
+                 f"runs again with: kvcalib search --out {config.out} --resume (same other options)")
+            raise typer.Exit(130) from None
+        raise
     if result.table:
         print(result.table)
     if result.recipe_path is not None:
@@ -166,18 +175,30 @@ def search(
     print(f"report: {result.report_path}")
 
 
-@app.command(epilog="Examples:\n\n    kvcalib export runs/smol -o smol-k2v2.safetensors --bits k2v2 --group 32 --window 128\n\n    kvcalib export runs/smol-search --budget-bits 3.5 -o smol-3.5.safetensors\n\n    kvcalib export runs/smol -o smol-all.safetensors --bits k4v2 --reorder --clip --center")
+def _parse_ages(text: str) -> tuple[int, ...]:
+    """``"1024,4096"`` -> (1024, 4096) for ``export --schedule-ages``."""
+    try:
+        return tuple(int(a) for a in text.split(",") if a.strip())
+    except ValueError:
+        raise KvcalibError(f"--schedule-ages {text!r} is not a comma-separated list of integers (e.g. 1024,4096).") from None
+
+
+@app.command(epilog="Examples:\n\n    kvcalib export runs/smol -o smol-k2v2.safetensors --bits k2v2 --group 32 --window 128\n\n    kvcalib export runs/smol-search --budget-bits 3.5 -o smol-3.5.safetensors\n\n    kvcalib export runs/smol -o smol-all.safetensors --bits k4v2 --reorder --clip --center\n\n    kvcalib export runs/smol -o smol-ott-pats.safetensors --bits k8v8 --outliers 3 --schedule middle-heavy")
 @user_errors
 def export(
     run_dir: Path = typer.Argument(..., help="Run folder written by `kvcalib collect` (holds stats.safetensors)."),
     out: Path = typer.Option(..., "-o", "--out", help="Recipe file to write (.safetensors)."),
     bits: Optional[str] = typer.Option(None, help="Key and value bits, k<2|4|8|16>v<2|4|8|16> (default k2v2)."),
     group: int = typer.Option(32, help="Group size: tokens per key group, channels per value group."),
-    window: int = typer.Option(128, help="Recent tokens kept in full precision (0 or >= group)."),
-    sinks: int = typer.Option(0, help="First tokens kept in full precision (attention sinks)."),
+    window: Optional[int] = typer.Option(None, help="Recent tokens kept in full precision (0 or >= group; default 128, 0 with --schedule new-heavy)."),
+    sinks: Optional[int] = typer.Option(None, help="First tokens kept in full precision (attention sinks; default 0, 4 with --schedule middle-heavy/new-heavy)."),
     reorder: bool = typer.Option(False, help="SKVQ channel reordering (KMeans) for per-token groups."),
     clip: bool = typer.Option(False, help="SKVQ clip scales fitted on the attention output."),
     center: bool = typer.Option(False, help="TaDA mean-centering across kv heads where it pays."),
+    outliers: Optional[int] = typer.Option(None, help="OTT outlier-token pool size (3 = OTT's default): N tokens per layer and kv head in full precision, on layers where tracing cuts the key error on the statistics (0 elsewhere, e.g. the first layers)."),
+    schedule: Optional[str] = typer.Option(None, help="PATS position-adaptive tiers: old-heavy | middle-heavy | new-heavy. Starts at --bits after --window, halves the bits at each --schedule-ages."),
+    schedule_ages: Optional[str] = typer.Option(None, help="Token ages where --schedule halves the bits, comma-separated, increasing, above --window (default 1024,4096)."),
+    huffman: bool = typer.Option(False, help="KVComp: add Huffman codebooks of the quantized symbols (fitted on the statistics; sides where coding would not shrink are left uncoded)."),
     name: Optional[str] = typer.Option(None, help="Recipe name (default from the settings)."),
     seed: int = typer.Option(0, help="Seed for KMeans."),
     force: bool = typer.Option(False, help="Replace an existing output file."),
@@ -199,7 +220,8 @@ def export(
         from kvcalib.export import parse_bits
 
         sub8 = bits is not None and min(parse_bits(bits)) < 8
-        if sub8 or reorder or clip or center or budget_bits is not None or trial is not None:
+        if (sub8 or reorder or clip or center or outliers is not None or schedule is not None
+                or budget_bits is not None or trial is not None):
             raise KvcalibError(
                 f"--bits {bits} and recipe methods cannot be expressed in the FP8 compressed-tensors layout "
                 "(vLLM/SGLang hold FP8 K/V with per-tensor or per-head scales only): export the FP8 scales from "
@@ -209,12 +231,17 @@ def export(
         print(f"wrote FP8 KV-cache scales and config.json to {written if written is not None else out}")
         return
     if budget_bits is not None or trial is not None:
+        if outliers is not None or schedule is not None or schedule_ages is not None:
+            raise KvcalibError("--outliers/--schedule build a recipe from statistics; --budget-bits/--trial pick a "
+                               "searched point whose settings are fixed: pass one kind or the other.")
         recipe, record = export_search_point(run_dir, out, budget_bits=budget_bits, trial=trial, force=force)
         print(f"wrote {out}: trial {record['number']} of the search, KL {record['kl']:.4g}, "
               f"{record['effective_bits']:.3f} effective bits at {recipe.provenance.get('context', 4096)}")
         return
     methods = [m for m, on in (("center", center), ("reorder", reorder), ("clip", clip)) if on]
-    config = ExportConfig(bits=bits or "k2v2", group=group, window=window, sinks=sinks, methods=methods, name=name, seed=seed)
+    ages = {} if schedule_ages is None else {"schedule_ages": _parse_ages(schedule_ages)}
+    config = ExportConfig(bits=bits or "k2v2", group=group, window=window, sinks=sinks, methods=methods, name=name,
+                          seed=seed, outliers=outliers, schedule=schedule, huffman=huffman, **ages)
     recipe = export_recipe(run_dir, out, config, force=force)
     mem = recipe.memory(recipe.model, 4096)
     print(f"wrote {out}: recipe {recipe.name} for {recipe.model.name}, {mem.effective_bits:.3f} effective bits at 4096")
@@ -334,6 +361,10 @@ def inspect(
     print(f"effective bits per element at {context}: {mem['effective_bits']:.3f} "
           f"(bf16 = 16.0); KV bytes per sequence: {mem['total_bytes']:,.0f}")
     print("bytes by component: " + ", ".join(f"{k} {v:,.0f}" for k, v in mem["components"].items()))
+    from kvcalib.inspect import huffman_lines
+
+    for line in huffman_lines(report):
+        print(line)
     if report["tensors"]:
         print(f"fitted tensors: {len(report['tensors'])}")
     if report["origin"]:

@@ -80,3 +80,123 @@ def test_unknown_tensor_refused():
     rec = Recipe(name="x", layers=[LayerConfig()], tensors={"layers.0.k.future_thing": torch.ones(1)})
     with pytest.raises(RecipeError, match="future_thing"):
         build_codecs(rec, rec.layers)
+
+
+# ---------------------------------------------------------------------- OTT and PATS (issue 4)
+
+
+def test_export_outliers_follow_the_fitted_gain(run_dir, tmp_path):
+    """--outliers N: OutlierMethod per layer: N where the recorded key-error gain reaches 5 %, else 0."""
+    out, _ = run_dir
+    rec = export_recipe(out, tmp_path / "o.safetensors", ExportConfig(bits="k2v2", group=8, window=8, outliers=3))
+    back = Recipe.load(tmp_path / "o.safetensors")
+    for i in range(2):
+        pool, gain = int(back.tensors[f"layers.{i}.kv.outlier_pool"]), float(back.tensors[f"layers.{i}.kv.outlier_gain"])
+        assert pool == (3 if gain >= 0.05 else 0)
+    assert rec.provenance["outliers"] == 3 and "outliers" in rec.provenance["methods"]
+    assert rec.name == "k2v2-g8-ott3"
+    codecs = build_codecs(back, back.layers, 16)
+    assert [c.outlier_pool for c in codecs] == [int(back.tensors[f"layers.{i}.kv.outlier_pool"]) for i in range(2)]
+
+
+def test_export_schedule_writes_tiers_that_start_at_the_bits(run_dir, tmp_path):
+    out, _ = run_dir
+    cfg = ExportConfig(bits="k8v4", group=8, window=8, schedule="middle-heavy", schedule_ages=(16, 32))
+    assert cfg.sinks == 4 and cfg.window == 8  # PATS middle-heavy keeps both ends: 4 sinks
+    rec = export_recipe(out, tmp_path / "s.safetensors", cfg)
+    back = Recipe.load(tmp_path / "s.safetensors")
+    assert back.tensors["layers.1.kv.schedule"].tolist() == [[0, 16, 16], [8, 8, 4], [16, 4, 2], [32, 2, 2]]
+    assert back.layers[0].sinks == 4 and rec.name == "k8v4-g8-middle-heavy"
+    assert build_codecs(back, back.layers, 16)[0].tiers == [(8, 8, 4), (16, 4, 2), (32, 2, 2)]
+    flat = export_recipe(out, tmp_path / "f.safetensors", ExportConfig(bits="k8v4", group=8, window=8, sinks=4))
+    bits, flat_bits = rec.memory(rec.model, 4096).effective_bits, flat.memory(flat.model, 4096).effective_bits
+    assert bits < flat_bits - 2.0, "at 4096 tokens nearly every block is at 2 bits"
+    old = ExportConfig(bits="k8v4", group=8, window=8, schedule="old-heavy", schedule_ages=(16, 32))
+    new = ExportConfig(bits="k2v2", group=8, schedule="new-heavy")
+    assert old.sinks == 0 and old.layer_schedule.tiers == cfg.layer_schedule.tiers
+    assert (new.window, new.sinks) == (0, 4) and new.layer_schedule.to_tensor().tolist() == [[0, 2, 2]]
+
+
+def test_exported_ott_and_pats_recipe_simulates_as_it_decodes(run_dir, tmp_path):
+    out, model = run_dir
+    cfg = ExportConfig(bits="k8v4", group=8, window=8, outliers=2, schedule="middle-heavy", schedule_ages=(16, 32))
+    rec = export_recipe(out, tmp_path / "b.safetensors", cfg)
+    rec.tensors.update({f"layers.{i}.kv.outlier_pool": torch.tensor(2) for i in range(2)})  # pools on, whatever the gain
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(5))
+    dec, cache = decode_logits(model, ids, rec, 1)
+    sim = simulated_logits(model, ids, rec.layers, build_codecs(rec, rec.layers, 16), prompt_len=1)
+    assert float((sim - dec).abs().max()) < 1e-3
+    assert cache.nbytes()["outlier_pool"] > 0 and cache.layers[0].packed.stores[-1].n > 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(outliers=-1), "--outliers"),
+    (dict(outliers=2.5), "--outliers"),
+    (dict(schedule="heavy"), "--schedule 'heavy' is not known"),
+    (dict(schedule="old-heavy", sinks=4), "no sinks"),
+    (dict(schedule="middle-heavy", sinks=0), "--sinks is 0"),
+    (dict(schedule="new-heavy", window=128), "--window 0"),
+    (dict(schedule="middle-heavy", schedule_ages=(4096, 1024)), "strictly increasing"),
+    (dict(schedule="middle-heavy", schedule_ages=(64,)), "above the window"),
+    (dict(schedule="middle-heavy", bits="k16v16"), "full precision"),
+])
+def test_export_refuses_bad_ott_and_pats_settings(kwargs, match):
+    with pytest.raises(KvcalibError, match=match):
+        ExportConfig(**{"bits": "k4v2", **kwargs})
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--schedule", "sideways"], "--schedule 'sideways' is not known"),
+    (["--outliers", "-3"], "--outliers"),
+    (["--schedule", "middle-heavy", "--schedule-ages", "10,x"], "--schedule-ages"),
+    (["--schedule", "middle-heavy", "--sinks", "0"], "--sinks is 0"),
+])
+def test_cli_export_bad_flags_exit_2_with_one_line(run_dir, tmp_path, args, needle):
+    from typer.testing import CliRunner
+
+    from kvcalib.cli import app
+
+    out, _ = run_dir
+    result = CliRunner().invoke(app, ["export", str(out), "-o", str(tmp_path / "r.safetensors"), *args])
+    assert result.exit_code == 2 and needle in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "r.safetensors").exists()
+
+
+def test_cli_export_with_outliers_and_schedule(run_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvcalib.cli import app
+
+    out, _ = run_dir
+    path = tmp_path / "r.safetensors"
+    result = CliRunner().invoke(app, ["export", str(out), "-o", str(path), "--bits", "k4v2", "--group", "8",
+                                      "--window", "8", "--outliers", "3", "--schedule", "middle-heavy",
+                                      "--schedule-ages", "64,256"])
+    assert result.exit_code == 0, result.output
+    rec = Recipe.load(path)
+    assert rec.tensors["layers.0.kv.schedule"].tolist() == [[0, 16, 16], [8, 4, 2], [64, 2, 2]]
+    assert "layers.1.kv.outlier_pool" in rec.tensors and rec.layers[1].sinks == 4
+
+
+def test_cli_export_huffman_adds_loadable_codebooks(run_dir, tmp_path):
+    """--huffman stores code lengths for coded sides; they rebuild complete canonical codebooks
+    and inspect reports their expected bits per symbol below the fixed width."""
+    from typer.testing import CliRunner
+
+    from kvcalib.calibrate.codebooks import load_codebooks
+    from kvcalib.cli import app
+
+    out, _ = run_dir
+    path = tmp_path / "h.safetensors"
+    result = CliRunner().invoke(app, ["export", str(out), "-o", str(path), "--bits", "k8v8", "--group", "8",
+                                      "--window", "8", "--huffman"])
+    assert result.exit_code == 0, result.output
+    rec = Recipe.load(path)
+    names = [k for k in rec.tensors if k.endswith(".huffman")]
+    assert names, "8-bit codes of real activations are skewed: at least one side must be coded"
+    books = load_codebooks(rec, rec.layers)
+    assert len(books) == len(names)
+    for book in books.values():
+        assert book.bits == 8 and int(book.lengths.max()) <= 12
+    shown = CliRunner().invoke(app, ["inspect", str(path)])
+    assert shown.exit_code == 0 and "huffman" in shown.output.lower(), shown.output

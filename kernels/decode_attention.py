@@ -665,7 +665,7 @@ class DecodeConfig:
     programs_per_sm: float = 16.0
     num_splits: int | None = None
     fp_block: int = 64
-    min_split_blocks: int = 4
+    min_split_blocks: int = 2  # 4 before: at batch 1 / 4k it halved the splits (0.031 -> 0.015 ms, artifacts/bench/decode_splits.json)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):

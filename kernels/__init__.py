@@ -8,6 +8,10 @@ twin of the same signature in :mod:`kvcalib_kernels.reference` that it is tested
   in one program, the full-precision segments (sinks, window) merged by log-sum-exp.
 - :mod:`kvcalib_kernels.quant_pack`: quantize-and-pack a flushed block, bit-exact with
   :func:`kvcalib.quant.uniform.quantize_keys` / :func:`~kvcalib.quant.uniform.quantize_values`.
+- :mod:`kvcalib_kernels.huffman_decode`: Huffman streams (block format v1 of
+  :mod:`kvcalib.quant.huffman`) -> codes, one lane per stream, bit-exact with ``decode_blocks``.
+- :mod:`kvcalib_kernels.decode_attention_huffman`: decode attention with the Huffman decode fused
+  into the loop (decoded codes never written to memory); same result as ``decode_attention``.
 
 Importing this package (or :mod:`kvcalib_kernels.reference`) imports no triton and initialises
 no CUDA: the kernel modules import triton themselves, on first import. On a machine without a

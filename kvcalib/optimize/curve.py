@@ -225,8 +225,8 @@ def write_curve(run: Path, out_dir: Path = Path("artifacts/results")) -> dict[st
     doc = collect_curve(run)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"search-curve-{doc['model']}"
-    paths = {"json": stem.with_suffix(".json"), "png": stem.with_suffix(".png"), "md": stem.with_suffix(".md")}
+    stem = f"search-curve-{doc['model']}"  # not Path.with_suffix: "qwen2.5-coder-0.5b" has a dot
+    paths = {ext: out_dir / f"{stem}.{ext}" for ext in ("json", "png", "md")}
     write_json_atomic(paths["json"], doc)
     plot(doc, paths["png"])
     text = markdown(doc).replace("## Issue 5 targets", f"![curve]({paths['png'].name})\n\n## Issue 5 targets", 1)

@@ -86,3 +86,16 @@ def test_curve_targets_unmeasured_and_cli_errors(fake_run, tmp_path, capsys):
     assert "not measured" in curve.markdown(doc)
     assert curve.main(["report", "--run", str(tmp_path / "missing"), "--out-dir", str(tmp_path / "r")]) == 2
     assert "not a finished search-curve run" in capsys.readouterr().err
+
+
+
+def test_report_names_keep_dotted_model_names(fake_run, tmp_path):
+    """A model alias with a dot (qwen2.5-coder-0.5b) must not lose its tail to a file suffix."""
+    plan = json.loads((fake_run / "curve-plan.json").read_text())
+    plan["model"] = "qwen2.5-coder-0.5b"
+    (fake_run / "curve-plan.json").write_text(json.dumps(plan))
+    paths = curve.write_curve(fake_run, tmp_path / "r")
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == [
+        "search-curve-qwen2.5-coder-0.5b.json", "search-curve-qwen2.5-coder-0.5b.md",
+        "search-curve-qwen2.5-coder-0.5b.png"]
+    assert "](search-curve-qwen2.5-coder-0.5b.png)" in paths["md"].read_text()

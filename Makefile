@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/kvcalib search --model smollm2-135m --data embedded --budget-bits 3.0 --trials 20 --out artifacts/runs/demo-search-$$(date +%Y%m%d-%H%M%S)
+	$(BIN)/kvcalib search --model smollm2-135m --data embedded --budget-bits 3.0 --trials 25 --out artifacts/runs/demo-search-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider

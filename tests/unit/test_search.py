@@ -299,7 +299,7 @@ def test_cli_bad_input_exits_2(tmp_path, args, match):
 
 
 # ------------------------------------------------------------------ old files, outliers, schedules
-OLD_SEARCH = "recipes/smollm2-135m/search.json"  # written before schedules and provenance fields
+OLD_SEARCH = "tests/data/search-v1-before-schedules.json"  # a search.json written before schedules and provenance fields
 
 
 def test_old_search_json_still_reads():

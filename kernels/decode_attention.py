@@ -841,6 +841,34 @@ def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, d
     return unpack, dot_t, ieee, block_n, k_fold, v_fold, ngv, zp, r_pad, fp_t, fp_ieee, fp_block
 
 
+def _work_split(n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config):
+    """Split-K plan shared by the fixed-width and Huffman kernels: ``n`` packed tokens in splits of
+    whole ``block_n`` blocks (about ``programs_per_sm`` programs per SM, at least
+    ``min_split_blocks`` blocks each), full-precision segments of ``f_lens`` tokens in ``fp_block``
+    chunks. Returns (splits, split_size, chunks per segment, total partials, buffers): m/l
+    (B*Hq, S) float32, acc (B*Hq, S, D) float32 partials and the output (B, Hq, D) float32."""
+    if n:
+        n_blocks = _cdiv(n, block_n)
+        if config.num_splits is not None:
+            splits = min(config.num_splits, n_blocks)
+        else:
+            sms = _sm_count(dev.index or 0) if dev.type == "cuda" else 4
+            cap = max(1, n_blocks // max(1, config.min_split_blocks))
+            splits = max(1, min(cap, math.ceil(config.programs_per_sm * sms / (bsz * h))))
+        split_size = _cdiv(n_blocks, splits) * block_n
+        splits = _cdiv(n, split_size)
+    else:
+        splits, split_size = 0, block_n
+    chunks = [_cdiv(f, fp_block) for f in f_lens]
+    s_tot = splits + sum(chunks)
+    rows = bsz * hq
+    m_part = torch.empty((rows, max(s_tot, 1)), dtype=torch.float32, device=dev)  # (B*Hq, S)
+    l_part = torch.empty_like(m_part)
+    o_part = torch.empty((rows, max(s_tot, 1), d), dtype=torch.float32, device=dev)  # (B*Hq, S, D)
+    out = torch.empty((bsz, hq, d), dtype=torch.float32, device=dev)  # (B, Hq, D)
+    return splits, split_size, chunks, s_tot, (m_part, l_part, o_part, out)
+
+
 def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_bits, k_group, v_group,
             k_axis, scaling, softcap, packed_start, packed_end, packed_position, fp_segments, fp_positions,
             mask, config: DecodeConfig) -> torch.Tensor:
@@ -904,26 +932,10 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
         config, _interpreting())
 
     # ---- work split
-    if n:
-        n_blocks = _cdiv(n, block_n)
-        if config.num_splits is not None:
-            splits = min(config.num_splits, n_blocks)
-        else:
-            sms = _sm_count(dev.index or 0) if dev.type == "cuda" else 4
-            cap = max(1, n_blocks // max(1, config.min_split_blocks))
-            splits = max(1, min(cap, math.ceil(config.programs_per_sm * sms / (bsz * h))))
-        split_size = _cdiv(n_blocks, splits) * block_n
-        splits = _cdiv(n, split_size)
-    else:
-        splits, split_size = 0, block_n
     f_lens = [s[0].shape[2] for s in fp]
-    chunks = [_cdiv(f, fp_block) for f in f_lens]
-    s_tot = splits + sum(chunks)
+    splits, split_size, chunks, s_tot, (m_part, l_part, o_part, out) = _work_split(
+        n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config)
     rows = bsz * hq
-    m_part = torch.empty((rows, max(s_tot, 1)), dtype=torch.float32, device=dev)
-    l_part = torch.empty_like(m_part)
-    o_part = torch.empty((rows, max(s_tot, 1), d), dtype=torch.float32, device=dev)
-    out = torch.empty((bsz, hq, d), dtype=torch.float32, device=dev)
     if s_tot == 0:
         return out.zero_()
 

@@ -73,7 +73,6 @@ does): a corrupt payload gives a wrong (finite) result, never a fault or a hang.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -82,9 +81,9 @@ import triton
 import triton.language as tl
 
 from kvcalib.quant.huffman import Codebook, EncodedBlocks
-from kvcalib_kernels.decode_attention import (LOG2E, _cdiv, _check_fp, _combine_kernel, _dot, _dummy,
+from kvcalib_kernels.decode_attention import (LOG2E, _check_fp, _combine_kernel, _dot, _dummy,
                                               _fp_chunk, _interpreting, _pow2_divisor, _q_plane, _scaled_p,
-                                              _sm_count, _softcap, _tl_dtype, _zero_column)
+                                              _softcap, _tl_dtype, _work_split, _zero_column)
 from kvcalib_kernels.huffman_decode import (MAX_INDEX_BITS, DecodeTable, _check_block_tensors, _check_device,
                                             _dec_chunk, _dec_start, choose_step, decode_table,
                                             funnel_shift_available, validate_streams)
@@ -518,26 +517,10 @@ def _launch(q, k_blocks, k_scale, k_zero, v_blocks, v_scale, v_zero, *, k_codebo
         asm = dev.type == "cuda" and funnel_shift_available(dev.index or 0)
 
     # ---- work split
-    if n:
-        n_blocks = _cdiv(n, block_n)
-        if config.num_splits is not None:
-            splits = min(config.num_splits, n_blocks)
-        else:
-            sms = _sm_count(dev.index or 0) if dev.type == "cuda" else 4
-            cap = max(1, n_blocks // max(1, config.min_split_blocks))
-            splits = max(1, min(cap, math.ceil(config.programs_per_sm * sms / (bsz * h))))
-        split_size = _cdiv(n_blocks, splits) * block_n
-        splits = _cdiv(n, split_size)
-    else:
-        splits, split_size = 0, block_n
     f_lens = [s[0].shape[2] for s in fp]
-    chunks = [_cdiv(f, fp_block) for f in f_lens]
-    s_tot = splits + sum(chunks)
+    splits, split_size, chunks, s_tot, (m_part, l_part, o_part, out) = _work_split(
+        n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config)
     rows = bsz * hq
-    m_part = torch.empty((rows, max(s_tot, 1)), dtype=torch.float32, device=dev)
-    l_part = torch.empty_like(m_part)
-    o_part = torch.empty((rows, max(s_tot, 1), d), dtype=torch.float32, device=dev)
-    out = torch.empty((bsz, hq, d), dtype=torch.float32, device=dev)
     if s_tot == 0:
         return out.zero_()
 

@@ -1,0 +1,96 @@
+"""Compile kvcalib_kernels.decode_attention's split kernel for sm_90 (H100/H200) on a machine with
+no GPU, with the ptxas/nvdisasm bundled in the triton wheel, and report TTGIR op counts, shared
+memory, register use and the SASS instruction mix of the main (packed) loop. Costs no device time.
+
+    python scripts/compile_sm90.py BITS BLOCK_N WARPS UNPACK [STAGES]     e.g.  2 64 1 2
+
+Shapes: Mistral-7B (8 kv heads, 4 query heads each, head_dim 128), key/value group 128, batch 8.
+The launcher is run on CPU tensors with the kernel replaced by a recorder; the recorded arguments
+are bound with triton's own binder for a CUDA sm_90 target (same specialization as a real launch).
+Outputs (.ttgir, .ptx, .cubin, .sass) go to $OUT_DIR (default /tmp/compile_sm90)."""
+import os, sys, re, torch, triton
+OUT_DIR = os.environ.get("OUT_DIR", "/tmp/compile_sm90")
+os.makedirs(OUT_DIR, exist_ok=True)
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kvcalib_kernels.decode_attention as da
+
+bits, block_n, warps, unpack = (int(x) for x in sys.argv[1:5])
+stages = int(sys.argv[5]) if len(sys.argv) > 5 else 2
+rec = {}
+class Rec:
+    def __getitem__(self, grid):
+        def call(*args, **kw):
+            if "args" not in rec: rec["args"], rec["kw"] = args, kw
+        return call
+real = da._decode_split_kernel
+da._decode_split_kernel = Rec()
+da._combine_kernel = Rec().__class__()  # ignore
+da.fast_unpack_available = lambda *a, **k: True
+_orig_plan = da._plan.__wrapped__
+def _plan(d, rep, kb, vb, kg, vg, ax, qd, fd, dev_type, idx, cfg, interp):
+    return _orig_plan(d, rep, kb, vb, kg, vg, ax, qd, fd, "cuda", idx, cfg, interp)
+da._plan = _plan
+b, h, rep, n, d, g = 8, 8, 4, 4096, 128, 128
+q = torch.randn(b, h * rep, d, dtype=torch.float16)
+kc = torch.zeros(b, h, n, d * bits // 8, dtype=torch.uint8); vc = kc.clone()
+ks = torch.zeros(b, h, n // g, d, dtype=torch.float16); kz = ks.clone()
+vs = torch.zeros(b, h, n, d // g, dtype=torch.float16); vz = vs.clone()
+w = torch.zeros(b, h, 128, d, dtype=torch.bfloat16)
+cfg = da.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, unpack=unpack)
+try:
+    da._launch(q, kc, ks, kz, vc, vs, vz, k_bits=bits, v_bits=bits, k_group=g, v_group=g, k_axis="channel",
+               scaling=d ** -0.5, softcap=None, packed_start=None, packed_end=None, packed_position=0,
+               fp_segments=[(w, w)], fp_positions=[n], mask=None, config=cfg)
+except Exception as e:
+    if "args" not in rec: raise
+args, kw = rec["args"], rec["kw"]
+fn = real
+from triton.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+backend = make_backend(GPUTarget("cuda", 90, 32))
+binder = create_function_from_signature(fn.signature, fn.params, backend)
+bound_args, specialization, options = binder(*args, **kw)
+options, signature, constexprs, attrs = fn._pack_args(backend, dict(kw), bound_args, specialization, options)
+src = ASTSource(fn, signature, constexprs, attrs)
+ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options.__dict__)
+ttgir = ck.asm["ttgir"]
+ops = {}
+for m in re.finditer(r"= (tt\.\w+|ttg\.\w+|triton_gpu\.\w+|ttng\.\w+)", ttgir):
+    ops[m.group(1)] = ops.get(m.group(1), 0) + 1
+md = ck.metadata
+print(f"bits={bits} block_n={block_n} warps={warps} unpack={unpack} stages={stages}: shared={md.shared}")
+print({k: v for k, v in sorted(ops.items()) if any(s in k for s in ("convert", "local", "dot", "load", "async", "inline"))})
+open(f"{OUT_DIR}/k{bits}_b{block_n}_w{warps}_u{unpack}.ttgir", "w").write(ttgir)
+open(f"{OUT_DIR}/k{bits}_b{block_n}_w{warps}_u{unpack}.ptx", "w").write(ck.asm["ptx"])
+open(f"{OUT_DIR}/k{bits}_b{block_n}_w{warps}_u{unpack}.cubin", "wb").write(ck.asm["cubin"])
+
+import subprocess, os
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+p = f"{OUT_DIR}/k{bits}_b{block_n}_w{warps}_u{unpack}.ptx"
+nvd = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+sass = subprocess.run([nvd, "-c", f"{OUT_DIR}/k{bits}_b{block_n}_w{warps}_u{unpack}.cubin"], capture_output=True, text=True).stdout
+open(f"{OUT_DIR}/k{bits}_b{block_n}_w{warps}_u{unpack}.sass", "w").write(sass)
+import collections
+c = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.M))
+print("SASS total", sum(c.values()))
+ins=[]; addr_of_label={}; cur=None
+for l in sass.splitlines():
+    m=re.match(r"\.L_x_(\d+):",l.strip())
+    if m: cur=m.group(1); continue
+    m2=re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);",l)
+    if m2:
+        a=int(m2.group(1),16); ins.append((a,m2.group(2)))
+        if cur is not None: addr_of_label[cur]=a; cur=None
+loops=[]
+for a,t in ins:
+    m=re.search(r"BRA.*?\.L_x_(\d+)",t)
+    if m and m.group(1) in addr_of_label and addr_of_label[m.group(1)]<a:
+        body=[x for x in ins if addr_of_label[m.group(1)]<=x[0]<=a]
+        cc=collections.Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)",x[1]).group(1) for x in body)
+        loops.append((len(body),cc.most_common(16)))
+for L in sorted(loops,reverse=True)[:1]: print("main loop", L)
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+usage = subprocess.run([cuobjdump, "--dump-resource-usage", f"{OUT_DIR}/k{bits}_b{block_n}_w{warps}_u{unpack}.cubin"],
+                       capture_output=True, text=True).stdout
+print("resources:", " ".join(l.strip() for l in usage.splitlines() if "REG:" in l))

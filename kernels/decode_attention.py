@@ -213,6 +213,56 @@ def _unpack_words_asm(w, SHIFT: tl.constexpr, BITS: tl.constexpr):
             "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
 
 
+
+def _lane_asm(bits: int, shift: int) -> str:
+    """PTX for :func:`_unpack_lanes_asm`: one AND-OR (a LOP3) per pair of codes, no shuffles."""
+    m = ((1 << bits) - 1) << shift
+    mask = f"0x{m:04X}{m:04X}"
+    return ("{ .reg .b32 r_h; shr.b32 r_h, $2, 8; "
+            f"and.b32 $0, $2, {mask}; or.b32 $0, $0, 0x64006400; "
+            f"and.b32 $1, r_h, {mask}; or.b32 $1, $1, 0x64006400; }}")
+
+
+_LANE_2_0 = tl.constexpr(_lane_asm(2, 0))
+_LANE_2_2 = tl.constexpr(_lane_asm(2, 2))
+_LANE_2_4 = tl.constexpr(_lane_asm(2, 4))
+_LANE_2_6 = tl.constexpr(_lane_asm(2, 6))
+_LANE_4_0 = tl.constexpr(_lane_asm(4, 0))
+_LANE_4_4 = tl.constexpr(_lane_asm(4, 4))
+_LANE_8_0 = tl.constexpr(_lane_asm(8, 0))
+
+
+@triton.jit
+def _unpack_lanes_asm(x, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """uint8 tile -> float16 ``1024 + (x & (mask << SHIFT))``, bytes of each 4 paired by lane.
+
+    The fastest unpack (``unpack=5``): the 32-bit register of 4 bytes b0..b3 already holds b0 and
+    b2 in the low bits of its two 16-bit lanes (b1, b3 after one shift by 8, shared by all planes),
+    so one AND-OR per pair of codes sets the float16 exponent of 1024 around the code bits left in
+    place: the lane reads exactly ``1024 + code * 2**SHIFT``. Neither the 1024 nor the ``2**SHIFT``
+    is removed here: the kernel folds both into the key bias / query plane and the value
+    accumulator (module doc). The outputs come back as (b0, b2, b1, b3): element k of each 4 holds
+    byte :func:`_perm4` (k), which the kernel undoes by permuting the query channels (keys) or the
+    loaded token rows (values).
+    """
+    if BITS == 2:
+        if SHIFT == 0:
+            return tl.inline_asm_elementwise(_LANE_2_0, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        elif SHIFT == 2:
+            return tl.inline_asm_elementwise(_LANE_2_2, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        elif SHIFT == 4:
+            return tl.inline_asm_elementwise(_LANE_2_4, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_LANE_2_6, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+    elif BITS == 4:
+        if SHIFT == 0:
+            return tl.inline_asm_elementwise(_LANE_4_0, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_LANE_4_4, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(_LANE_8_0, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+
+
 @triton.jit
 def _codes_words(w, SHIFT: tl.constexpr, BITS: tl.constexpr, OUT_T: tl.constexpr, ASM: tl.constexpr):
     """(N, W) int32 words -> (N, 4 W) codes of one plane, column 4 w + k = byte k of word w.
@@ -246,8 +296,14 @@ def _perm4(k):
 @triton.jit
 def _codes(x, SHIFT: tl.constexpr, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexpr):
     """Codes of one plane of a packed tile, as exact ``OUT_T`` values (see module doc): x is the
-    uint8 byte tile (N, P) for UNPACK 0-2, the int32 word tile (N, P / 4) for 3 (PTX) and 4."""
-    if UNPACK >= 3:
+    uint8 byte tile (N, P) for UNPACK 0-2 and 5-6, the int32 word tile (N, P / 4) for 3 (PTX) and 4.
+    UNPACK 5/6 return ``1024 + code * 2**SHIFT`` (folded by the caller), the others the codes."""
+    if UNPACK == 5:
+        return _unpack_lanes_asm(x, SHIFT, BITS)
+    elif UNPACK == 6:
+        # the values of unpack=5 in Triton ops (no lane swap): 1024 + code * 2**SHIFT, exact
+        return ((x & (((1 << BITS) - 1) << SHIFT)).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+    elif UNPACK >= 3:
         return _codes_words(x, SHIFT, BITS, OUT_T, UNPACK == 3)
     elif UNPACK == 2:
         return _unpack_asm(x, SHIFT, BITS).to(OUT_T)
@@ -275,15 +331,23 @@ def _q_plane(q_rows, r_ok, offs_p, COL0: tl.constexpr, qk_scale):
 
 
 @triton.jit
-def _k_group_fold(q_s, ks_ptr, kz_ptr, offs_p, DOT_T: tl.constexpr):
+def _k_group_fold(q_s, ks_ptr, kz_ptr, offs_p, DOT_T: tl.constexpr, SHIFT: tl.constexpr, LANES: tl.constexpr):
     """Per-channel key parameters folded into one query plane for a whole key group:
     ``q . (c * s + z) = (q * s) . c + q . z``. Returns ((q * s) as DOT_T (R_PAD, P), q . z (R_PAD,)).
 
-    q_s (R_PAD, P) float32 (pre-scaled); ks_ptr/kz_ptr point at the plane's P parameters.
+    LANES (the plane's codes arrive as ``1024 + c * 2**SHIFT``, unpack 5/6): the plane is
+    ``(q * s) * 2**-SHIFT`` (exact: a power of two) and the bias also takes
+    ``-1024 * sum(plane)``, summed from the rounded DOT_T values the product uses, so the 1024
+    cancels exactly. q_s (R_PAD, P) float32 (pre-scaled); ks_ptr/kz_ptr: the plane's P parameters.
     """
     ks = tl.load(ks_ptr + offs_p).to(tl.float32)  # (P,)
     kz = tl.load(kz_ptr + offs_p).to(tl.float32)  # (P,)
-    return (q_s * ks[None, :]).to(DOT_T), tl.sum(q_s * kz[None, :], axis=1)
+    bias = tl.sum(q_s * kz[None, :], axis=1)  # (R_PAD,)
+    if LANES:
+        qp = (q_s * ks[None, :] * (1.0 / (1 << SHIFT))).to(DOT_T)  # (R_PAD, P)
+        return qp, bias - 1024.0 * tl.sum(qp.to(tl.float32), axis=1)
+    else:
+        return (q_s * ks[None, :]).to(DOT_T), bias
 
 
 @triton.jit
@@ -398,7 +462,8 @@ def _decode_split_kernel(
     # code paths
     HAS_RANGE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_T: tl.constexpr, IEEE: tl.constexpr, FP_T: tl.constexpr, FP_IEEE: tl.constexpr,
-    UNPACK: tl.constexpr, BLOCK_N: tl.constexpr, FP_BLOCK: tl.constexpr, RESCALE: tl.constexpr = 8.0,
+    K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr, BLOCK_N: tl.constexpr, FP_BLOCK: tl.constexpr,
+    RESCALE: tl.constexpr = 8.0,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -413,9 +478,13 @@ def _decode_split_kernel(
 
     if pid_s < num_splits:
         # ------------------------------------------------ packed split
+        WORDS: tl.constexpr = (K_UNPACK == 3) | (K_UNPACK == 4)  # both sides then (launcher)
+        K_LANES: tl.constexpr = (K_UNPACK == 5) | (K_UNPACK == 6)  # codes as 1024 + c * 2**shift
+        V_LANES: tl.constexpr = (V_UNPACK == 5) | (V_UNPACK == 6)
         offs_pk = tl.arange(0, PK)
         offs_pv = tl.arange(0, PV)
-        if UNPACK >= 3:  # codes read as int32 words (the launcher passes int32 views)
+        offs_bn = tl.arange(0, BLOCK_N)  # row of each loaded value token in the block
+        if WORDS:  # codes read as int32 words (the launcher passes int32 views)
             offs_kw = tl.arange(0, PK // 4)
             offs_vw = tl.arange(0, PV // 4)
             offs_pk = _perm4(offs_pk)  # channel of each column of an unpacked plane
@@ -423,6 +492,10 @@ def _decode_split_kernel(
         else:
             offs_kw = offs_pk
             offs_vw = offs_pv
+            if K_UNPACK == 5:  # the PTX lane unpack returns bytes (0, 2, 1, 3) of each 4 columns
+                offs_pk = _perm4(offs_pk)
+            if V_UNPACK == 5:  # ... of each 4 token rows: load the rows in that order, so they return in order
+                offs_bn = _perm4(offs_bn)
         offs_z = tl.arange(0, ZP)
         lo = 0
         hi = N
@@ -458,6 +531,10 @@ def _decode_split_kernel(
         acc2 = tl.zeros([R_PAD, PV], tl.float32)
         acc3 = tl.zeros([R_PAD, PV], tl.float32)
         zacc = tl.zeros([R_PAD, ZP], tl.float32)  # sum_n p * zero, per value group (fold path)
+        asum0 = tl.zeros([R_PAD], tl.float32)  # sum_n (p * scale) per value plane (V_LANES: the 1024 to remove)
+        asum1 = asum0
+        asum2 = asum0
+        asum3 = asum0
         # per-channel keys: (q * scale) per plane and q . zero, refreshed at each key group
         qp0 = tl.zeros([R_PAD, PK], DOT_T)
         qp1 = qp0
@@ -477,37 +554,40 @@ def _decode_split_kernel(
             if K_FOLD:
                 if ((n0 % K_GROUP) == 0) | (n0 == start):  # a new key group (blocks never straddle one)
                     krow = (n0 // K_GROUP) * stride_ksn
-                    qp0, kbias = _k_group_fold(q0, ks_base + krow, kz_base + krow, offs_pk, DOT_T)
+                    qp0, kbias = _k_group_fold(q0, ks_base + krow, kz_base + krow, offs_pk, DOT_T, 0, K_LANES)
                     if PER_K > 1:
                         qp1, b1 = _k_group_fold(_q_plane(q_rows, r_ok, offs_pk, PK, qk_scale),
-                                                ks_base + krow + PK, kz_base + krow + PK, offs_pk, DOT_T)
+                                                ks_base + krow + PK, kz_base + krow + PK, offs_pk, DOT_T,
+                                                K_BITS, K_LANES)
                         kbias += b1
                     if PER_K > 2:
                         qp2, b2 = _k_group_fold(_q_plane(q_rows, r_ok, offs_pk, 2 * PK, qk_scale),
-                                                ks_base + krow + 2 * PK, kz_base + krow + 2 * PK, offs_pk, DOT_T)
+                                                ks_base + krow + 2 * PK, kz_base + krow + 2 * PK, offs_pk, DOT_T,
+                                                2 * K_BITS, K_LANES)
                         qp3, b3 = _k_group_fold(_q_plane(q_rows, r_ok, offs_pk, 3 * PK, qk_scale),
-                                                ks_base + krow + 3 * PK, kz_base + krow + 3 * PK, offs_pk, DOT_T)
+                                                ks_base + krow + 3 * PK, kz_base + krow + 3 * PK, offs_pk, DOT_T,
+                                                3 * K_BITS, K_LANES)
                         kbias += b2 + b3
-                scores = _dot(qp0, tl.trans(_codes(kb, 0, K_BITS, DOT_T, UNPACK)), scores, IEEE)
+                scores = _dot(qp0, tl.trans(_codes(kb, 0, K_BITS, DOT_T, K_UNPACK)), scores, IEEE)
                 if PER_K > 1:
-                    scores = _dot(qp1, tl.trans(_codes(kb, K_BITS, K_BITS, DOT_T, UNPACK)), scores, IEEE)
+                    scores = _dot(qp1, tl.trans(_codes(kb, K_BITS, K_BITS, DOT_T, K_UNPACK)), scores, IEEE)
                 if PER_K > 2:
-                    scores = _dot(qp2, tl.trans(_codes(kb, 2 * K_BITS, K_BITS, DOT_T, UNPACK)), scores, IEEE)
-                    scores = _dot(qp3, tl.trans(_codes(kb, 3 * K_BITS, K_BITS, DOT_T, UNPACK)), scores, IEEE)
+                    scores = _dot(qp2, tl.trans(_codes(kb, 2 * K_BITS, K_BITS, DOT_T, K_UNPACK)), scores, IEEE)
+                    scores = _dot(qp3, tl.trans(_codes(kb, 3 * K_BITS, K_BITS, DOT_T, K_UNPACK)), scores, IEEE)
                 scores = scores + kbias[:, None]
             else:
                 ks_rows = ks_base + offs_n * stride_ksn
                 kz_rows = kz_base + offs_n * stride_ksn
                 scores = _k_deq_plane(scores, q0, kb, ks_rows, kz_rows, 0, offs_pk, row_ok, K_GROUP,
-                                      0, K_BITS, DOT_T, UNPACK, IEEE)
+                                      0, K_BITS, DOT_T, K_UNPACK, IEEE)
                 if PER_K > 1:
                     scores = _k_deq_plane(scores, q1, kb, ks_rows, kz_rows, PK, offs_pk, row_ok, K_GROUP,
-                                          K_BITS, K_BITS, DOT_T, UNPACK, IEEE)
+                                          K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE)
                 if PER_K > 2:
                     scores = _k_deq_plane(scores, q2, kb, ks_rows, kz_rows, 2 * PK, offs_pk, row_ok, K_GROUP,
-                                          2 * K_BITS, K_BITS, DOT_T, UNPACK, IEEE)
+                                          2 * K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE)
                     scores = _k_deq_plane(scores, q3, kb, ks_rows, kz_rows, 3 * PK, offs_pk, row_ok, K_GROUP,
-                                          3 * K_BITS, K_BITS, DOT_T, UNPACK, IEEE)
+                                          3 * K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE)
             if HAS_SOFTCAP:
                 scores = _softcap(scores, softcap) * 1.4426950408889634
             scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -526,30 +606,55 @@ def _decode_split_kernel(
                     acc3 = acc3 * alpha[:, None]
                 if V_FOLD:
                     zacc = zacc * alpha[:, None]
+                if V_LANES:
+                    asum0 = asum0 * alpha
+                    asum1 = asum1 * alpha
+                    asum2 = asum2 * alpha
+                    asum3 = asum3 * alpha
                 m_i = m_new
             p = tl.exp2(scores - m_i[:, None])  # (R_PAD, BLOCK_N); masked -> 0
             l_i = l_i + tl.sum(p, axis=1)
             # ---- values: all planes from one (BLOCK_N, PV) byte tile
-            vb = tl.load(vc_base + offs_n[:, None] * stride_vcn + offs_vw[None, :], mask=row_ok[:, None], other=0)
+            offs_nv = n0 + offs_bn  # (BLOCK_N,) token of each loaded value row (see offs_bn)
+            vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_vw[None, :], mask=(offs_nv < end)[:, None],
+                         other=0)
             vrows = offs_n * stride_vsn
             if V_FOLD:
-                # plane s lies in value group (s * PV) // V_GROUP: (p * scale) is built once per group
+                # plane s lies in value group (s * PV) // V_GROUP: (p * scale) is built once per group;
+                # V_LANES: the plane's codes are 1024 + c * 2**shift, sum(p * scale) takes the 1024 out
                 a0 = _scaled_p(p, vs_base + vrows, row_ok, DOT_T)
-                acc0 = _dot(a0, _codes(vb, 0, V_BITS, DOT_T, UNPACK), acc0, IEEE)
+                acc0 = _dot(a0, _codes(vb, 0, V_BITS, DOT_T, V_UNPACK), acc0, IEEE)
+                if V_LANES:
+                    sa0 = tl.sum(a0.to(tl.float32), axis=1)
+                    asum0 += sa0
                 if PER_V > 1:
                     a1 = a0
                     if (PV // V_GROUP) != 0:
                         a1 = _scaled_p(p, vs_base + vrows + PV // V_GROUP, row_ok, DOT_T)
-                    acc1 = _dot(a1, _codes(vb, V_BITS, V_BITS, DOT_T, UNPACK), acc1, IEEE)
+                    acc1 = _dot(a1, _codes(vb, V_BITS, V_BITS, DOT_T, V_UNPACK), acc1, IEEE)
+                    if V_LANES:
+                        sa1 = sa0
+                        if (PV // V_GROUP) != 0:
+                            sa1 = tl.sum(a1.to(tl.float32), axis=1)
+                        asum1 += sa1
                 if PER_V > 2:
                     a2 = a1
                     if ((2 * PV) // V_GROUP) != (PV // V_GROUP):
                         a2 = _scaled_p(p, vs_base + vrows + (2 * PV) // V_GROUP, row_ok, DOT_T)
-                    acc2 = _dot(a2, _codes(vb, 2 * V_BITS, V_BITS, DOT_T, UNPACK), acc2, IEEE)
+                    acc2 = _dot(a2, _codes(vb, 2 * V_BITS, V_BITS, DOT_T, V_UNPACK), acc2, IEEE)
                     a3 = a2
                     if ((3 * PV) // V_GROUP) != ((2 * PV) // V_GROUP):
                         a3 = _scaled_p(p, vs_base + vrows + (3 * PV) // V_GROUP, row_ok, DOT_T)
-                    acc3 = _dot(a3, _codes(vb, 3 * V_BITS, V_BITS, DOT_T, UNPACK), acc3, IEEE)
+                    acc3 = _dot(a3, _codes(vb, 3 * V_BITS, V_BITS, DOT_T, V_UNPACK), acc3, IEEE)
+                    if V_LANES:
+                        sa2 = sa1
+                        if ((2 * PV) // V_GROUP) != (PV // V_GROUP):
+                            sa2 = tl.sum(a2.to(tl.float32), axis=1)
+                        sa3 = sa2
+                        if ((3 * PV) // V_GROUP) != ((2 * PV) // V_GROUP):
+                            sa3 = tl.sum(a3.to(tl.float32), axis=1)
+                        asum2 += sa2
+                        asum3 += sa3
                 # zero term of every group at once: (R_PAD, BLOCK_N) @ (BLOCK_N, ZP)
                 zt = tl.load(vz_base + vrows[:, None] + offs_z[None, :],
                              mask=row_ok[:, None] & (offs_z[None, :] < NGV), other=0.0).to(DOT_T)
@@ -559,15 +664,22 @@ def _decode_split_kernel(
                 vs_rows = vs_base + vrows
                 vz_rows = vz_base + vrows
                 acc0 = _v_deq_plane(acc0, p_dot, vb, vs_rows, vz_rows, 0, offs_pv, row_ok, V_GROUP,
-                                    0, V_BITS, DOT_T, UNPACK, IEEE)
+                                    0, V_BITS, DOT_T, V_UNPACK, IEEE)
                 if PER_V > 1:
                     acc1 = _v_deq_plane(acc1, p_dot, vb, vs_rows, vz_rows, PV, offs_pv, row_ok, V_GROUP,
-                                        V_BITS, V_BITS, DOT_T, UNPACK, IEEE)
+                                        V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE)
                 if PER_V > 2:
                     acc2 = _v_deq_plane(acc2, p_dot, vb, vs_rows, vz_rows, 2 * PV, offs_pv, row_ok, V_GROUP,
-                                        2 * V_BITS, V_BITS, DOT_T, UNPACK, IEEE)
+                                        2 * V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE)
                     acc3 = _v_deq_plane(acc3, p_dot, vb, vs_rows, vz_rows, 3 * PV, offs_pv, row_ok, V_GROUP,
-                                        3 * V_BITS, V_BITS, DOT_T, UNPACK, IEEE)
+                                        3 * V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE)
+        if V_LANES:  # codes were 1024 + c * 2**(plane * V_BITS): remove both (exact scalings)
+            acc0 = acc0 - 1024.0 * asum0[:, None]
+            if PER_V > 1:
+                acc1 = (acc1 - 1024.0 * asum1[:, None]) * (1.0 / (1 << V_BITS))
+            if PER_V > 2:
+                acc2 = (acc2 - 1024.0 * asum2[:, None]) * (1.0 / (1 << (2 * V_BITS)))
+                acc3 = (acc3 - 1024.0 * asum3[:, None]) * (1.0 / (1 << (3 * V_BITS)))
         if V_FOLD:
             acc0 += _zero_column(zacc, offs_z, 0)
             if PER_V > 1:
@@ -645,8 +757,12 @@ class DecodeConfig:
     - ``unpack``: how codes become float16: 0 ``.to`` conversion; 1 magic-number float16 in
       Triton ops; 2 inline PTX on bytes; 3 inline PTX on int32 words (4 bytes per element, the
       planes of a word unpacked in registers, no byte shuffles); 4 the word path in Triton ops.
-      2/3 are GPU only (fall back to 1/4 where the probe fails); None = 2 on GPU (fastest on
-      an H200), 1 elsewhere.
+      5 inline PTX "lanes": one AND-OR per pair of codes, the code bits left in place and the
+      1024 offset and ``2**shift`` plane scale folded into the key bias / query planes and the
+      value accumulators (folded sides only; a side that dequantizes per element takes 2);
+      6 the values of 5 in Triton ops (what the interpreter runs by default).
+      2/3/5 are GPU only (fall back to 1/4/6 where their probe fails); None = 5, else 2, else 3
+      on GPU (probes in order), 6 elsewhere.
     Defaults: the best of the sweep in ``kernels/bench/bench_decode.py`` on an H200 (Mistral-7B
     shape, 32k context, batch 1 and 8).
     - ``programs_per_sm``: target number of split programs per SM (split-K parallelism).
@@ -656,6 +772,11 @@ class DecodeConfig:
     - ``min_split_blocks``: fewest blocks per split (bounds the partials written and merged).
     - ``num_splits``: force the number of packed splits (tests); None = from programs_per_sm.
     - ``fp_block``: tokens per full-precision chunk program.
+    - ``min_rows``: fewest query rows of a tile (the GQA group padded up to it). 16 fills one
+      MMA tile with zero rows; smaller tiles leave the padding to Triton (rows are broadcast
+      into the MMA fragment), which holds fewer registers but moves more.
+    - ``maxnreg``: register cap per thread passed to ptxas (None: ptxas decides; with one warp
+      per program it takes all 255, which caps occupancy at 8 warps per SM).
     """
 
     block_n: int = 64
@@ -666,6 +787,8 @@ class DecodeConfig:
     num_splits: int | None = None
     fp_block: int = 64
     min_split_blocks: int = 2  # 4 before: at batch 1 / 4k it halved the splits (0.031 -> 0.015 ms, artifacts/bench/decode_splits.json)
+    min_rows: int = 4  # 16 before: 0.196 -> 0.159 ms at batch 8 / 32k, 2-bit, with unpack 5 (artifacts/bench/decode_tune.json)
+    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):
@@ -676,12 +799,16 @@ class DecodeConfig:
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"num_stages must be a positive int, got {self.num_stages!r}")
-        if self.unpack not in (None, 0, 1, 2, 3, 4):
-            raise ValueError(f"unpack must be None or 0..4, got {self.unpack!r}")
+        if self.unpack not in (None, 0, 1, 2, 3, 4, 5, 6):
+            raise ValueError(f"unpack must be None or 0..6, got {self.unpack!r}")
         if not self.programs_per_sm > 0:
             raise ValueError(f"programs_per_sm must be > 0, got {self.programs_per_sm!r}")
         if not isinstance(self.min_split_blocks, int) or self.min_split_blocks < 1:
             raise ValueError(f"min_split_blocks must be a positive int, got {self.min_split_blocks!r}")
+        if self.min_rows not in (1, 2, 4, 8, 16):
+            raise ValueError(f"min_rows must be 1, 2, 4, 8 or 16, got {self.min_rows!r}")
+        if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 24 <= self.maxnreg <= 255):
+            raise ValueError(f"maxnreg must be None or an int in [24, 255], got {self.maxnreg!r}")
         if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
             raise ValueError(f"num_splits must be None or a positive int, got {self.num_splits!r}")
 
@@ -743,6 +870,66 @@ def _probe_unpack_kernel(X, W, Y, SHIFT: tl.constexpr, BITS: tl.constexpr, N: tl
 
 
 FAST_UNPACK_ERROR: dict[str, str] = {}  # kind -> why fast_unpack_available(kind=...) said False
+_PROBING_LANES = False  # set while _lanes_verified runs the kernel with unpack=5 (no recursion)
+
+
+def _lanes_mismatch(dev: torch.device, d: int, rep: int, k_bits: int, v_bits: int, k_group: int, v_group: int,
+                    k_axis: str, config: DecodeConfig) -> str | None:
+    """Run the split kernel of this layout and config with the PTX lane unpack (5) and with the
+    same arithmetic in Triton ops (6) on random packed K/V; None when they agree, else what
+    differed. The lane order the kernel undoes depends on how Triton lays the MMA operand
+    registers out for the tile (seen to differ with two warps on one layout), so each compiled
+    variant is checked on the device once before it is used."""
+    global _PROBING_LANES
+    from dataclasses import replace
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    h = 2
+    n = 2 * k_group * max(1, 256 // k_group) if k_axis == "channel" else 256  # whole key groups
+    q = torch.randn(1, h * rep, d, generator=gen).to(dev, torch.float16)
+
+    def side(bits, group, per_token):
+        codes = torch.randint(0, 256, (1, h, n, d * bits // 8), generator=gen, dtype=torch.uint8).to(dev)
+        shape = (1, h, n, d // group) if per_token else (1, h, n // group, d)
+        scale = (torch.rand(shape, generator=gen) * 0.2 + 0.01).to(dev, torch.float16)
+        zero = torch.randn(shape, generator=gen).to(dev, torch.float16)
+        return codes, scale, zero
+
+    kc, ks, kz = side(k_bits, k_group, k_axis == "token")
+    vc, vs, vz = side(v_bits, v_group, True)
+    outs = []
+    _PROBING_LANES = True
+    try:
+        for unpack in (5, 6):
+            outs.append(_launch(q, kc, ks, kz, vc, vs, vz, k_bits=k_bits, v_bits=v_bits, k_group=k_group,
+                                v_group=v_group, k_axis=k_axis, scaling=d ** -0.5, softcap=None, packed_start=None,
+                                packed_end=None, packed_position=0, fp_segments=[], fp_positions=[], mask=None,
+                                config=replace(config, unpack=unpack)))
+    finally:
+        _PROBING_LANES = False
+        _plan.cache_clear()  # plans made while probing trusted the lanes
+    err = (outs[0] - outs[1]).abs().max().item()
+    if not err <= 1e-3 * max(1.0, outs[1].abs().max().item()):
+        return f"lane unpack differs from the Triton-ops lanes by {err:.3g}"
+    return None
+
+
+LANES_REFUSED: dict[tuple, str] = {}  # (layout, config) -> why its lane unpack was not used
+
+
+@functools.lru_cache(maxsize=None)
+def _lanes_verified(dev_index, d, rep, k_bits, v_bits, k_group, v_group, k_axis, config) -> bool:
+    """Whether the lane unpack (5) of this layout and config compiles and agrees with unpack 6 on
+    this GPU (once per variant; the reason for a refusal is kept in ``LANES_REFUSED``)."""
+    key = (d, rep, k_bits, v_bits, k_group, v_group, k_axis, config)
+    try:
+        why = _lanes_mismatch(torch.device("cuda", dev_index), d, rep, k_bits, v_bits, k_group, v_group, k_axis,
+                              config)
+    except Exception as err:  # noqa: BLE001 - any compile/launch failure means "do not use it"
+        why = f"{type(err).__name__}: {err}"[:2000]
+    if why:
+        LANES_REFUSED[key] = why
+    return why is None
 
 
 @functools.lru_cache(maxsize=None)
@@ -759,6 +946,13 @@ def fast_unpack_available(device_index: int = 0, kind: str = "words") -> bool:
         return False
     try:
         dev = torch.device("cuda", device_index)
+        if kind == "lanes":  # the Mistral-7B layout at the default config
+            why = _lanes_mismatch(dev, 128, 4, 2, 2, 128, 128, "channel", DEFAULT_CONFIG)
+            if why is None:
+                why = _lanes_mismatch(dev, 128, 4, 4, 4, 128, 128, "channel", DEFAULT_CONFIG)
+            if why:
+                FAST_UNPACK_ERROR[kind] = why
+            return why is None
         x = torch.randint(0, 256, (64, 32), dtype=torch.uint8, device=dev)
         for bits in (2, 4, 8):
             for shift in range(0, 8, bits):
@@ -815,30 +1009,41 @@ def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, d
     cuda = dev_type == "cuda"
     if ieee:
         unpack = 0  # exact float32 codes; the float16 tricks are for the float16 products
-    elif unpack is None:  # measured on an H200: PTX bytes >= PTX words > Triton-ops bytes > words
-        if cuda and fast_unpack_available(dev_index, "bytes"):
+    elif unpack is None:  # the fastest that works here (DecodeConfig.unpack)
+        if cuda and (_PROBING_LANES or _lanes_verified(dev_index, d, rep, k_bits, v_bits, k_group, v_group, k_axis,
+                                                        config)):
+            unpack = 5
+        elif cuda and fast_unpack_available(dev_index, "bytes"):
             unpack = 2
         elif cuda and words_ok and fast_unpack_available(dev_index, "words"):
             unpack = 3
         else:
-            unpack = 1
+            unpack = 6
     elif unpack == 3 and not (cuda and fast_unpack_available(dev_index, "words")):
         unpack = 4  # no inline PTX here: the same trick in Triton ops
     elif unpack == 2 and not (cuda and fast_unpack_available(dev_index, "bytes")):
         unpack = 1
-    if unpack >= 3 and not words_ok:
+    elif unpack == 5 and not (cuda and (_PROBING_LANES or _lanes_verified(dev_index, d, rep, k_bits, v_bits, k_group,
+                                                                          v_group, k_axis, config))):
+        unpack = 2 if (cuda and fast_unpack_available(dev_index, "bytes")) else 6
+    if unpack in (3, 4) and not words_ok:
         unpack = 1
     block_n = _pow2_divisor(k_group, config.block_n) if k_axis == "channel" else config.block_n
     k_fold = k_axis == "channel"
     v_fold = v_group >= pv and v_group % pv == 0
+    # the lane unpacks (5 PTX, 6 Triton ops) leave 1024 + c * 2**shift for the folds to remove; a
+    # side that dequantizes per element (no fold) takes the byte unpack of the same kind instead
+    plain = 2 if (unpack == 5 and cuda and fast_unpack_available(dev_index, "bytes")) else 1
+    k_unpack = plain if (unpack in (5, 6) and not k_fold) else unpack
+    v_unpack = plain if (unpack in (5, 6) and not v_fold) else unpack
     ngv = d // v_group
     zp = max(16, triton.next_power_of_2(ngv))
-    r_pad = max(16, triton.next_power_of_2(rep))
+    r_pad = max(config.min_rows, triton.next_power_of_2(rep))
     # the interpreter's tl.dot has no bfloat16 (stored as uint16 there): float32 products instead
     fp_t = tl.float32 if (fp_dtype == torch.float32 or interp) else _tl_dtype(fp_dtype)
     fp_ieee = fp_dtype == torch.float32 or interp
     fp_block = max(16, min(config.fp_block, 8192 // d))  # (FP_BLOCK, D) K and V tiles: keep them <= 8K elements
-    return unpack, dot_t, ieee, block_n, k_fold, v_fold, ngv, zp, r_pad, fp_t, fp_ieee, fp_block
+    return (k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, ngv, zp, r_pad, fp_t, fp_ieee, fp_block
 
 
 def _work_split(n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config):
@@ -867,6 +1072,11 @@ def _work_split(n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config):
     o_part = torch.empty((rows, max(s_tot, 1), d), dtype=torch.float32, device=dev)  # (B*Hq, S, D)
     out = torch.empty((bsz, hq, d), dtype=torch.float32, device=dev)  # (B, Hq, D)
     return splits, split_size, chunks, s_tot, (m_part, l_part, o_part, out)
+
+
+def _reg_cap(config: DecodeConfig) -> dict:
+    """``maxnreg`` launch option when the config sets one (not in the interpreter)."""
+    return {} if config.maxnreg is None or _interpreting() else {"maxnreg": config.maxnreg}
 
 
 def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_bits, k_group, v_group,
@@ -927,7 +1137,7 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
     fp_dtype = fp[0][0].dtype if fp else torch.float32
     if fp and any(s[0].dtype != fp_dtype for s in fp):
         raise ValueError("both full-precision segments must share a dtype")
-    (unpack, dot_t, ieee, block_n, k_fold, v_fold, ngv, zp, r_pad, fp_t, fp_ieee, fp_block) = _plan(
+    ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, ngv, zp, r_pad, fp_t, fp_ieee, fp_block) = _plan(
         d, rep, k_bits, v_bits, k_group, v_group, k_axis, q.dtype, fp_dtype, dev.type, dev.index or 0,
         config, _interpreting())
 
@@ -944,7 +1154,7 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
     dummy16 = _dummy(dev, torch.float16)
     if n:
         kc, ks, kz, vc, vs, vz = k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
-        if unpack >= 3:  # read the code rows as int32 words: 4 packed bytes per load element
+        if k_unpack in (3, 4):  # read the code rows as int32 words: 4 packed bytes per load element
             kc, vc = kc.view(torch.int32), vc.view(torch.int32)
         kcs, kss, vcs, vss = kc.stride()[:3], ks.stride()[:3], vc.stride()[:3], vs.stride()[:3]
     else:
@@ -997,8 +1207,8 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
         K_FOLD=k_fold, V_FOLD=v_fold, NGV=ngv, ZP=zp,
         HAS_RANGE=has_range, HAS_MASK=has_mask, HAS_SOFTCAP=bool(softcap),
         DOT_T=dot_t, IEEE=ieee, FP_T=fp_t, FP_IEEE=fp_ieee,
-        UNPACK=unpack, BLOCK_N=block_n, FP_BLOCK=fp_block,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        K_UNPACK=k_unpack, V_UNPACK=v_unpack, BLOCK_N=block_n, FP_BLOCK=fp_block,
+        num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config),
     )
     _combine_kernel[(rows,)](m_part, l_part, o_part, max(s_tot, 1), out, D=d, S_BLOCK=16, num_warps=4)
     return out

@@ -2,7 +2,7 @@
 no GPU, with the ptxas/nvdisasm bundled in the triton wheel, and report TTGIR op counts, shared
 memory, register use and the SASS instruction mix of the main (packed) loop. Costs no device time.
 
-    python scripts/compile_sm90.py BITS BLOCK_N WARPS UNPACK [STAGES]     e.g.  2 64 1 2
+    python scripts/compile_sm90.py BITS BLOCK_N WARPS UNPACK [STAGES [MIN_ROWS [MAXNREG]]]   e.g.  2 64 1 5
 
 Shapes: Mistral-7B (8 kv heads, 4 query heads each, head_dim 128), key/value group 128, batch 8.
 The launcher is run on CPU tensors with the kernel replaced by a recorder; the recorded arguments
@@ -17,6 +17,8 @@ import kvcalib_kernels.decode_attention as da
 
 bits, block_n, warps, unpack = (int(x) for x in sys.argv[1:5])
 stages = int(sys.argv[5]) if len(sys.argv) > 5 else 2
+min_rows = int(sys.argv[6]) if len(sys.argv) > 6 else 16
+maxnreg = int(sys.argv[7]) if len(sys.argv) > 7 else None
 rec = {}
 class Rec:
     def __getitem__(self, grid):
@@ -37,7 +39,8 @@ kc = torch.zeros(b, h, n, d * bits // 8, dtype=torch.uint8); vc = kc.clone()
 ks = torch.zeros(b, h, n // g, d, dtype=torch.float16); kz = ks.clone()
 vs = torch.zeros(b, h, n, d // g, dtype=torch.float16); vz = vs.clone()
 w = torch.zeros(b, h, 128, d, dtype=torch.bfloat16)
-cfg = da.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, unpack=unpack)
+cfg = da.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, unpack=unpack, min_rows=min_rows,
+                      maxnreg=maxnreg)
 try:
     da._launch(q, kc, ks, kz, vc, vs, vz, k_bits=bits, v_bits=bits, k_group=g, v_group=g, k_axis="channel",
                scaling=d ** -0.5, softcap=None, packed_start=None, packed_end=None, packed_position=0,

@@ -117,10 +117,24 @@ def test_query_dtypes(dtype):
     check(args, kw)
 
 
-@pytest.mark.parametrize("unpack", [0, 1], ids=lambda u: f"unpack{u}")
+@pytest.mark.parametrize("unpack", [0, 1, 6], ids=lambda u: f"unpack{u}")
 def test_unpack_modes(unpack):
     args, kw = make_case(k_bits=2, v_bits=8, v_group=64)
     check(args, kw, da.DecodeConfig(block_n=16, fp_block=16, unpack=unpack))
+
+
+@pytest.mark.parametrize("rep,min_rows", [(3, 4), (7, 1), (1, 1), (4, 8)], ids=str)
+def test_small_row_tiles(rep, min_rows):
+    """Query tiles of fewer than 16 rows (the GQA group padded to a power of two >= min_rows)."""
+    args, kw = make_case(rep=rep, k_bits=4, v_bits=2, dtype=torch.float16)
+    check(args, kw, da.DecodeConfig(block_n=16, fp_block=16, min_rows=min_rows))
+
+
+def test_config_rejects_bad_rows_and_register_caps():
+    with pytest.raises(ValueError, match="min_rows"):
+        da.DecodeConfig(min_rows=3)
+    with pytest.raises(ValueError, match="maxnreg"):
+        da.DecodeConfig(maxnreg=300)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3], ids=lambda s: f"splits{s}")
@@ -333,23 +347,29 @@ def test_gpu_grid(d, rep, dtype, k_bits, v_bits, k_group, v_group):
     end = torch.tensor([n, n - 77, 1], device=DEVICE)
     start = torch.tensor([0, 130, 0], device=DEVICE)
     kw = {**kw, "packed_start": start, "packed_end": end}
-    for unpack in (1, 3):
+    for unpack in (1, 3, 5, 6):
         check(args, kw, da.DecodeConfig(unpack=unpack))
+    check(args, kw, da.DecodeConfig(unpack=5, num_warps=2, min_rows=4))
 
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("block_n,num_warps,num_stages,unpack", [
-    (64, 1, 1, 3), (32, 1, 2, 3), (64, 2, 1, 3), (128, 4, 2, 3), (64, 1, 1, 2), (64, 1, 1, 4), (64, 1, 1, 0),
+@pytest.mark.parametrize("block_n,num_warps,num_stages,unpack,min_rows,maxnreg", [
+    (64, 1, 1, 3, 16, None), (32, 1, 2, 3, 16, None), (64, 2, 1, 3, 16, None), (128, 4, 2, 3, 16, None),
+    (64, 1, 1, 2, 16, None), (64, 1, 1, 4, 16, None), (64, 1, 1, 0, 16, None),
+    (64, 1, 2, 5, 16, None), (64, 1, 2, 5, 4, None), (64, 2, 2, 5, 4, None), (64, 2, 2, 5, 4, 128),
+    (128, 4, 2, 5, 4, None), (64, 4, 2, 5, 4, None), (64, 2, 2, 5, 8, None), (32, 1, 2, 5, 16, 168),
 ], ids=str)
-def test_gpu_configs(block_n, num_warps, num_stages, unpack):
+@pytest.mark.parametrize("bits", [2, 4, 8], ids=lambda b: f"{b}b")
+def test_gpu_configs(block_n, num_warps, num_stages, unpack, min_rows, maxnreg, bits):
     args, kw = make_case(b=4, h=8, rep=4, d=128, n=128 * 40, f=(0, 128), dtype=torch.bfloat16,
-                         k_group=128, v_group=128, spare=256)
-    check(args, kw, da.DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, unpack=unpack))
+                         k_bits=bits, v_bits=bits, k_group=128, v_group=128, spare=256)
+    check(args, kw, da.DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, unpack=unpack,
+                                    min_rows=min_rows, maxnreg=maxnreg))
 
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("kind", ["bytes", "words"])
+@pytest.mark.parametrize("kind", ["bytes", "words", "lanes"])
 def test_gpu_fast_unpack_probe(kind):
     assert da.fast_unpack_available(0, kind), f"inline-PTX unpack ({kind}): {da.FAST_UNPACK_ERROR.get(kind)}"

@@ -7,9 +7,11 @@
 # Stages: tests       pytest tests/kernels on CUDA (small grid + the `gpu`-marked full grid)
 #         micro       kernels/bench/bench_decode.py --mode micro (sweep, grid, quantize vs prefill)
 #         micro-nosweep   the grid with configs from $KV_CONFIG (JSON), no sweep
+#         micro-default   the grid with DecodeConfig's defaults, no sweep
 #         tests-gpu   only the `gpu`-marked tests
 #         latency     GPU time (CUDA-graph replay) vs host time per call, small shapes
 #         splits      split-K parallelism sweep at batch 1/8 (CUDA-graph time)
+#         tune        tile/unpack/register-cap sweep at batch 1/8 (CUDA-graph time)
 #         huffman     kernels/bench/bench_huffman.py (entropy-coded decode and fused attention)
 #         e2e-smoke   end-to-end on a small random model (checks the path, seconds)
 #         e2e         end-to-end, random-weight Mistral-7B shape at 32k context
@@ -37,14 +39,18 @@ for st in $STAGES; do
   echo "=== stage $st at +$(( $(date +%s) - T0 )) s"
   case "$st" in
     tests)
-      timeout "${KV_TESTS_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider $XDIST --maxfail=30 -rfE tests/kernels \
-        > "$OUT/tests.log" 2>&1
+      timeout "${KV_TESTS_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider $XDIST --maxfail=30 -rfE \
+        ${KV_TESTS_PATH:-tests/kernels} > "$OUT/tests.log" 2>&1
       echo "tests exit $?"; tail -n 30 "$OUT/tests.log" ;;
     micro)
       timeout "${KV_MICRO_TIMEOUT:-330}" $PY kernels/bench/bench_decode.py --mode micro --out "$OUT" > "$OUT/bench.log" 2>&1
       echo "micro exit $?"; grep -E "^(device|  best|sweep|grid|  quantize)" "$OUT/bench.log"; tail -n 45 "$OUT/bench.log" ;;
     micro-nosweep)
       timeout "${KV_MICRO_TIMEOUT:-330}" $PY kernels/bench/bench_decode.py --mode micro --config "${KV_CONFIG}" --out "$OUT" \
+        > "$OUT/bench.log" 2>&1
+      echo "micro exit $?"; tail -n 45 "$OUT/bench.log" ;;
+    micro-default)
+      timeout "${KV_MICRO_TIMEOUT:-330}" $PY kernels/bench/bench_decode.py --mode micro --no-sweep --out "$OUT" \
         > "$OUT/bench.log" 2>&1
       echo "micro exit $?"; tail -n 45 "$OUT/bench.log" ;;
     tests-gpu)
@@ -58,6 +64,9 @@ for st in $STAGES; do
     splits)
       timeout "${KV_SPLITS_TIMEOUT:-200}" $PY kernels/bench/bench_decode.py --mode splits --out "$OUT" > "$OUT/splits.log" 2>&1
       echo "splits exit $?"; grep -E "^  b=" "$OUT/splits.log" ;;
+    tune)
+      timeout "${KV_TUNE_TIMEOUT:-240}" $PY kernels/bench/bench_decode.py --mode tune --out "$OUT" > "$OUT/tune.log" 2>&1
+      echo "tune exit $?"; grep -E "^  b=|failed" "$OUT/tune.log" ;;
     huffman)
       timeout "${KV_HUFF_TIMEOUT:-200}" $PY kernels/bench/bench_huffman.py --out "$OUT" > "$OUT/huffman.log" 2>&1
       echo "huffman exit $?"; tail -n 20 "$OUT/huffman.log" ;;

@@ -23,6 +23,9 @@ Modes (``--mode``):
   largest batch estimated from the measured per-sequence bytes. The caches are *filled
   directly* (random bf16 K/V; packed storage quantized by ``kvcalib_kernels.quant_pack``) instead
   of a 32k prefill. Writes ``e2e.json``.
+- ``splits`` / ``tune``: CUDA-graph time of config grids on the Mistral shape at batch 1 and 8
+  (split-K parallelism; tile shape, unpack and register cap) with bf16 SDPA's graph time.
+  Write ``decode_splits.json`` / ``decode_tune.json``.
 - ``report``: from the JSON files, write ``decode_attention.md``, ``e2e.md`` and the plot
   ``decode_attention.png`` (runs anywhere; matplotlib).
 
@@ -176,7 +179,7 @@ def sweep_configs():
 
 def cfg_dict(c) -> dict:
     return {k: getattr(c, k) for k in ("block_n", "num_warps", "num_stages", "unpack", "programs_per_sm", "fp_block",
-                                       "min_split_blocks")}
+                                       "min_split_blocks", "min_rows", "maxnreg")}
 
 
 def run_sweep(dev, meta, quick=False) -> dict:
@@ -350,7 +353,7 @@ def main_micro(args) -> None:
     torch.manual_seed(0)
     meta = {"device": device_info(), "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
     import kvcalib_kernels.decode_attention as _da
-    meta["fast_unpack_available"] = {k: fast_unpack_available(0, k) for k in ("bytes", "words")}
+    meta["fast_unpack_available"] = {k: fast_unpack_available(0, k) for k in ("bytes", "words", "lanes")}
     meta["fast_unpack_error"] = dict(_da.FAST_UNPACK_ERROR)
     log("device:", meta["device"], "fast unpack:", meta["fast_unpack_available"], meta["fast_unpack_error"] or "")
     meta["copy_bw_gbps"] = copy_bandwidth(dev)
@@ -361,6 +364,7 @@ def main_micro(args) -> None:
         meta["chosen_config"] = {str(k): cfg_dict(v) for k, v in best.items()}
     elif args.no_sweep:
         best = {2: DecodeConfig(), 4: DecodeConfig()}
+        meta["default_config"] = cfg_dict(DecodeConfig())
     else:
         t0 = time.time()
         best = run_sweep(dev, meta, quick=args.quick)
@@ -371,6 +375,7 @@ def main_micro(args) -> None:
     _write_json(out / "decode_bench_meta.json", meta)
     rows = run_grid(dev, meta, best, meta["copy_bw_gbps"], meta["device"]["gpu"], out, quick=args.quick)
     log(f"grid took {time.time() - t0:.0f} s")
+    meta["lanes_refused"] = {str(k[:7]): why for k, why in _da.LANES_REFUSED.items()}  # layouts run without unpack 5
     _write_json(out / "decode_bench_meta.json", meta)
     log("\nmodel          batch context bits grp      ms  ms_bf16 speedup bytes_x  GB/s frac")
     for r in rows:
@@ -459,16 +464,12 @@ def main_latency(args) -> None:
                     f"-> speedup (graph) {r['speedup_graph'] or float('nan'):.2f}")
 
 
-def main_splits(args) -> None:
-    """Split-K parallelism at small batch: CUDA-graph time of the kernel for several
-    (block_n, programs_per_sm, min_split_blocks) on the Mistral shape at batch 1 and 8, with the
-    bf16 SDPA graph time of the same shape. Writes ``decode_splits.json``."""
+def graph_sweep(out_file: Path, shapes, configs_for_bits, default_for_bits) -> list[dict]:
+    """CUDA-graph time of the kernel for each config of ``configs_for_bits(bits)`` (2 and 4 bits,
+    group 128) on the Mistral shape at each (batch, context) of ``shapes``, with the bf16 SDPA
+    graph time of the same shape; rows written to ``out_file`` as they come."""
     import triton.testing
 
-    from kvcalib_kernels.decode_attention import DecodeConfig
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     hq, h, d = MODELS["mistral-7b"]
     scale = d ** -0.5
@@ -481,10 +482,8 @@ def main_splits(args) -> None:
         torch.cuda.synchronize()
         return float(triton.testing.do_bench_cudagraph(all_sets, rep=30, return_mode="median")) / len(fns)
 
-    base = {2: dict(block_n=64, programs_per_sm=32.0), 4: dict(block_n=32, programs_per_sm=16.0)}
-    grid = [(bn, pps, msb) for bn in (32, 64) for pps in (16.0, 32.0, 64.0) for msb in (1, 2, 4)]
     rows = []
-    for b, ctx in ((1, 4096), (1, 16384), (1, 32768), (8, 4096), (8, 32768)):
+    for b, ctx in shapes:
         n = ctx - WINDOW
         bb = bf16_bytes(b, h, hq, ctx, d)
         bsets = max(1, min(32, math.ceil(256e6 / bb)))
@@ -510,25 +509,66 @@ def main_splits(args) -> None:
                                (torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16),
                                 torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16))))
             best = None
-            for bn, pps, msb in grid:
-                cfg = DecodeConfig(block_n=bn, programs_per_sm=pps, min_split_blocks=msb, num_warps=1, num_stages=2)
+            default = default_for_bits(bits)
+            for cfg in configs_for_bits(bits):
                 try:
                     ms = graph_ms([kernel_call(q, pk, w, bits, 128, 128, n, scale, cfg) for q, pk, w in inputs])
                 except Exception as err:  # noqa: BLE001
                     log(f"  config {cfg_dict(cfg)} failed: {type(err).__name__}: {str(err)[:160]}")
                     continue
-                is_default = dict(block_n=bn, programs_per_sm=pps) == base[bits] and msb == 4
                 rows.append({"model": "mistral-7b", "batch": b, "context": ctx, "bits": bits, **cfg_dict(cfg),
-                             "ms_graph": ms, "bf16_ms_graph": bf16_ms, "speedup": bf16_ms / ms, "default": is_default})
+                             "ms_graph": ms, "bf16_ms_graph": bf16_ms, "speedup": bf16_ms / ms,
+                             "bytes": nb, "bf16_bytes": bb, "default": cfg == default})
                 if best is None or ms < best[0]:
                     best = (ms, cfg_dict(cfg))
-            default = [r["ms_graph"] for r in rows if r["default"] and r["batch"] == b and r["context"] == ctx
-                       and r["bits"] == bits]
-            log(f"  b={b} ctx={ctx:6d} bits={bits}: bf16 {bf16_ms:.4f} ms | default {default[0] if default else float('nan'):.4f} ms"
-                f" | best {best[0]:.4f} ms {best[1]}")
+            dms = [r["ms_graph"] for r in rows if r["default"] and r["batch"] == b and r["context"] == ctx
+                   and r["bits"] == bits]
+            log(f"  b={b} ctx={ctx:6d} bits={bits}: bf16 {bf16_ms:.4f} ms | default {dms[0] if dms else float('nan'):.4f} ms"
+                f" | best {best[0] if best else float('nan'):.4f} ms {best[1] if best else ''}")
             del inputs
             torch.cuda.empty_cache()
-            _write_json(out / "decode_splits.json", {"rows": rows})
+            _write_json(out_file, {"rows": rows})
+    return rows
+
+
+def main_splits(args) -> None:
+    """Split-K parallelism at small batch: (block_n, programs_per_sm, min_split_blocks) on the
+    Mistral shape at batch 1 and 8 (CUDA-graph time). Writes ``decode_splits.json``."""
+    from kvcalib_kernels.decode_attention import DecodeConfig
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    grid = [(bn, pps, msb) for bn in (32, 64) for pps in (16.0, 32.0, 64.0) for msb in (1, 2, 4)]
+    graph_sweep(out / "decode_splits.json", ((1, 4096), (1, 16384), (1, 32768), (8, 4096), (8, 32768)),
+                lambda bits: [DecodeConfig(block_n=bn, programs_per_sm=pps, min_split_blocks=msb, num_warps=1,
+                                           num_stages=2) for bn, pps, msb in grid],
+                lambda bits: DecodeConfig())
+
+
+def tune_configs() -> list:
+    """Tile shapes and register caps for the lane unpack (5) against the byte unpack (2) with
+    the former default tile (one warp, 16 rows): the ``--mode tune`` grid."""
+    from kvcalib_kernels.decode_attention import DecodeConfig
+
+    tiles = [  # (warps, block_n, min_rows, maxnreg, unpack)
+        (1, 64, 16, None, 2), (1, 64, 16, None, 5), (1, 64, 4, None, 5), (2, 64, 4, None, 5),
+        (2, 64, 4, 128, 5), (2, 128, 4, None, 5), (4, 128, 4, None, 5), (4, 128, 4, 128, 5),
+        (4, 64, 4, None, 5), (2, 64, 8, None, 5), (2, 64, 4, None, 2), (1, 32, 16, None, 5),
+    ]
+    return [DecodeConfig(block_n=bn, num_warps=w, num_stages=2, unpack=u, min_rows=mr, maxnreg=mx,
+                         programs_per_sm=pps)
+            for w, bn, mr, mx, u in tiles for pps in (16.0, 32.0)]
+
+
+def main_tune(args) -> None:
+    """The ``tune_configs`` grid on the Mistral shape at batch 1 (4k, 32k) and 8 (32k), CUDA-graph
+    time. Writes ``decode_tune.json``."""
+    from kvcalib_kernels.decode_attention import DecodeConfig
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    graph_sweep(out / "decode_tune.json", ((1, 4096), (1, 32768), (8, 32768)), lambda bits: tune_configs(),
+                lambda bits: DecodeConfig())
 
 
 # ---------------------------------------------------------------- end to end
@@ -560,7 +600,7 @@ def fill_compressed(cache, b, t, dev, slack_tokens=1024):
         layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
         qk = quantize_pack_keys(k[:, :, :n], cfg.k_bits, cfg.k_group, validate=False)
         qv = quantize_pack_values(v[:, :, :n], cfg.v_bits, cfg.v_group, validate=False)
-        store = layer.packed
+        store = layer.packed.stores[0]  # an untiered layer: one store (kvcalib.runtime.tiers.PackedTiers)
         for side, qt in (("k", qk), ("v", qv)):
             _fill_grow(store.parts[f"{side}_codes"], qt.codes, slack_tokens)
             rows_slack = slack_tokens // cfg.k_group if side == "k" else slack_tokens
@@ -697,12 +737,14 @@ NOTES = """
 
 - CPU (this repo's dev machine, 2 cores, no GPU): `pytest tests/kernels` runs every kernel through
   Triton's interpreter (`TRITON_INTERPRET=1`, set by the test modules) at small shapes, ~35 s;
-  the portable code paths (`unpack` 0, 1, 4) are checked there against the PyTorch references.
+  the portable code paths (`unpack` 0, 1, 4, 6; 6 is the interpreter's default, so the folds of
+  the lane unpack are checked on every CPU test) are checked there against the PyTorch references.
   Offline SASS: the split kernel compiled for sm_90 with the local Triton 3.9 (`triton.compile`
   with a `GPUTarget`, no GPU) to count loop instructions, registers and spills.
-- GPU (NVIDIA H200 through the device tool, torch 2.11 / Triton 3.6, 4 calls): the `gpu`-marked
-  grid plus the small grid on CUDA (all pass in the last calls, including the inline-PTX unpacks
-  `unpack` 2 and 3), the sweep, this table, the latency table and the end-to-end run.
+- GPU (NVIDIA H200 through the device tool, torch 2.11 / Triton 3.6): the `gpu`-marked grid plus
+  the small grid on CUDA (all pass, including the inline-PTX unpacks 2, 3 and 5 and every tile
+  of the tune sweep at 2/4/8 bits), the tile sweep (`--mode tune`), this table and the
+  end-to-end run.
 
 ## How the kernel got here (Mistral-7B shape, 32k, batch 8, 2-bit; bf16 SDPA 0.257 ms)
 
@@ -712,18 +754,27 @@ NOTES = """
    unpack) the unpack itself: ~131 warp-instructions per token and kv head.
 2. 1 warp / program, more programs per SM, per-key-group query fold, lazy rescaling: 0.247 ms.
 3. Inline-PTX unpack of bytes, 2-stage pipelining, host-side launcher trimming: 0.205 ms (1.24x).
+4. Lane unpack (`unpack=5`: one AND-OR per pair of codes, the code bits left in place; the
+   float16 1024 offset and the 2^shift plane scale folded into the key bias / query planes and
+   the value accumulators, the lane order undone on the query channels and the value rows) and
+   4-row query tiles (`min_rows=4`, Triton pads the MMA): 0.166 ms (1.54x); CUDA-graph time
+   0.196 -> 0.159 ms (`decode_tune.json`). Loop body 2,529 -> 1,839 SASS instructions per 64
+   tokens (`scripts/compile_sm90.py 2 64 1 5 2 4`).
 
 ## Why the 5x / 3x targets are missed
 
-At 1.24x the kernel moves 745 GB/s, 0.17 of the 4.3 TB/s copy bandwidth: it is bound by
-instruction issue, not memory. Per 64-token block and kv head one warp issues ~2,500 instructions
-(~39 warp-instructions per token and kv head), while the memory floor at this size needs <~20:
-~1.5-2 instructions per unpacked code (shift/mask/OR-exponent/subtract, plus the register
-repacking and shared-memory round trip that turn the unpacked tile into MMA operands), and the
-softmax / scale folding run on 16-row tiles of which only R = 4 rows are real (GQA 4).
-Closing the gap needs control Triton does not give: unpacking straight into MMA fragment
-layout (codes stored in a fragment-friendly order, as Marlin-style kernels do) and several kv
-heads per 16-row tile so no row is padding. Small shapes (batch 1, short context, the small
+At 1.54x the kernel moves ~930 GB/s, 0.22 of the 4.3 TB/s copy bandwidth: it is bound by
+instruction issue and latency, not memory. Per 64-token block and kv head one warp issues ~1,840
+instructions (unpack now ~260 LOP3, the rest: ~440 register moves that build the 16-row MMA
+fragments from 4-row tiles, ~165 byte loads and permutes that gather each value code's 4
+consecutive tokens for the MMA operand, ~130 HMMA, softmax and scale sums), at 255 registers,
+so only 8 warps fit on an SM and the dependent chains are not hidden (about a third of the issue
+rate is used). Multi-warp tiles and register caps (`decode_tune.json`) trade the moves for
+shared-memory traffic or spills and were slower at batch 8 (at batch 1 / 4k two warps with the
+byte unpack were the fastest tile: 0.0123 vs 0.0154 ms, bf16 0.0115). Closing the gap needs control Triton does not
+give: value codes stored in a fragment-friendly order (4 tokens of a channel per 32-bit word,
+as Marlin-style kernels store weights), and several kv heads or token sub-blocks per 16-row tile
+so no MMA row is padding. Small shapes (batch 1, short context, the small
 models) are additionally host-bound: ~80 us of Python + two Triton launches per call vs a GPU
 time of 14-44 us (see the latency table); CUDA-graph capture of the decode step removes that.
 Per-token value groups smaller than a plane (4-bit, group 32) take the per-element path and run
@@ -787,6 +838,12 @@ def main_report(args) -> None:
     if meta.get("chosen_config"):
         lines += ["Kernel config (chosen by the sweep on the Mistral 32k batch-1/8 shapes): "
                   + ", ".join(f"{k}-bit: `{v}`" for k, v in meta["chosen_config"].items()), ""]
+    elif "--no-sweep" in meta.get("command", ""):
+        from kvcalib_kernels.decode_attention import DecodeConfig
+
+        cfg = meta.get("default_config") or cfg_dict(DecodeConfig())
+        lines += [f"Kernel config: `DecodeConfig()` defaults, `{cfg}` (`unpack` None resolves to the lane "
+                  "unpack 5 on every layout of this table; `decode_tune.json` has the tile sweep behind them).", ""]
     lines += ["| model | batch | context | bits | group | ms | ms bf16 | speedup | bytes x | GB/s | frac copy bw | bf16 baseline |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -870,7 +927,7 @@ def main_report(args) -> None:
               "random bf16 K/V per layer, the oldest tokens quantized and packed by the Triton quantize-and-pack "
               "kernel straight into the layer's packed buffers, the newest 128 left pending in bf16. Decode then "
               "runs the real runtime: HF attention -> kvcalib attention function -> Triton kernel per layer; a "
-              "flush (the runtime's PyTorch quantizer) happens every 128 steps and is inside the timed steps "
+              "flush (through the codec, on CUDA the quantize-and-pack kernel in one launch per side) happens every 128 steps and is inside the timed steps "
               "when steps > 128.", "",
               "| cache | batch | tokens/s | median step ms | max step ms | peak GiB | cache GiB | est. max batch at this context |",
               "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -889,7 +946,7 @@ def main_report(args) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=("micro", "latency", "splits", "e2e", "report"), default="micro")
+    ap.add_argument("--mode", choices=("micro", "latency", "splits", "tune", "e2e", "report"), default="micro")
     ap.add_argument("--out", default="artifacts/bench")
     ap.add_argument("--quick", action="store_true", help="a few shapes only (smoke test)")
     ap.add_argument("--no-sweep", action="store_true", help="default config, no sweep")
@@ -899,7 +956,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches-bf16", type=int, nargs="*", default=[8])
     ap.add_argument("--batches-packed", type=int, nargs="*", default=[8, 32])
     args = ap.parse_args(argv)
-    {"micro": main_micro, "latency": main_latency, "splits": main_splits, "e2e": main_e2e,
+    {"micro": main_micro, "latency": main_latency, "splits": main_splits, "tune": main_tune, "e2e": main_e2e,
      "report": main_report}[args.mode](args)
 
 

@@ -4,7 +4,11 @@ The specification is :func:`kvcalib.quant.uniform.quantize_keys` /
 :func:`~kvcalib.quant.uniform.quantize_values` followed by
 :func:`kvcalib.quant.packing.pack_codes` (re-exported as
 :func:`kvcalib_kernels.reference.quantize_pack_keys_reference` / ``..._values_reference``):
-same codes, same float16 scale and zero, bit for bit (the tests use ``torch.equal``).
+same codes, same float16 scale and zero, bit for bit (the tests use ``torch.equal``). With the
+fitted state of a recipe (what :meth:`kvcalib.runtime.codec.LayerCodec.encode_keys` does) the
+specification is :func:`kvcalib.runtime.codec.quantize_reference` (SKVQ channel permutation
+``perm``, TaDA deviations from a stored mean ``mean``) and
+:func:`kvcalib.runtime.codec.center_reference` (the stored mean itself, :func:`center_pack`).
 
 How bit-exactness is kept (the reference's "Arithmetic" notes):
 
@@ -15,7 +19,18 @@ How bit-exactness is kept (the reference's "Arithmetic" notes):
   (clamping first is equivalent: the bounds are integers), ``(t + 1.5 * 2**23) - 1.5 * 2**23``
   rounds to the nearest integer, ties to even, in float32;
 - the clip arithmetic ``c - alpha * (c - lo)`` must not become a fused multiply-add (torch
-  rounds the product): the kernels launch with ``enable_fp_fusion=False``.
+  rounds the product): the kernels launch with ``enable_fp_fusion=False``;
+- a permutation is a gather: stored channel ``j`` of head ``h`` loads input channel
+  ``perm[h, j]`` (no arithmetic, so nothing to round);
+- centering: ``dev = x - mean_hat`` is one float32 subtraction, as in torch. The mean over kv
+  heads must be summed in torch's CPU order to be bit-exact: ``sum`` over a non-innermost dim
+  (``SumKernel.cpp``'s cascade, ``multi_row_sum``) adds the heads one by one from 0 within chunks
+  of 16, adds the chunk sums one by one from 0 into a second accumulator, and returns
+  ``tail + chunks``; ``mean`` is that sum divided by H (IEEE division on CPU). Past 255 heads the
+  cascade gains a third level, which :func:`center_pack` does not reproduce (it refuses). On
+  CUDA, torch's own ``mean`` multiplies by ``1/H`` and sums in another order, so the kernel
+  matches the CPU specification, not torch-on-CUDA (like ``fit_params`` before it divided
+  tensor by tensor).
 
 Keys (per channel over groups of ``group`` tokens): grid ``(B * H, T / group, cdiv(P, PB))``; a
 program loads, for each of the ``8 / bits`` planes, the ``(group, PB)`` tile of that plane's
@@ -23,6 +38,14 @@ channels, reduces over tokens, and ORs the plane's codes into one ``(group, PB)`
 Values (per token over groups of ``group`` channels): grid ``(B * H, cdiv(T, TB))``; each plane is
 a ``(TB, P / W, W)`` tile, ``W = min(group, P)``, so each group is a reduction over the last axis
 (a group wider than a plane is reduced from its own ``(TB, group)`` tile).
+Centre (mean over kv heads): grid ``(B, cdiv(T, TB))``; a program sums its ``(TB, D)`` tile over
+the heads and writes the stored mean (float16, or 8-bit codes over one group of D channels) and
+the float32 ``mean_hat`` the quantize kernels subtract.
+
+Padding and OTT: ``valid`` (bool, broadcastable to ``(B, H, T)``) is the reference's range mask:
+False tokens are left out of their group's min/max but still encoded (keys; clamped into the
+group's range), and a value token that is False has empty groups (scale = zero = 0, codes 0).
+The codec passes ``padding & keep`` (OTT pool entrants are False), exactly as the reference.
 
 Not checked by the kernels: the reference raises on NaN/inf inputs and on float16 overflow of a
 parameter; here ``validate=True`` (default) checks finiteness first (one device sync), else
@@ -37,8 +60,10 @@ import triton.language as tl
 
 from kvcalib.quant.uniform import QuantizedTensor
 
-__all__ = ["quantize_pack_keys", "quantize_pack_values"]
+__all__ = ["MAX_CENTER_HEADS", "center_pack", "quantize_pack_keys", "quantize_pack_values", "supports"]
 
+# torch.sum over the kv-head dim (CPU) adds a third cascade level from 256 heads on (module doc)
+MAX_CENTER_HEADS = 255
 
 
 @triton.jit
@@ -66,6 +91,24 @@ def _encode(x, s32, z32, QMAX: tl.constexpr):
 
 
 @triton.jit
+def _load_dev(x_ptrs, m_ptrs, cols, mask, perm_row, D: tl.constexpr, HAS_PERM: tl.constexpr,
+              HAS_MEAN: tl.constexpr):
+    """Stored channels ``cols`` of a tile, float32: ``x[.., perm[cols]] - mean_hat[.., perm[cols]]``.
+
+    ``x_ptrs``/``m_ptrs``: row pointers broadcastable against ``cols`` (the input and the mean);
+    ``perm_row``: this head's permutation (int32, D entries). The permutation is applied to the
+    deviations, as the reference permutes after centering: a gather, no arithmetic."""
+    if HAS_PERM:
+        src = tl.load(perm_row + cols, mask=cols < D, other=0)
+    else:
+        src = cols
+    x = tl.load(x_ptrs + src, mask=mask, other=0.0).to(tl.float32)
+    if HAS_MEAN:
+        x = x - tl.load(m_ptrs + src, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
 def _quant_keys_kernel(
     # input (B, H, T, D) float, last dim contiguous
     X, stride_xb, stride_xh, stride_xt,
@@ -73,10 +116,14 @@ def _quant_keys_kernel(
     VALID, stride_vb, stride_vh, stride_vt,
     # clip alpha (B, H, T/GROUP, D) float32 (expanded), used when HAS_CLIP
     CLIP, stride_cb, stride_ch, stride_cg, stride_cd,
+    # channel permutation (H, D) int32 contiguous, used when HAS_PERM;
+    # mean_hat (B, T, D) float32 contiguous, used when HAS_MEAN
+    PERM, MEAN,
     # outputs: codes (B, H, T, P) uint8; scale/zero (B, H, T/GROUP, D) float16; all contiguous
     CODES, SCALE, ZERO, T, H,
     D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-    PB: tl.constexpr, HAS_VALID: tl.constexpr, HAS_CLIP: tl.constexpr,
+    PB: tl.constexpr, HAS_VALID: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_PERM: tl.constexpr,
+    HAS_MEAN: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     g = tl.program_id(1)  # token group
@@ -95,11 +142,14 @@ def _quant_keys_kernel(
         ok = ok & (v != 0)
     any_ok = tl.max(ok.to(tl.int32), axis=0) > 0
     x_rows = X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + offs_t.to(tl.int64) * stride_xt
+    m_rows = MEAN + (b.to(tl.int64) * T + offs_t) * D  # (G_PAD,) mean_hat rows (HAS_MEAN)
+    perm_row = PERM + h * D
     prow = (pid_bh.to(tl.int64) * (T // GROUP) + g) * D  # scale/zero row of this group
     packed = tl.zeros([G_PAD, PB], tl.uint8)
     for s in tl.static_range(PER):
-        cols = s * P + offs_p  # (PB,) channels of plane s
-        x = tl.load(x_rows[:, None] + cols[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
+        cols = s * P + offs_p  # (PB,) stored channels of plane s
+        x = _load_dev(x_rows[:, None], m_rows[:, None], cols[None, :], t_ok[:, None] & p_ok[None, :], perm_row,
+                      D, HAS_PERM, HAS_MEAN)  # (G_PAD, PB)
         lo = tl.min(tl.where(ok[:, None], x, float("inf")), axis=0)  # (PB,)
         hi = tl.max(tl.where(ok[:, None], x, float("-inf")), axis=0)
         lo = tl.where(any_ok, lo, 0.0)
@@ -125,10 +175,14 @@ def _quant_values_kernel(
     VALID, stride_vb, stride_vh, stride_vt,
     # clip alpha (B, H, T, D/GROUP) float32 (expanded), used when HAS_CLIP
     CLIP, stride_cb, stride_ch, stride_ct, stride_cg,
+    # channel permutation (H, D) int32 contiguous, used when HAS_PERM;
+    # mean_hat (B, T, D) float32 contiguous, used when HAS_MEAN
+    PERM, MEAN,
     # outputs: codes (B, H, T, P) uint8; scale/zero (B, H, T, D/GROUP) float16; all contiguous
     CODES, SCALE, ZERO, T, H,
     D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr,
-    TB: tl.constexpr, HAS_VALID: tl.constexpr, HAS_CLIP: tl.constexpr,
+    TB: tl.constexpr, HAS_VALID: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_PERM: tl.constexpr,
+    HAS_MEAN: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // H
@@ -147,11 +201,14 @@ def _quant_values_kernel(
     offs_w = tl.arange(0, W)
     byte3 = offs_g[None, :, None] * W + offs_w[None, None, :]  # (1, NGP, W) byte column
     x_rows = X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + offs_t.to(tl.int64) * stride_xt
+    m_rows = MEAN + (b.to(tl.int64) * T + offs_t) * D  # (TB,) mean_hat rows (HAS_MEAN)
+    perm_row = PERM + h * D
     prows = (pid_bh.to(tl.int64) * T + offs_t) * NG  # (TB,) scale/zero rows
     m3 = t_ok[:, None, None]
     packed = tl.zeros([TB, NGP, W], tl.uint8)
     for s in tl.static_range(PER):
-        x = tl.load(x_rows[:, None, None] + s * P + byte3, mask=m3, other=0.0).to(tl.float32)  # (TB, NGP, W)
+        x = _load_dev(x_rows[:, None, None], m_rows[:, None, None], s * P + byte3, m3, perm_row,
+                      D, HAS_PERM, HAS_MEAN)  # (TB, NGP, W)
         gcol = (s * P + offs_g * W) // GROUP  # (NGP,) value group of each sub-group
         if GROUP <= P:
             lo = tl.min(x, axis=2)  # (TB, NGP)
@@ -159,7 +216,8 @@ def _quant_values_kernel(
         else:
             # the group spans several planes: reduce over its own (TB, GROUP) tile
             gch = ((s * P) // GROUP) * GROUP + tl.arange(0, GROUP)
-            xg = tl.load(x_rows[:, None] + gch[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+            xg = _load_dev(x_rows[:, None], m_rows[:, None], gch[None, :], t_ok[:, None], perm_row,
+                           D, HAS_PERM, HAS_MEAN)  # (TB, GROUP)
             lo = tl.min(xg, axis=1)[:, None]  # (TB, 1) == (TB, NGP)
             hi = tl.max(xg, axis=1)[:, None]
         lo = tl.where(ok[:, None], lo, 0.0)  # a padding token's groups are empty: [0, 0]
@@ -177,7 +235,89 @@ def _quant_values_kernel(
     tl.store(out, packed, mask=m3)
 
 
+@triton.jit
+def _center_kernel(
+    # input (B, H, T, D) float, last dim contiguous
+    X, stride_xb, stride_xh, stride_xt,
+    # outputs, all contiguous: mean_hat (B, T, D) float32 (what the quantize kernels subtract);
+    # MEAN_BITS 16: mean (B, T, D) float16; MEAN_BITS 8: codes (B, T, D) uint8, scale/zero (B, T) float16
+    MEAN_HAT, MEAN16, MCODES, MSCALE, MZERO, T,
+    H: tl.constexpr, D: tl.constexpr, TB: tl.constexpr, MEAN_BITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs_t = tl.program_id(1) * TB + tl.arange(0, TB)  # (TB,)
+    t_ok = offs_t < T
+    offs_d = tl.arange(0, D)
+    mask = t_ok[:, None]
+    x_ptrs = (X + b.to(tl.int64) * stride_xb + offs_t.to(tl.int64)[:, None] * stride_xt
+              + offs_d[None, :])  # (TB, D), head 0
+    # torch's CPU order (module doc): heads one by one from 0 within chunks of 16, chunk sums one
+    # by one from 0, then tail + chunks. Every add starts from +0.0, as torch's accumulators do
+    # (0.0 + -0.0 is +0.0: the sign of a zero mean matches too).
+    chunks = tl.zeros([TB, D], tl.float32)
+    for c in tl.static_range(H // 16):
+        part = tl.zeros([TB, D], tl.float32)
+        for j in tl.static_range(16):
+            part += tl.load(x_ptrs + (c * 16 + j) * stride_xh, mask=mask, other=0.0).to(tl.float32)
+        chunks += part
+    tail = tl.zeros([TB, D], tl.float32)
+    for j in tl.static_range((H // 16) * 16, H):
+        tail += tl.load(x_ptrs + j * stride_xh, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.math.div_rn(tail + chunks, H * 1.0)  # (TB, D)
+    rows = (b.to(tl.int64) * T + offs_t) * D  # (TB,)
+    if MEAN_BITS == 16:
+        m16 = mean.to(tl.float16)
+        tl.store(MEAN16 + rows[:, None] + offs_d[None, :], m16, mask=mask)
+        mean_hat = m16.to(tl.float32)
+    else:
+        # quantize_mean: per-token 8 bits over one group of D channels, dequantized
+        s16, z16 = _fit(tl.min(mean, axis=1), tl.max(mean, axis=1), mean, 255, False)  # (TB,)
+        s32 = s16.to(tl.float32)[:, None]
+        z32 = z16.to(tl.float32)[:, None]
+        mean_hat = _encode(mean, s32, z32, 255).to(tl.float32) * s32 + z32  # (TB, D)
+        # the codec stores quantize_values(mean_hat, 8, D): quantized once more, as it does
+        s16, z16 = _fit(tl.min(mean_hat, axis=1), tl.max(mean_hat, axis=1), mean_hat, 255, False)
+        code = _encode(mean_hat, s16.to(tl.float32)[:, None], z16.to(tl.float32)[:, None], 255)
+        tl.store(MCODES + rows[:, None] + offs_d[None, :], code, mask=mask)
+        tl.store(MSCALE + b.to(tl.int64) * T + offs_t, s16, mask=t_ok)
+        tl.store(MZERO + b.to(tl.int64) * T + offs_t, z16, mask=t_ok)
+    tl.store(MEAN_HAT + rows[:, None] + offs_d[None, :], mean_hat, mask=mask)
+
+
 # ---------------------------------------------------------------- launchers
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def supports(*, shape: tuple[int, ...], dtype: torch.dtype, bits: int, group: int, per_channel: bool,
+             center: int = 0, perm_heads: int | None = None) -> str | None:
+    """None when these kernels encode a block of this layout, else the reason they do not.
+
+    ``shape`` (B, H, T, D); ``per_channel``: keys per channel over groups of ``group`` tokens
+    (:func:`quantize_pack_keys`), else per token over groups of ``group`` channels
+    (:func:`quantize_pack_values`); ``center``: mean bits (0 off, 8 or 16); ``perm_heads``: rows of
+    the permutation (None: no permutation). Cheap, no device sync.
+    """
+    if len(shape) != 4:
+        return f"shape {tuple(shape)} is not (B, H, T, D)"
+    _, h, t, d = shape
+    if dtype not in _DTYPES:
+        return f"dtype {dtype} is not float16, bfloat16 or float32"
+    if bits not in (2, 4, 8) or isinstance(bits, bool):
+        return f"bits {bits} is not 2, 4 or 8"
+    if d < 8 or d & (d - 1):
+        return f"head_dim {d} is not a power of two >= 8"
+    if per_channel and t % group:
+        return f"{t} tokens are not whole key groups of {group}"
+    if not per_channel and (group < 1 or group & (group - 1) or d % group):
+        return f"value group {group} is not a power of two dividing head_dim {d}"
+    if center not in (0, 8, 16):
+        return f"mean bits {center} is not 0, 8 or 16"
+    if center and h > MAX_CENTER_HEADS:
+        return f"{h} kv heads: centering sums at most {MAX_CENTER_HEADS} in torch's order"
+    if perm_heads is not None and (perm_heads < 1 or h % perm_heads):
+        return f"a permutation of {perm_heads} heads does not fit {h} kv heads"
+    return None
 
 
 def _check_input(x: torch.Tensor, name: str, bits: int, validate: bool) -> torch.Tensor:
@@ -229,14 +369,46 @@ def _valid_u8(valid, b, h, t, dev):
     return e, e.stride(), True
 
 
+def _perm_i32(perm, h, d, dev, validate: bool):
+    """(int32 (H, D) contiguous, has_perm) for an optional per-head permutation (H' | H rows:
+    kv head ``h`` uses row ``h // (H / H')``, like :func:`kvcalib.calibrate.reorder.apply_perm`)."""
+    if perm is None:
+        return torch.zeros(1, dtype=torch.int32, device=dev), False
+    if not isinstance(perm, torch.Tensor) or perm.dim() != 2 or perm.is_floating_point() or perm.dtype == torch.bool:
+        raise ValueError(f"perm must be an integer (H, D) tensor, got {getattr(perm, 'dtype', type(perm))} "
+                         f"{tuple(getattr(perm, 'shape', ()))}")
+    if perm.shape[1] != d or perm.shape[0] < 1 or h % perm.shape[0]:
+        raise ValueError(f"perm of shape {tuple(perm.shape)} does not fit H={h} kv heads and D={d} channels")
+    if validate and not bool((torch.sort(perm.long(), dim=-1).values == torch.arange(d, device=perm.device)).all()):
+        raise ValueError("perm must hold a permutation of 0..D-1 per head")
+    p = perm.to(device=dev, dtype=torch.int32)
+    if p.shape[0] != h:
+        p = p.repeat_interleave(h // p.shape[0], dim=0)  # (H, D)
+    return p.contiguous(), True
+
+
+def _mean_f32(mean, b, t, d, dev):
+    """(float32 (B, T, D) contiguous, has_mean) for an optional ``mean_hat`` (B, 1, T, D)."""
+    if mean is None:
+        return torch.zeros(1, dtype=torch.float32, device=dev), False
+    if not isinstance(mean, torch.Tensor) or mean.dtype != torch.float32 or tuple(mean.shape) != (b, 1, t, d):
+        raise ValueError(f"mean must be float32 (B, 1, T, D) = {(b, 1, t, d)}, got "
+                         f"{getattr(mean, 'dtype', type(mean))} {tuple(getattr(mean, 'shape', ()))}")
+    return mean.to(dev).contiguous(), True
+
+
 def quantize_pack_keys(k: torch.Tensor, bits: int, group: int, clip=1.0, valid: torch.Tensor | None = None,
-                       *, validate: bool = True) -> QuantizedTensor:
+                       *, perm: torch.Tensor | None = None, mean: torch.Tensor | None = None,
+                       validate: bool = True) -> QuantizedTensor:
     """Per-channel keys over groups of ``group`` tokens, quantized and planar-packed in one pass.
 
     Same arguments and result as :func:`kvcalib_kernels.reference.quantize_pack_keys_reference`:
     k ``(B, H, T, D)`` (``T % group == 0``) -> codes uint8 ``(B, H, T, D * bits / 8)``,
-    scale/zero float16 ``(B, H, T / group, D)``. ``validate`` checks finiteness and clip range
-    (one device sync); set it False to keep a flush sync-free.
+    scale/zero float16 ``(B, H, T / group, D)``. With ``perm`` (integer ``(H, D)``, stored channel
+    ``j`` = input channel ``perm[h, j]``) and/or ``mean`` (float32 ``(B, 1, T, D)``, the stored mean
+    from :func:`center_pack`) it quantizes ``apply_perm(k - mean, perm)``, as
+    :func:`kvcalib.runtime.codec.quantize_reference`. ``validate`` checks finiteness, clip range
+    and the permutation (device syncs); set it False to keep a flush sync-free.
     """
     k = _check_input(k, "k", bits, validate)
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
@@ -253,22 +425,26 @@ def quantize_pack_keys(k: torch.Tensor, bits: int, group: int, clip=1.0, valid: 
     if k.numel():
         vt, vs, has_valid = _valid_u8(valid, b, h, t, dev)
         ct, cs, has_clip = _expand_clip(clip, (b, h, t // group, d), dev, validate)
+        pt, has_perm = _perm_i32(perm, h, d, dev, validate)
+        mt, has_mean = _mean_f32(mean, b, t, d, dev)
         g_pad = triton.next_power_of_2(group)
         pb = min(triton.next_power_of_2(p), max(1, 4096 // g_pad))  # keep the (G, PB) tile ~4K elements
         _quant_keys_kernel[(b * h, t // group, triton.cdiv(p, pb))](
-            k, *k.stride()[:3], vt, *vs, ct, *cs, codes, scale, zero, t, h,
+            k, *k.stride()[:3], vt, *vs, ct, *cs, pt, mt, codes, scale, zero, t, h,
             D=d, P=p, BITS=bits, GROUP=group, G_PAD=g_pad, PB=pb, HAS_VALID=has_valid, HAS_CLIP=has_clip,
-            num_warps=4, enable_fp_fusion=False)
+            HAS_PERM=has_perm, HAS_MEAN=has_mean, num_warps=4, enable_fp_fusion=False)
     return QuantizedTensor(codes, scale, zero, bits, group, "token")
 
 
 def quantize_pack_values(v: torch.Tensor, bits: int, group: int, clip=1.0, valid: torch.Tensor | None = None,
-                         *, validate: bool = True) -> QuantizedTensor:
+                         *, perm: torch.Tensor | None = None, mean: torch.Tensor | None = None,
+                         validate: bool = True) -> QuantizedTensor:
     """Per-token values over contiguous groups of ``group`` channels, quantized and packed.
 
     Same arguments and result as :func:`kvcalib_kernels.reference.quantize_pack_values_reference`:
     v ``(B, H, T, D)`` (``D % group == 0``, ``group`` a power of two) -> codes uint8
-    ``(B, H, T, D * bits / 8)``, scale/zero float16 ``(B, H, T, D / group)``.
+    ``(B, H, T, D * bits / 8)``, scale/zero float16 ``(B, H, T, D / group)``. ``perm``, ``mean``
+    and ``validate`` as in :func:`quantize_pack_keys` (also used for per-token keys).
     """
     v = _check_input(v, "v", bits, validate)
     if isinstance(group, bool) or not isinstance(group, int) or group < 1 or group & (group - 1):
@@ -285,11 +461,49 @@ def quantize_pack_values(v: torch.Tensor, bits: int, group: int, clip=1.0, valid
     if v.numel():
         vt, vs, has_valid = _valid_u8(valid, b, h, t, dev)
         ct, cs, has_clip = _expand_clip(clip, (b, h, t, d // group), dev, validate)
+        pt, has_perm = _perm_i32(perm, h, d, dev, validate)
+        mt, has_mean = _mean_f32(mean, b, t, d, dev)
         w = min(group, p)
         tb = max(1, min(64, 4096 // d))
         tb = min(tb, triton.next_power_of_2(t))
         _quant_values_kernel[(b * h, triton.cdiv(t, tb))](
-            v, *v.stride()[:3], vt, *vs, ct, *cs, codes, scale, zero, t, h,
+            v, *v.stride()[:3], vt, *vs, ct, *cs, pt, mt, codes, scale, zero, t, h,
             D=d, P=p, BITS=bits, GROUP=group, W=w, TB=tb, HAS_VALID=has_valid, HAS_CLIP=has_clip,
-            num_warps=4, enable_fp_fusion=False)
+            HAS_PERM=has_perm, HAS_MEAN=has_mean, num_warps=4, enable_fp_fusion=False)
     return QuantizedTensor(codes, scale, zero, bits, group, "channel")
+
+
+def center_pack(x: torch.Tensor, mean_bits: int, *, validate: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor | None, QuantizedTensor | None]:
+    """TaDA's stored mean over kv heads, as :func:`kvcalib.runtime.codec.center_reference`.
+
+    x ``(B, H, T, D)`` (``H <= MAX_CENTER_HEADS``) -> ``(mean_hat, mean16, mean_q)``: ``mean_hat``
+    float32 ``(B, 1, T, D)``, the stored mean dequantized (subtract it through the ``mean``
+    argument of the quantize functions); ``mean_bits == 16``: ``mean16`` float16 ``(B, 1, T, D)``,
+    ``mean_q`` None; ``mean_bits == 8``: ``mean16`` None, ``mean_q`` the 8-bit per-token codes of
+    ``mean_hat`` over one group of D channels (codes ``(B, 1, T, D)``, scale/zero ``(B, 1, T, 1)``).
+    """
+    x = _check_input(x, "x", 8, validate)
+    if mean_bits not in (8, 16) or isinstance(mean_bits, bool):
+        raise ValueError(f"mean_bits must be 8 or 16, got {mean_bits!r}")
+    b, h, t, d = x.shape
+    if h > MAX_CENTER_HEADS:
+        raise ValueError(f"{h} kv heads: center_pack sums at most {MAX_CENTER_HEADS} heads in torch's order")
+    dev = x.device
+    mean_hat = torch.empty((b, 1, t, d), dtype=torch.float32, device=dev)
+    dummy = torch.empty(1, dtype=torch.uint8, device=dev)
+    mean16 = mcodes = mscale = mzero = None
+    if mean_bits == 16:
+        mean16 = torch.empty((b, 1, t, d), dtype=torch.float16, device=dev)
+    else:
+        mcodes = torch.empty((b, 1, t, d), dtype=torch.uint8, device=dev)
+        mscale = torch.empty((b, 1, t, 1), dtype=torch.float16, device=dev)
+        mzero = torch.empty_like(mscale)
+    if x.numel():
+        tb = max(1, min(64, 4096 // d))
+        tb = min(tb, triton.next_power_of_2(t))
+        _center_kernel[(b, triton.cdiv(t, tb))](
+            x, *x.stride()[:3], mean_hat, *(dummy if a is None else a for a in (mean16, mcodes, mscale, mzero)), t,
+            H=h, D=d, TB=tb, MEAN_BITS=mean_bits, num_warps=4, enable_fp_fusion=False)
+    mean_q = None if mcodes is None else QuantizedTensor(mcodes, mscale, mzero, 8, d, "channel")
+    return mean_hat, mean16, mean_q

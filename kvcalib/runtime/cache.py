@@ -197,8 +197,11 @@ class CompressedLayer(CacheLayerMixin):
             block = cfg.flush_block
             due = (self.pend_k.shape[-2] - cfg.window) // block * block
             if due > 0:
-                for off in range(0, due, block):
-                    self._flush_block(off, block)
+                if self.outliers.active or self.codec.tiered:
+                    for off in range(0, due, block):  # pools select per group; tiers age per block
+                        self._flush_block(off, block)
+                else:  # one encode for all due groups (one kernel launch on GPU, not one per group)
+                    self._flush_block(0, due)
                 self.pend_k = self.pend_k[:, :, due:].clone()
                 self.pend_v = self.pend_v[:, :, due:].clone()
                 self.pend_start += due

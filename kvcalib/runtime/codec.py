@@ -17,10 +17,18 @@ Packed layout (the PyTorch reference the Triton kernels follow):
 - keys, ``k_axis="token"``: codes as above; scale/zero (B, H, N, D/k_group) float16.
 - values: codes (B, H, N, D*vb/8); scale/zero (B, H, N, D/v_group) float16.
 - 16 bits: the block is kept as it came (model dtype), (B, H, N, D).
+
+Encoding runs the fused Triton kernels (:mod:`kvcalib_kernels.quant_pack`: centering, permutation,
+clip, padding and OTT range masks in one pass per side, no device sync) when the backend selection
+of :mod:`kvcalib.runtime.backend` picks Triton for the block's tensor (:func:`use_triton_encode`)
+and the kernels cover the side's layout (``kvcalib_kernels.quant_pack.supports``); otherwise, and
+for PATS requantization, the PyTorch reference below (:func:`center_reference`,
+:func:`quantize_reference`), which is the specification: both give the same bytes.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +69,52 @@ def _range_mask(valid: torch.Tensor | None, keep: torch.Tensor | None) -> torch.
     return m
 
 
+def center_reference(x: torch.Tensor, mean_bits: int
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, QuantizedTensor | None]:
+    """TaDA's stored mean of ``x`` (B, H, N, D): ``(mean_hat, mean16, mean_q)``.
+
+    ``mean_hat`` float32 (B, 1, N, D) is the stored mean dequantized (the deviations are taken
+    from it); ``mean_bits == 16``: ``mean16`` float16 (B, 1, N, D) is what is stored; ``8``:
+    ``mean_q`` holds 8-bit per-token codes of ``mean_hat`` over one group of D channels. The
+    specification of :func:`kvcalib_kernels.quant_pack.center_pack`.
+    """
+    from kvcalib.calibrate.center import center
+
+    mean_hat, _ = center(x, mean_bits)  # (B, 1, N, D) as stored
+    if mean_bits == 16:
+        return mean_hat, mean_hat.to(torch.float16), None
+    return mean_hat, None, quantize_values(mean_hat, 8, mean_hat.shape[-1])
+
+
+def quantize_reference(x: torch.Tensor, bits: int, group: int, per_channel: bool,
+                       clip: float | torch.Tensor = 1.0, valid: torch.Tensor | None = None, *,
+                       perm: torch.Tensor | None = None, mean: torch.Tensor | None = None) -> QuantizedTensor:
+    """``x`` (B, H, N, D) centred on ``mean`` (float32 (B, 1, N, D), from :func:`center_reference`),
+    channels permuted by ``perm`` ((H, D): stored channel j = input channel perm[h, j]), then
+    quantized: keys per channel over groups of ``group`` tokens (``per_channel``) or per token over
+    groups of ``group`` channels, ranges over ``valid`` (bool, broadcastable to (B, H, N)). The
+    specification of :func:`kvcalib_kernels.quant_pack.quantize_pack_keys` / ``..._values``
+    (same ``perm`` and ``mean`` arguments)."""
+    if mean is not None:
+        x = x.float() - mean  # (B, H, N, D) deviations from the stored mean
+    if perm is not None:
+        x = apply_perm(x, perm)
+    return (quantize_keys if per_channel else quantize_values)(x, bits, group, clip=clip, valid=valid)
+
+
+def use_triton_encode(x: torch.Tensor) -> bool:
+    """Whether blocks of ``x`` (B, H, N, D) encode through the Triton kernels: the attention's
+    backend selection (:func:`kvcalib.runtime.backend.use_triton_for`, ``KVCALIB_BACKEND``) asked
+    for a one-token step on ``x``'s device. ``reference``: never; ``auto``: CUDA tensors when
+    triton imports; ``triton``: CUDA tensors, or any under ``TRITON_INTERPRET=1`` (the CPU tests),
+    else the reference (like :mod:`kvcalib.runtime.triton_path`). No device sync."""
+    from kvcalib.runtime.backend import use_triton_for
+
+    if not use_triton_for(x[..., :1, :]):  # a (B, H, 1, D) view: the selection reads device and Tq only
+        return False
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 class LayerCodec:
     """Quantize/dequantize blocks for one layer according to its LayerConfig and fitted state.
 
@@ -80,6 +134,7 @@ class LayerCodec:
         self.perm = {"k": k_perm, "v": v_perm}  # (H, D) int64: stored channel j = input channel perm[h, j]
         self.inv = {s: (None if p is None else invert_perm(p)) for s, p in self.perm.items()}
         self.center = {"k": int(k_center), "v": int(v_center)}  # mean bits: 0 off, 8 or 16
+        self._on_device: dict[tuple[str, str, torch.device], object] = {}  # kernel-path copies
         if isinstance(outlier_pool, bool) or not isinstance(outlier_pool, int) or outlier_pool < 0:
             raise KvcalibError(f"outlier_pool must be a non-negative int (0 = off), got {outlier_pool!r}")
         if outlier_pool and not cfg.compressed:
@@ -112,25 +167,66 @@ class LayerCodec:
     def _encode(self, side: str, x: torch.Tensor, valid: torch.Tensor | None,
                 keep: torch.Tensor | None = None) -> PackedBlock:
         """x (B, H, N, D) -> PackedBlock: centre, permute, clip-quantize (ranges over
-        :func:`_range_mask`'s tokens)."""
+        :func:`_range_mask`'s tokens); through the Triton kernels where they cover the side
+        (:func:`use_triton_encode`), else the reference (same bytes)."""
         bits, group = self._bits_group(side)
         if bits >= 16:
             return PackedBlock(None, x)
-        mean = mean_q = None
-        if self.center[side]:
-            from kvcalib.calibrate.center import center
-
-            mean_f, x = center(x, self.center[side])  # (B, 1, N, D) as stored, (B, H, N, D)
-            if self.center[side] == 16:
-                mean = mean_f.to(torch.float16)
-            else:
-                mean_q = quantize_values(mean_f, 8, mean_f.shape[-1])
-        if self.perm[side] is not None:
-            x = apply_perm(x, self.perm[side])
+        per_channel = side == "k" and self.cfg.k_axis == "channel"
         m = _range_mask(valid, keep)  # (B, 1|H, N) or None
-        per_channel_keys = side == "k" and self.cfg.k_axis == "channel"
-        quantize = quantize_keys if per_channel_keys else quantize_values
-        return PackedBlock(quantize(x, bits, group, clip=self.clip[side], valid=m), None, mean, mean_q)
+        if use_triton_encode(x):
+            out = self._encode_triton(side, x, m, bits, group, per_channel)
+            if out is not None:
+                return out
+        mean = mean16 = mean_q = None
+        if self.center[side]:
+            mean, mean16, mean_q = center_reference(x, self.center[side])  # (B, 1, N, D)
+        q = quantize_reference(x, bits, group, per_channel, self.clip[side], m, perm=self.perm[side], mean=mean)
+        return PackedBlock(q, None, mean16, mean_q)
+
+    def _encode_triton(self, side: str, x: torch.Tensor, m: torch.Tensor | None, bits: int, group: int,
+                       per_channel: bool) -> PackedBlock | None:
+        """:meth:`_encode` through :mod:`kvcalib_kernels.quant_pack` (validate=False: no device
+        sync); None when the kernels do not cover this side's layout."""
+        from kvcalib_kernels import quant_pack
+
+        perm = self.perm[side]
+        if quant_pack.supports(shape=tuple(x.shape), dtype=x.dtype, bits=bits, group=group, per_channel=per_channel,
+                               center=self.center[side], perm_heads=None if perm is None else perm.shape[0]) is not None:
+            return None
+        if perm is not None and perm.shape[-1] != x.shape[-1]:
+            return None  # the reference names the mismatch
+        mean = mean16 = mean_q = None
+        if self.center[side]:
+            mean, mean16, mean_q = quant_pack.center_pack(x, self.center[side], validate=False)  # (B, 1, N, D)
+        quantize = quant_pack.quantize_pack_keys if per_channel else quant_pack.quantize_pack_values
+        q = quantize(x, bits, group, self._device_clip(side, x.device), m,
+                     perm=self._device_perm(side, x.device), mean=mean, validate=False)
+        return PackedBlock(q, None, mean16, mean_q)
+
+    def _device_clip(self, side: str, device: torch.device) -> float | torch.Tensor:
+        """The side's clip alpha on ``device`` as float32, checked and copied once per device (a
+        host-to-device copy at every flush would stall it)."""
+        clip = self.clip[side]
+        if not isinstance(clip, torch.Tensor):
+            return clip
+        key = ("clip", side, device)
+        if key not in self._on_device:
+            a = clip.detach().to(dtype=torch.float32)
+            if not bool(((a > 0) & (a <= 1)).all()):  # once: the kernels run with validate=False
+                raise ValueError(f"{side} clip values must lie in (0, 1] (1 means no clipping)")
+            self._on_device[key] = a.to(device)
+        return self._on_device[key]  # type: ignore[return-value]
+
+    def _device_perm(self, side: str, device: torch.device) -> torch.Tensor | None:
+        """The side's permutation on ``device`` as int32 (H, D), copied once per device."""
+        perm = self.perm[side]
+        if perm is None:
+            return None
+        key = ("perm", side, device)
+        if key not in self._on_device:
+            self._on_device[key] = perm.to(device=device, dtype=torch.int32).contiguous()
+        return self._on_device[key]  # type: ignore[return-value]
 
     def _decode(self, side: str, block: PackedBlock, dtype: torch.dtype) -> torch.Tensor:
         if block.raw is not None:

@@ -1,5 +1,8 @@
 """Quantize-and-pack kernels vs kvcalib.quant.uniform (+ packing): bit-exact (torch.equal).
 
+With a recipe's fitted state (SKVQ permutation, TaDA centering, OTT keep masks) the specification
+is kvcalib.runtime.codec's ``quantize_reference`` / ``center_reference`` (what LayerCodec encodes).
+
 Runs on CPU through Triton's interpreter (``TRITON_INTERPRET=1``, set here before any kernel
 module is imported) and on CUDA as is; the full-size grid is marked ``gpu``.
 """
@@ -24,6 +27,7 @@ qp = importlib.import_module("kvcalib_kernels.quant_pack")
 if INTERPRET and type(qp._quant_keys_kernel).__name__ != "InterpretedFunction":
     qp = importlib.reload(qp)  # imported earlier without the interpreter
 
+from kvcalib.runtime.codec import center_reference, quantize_reference  # noqa: E402
 from kvcalib_kernels.reference import quantize_pack_keys_reference, quantize_pack_values_reference  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (run through the device tool)")
@@ -117,6 +121,118 @@ def test_lean_import_of_the_package():
     code = ("import sys, kvcalib_kernels, kvcalib_kernels.reference, kvcalib; "
             "assert 'triton' not in sys.modules, 'triton imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------- recipe state: perm, mean, keep
+
+
+def _perm(h, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(d, generator=g) for _ in range(h)])  # (H, D) int64
+
+
+def assert_center_same(a, r):
+    """center_pack's (mean_hat, mean16, mean_q) vs center_reference's, bit for bit."""
+    assert torch.equal(a[0].cpu(), r[0]), f"mean_hat: {(a[0].cpu() != r[0]).sum().item()} differ"
+    assert (a[1] is None) == (r[1] is None) and (a[2] is None) == (r[2] is None)
+    if r[1] is not None:
+        assert a[1].dtype == torch.float16 and torch.equal(a[1].cpu(), r[1])
+    if r[2] is not None:
+        assert_same(a[2], r[2])
+
+
+# (layout id, per_channel, d, group): key groups of 12 tokens (a padded tile), value groups inside
+# a plane, a value group spanning planes (64 channels, 2 bits: planes of 16), per-token keys
+LAYOUTS = [("keys-g12", True, 64, 12), ("values-g8", False, 64, 8), ("values-g64", False, 64, 64),
+           ("token-keys-g16", False, 32, 16)]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8], ids=lambda b: f"{b}b")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x[0])
+@pytest.mark.parametrize("mean_bits", [0, 8, 16], ids=lambda m: f"mean{m}")
+def test_perm_mean_keep_bit_exact(bits, layout, mean_bits):
+    """What LayerCodec encodes from a recipe: x - mean_hat (TaDA), channels permuted per head
+    (SKVQ), ranges over ``padding & keep`` (OTT entrants excluded but still encoded), clip."""
+    _, per_channel, d, group = layout
+    b, h, t = 2, 3, 36
+    x = _x(b, h, t, d, torch.bfloat16, seed=bits + d + mean_bits)
+    g = torch.Generator().manual_seed(bits)
+    valid = (torch.arange(t)[None, :] >= torch.tensor([[0], [7]]))[:, None, :]  # (B, 1, T) left padding
+    keep = torch.rand(b, h, t, generator=g) > 0.2  # (B, H, T) OTT quant mask
+    keep[0, 1, :12] = False  # a key group wholly in the pool: zero scale and zero
+    m = valid & keep
+    perm = _perm(h, d, seed=d)
+    clip = (torch.rand(1, h, 1, d, generator=g) * 0.4 + 0.6) if per_channel else 0.85
+    mean = None
+    if mean_bits:
+        mean_k, *_ = qp.center_pack(x, mean_bits)
+        mean, *_ = center_reference(x.cpu(), mean_bits)
+        assert torch.equal(mean_k.cpu(), mean)
+        mean_dev = mean_k
+    fn = qp.quantize_pack_keys if per_channel else qp.quantize_pack_values
+    dev = (lambda a: a.to(DEVICE) if isinstance(a, torch.Tensor) else a)  # noqa: E731
+    got = fn(x, bits, group, dev(clip), dev(m), perm=dev(perm), mean=mean_dev if mean_bits else None)
+    assert_same(got, quantize_reference(x.cpu(), bits, group, per_channel, clip, m, perm=perm, mean=mean))
+    # one permutation row shared by every head (apply_perm's broadcast), no mask
+    got = fn(x, bits, group, perm=dev(perm[:1]), validate=False)
+    assert_same(got, quantize_reference(x.cpu(), bits, group, per_channel, perm=perm[:1]))
+
+
+@pytest.mark.parametrize("heads", [1, 3, 7, 20], ids=lambda h: f"H{h}")
+@pytest.mark.parametrize("mean_bits", [8, 16], ids=lambda m: f"mean{m}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_center_pack_bit_exact(heads, mean_bits, dtype):
+    big = _x(2, heads, 45, 64, dtype, seed=heads + mean_bits)
+    x = big[:, :, 3:40]  # a view into a longer buffer (the pending window), 37 tokens: a tail tile
+    assert_center_same(qp.center_pack(x, mean_bits), center_reference(x.cpu(), mean_bits))
+
+
+@pytest.mark.parametrize("heads", [20, 33], ids=lambda h: f"H{h}")
+def test_center_mean_sums_in_torch_order(heads):
+    """Past 16 heads torch sums in chunks of 16 (module doc): summing the heads one by one, or
+    multiplying by 1/H, changes some float32 means by an ulp, and about 1 in 5000 of those moves
+    the float16 mean; 32K random means catch either."""
+    x = torch.randn(1, heads, 512, 64, generator=torch.Generator().manual_seed(heads)) * 3
+    assert_center_same(qp.center_pack(x.to(DEVICE), 16), center_reference(x, 16))
+
+
+def test_rejects_bad_perm_mean_and_heads():
+    x = _x(1, 2, 16, 32, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="perm"):
+        qp.quantize_pack_keys(x, 2, 8, perm=_perm(3, 32, 0).to(DEVICE))  # 3 rows for 2 heads
+    bad = _perm(2, 32, 0)
+    bad[0, 0] = bad[0, 1]
+    with pytest.raises(ValueError, match="permutation"):
+        qp.quantize_pack_values(x, 2, 8, perm=bad.to(DEVICE))
+    with pytest.raises(ValueError, match="mean"):
+        qp.quantize_pack_keys(x, 2, 8, mean=torch.zeros(1, 2, 16, 32, device=DEVICE))
+    with pytest.raises(ValueError, match="mean_bits"):
+        qp.center_pack(x, 4)
+    with pytest.raises(ValueError, match="heads"):
+        qp.center_pack(torch.zeros(1, qp.MAX_CENTER_HEADS + 1, 1, 8, device=DEVICE), 16)
+    empty = qp.center_pack(x[:, :, :0], 8)
+    assert empty[0].shape == (1, 1, 0, 32) and empty[2].scale.shape == (1, 1, 0, 1)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("bits", [2, 4], ids=lambda b: f"{b}b")
+@pytest.mark.parametrize("mean_bits", [8, 16], ids=lambda m: f"mean{m}")
+def test_gpu_full_size_recipe_state_bit_exact(bits, mean_bits):
+    """Perm + centering + keep at a real shape (8 kv heads, head_dim 128, 1024 tokens) against the
+    CPU specification (torch's CUDA mean rounds differently: see the module doc)."""
+    b, h, t, d = 2, 8, 1024, 128
+    x = _x(b, h, t, d, torch.bfloat16, seed=bits + mean_bits)
+    xc = x.cpu()
+    keep = torch.rand(b, h, t, generator=torch.Generator().manual_seed(0)) > 0.05
+    perm = _perm(h, d, seed=1)
+    mean_k, *rest = qp.center_pack(x, mean_bits, validate=False)
+    ref = center_reference(xc, mean_bits)
+    assert_center_same((mean_k, *rest), ref)
+    for per_channel, group in ((True, 128), (False, 32)):
+        fn = qp.quantize_pack_keys if per_channel else qp.quantize_pack_values
+        got = fn(x, bits, group, 0.9, keep.to(DEVICE), perm=perm.to(DEVICE), mean=mean_k, validate=False)
+        assert_same(got, quantize_reference(xc, bits, group, per_channel, 0.9, keep, perm=perm, mean=ref[0]))
 
 
 @pytest.mark.gpu

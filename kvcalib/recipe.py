@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kvcalib.errors import RecipeError
+from kvcalib.io import read_safetensors_document
 from kvcalib.models import ModelInfo
 
 RECIPE_FORMAT = "kvcalib-recipe"
@@ -377,8 +378,6 @@ class Recipe:
     @classmethod
     def load(cls, path: Path | str) -> "Recipe":
         """Load and validate a recipe file, or a preset by name (``kivi-2``...)."""
-        from safetensors import safe_open
-
         if isinstance(path, str) and not path.endswith((".safetensors", ".json")) and path in list_presets():
             return load_preset(path)
         path = Path(path)
@@ -389,18 +388,8 @@ class Recipe:
             )
         if path.suffix == ".json":
             return _load_json(path)
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as err:  # safetensors raises several error types on corrupt input
-            raise RecipeError(f"recipe {path} is corrupt or truncated ({type(err).__name__}): re-export it") from None
-        if METADATA_KEY not in meta:
-            raise RecipeError(f"recipe {path} has no {METADATA_KEY!r} metadata: it is not a kvcalib recipe")
-        try:
-            doc = json.loads(meta[METADATA_KEY])
-        except (json.JSONDecodeError, TypeError) as err:
-            raise RecipeError(f"recipe {path}: its metadata is not valid JSON ({err.msg if hasattr(err, 'msg') else err})") from None
+        doc, tensors = read_safetensors_document(path, METADATA_KEY, "recipe", "a kvcalib recipe", RecipeError,
+                                                 fix=": re-export it")
         return cls.from_document(doc, tensors, str(path))
 
 

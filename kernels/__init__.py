@@ -6,8 +6,9 @@ twin of the same signature in :mod:`kvcalib_kernels.reference` that it is tested
 - :mod:`kvcalib_kernels.decode_attention`: split-K flash-decoding over packed 2/4/8-bit K
   (per-channel or per-token scales) and V (per-token scales), all query heads of a GQA group
   in one program, the full-precision segments (sinks, window) merged by log-sum-exp.
-- :mod:`kvcalib_kernels.quant_pack`: quantize-and-pack a flushed block, bit-exact with
-  :func:`kvcalib.quant.uniform.quantize_keys` / :func:`~kvcalib.quant.uniform.quantize_values`.
+- :mod:`kvcalib_kernels.quant_pack`: quantize-and-pack a flushed block (with the recipe's
+  permutation, clip, OTT keep mask and TaDA mean; ``center_pack`` stores the mean), bit-exact
+  with :func:`kvcalib.runtime.codec.quantize_reference` / ``center_reference``.
 - :mod:`kvcalib_kernels.huffman_decode`: Huffman streams (block format v1 of
   :mod:`kvcalib.quant.huffman`) -> codes, one lane per stream, bit-exact with ``decode_blocks``.
 - :mod:`kvcalib_kernels.decode_attention_huffman`: decode attention with the Huffman decode fused

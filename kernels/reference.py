@@ -6,6 +6,7 @@ clarity, not speed: they dequantize the whole packed cache (the kernels never do
 - :func:`decode_attention_reference` <-> :func:`kvcalib_kernels.decode_attention.decode_attention`
 - :func:`quantize_pack_keys_reference` <-> :func:`kvcalib_kernels.quant_pack.quantize_pack_keys`
 - :func:`quantize_pack_values_reference` <-> :func:`kvcalib_kernels.quant_pack.quantize_pack_values`
+- :func:`center_pack_reference` <-> :func:`kvcalib_kernels.quant_pack.center_pack`
 - :func:`huffman_decode_reference` <-> :func:`kvcalib_kernels.huffman_decode.huffman_decode`
   (it *is* :func:`kvcalib.quant.huffman.decode_blocks`)
 - :func:`decode_attention_huffman_reference` <->
@@ -30,6 +31,7 @@ __all__ = [
     "decode_attention_reference_in",
     "dequantize_packed",
     "huffman_decode_reference",
+    "center_pack_reference",
     "quantize_pack_keys_reference",
     "quantize_pack_values_reference",
 ]
@@ -190,23 +192,38 @@ def decode_attention_reference(
 
 
 def quantize_pack_keys_reference(k: torch.Tensor, bits: int, group: int, clip=1.0,
-                                 valid: torch.Tensor | None = None) -> QuantizedTensor:
-    """Per-channel keys over groups of ``group`` tokens: :func:`kvcalib.quant.uniform.quantize_keys`.
+                                 valid: torch.Tensor | None = None, *, perm: torch.Tensor | None = None,
+                                 mean: torch.Tensor | None = None) -> QuantizedTensor:
+    """Per-channel keys over groups of ``group`` tokens, after TaDA's ``mean`` and SKVQ's ``perm``:
+    :func:`kvcalib.runtime.codec.quantize_reference` (:func:`kvcalib.quant.uniform.quantize_keys`).
 
     k ``(B, H, T, D)`` -> codes uint8 ``(B, H, T, D * bits / 8)``, scale/zero float16
     ``(B, H, T / group, D)``.
     """
-    return quantize_keys(k, bits, group, clip=clip, valid=valid)
+    from kvcalib.runtime.codec import quantize_reference
+
+    return quantize_reference(k, bits, group, True, clip, valid, perm=perm, mean=mean)
 
 
 def quantize_pack_values_reference(v: torch.Tensor, bits: int, group: int, clip=1.0,
-                                   valid: torch.Tensor | None = None) -> QuantizedTensor:
-    """Per-token values over groups of ``group`` channels: :func:`kvcalib.quant.uniform.quantize_values`.
+                                   valid: torch.Tensor | None = None, *, perm: torch.Tensor | None = None,
+                                   mean: torch.Tensor | None = None) -> QuantizedTensor:
+    """Per-token values over groups of ``group`` channels, after ``mean`` and ``perm``:
+    :func:`kvcalib.runtime.codec.quantize_reference` (:func:`kvcalib.quant.uniform.quantize_values`).
 
     v ``(B, H, T, D)`` -> codes uint8 ``(B, H, T, D * bits / 8)``, scale/zero float16
     ``(B, H, T, D / group)``.
     """
-    return quantize_values(v, bits, group, clip=clip, valid=valid)
+    from kvcalib.runtime.codec import quantize_reference
+
+    return quantize_reference(v, bits, group, False, clip, valid, perm=perm, mean=mean)
+
+
+def center_pack_reference(x: torch.Tensor, mean_bits: int):
+    """TaDA's stored mean over kv heads: :func:`kvcalib.runtime.codec.center_reference`."""
+    from kvcalib.runtime.codec import center_reference
+
+    return center_reference(x, mean_bits)
 
 
 # ---------------------------------------------------------------- Huffman-coded cache

@@ -27,8 +27,9 @@ qp = importlib.import_module("kvcalib_kernels.quant_pack")
 if INTERPRET and type(qp._quant_keys_kernel).__name__ != "InterpretedFunction":
     qp = importlib.reload(qp)  # imported earlier without the interpreter
 
-from kvcalib.runtime.codec import center_reference, quantize_reference  # noqa: E402
-from kvcalib_kernels.reference import quantize_pack_keys_reference, quantize_pack_values_reference  # noqa: E402
+from kvcalib.runtime.codec import quantize_reference  # noqa: E402
+from kvcalib_kernels.reference import (center_pack_reference, quantize_pack_keys_reference,  # noqa: E402
+                                       quantize_pack_values_reference)
 
 requires_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (run through the device tool)")
 
@@ -166,7 +167,7 @@ def test_perm_mean_keep_bit_exact(bits, layout, mean_bits):
     mean = None
     if mean_bits:
         mean_k, *_ = qp.center_pack(x, mean_bits)
-        mean, *_ = center_reference(x.cpu(), mean_bits)
+        mean, *_ = center_pack_reference(x.cpu(), mean_bits)
         assert torch.equal(mean_k.cpu(), mean)
         mean_dev = mean_k
     fn = qp.quantize_pack_keys if per_channel else qp.quantize_pack_values
@@ -184,7 +185,7 @@ def test_perm_mean_keep_bit_exact(bits, layout, mean_bits):
 def test_center_pack_bit_exact(heads, mean_bits, dtype):
     big = _x(2, heads, 45, 64, dtype, seed=heads + mean_bits)
     x = big[:, :, 3:40]  # a view into a longer buffer (the pending window), 37 tokens: a tail tile
-    assert_center_same(qp.center_pack(x, mean_bits), center_reference(x.cpu(), mean_bits))
+    assert_center_same(qp.center_pack(x, mean_bits), center_pack_reference(x.cpu(), mean_bits))
 
 
 @pytest.mark.parametrize("heads", [20, 33], ids=lambda h: f"H{h}")
@@ -193,7 +194,7 @@ def test_center_mean_sums_in_torch_order(heads):
     multiplying by 1/H, changes some float32 means by an ulp, and about 1 in 5000 of those moves
     the float16 mean; 32K random means catch either."""
     x = torch.randn(1, heads, 512, 64, generator=torch.Generator().manual_seed(heads)) * 3
-    assert_center_same(qp.center_pack(x.to(DEVICE), 16), center_reference(x, 16))
+    assert_center_same(qp.center_pack(x.to(DEVICE), 16), center_pack_reference(x, 16))
 
 
 def test_rejects_bad_perm_mean_and_heads():
@@ -227,7 +228,7 @@ def test_gpu_full_size_recipe_state_bit_exact(bits, mean_bits):
     keep = torch.rand(b, h, t, generator=torch.Generator().manual_seed(0)) > 0.05
     perm = _perm(h, d, seed=1)
     mean_k, *rest = qp.center_pack(x, mean_bits, validate=False)
-    ref = center_reference(xc, mean_bits)
+    ref = center_pack_reference(xc, mean_bits)
     assert_center_same((mean_k, *rest), ref)
     for per_channel, group in ((True, 128), (False, 32)):
         fn = qp.quantize_pack_keys if per_channel else qp.quantize_pack_values

@@ -26,29 +26,36 @@ Two launches:
 
 Arithmetic (what keeps the per-code work small):
 
-- codes are unpacked with shifts and masks straight into float16 (exact: an integer < 2048 is
-  exact in float16) -- with ``unpack=2`` (the default on GPU) by a few PTX instructions per 4
-  codes (``prmt`` into 16-bit lanes, OR the exponent of 1024, ``sub.f16x2`` 1024: no int->float
-  conversion, which runs at a quarter of the integer rate); ``unpack=3`` reads int32 words and
-  keeps register pairs whole (a fixed channel permutation inside each 4 channels, undone on q
-  and on the output); ``unpack=1``/``4`` do the same tricks in plain Triton ops (portable, the
-  interpreter runs them); ``unpack=0`` converts with ``.to``.
+- codes become float16 without int->float conversions (which run at a quarter of the integer
+  rate). ``unpack=5`` (the default on GPU, once checked per layout): one AND-OR per pair of
+  codes -- the 32-bit register of 4 packed bytes holds bytes 0 and 2 in its two 16-bit lanes
+  (1 and 3 after one shift), the code bits stay in place and the float16 exponent of 1024 is set
+  around them, so a lane reads exactly ``1024 + code * 2**shift``; the 1024 and the 2**shift are
+  folded into the key bias / query planes and into the value accumulators (below), the lane
+  order (bytes 0, 2, 1, 3) is undone on the query channels (keys) and on the loaded value rows.
+  ``unpack=6`` is that arithmetic in Triton ops (the interpreter's default). ``unpack=2``: a few
+  PTX instructions per 4 codes (``prmt`` into 16-bit lanes, OR the exponent, ``sub.f16x2``);
+  ``unpack=3`` reads int32 words and keeps register pairs whole; ``1``/``4`` are those in Triton
+  ops; ``unpack=0`` converts with ``.to``.
 - per-channel key scales are folded into the query once per key group (blocks never straddle
   a group): ``q . (c * s + z) = (q * s) . c + q . z``, so K needs no per-element
   dequantization; the products run on the tensor cores (float16 operands, float32 accumulation).
 - per-token value scales are folded into the probabilities when a plane of channels lies in one
   value group (``v_group >= D * v_bits / 8``): ``sum_n p_n (c_n s_n + z_n) = (p * s) @ c + p @ z``;
   ``p * s`` is built once per value group, the zero term of all groups is one small extra
-  product. Smaller value groups (and per-token keys) dequantize per element instead (general,
-  about half the speed).
+  product; with the lane unpack, ``sum_n p_n s_n`` per value group takes the 1024 back out.
+  Smaller value groups (and per-token keys) dequantize per element instead (general, about half
+  the speed; they take the byte unpack).
 - the online softmax rescales lazily (only when a row's running max grows by more than 2^8).
 - float32 queries run the products in IEEE float32 (no tf32), float16/bfloat16 queries in
   float16 with float32 accumulation.
-- one warp per program (see :class:`DecodeConfig`), parallelism from many split programs.
+- one warp per program and 4-row query tiles (see :class:`DecodeConfig`), parallelism from many
+  split programs.
 
-Performance status (H200, ``artifacts/bench/decode_attention.md``): ~1.1-1.4x over the fastest
-bf16 SDPA at batch >= 8 and long contexts, slower at batch 1 / short contexts; the kernel is
-bound by instruction issue (unpack + 16-row tiles for R real rows), not by memory bandwidth.
+Performance status (H200, ``artifacts/bench/decode_attention.md``): ~1.3-1.7x over the fastest
+bf16 SDPA at batch >= 8 and long contexts (Mistral-7B shape, 32k, batch 8: 1.54x at 2 bits),
+slower at batch 1; the kernel is bound by instruction issue and latency at 255 registers (MMA
+fragments built from 4-row tiles, value codes gathered 4 tokens per register), not by memory.
 """
 
 from __future__ import annotations

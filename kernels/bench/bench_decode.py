@@ -390,8 +390,6 @@ def main_micro(args) -> None:
 def main_latency(args) -> None:
     """Small shapes are launch-bound: separate the GPU time (CUDA-graph replay over rotating input
     sets, so neither the host nor L2 residency flatters it) from the host time per call."""
-    import triton.testing
-
     from kvcalib_kernels.decode_attention import DecodeConfig
 
     out = Path(args.out)
@@ -401,12 +399,7 @@ def main_latency(args) -> None:
     rows = []
 
     def graph_ms(fns):
-        def all_sets():
-            for f in fns:
-                f()
-        all_sets()
-        torch.cuda.synchronize()
-        return float(triton.testing.do_bench_cudagraph(all_sets, rep=50, return_mode="median")) / len(fns)
+        return graph_ms_per_call(fns, rep=50)
 
     def host_us(fn, calls=200):
         fn()
@@ -464,23 +457,29 @@ def main_latency(args) -> None:
                     f"-> speedup (graph) {r['speedup_graph'] or float('nan'):.2f}")
 
 
+def graph_ms_per_call(fns, rep: int) -> float:
+    """Median CUDA-graph replay time of calling every function of ``fns`` once (rotating input
+    sets, so L2 cannot hold them), divided by their number: GPU time of one call, no host time."""
+    import triton.testing
+
+    def all_sets():
+        for f in fns:
+            f()
+    all_sets()
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench_cudagraph(all_sets, rep=rep, return_mode="median")) / len(fns)
+
+
 def graph_sweep(out_file: Path, shapes, configs_for_bits, default_for_bits) -> list[dict]:
     """CUDA-graph time of the kernel for each config of ``configs_for_bits(bits)`` (2 and 4 bits,
     group 128) on the Mistral shape at each (batch, context) of ``shapes``, with the bf16 SDPA
     graph time of the same shape; rows written to ``out_file`` as they come."""
-    import triton.testing
-
     dev = torch.device("cuda")
     hq, h, d = MODELS["mistral-7b"]
     scale = d ** -0.5
 
     def graph_ms(fns):
-        def all_sets():
-            for f in fns:
-                f()
-        all_sets()
-        torch.cuda.synchronize()
-        return float(triton.testing.do_bench_cudagraph(all_sets, rep=30, return_mode="median")) / len(fns)
+        return graph_ms_per_call(fns, rep=30)
 
     rows = []
     for b, ctx in shapes:

@@ -36,7 +36,9 @@ def requested_backend() -> str:
     return name
 
 
-def use_triton_for(query: torch.Tensor) -> bool:
+def triton_chosen(x: torch.Tensor) -> bool:
+    """The backend choice for work on ``x``'s device: ``reference`` never, ``triton`` always (it
+    must import), ``auto`` on CUDA tensors when triton imports. Shared by attention and encoding."""
     name = requested_backend()
     if name == "reference":
         return False
@@ -44,7 +46,14 @@ def use_triton_for(query: torch.Tensor) -> bool:
         if not has_triton():
             raise KvcalibError("KVCALIB_BACKEND=triton but triton is not installed: pip install triton, or unset KVCALIB_BACKEND.")
         return True
-    return query.is_cuda and query.shape[-2] == 1 and has_triton()
+    return x.is_cuda and has_triton()
+
+
+def use_triton_for(query: torch.Tensor) -> bool:
+    """Attention: :func:`triton_chosen`, and under ``auto`` only for single-token decode steps."""
+    if requested_backend() == "auto" and query.shape[-2] != 1:
+        return False
+    return triton_chosen(query)
 
 
 def decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, scaling: float,

@@ -103,14 +103,14 @@ def quantize_reference(x: torch.Tensor, bits: int, group: int, per_channel: bool
 
 
 def use_triton_encode(x: torch.Tensor) -> bool:
-    """Whether blocks of ``x`` (B, H, N, D) encode through the Triton kernels: the attention's
-    backend selection (:func:`kvcalib.runtime.backend.use_triton_for`, ``KVCALIB_BACKEND``) asked
-    for a one-token step on ``x``'s device. ``reference``: never; ``auto``: CUDA tensors when
-    triton imports; ``triton``: CUDA tensors, or any under ``TRITON_INTERPRET=1`` (the CPU tests),
-    else the reference (like :mod:`kvcalib.runtime.triton_path`). No device sync."""
-    from kvcalib.runtime.backend import use_triton_for
+    """Whether blocks of ``x`` (B, H, N, D) encode through the Triton kernels: the backend choice
+    attention uses (:func:`kvcalib.runtime.backend.triton_chosen`, ``KVCALIB_BACKEND``).
+    ``reference``: never; ``auto``: CUDA tensors when triton imports; ``triton``: CUDA tensors, or
+    any under ``TRITON_INTERPRET=1`` (the CPU tests), else the reference (like
+    :mod:`kvcalib.runtime.triton_path`). No device sync."""
+    from kvcalib.runtime.backend import triton_chosen
 
-    if not use_triton_for(x[..., :1, :]):  # a (B, H, 1, D) view: the selection reads device and Tq only
+    if not triton_chosen(x):
         return False
     return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

@@ -11,7 +11,10 @@ What one call computes (the specification is
 - up to two full-precision segments ``(B, H, F, D)`` (the cache's sinks and pending window),
 
 with a per-batch valid range of packed tokens and an optional visibility mask over absolute
-positions (padding).
+positions (padding). Packed sides may carry an SKVQ channel permutation ``(H, D)`` (the query is
+read at each stored key channel's input channel; value channels are stored back at theirs) and a
+TaDA per-token mean ``(B, 1, N, D)`` shared by the kv heads, 16-bit or 8-bit codes with per-token
+scale/zero (``q . mean`` joins each score, ``sum p * mean`` each value plane, in the same pass).
 
 Two launches:
 
@@ -22,7 +25,8 @@ Two launches:
    ``FP_BLOCK``-token chunk of a full-precision segment (the fp segment runs in the same launch,
    in parallel with the packed splits, instead of serially in the reduction). Each program writes
    a partial ``(m, l, acc)`` (log2 domain) for its rows.
-2. ``_combine_kernel``, grid ``(B * Hq,)``: log-sum-exp merge of all partials of a row.
+2. ``_combine_kernel``, grid ``(B * Hq, D / DB)``: log-sum-exp merge of all partials of a row,
+   channels split over programs (:func:`_combine`).
 
 Arithmetic (what keeps the per-code work small):
 
@@ -52,9 +56,10 @@ Arithmetic (what keeps the per-code work small):
 - one warp per program and 4-row query tiles (see :class:`DecodeConfig`), parallelism from many
   split programs.
 
-Performance status (H200, ``artifacts/bench/decode_attention.md``): ~1.3-1.7x over the fastest
-bf16 SDPA at batch >= 8 and long contexts (Mistral-7B shape, 32k, batch 8: 1.54x at 2 bits),
-slower at batch 1; the kernel is bound by instruction issue and latency at 255 registers (MMA
+Performance status (H200, ``artifacts/bench/decode_attention.md``): ~1.3-1.6x over the fastest
+bf16 SDPA at batch >= 8 and long contexts (Mistral-7B shape, 32k, batch 8: 1.51x at 2 bits);
+batch 1 GPU time 0.95-1.31x (``decode_latency.json``); TaDA means cost 2.4-2.8x (every kv head's
+program reads the shared mean; ``decode_fitted.json``); the kernel is bound by instruction issue and latency at 255 registers (MMA
 fragments built from 4-row tiles, value codes gathered 4 tokens per register), not by memory.
 """
 
@@ -396,6 +401,17 @@ def _v_deq_plane(acc, p_dot, vb, vs_rows, vz_rows, col0, offs_p, row_ok, GROUP: 
 
 
 @triton.jit
+def _mean_tile(rows, cols, row_ok, MEAN: tl.constexpr, DOT_T: tl.constexpr):
+    """A TaDA mean tile (BLOCK_N, P) as DOT_T: rows (BLOCK_N, 1) pointers to each token's mean
+    row, cols (P,) channels; 8-bit codes (MEAN 8, exact) or float16 values (MEAN 16)."""
+    x = tl.load(rows + cols[None, :], mask=row_ok[:, None], other=0)
+    if MEAN == 8:
+        return _codes(x, 0, 8, DOT_T, 1)
+    else:
+        return x.to(DOT_T)
+
+
+@triton.jit
 def _zero_column(zacc, offs_z, G: tl.constexpr):
     """Column G of zacc (R_PAD, ZP) as (R_PAD, 1)."""
     return tl.sum(tl.where(offs_z[None, :] == G, zacc, 0.0), axis=1)[:, None]
@@ -456,6 +472,12 @@ def _decode_split_kernel(
     # full-precision segment 1 (sinks) and 2 (pending window): (B, H, F, D), last dim contiguous
     F1K, F1V, stride_f1kb, stride_f1kh, stride_f1kn, stride_f1vb, stride_f1vh, stride_f1vn, F1_LEN, f1_pos,
     F2K, F2V, stride_f2kb, stride_f2kh, stride_f2kn, stride_f2vb, stride_f2vh, stride_f2vn, F2_LEN, f2_pos,
+    # SKVQ channel permutations, int32 (H, D) contiguous: stored channel j = channel perm[h, j]
+    KP, VP,
+    # TaDA means per token, shared by the kv heads: (B, 1, N, D) float16 (MEAN 16) or uint8 codes
+    # with per-token float16 scale/zero (B, 1, N, 1) (MEAN 8); last dim contiguous
+    KM, KMS, KMZ, stride_kmb, stride_kmn, stride_kmsb, stride_kmsn,
+    VM, VMS, VMZ, stride_vmb, stride_vmn, stride_vmsb, stride_vmsn,
     # work split: packed splits of split_size tokens (multiple of BLOCK_N), then fp chunks
     num_splits, split_size, n_f1_chunks,
     # softmax: scores * qk_scale are in log2 units (qk_scale = scaling * log2 e) unless softcap
@@ -470,7 +492,8 @@ def _decode_split_kernel(
     HAS_RANGE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_T: tl.constexpr, IEEE: tl.constexpr, FP_T: tl.constexpr, FP_IEEE: tl.constexpr,
     K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr, BLOCK_N: tl.constexpr, FP_BLOCK: tl.constexpr,
-    RESCALE: tl.constexpr = 8.0,
+    K_PERM: tl.constexpr = False, V_PERM: tl.constexpr = False, K_MEAN: tl.constexpr = 0,
+    V_MEAN: tl.constexpr = 0, RESCALE: tl.constexpr = 8.0,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -512,18 +535,62 @@ def _decode_split_kernel(
         s0 = pid_s * split_size
         start = tl.maximum(s0, (lo // BLOCK_N) * BLOCK_N)  # skip whole blocks of left padding
         end = tl.minimum(s0 + split_size, hi)
-        # the query, one slice per key plane (channels [s*PK, (s+1)*PK)), pre-scaled, float32.
-        # Per-token keys use them as is; per-channel keys fold the scales in once per key group.
-        q0 = tl.load(q_rows[:, None] + offs_pk[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+        # query channel of each column of key plane s (stored channels [s*PK, (s+1)*PK)); with an
+        # SKVQ permutation, stored channel j holds input channel perm[h, j]
+        qc0 = offs_pk
+        qc1 = PK + offs_pk
+        qc2 = 2 * PK + offs_pk
+        qc3 = 3 * PK + offs_pk
+        if K_PERM:
+            kp_row = KP + h * D
+            qc0 = tl.load(kp_row + qc0)
+            if PER_K > 1:
+                qc1 = tl.load(kp_row + qc1)
+            if PER_K > 2:
+                qc2 = tl.load(kp_row + qc2)
+                qc3 = tl.load(kp_row + qc3)
+        # the query, one slice per key plane, pre-scaled, float32. Per-token keys use them as is;
+        # per-channel keys fold the scales in once per key group.
+        q0 = _q_plane(q_rows, r_ok, qc0, 0, qk_scale)
         q1 = q0
         q2 = q0
         q3 = q0
         if not K_FOLD:
             if PER_K > 1:
-                q1 = tl.load(q_rows[:, None] + PK + offs_pk[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+                q1 = _q_plane(q_rows, r_ok, qc1, 0, qk_scale)
             if PER_K > 2:
-                q2 = tl.load(q_rows[:, None] + 2 * PK + offs_pk[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32) * qk_scale
-                q3 = tl.load(q_rows[:, None] + 3 * PK + offs_pk[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+                q2 = _q_plane(q_rows, r_ok, qc2, 0, qk_scale)
+                q3 = _q_plane(q_rows, r_ok, qc3, 0, qk_scale)
+        # output channel of each column of value plane s (scattered back when V is permuted)
+        vc0 = offs_pv
+        vc1 = PV + offs_pv
+        vc2 = 2 * PV + offs_pv
+        vc3 = 3 * PV + offs_pv
+        if V_PERM:
+            vp_row = VP + h * D
+            vc0 = tl.load(vp_row + vc0)
+            if PER_V > 1:
+                vc1 = tl.load(vp_row + vc1)
+            if PER_V > 2:
+                vc2 = tl.load(vp_row + vc2)
+                vc3 = tl.load(vp_row + vc3)
+        # TaDA means (input channel order, one (N, D) mean per sequence shared by the kv heads):
+        # the key mean adds q . mean_n to each score; the value mean adds sum_n p_n mean_n into
+        # each value plane's accumulator, read at the plane's output channels (vc*)
+        offs_d = tl.arange(0, D)
+        qm = tl.zeros([R_PAD, D], DOT_T)
+        qm_sum = tl.zeros([R_PAD], tl.float32)
+        if K_MEAN != 0:
+            qm32 = _q_plane(q_rows, r_ok, offs_d, 0, qk_scale)  # (R_PAD, D)
+            qm = qm32.to(DOT_T)
+            qm_sum = tl.sum(qm32, axis=1)
+        km_base = KM + b.to(tl.int64) * stride_kmb
+        kms_base = KMS + b.to(tl.int64) * stride_kmsb
+        kmz_base = KMZ + b.to(tl.int64) * stride_kmsb
+        vm_base = VM + b.to(tl.int64) * stride_vmb
+        vms_base = VMS + b.to(tl.int64) * stride_vmsb
+        vmz_base = VMZ + b.to(tl.int64) * stride_vmsb
+        mzacc = tl.zeros([R_PAD], tl.float32)  # sum_n p_n * zero_n of 8-bit value means
         kc_base = KC + b.to(tl.int64) * stride_kcb + h.to(tl.int64) * stride_kch
         ks_base = KS + b.to(tl.int64) * stride_ksb + h.to(tl.int64) * stride_ksh
         kz_base = KZ + b.to(tl.int64) * stride_ksb + h.to(tl.int64) * stride_ksh
@@ -563,15 +630,15 @@ def _decode_split_kernel(
                     krow = (n0 // K_GROUP) * stride_ksn
                     qp0, kbias = _k_group_fold(q0, ks_base + krow, kz_base + krow, offs_pk, DOT_T, 0, K_LANES)
                     if PER_K > 1:
-                        qp1, b1 = _k_group_fold(_q_plane(q_rows, r_ok, offs_pk, PK, qk_scale),
+                        qp1, b1 = _k_group_fold(_q_plane(q_rows, r_ok, qc1, 0, qk_scale),
                                                 ks_base + krow + PK, kz_base + krow + PK, offs_pk, DOT_T,
                                                 K_BITS, K_LANES)
                         kbias += b1
                     if PER_K > 2:
-                        qp2, b2 = _k_group_fold(_q_plane(q_rows, r_ok, offs_pk, 2 * PK, qk_scale),
+                        qp2, b2 = _k_group_fold(_q_plane(q_rows, r_ok, qc2, 0, qk_scale),
                                                 ks_base + krow + 2 * PK, kz_base + krow + 2 * PK, offs_pk, DOT_T,
                                                 2 * K_BITS, K_LANES)
-                        qp3, b3 = _k_group_fold(_q_plane(q_rows, r_ok, offs_pk, 3 * PK, qk_scale),
+                        qp3, b3 = _k_group_fold(_q_plane(q_rows, r_ok, qc3, 0, qk_scale),
                                                 ks_base + krow + 3 * PK, kz_base + krow + 3 * PK, offs_pk, DOT_T,
                                                 3 * K_BITS, K_LANES)
                         kbias += b2 + b3
@@ -595,6 +662,17 @@ def _decode_split_kernel(
                                           2 * K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE)
                     scores = _k_deq_plane(scores, q3, kb, ks_rows, kz_rows, 3 * PK, offs_pk, row_ok, K_GROUP,
                                           3 * K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE)
+            if K_MEAN == 16:
+                km = tl.load(km_base + offs_n[:, None] * stride_kmn + offs_d[None, :], mask=row_ok[:, None],
+                             other=0.0).to(DOT_T)  # (BLOCK_N, D)
+                scores = _dot(qm, tl.trans(km), scores, IEEE)
+            elif K_MEAN == 8:  # q . (c * s + z) = s * (q . c) + z * sum(q)
+                km = _codes(tl.load(km_base + offs_n[:, None] * stride_kmn + offs_d[None, :], mask=row_ok[:, None],
+                                    other=0), 0, 8, DOT_T, 1)  # (BLOCK_N, D) codes, exact in float16
+                kms = tl.load(kms_base + offs_n * stride_kmsn, mask=row_ok, other=0.0).to(tl.float32)
+                kmz = tl.load(kmz_base + offs_n * stride_kmsn, mask=row_ok, other=0.0).to(tl.float32)
+                sm = _dot(qm, tl.trans(km), tl.zeros([R_PAD, BLOCK_N], tl.float32), IEEE)
+                scores = scores + sm * kms[None, :] + qm_sum[:, None] * kmz[None, :]
             if HAS_SOFTCAP:
                 scores = _softcap(scores, softcap) * 1.4426950408889634
             scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -618,6 +696,8 @@ def _decode_split_kernel(
                     asum1 = asum1 * alpha
                     asum2 = asum2 * alpha
                     asum3 = asum3 * alpha
+                if V_MEAN != 0:
+                    mzacc = mzacc * alpha
                 m_i = m_new
             p = tl.exp2(scores - m_i[:, None])  # (R_PAD, BLOCK_N); masked -> 0
             l_i = l_i + tl.sum(p, axis=1)
@@ -680,6 +760,25 @@ def _decode_split_kernel(
                                         2 * V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE)
                     acc3 = _v_deq_plane(acc3, p_dot, vb, vs_rows, vz_rows, 3 * PV, offs_pv, row_ok, V_GROUP,
                                         3 * V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE)
+            if V_MEAN != 0:
+                pm = p
+                if V_MEAN == 8:  # sum_n p_n (c_n * s_n + z_n) = (p * s) @ c + sum_n p_n z_n
+                    vms = tl.load(vms_base + offs_n * stride_vmsn, mask=row_ok, other=0.0).to(tl.float32)
+                    vmz = tl.load(vmz_base + offs_n * stride_vmsn, mask=row_ok, other=0.0).to(tl.float32)
+                    pm = p * vms[None, :]
+                    mzacc += tl.sum(p * vmz[None, :], axis=1)
+                # plane s: p @ mean[:, vc_s]; a lane-folded plane is scaled by 2**-(s * V_BITS) at the
+                # end, so its mean term goes in times 2**(s * V_BITS) (exact)
+                vm_rows = vm_base + offs_n[:, None] * stride_vmn  # (BLOCK_N, 1)
+                acc0 = _dot(pm.to(DOT_T), _mean_tile(vm_rows, vc0, row_ok, V_MEAN, DOT_T), acc0, IEEE)
+                if PER_V > 1:
+                    acc1 = _dot((pm * (1 << V_BITS) if V_LANES else pm).to(DOT_T),
+                                _mean_tile(vm_rows, vc1, row_ok, V_MEAN, DOT_T), acc1, IEEE)
+                if PER_V > 2:
+                    acc2 = _dot((pm * (1 << (2 * V_BITS)) if V_LANES else pm).to(DOT_T),
+                                _mean_tile(vm_rows, vc2, row_ok, V_MEAN, DOT_T), acc2, IEEE)
+                    acc3 = _dot((pm * (1 << (3 * V_BITS)) if V_LANES else pm).to(DOT_T),
+                                _mean_tile(vm_rows, vc3, row_ok, V_MEAN, DOT_T), acc3, IEEE)
         if V_LANES:  # codes were 1024 + c * 2**(plane * V_BITS): remove both (exact scalings)
             acc0 = acc0 - 1024.0 * asum0[:, None]
             if PER_V > 1:
@@ -687,6 +786,13 @@ def _decode_split_kernel(
             if PER_V > 2:
                 acc2 = (acc2 - 1024.0 * asum2[:, None]) * (1.0 / (1 << (2 * V_BITS)))
                 acc3 = (acc3 - 1024.0 * asum3[:, None]) * (1.0 / (1 << (3 * V_BITS)))
+        if V_MEAN == 8:  # the 8-bit means' zero points, one per token, on every channel
+            acc0 += mzacc[:, None]
+            if PER_V > 1:
+                acc1 += mzacc[:, None]
+            if PER_V > 2:
+                acc2 += mzacc[:, None]
+                acc3 += mzacc[:, None]
         if V_FOLD:
             acc0 += _zero_column(zacc, offs_z, 0)
             if PER_V > 1:
@@ -697,12 +803,12 @@ def _decode_split_kernel(
         tl.store(M_part + part_row, m_i, mask=r_ok)
         tl.store(L_part + part_row, l_i, mask=r_ok)
         o_rows = O_part + part_row * D  # (R_PAD,) pointers
-        tl.store(o_rows[:, None] + offs_pv[None, :], acc0, mask=r_ok[:, None])
+        tl.store(o_rows[:, None] + vc0[None, :], acc0, mask=r_ok[:, None])
         if PER_V > 1:
-            tl.store(o_rows[:, None] + PV + offs_pv[None, :], acc1, mask=r_ok[:, None])
+            tl.store(o_rows[:, None] + vc1[None, :], acc1, mask=r_ok[:, None])
         if PER_V > 2:
-            tl.store(o_rows[:, None] + 2 * PV + offs_pv[None, :], acc2, mask=r_ok[:, None])
-            tl.store(o_rows[:, None] + 3 * PV + offs_pv[None, :], acc3, mask=r_ok[:, None])
+            tl.store(o_rows[:, None] + vc2[None, :], acc2, mask=r_ok[:, None])
+            tl.store(o_rows[:, None] + vc3[None, :], acc3, mask=r_ok[:, None])
     else:
         # ------------------------------------------------ one chunk of a full-precision segment
         c = pid_s - num_splits
@@ -725,30 +831,46 @@ def _decode_split_kernel(
 def _combine_kernel(
     M_part, L_part, O_part, S_TOT,  # (ROWS, S_TOT), (ROWS, S_TOT), (ROWS, S_TOT, D) float32
     Out,  # (ROWS, D) float32, ROWS = B * Hq
-    D: tl.constexpr, S_BLOCK: tl.constexpr,
+    D: tl.constexpr, DB: tl.constexpr, S_BLOCK: tl.constexpr,
 ):
-    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s; 0 where nothing was visible."""
+    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s; 0 where nothing was visible.
+
+    Program ``(row, c)`` merges channels ``[c * DB, (c + 1) * DB)`` of one row, S_BLOCK partials
+    at a time with a running max (one pass; usually one step: the launcher sizes S_BLOCK to the
+    partials). Splitting the channels over programs keeps the merge parallel when there are few
+    rows and many partials (batch 1: 32 rows x 256 splits), where one program per row was most of
+    the call's time.
+    """
     row = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.program_id(1) * DB + tl.arange(0, DB)
     offs_s = tl.arange(0, S_BLOCK)
-    m_vec = tl.full([S_BLOCK], -1.0e30, tl.float32)
-    for s0 in range(0, S_TOT, S_BLOCK):
-        m = tl.load(M_part + row * S_TOT + s0 + offs_s, mask=s0 + offs_s < S_TOT, other=-1.0e30)
-        m_vec = tl.maximum(m_vec, m)
-    m_max = tl.max(m_vec, axis=0)
-    l_vec = tl.zeros([S_BLOCK], tl.float32)
-    acc = tl.zeros([D], tl.float32)
+    m_run = tl.max(tl.full([S_BLOCK], -1.0e30, tl.float32), axis=0)
+    l_run = tl.sum(tl.zeros([S_BLOCK], tl.float32), axis=0)
+    acc = tl.zeros([DB], tl.float32)
     for s0 in range(0, S_TOT, S_BLOCK):
         ok = s0 + offs_s < S_TOT
-        m = tl.load(M_part + row * S_TOT + s0 + offs_s, mask=ok, other=-1.0e30)
+        m = tl.load(M_part + row * S_TOT + s0 + offs_s, mask=ok, other=-1.0e30)  # (S_BLOCK,)
         l = tl.load(L_part + row * S_TOT + s0 + offs_s, mask=ok, other=0.0)
-        w = tl.where(ok, tl.exp2(m - m_max), 0.0)  # (S_BLOCK,)
-        o = tl.load(O_part + (row * S_TOT + s0 + offs_s)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        l_vec += l * w
-        acc += tl.sum(o * w[:, None], axis=0)
-    l_tot = tl.sum(l_vec, axis=0)
-    out = acc / tl.where(l_tot > 0, l_tot, 1.0)
+        o = tl.load(O_part + (row * S_TOT + s0 + offs_s)[:, None] * D + offs_d[None, :], mask=ok[:, None],
+                    other=0.0)  # (S_BLOCK, DB)
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.where(ok, tl.exp2(m - m_new), 0.0)  # (S_BLOCK,)
+        l_run = l_run * alpha + tl.sum(l * w, axis=0)
+        acc = acc * alpha + tl.sum(o * w[:, None], axis=0)
+        m_run = m_new
+    out = acc / tl.where(l_run > 0, l_run, 1.0)
     tl.store(Out + row * D + offs_d, out)
+
+
+def _combine(m_part, l_part, o_part, s_tot: int, out: torch.Tensor) -> None:
+    """Launch :func:`_combine_kernel` over ``out`` (B, Hq, D) float32 from ``s_tot`` partials per
+    row: all partials in one step (up to 1024), channels split so a program holds <= 2048 values."""
+    rows, d = out.shape[0] * out.shape[1], out.shape[2]
+    s_block = min(1024, max(16, triton.next_power_of_2(max(s_tot, 1))))
+    db = max(2, min(d, 2048 // s_block))
+    _combine_kernel[(rows, d // db)](m_part, l_part, o_part, max(s_tot, 1), out, D=d, DB=db, S_BLOCK=s_block,
+                                     num_warps=4)
 
 
 # ---------------------------------------------------------------- launcher
@@ -776,7 +898,8 @@ class DecodeConfig:
       Why one warp per program by default: with 16 query rows (tl.dot's minimum M) Triton gives
       each warp whole rows of chained dots, so extra warps only repeat the same products and
       softmax; parallelism comes from more programs instead.
-    - ``min_split_blocks``: fewest blocks per split (bounds the partials written and merged).
+    - ``min_split_blocks``: fewest blocks per split (bounds the partials written and merged),
+      unless that leaves fewer than ``min_splits`` splits: then down to one block per split.
     - ``num_splits``: force the number of packed splits (tests); None = from programs_per_sm.
     - ``fp_block``: tokens per full-precision chunk program.
     - ``min_rows``: fewest query rows of a tile (the GQA group padded up to it). 16 fills one
@@ -794,6 +917,7 @@ class DecodeConfig:
     num_splits: int | None = None
     fp_block: int = 64
     min_split_blocks: int = 2  # 4 before: at batch 1 / 4k it halved the splits (0.031 -> 0.015 ms, artifacts/bench/decode_splits.json)
+    min_splits: int = 64  # batch 1 / 4k: 31 -> 62 splits, 0.0131 -> 0.0109 ms (decode_splits.json)
     min_rows: int = 4  # 16 before: 0.196 -> 0.159 ms at batch 8 / 32k, 2-bit, with unpack 5 (artifacts/bench/decode_tune.json)
     maxnreg: int | None = None
 
@@ -810,6 +934,8 @@ class DecodeConfig:
             raise ValueError(f"unpack must be None or 0..6, got {self.unpack!r}")
         if not self.programs_per_sm > 0:
             raise ValueError(f"programs_per_sm must be > 0, got {self.programs_per_sm!r}")
+        if not isinstance(self.min_splits, int) or self.min_splits < 1:
+            raise ValueError(f"min_splits must be a positive int, got {self.min_splits!r}")
         if not isinstance(self.min_split_blocks, int) or self.min_split_blocks < 1:
             raise ValueError(f"min_split_blocks must be a positive int, got {self.min_split_blocks!r}")
         if self.min_rows not in (1, 2, 4, 8, 16):
@@ -1066,6 +1192,8 @@ def _work_split(n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config):
         else:
             sms = _sm_count(dev.index or 0) if dev.type == "cuda" else 4
             cap = max(1, n_blocks // max(1, config.min_split_blocks))
+            if cap < config.min_splits:  # short caches: down to one block per split
+                cap = min(n_blocks, config.min_splits)
             splits = max(1, min(cap, math.ceil(config.programs_per_sm * sms / (bsz * h))))
         split_size = _cdiv(n_blocks, splits) * block_n
         splits = _cdiv(n, split_size)
@@ -1086,15 +1214,48 @@ def _reg_cap(config: DecodeConfig) -> dict:
     return {} if config.maxnreg is None or _interpreting() else {"maxnreg": config.maxnreg}
 
 
+def _check_perm(name: str, perm, h: int, d: int, dev) -> torch.Tensor:
+    """An SKVQ permutation as the kernel reads it: int32 (H, D) contiguous on ``dev``."""
+    if perm.dim() != 2 or tuple(perm.shape) != (h, d) or perm.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be an int32/int64 (H={h}, D={d}) permutation, got "
+                         f"{perm.dtype} {tuple(perm.shape)}")
+    if perm.device != dev:
+        raise ValueError(f"{name} is on {perm.device}, the query on {dev}")
+    return perm if (perm.dtype == torch.int32 and perm.is_contiguous()) else perm.to(torch.int32).contiguous()
+
+
+def _check_mean(name: str, mean, b: int, n: int, d: int):
+    """A TaDA mean as the kernel reads it: ``(bits, values, scale, zero)``. ``mean`` is float16
+    ``(B, 1, N, D)`` (16-bit) or a tuple ``(codes uint8 (B, 1, N, D), scale, zero float16
+    (B, 1, N, 1))`` (8-bit per-token codes over all D channels)."""
+    if isinstance(mean, torch.Tensor):
+        if mean.dtype != torch.float16 or tuple(mean.shape) != (b, 1, n, d) or mean.stride(3) != 1:
+            raise ValueError(f"{name} must be float16 (B={b}, 1, N={n}, D={d}) with a contiguous last dim, got "
+                             f"{mean.dtype} {tuple(mean.shape)}")
+        return 16, mean, None, None
+    if not isinstance(mean, (tuple, list)) or len(mean) != 3:
+        raise ValueError(f"{name} must be a float16 tensor or a (codes, scale, zero) tuple")
+    codes, scale, zero = mean
+    if codes.dtype != torch.uint8 or tuple(codes.shape) != (b, 1, n, d) or codes.stride(3) != 1:
+        raise ValueError(f"{name}: codes must be uint8 (B={b}, 1, N={n}, D={d}), got {codes.dtype} {tuple(codes.shape)}")
+    for part, t in (("scale", scale), ("zero", zero)):
+        if t.dtype != torch.float16 or tuple(t.shape) != (b, 1, n, 1):
+            raise ValueError(f"{name}: {part} must be float16 (B={b}, 1, N={n}, 1), got {t.dtype} {tuple(t.shape)}")
+    if scale.stride() != zero.stride():
+        raise ValueError(f"{name}: scale and zero must have the same strides")
+    return 8, codes, scale, zero
+
+
 def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_bits, k_group, v_group,
             k_axis, scaling, softcap, packed_start, packed_end, packed_position, fp_segments, fp_positions,
-            mask, config: DecodeConfig) -> torch.Tensor:
+            mask, config: DecodeConfig, k_perm=None, v_perm=None, k_mean=None, v_mean=None) -> torch.Tensor:
     """Check shapes/dtypes/contiguity, pick the code path, launch split + combine kernels.
 
     Shapes: q (B, Hq, D); k_codes (B, H, N, PK) u8, PK = D*k_bits/8; k_scale/k_zero f16
     (B, H, N/k_group, D) [channel] or (B, H, N, D/k_group) [token]; v_codes (B, H, N, PV) u8;
     v_scale/v_zero f16 (B, H, N, D/v_group); fp segments (B, H, F, D); mask (B|1, L) bool/u8;
-    packed_start/end (B,) int. Returns float32 (B, Hq, D).
+    packed_start/end (B,) int; k_perm/v_perm (H, D) int; k_mean/v_mean see :func:`_check_mean`.
+    Returns float32 (B, Hq, D).
     """
     if q.dim() != 3 or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q must be (B, Hq, D) float16/bfloat16/float32, got {tuple(q.shape)} {q.dtype}")
@@ -1168,6 +1329,22 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
         kc = vc = dummy8
         ks = kz = vs = vz = dummy16
         kcs = kss = vcs = vss = (0, 0, 0)
+    # SKVQ permutations and TaDA means of the packed tokens (absent: dummies, code not compiled)
+    dummy32 = _dummy(dev, torch.int32)
+    kp = _check_perm("k_perm", k_perm, h, d, dev) if (n and k_perm is not None) else dummy32
+    vp = _check_perm("v_perm", v_perm, h, d, dev) if (n and v_perm is not None) else dummy32
+    means = []
+    for name, mean in (("k_mean", k_mean), ("v_mean", v_mean)):
+        if n and mean is not None:
+            bits, mv, ms, mz = _check_mean(name, mean, bsz, n, d)
+            if ms is None:
+                ms = mz = dummy16
+                mss = (0, 0)
+            else:
+                mss = (ms.stride(0), ms.stride(2))
+            means.append((bits, (mv, ms, mz, mv.stride(0), mv.stride(2), *mss)))
+        else:
+            means.append((0, (dummy16, dummy16, dummy16, 0, 0, 0, 0)))
     has_range = packed_start is not None or packed_end is not None
     if has_range:
         lo = (torch.zeros(bsz, dtype=torch.int32, device=dev) if packed_start is None
@@ -1207,6 +1384,7 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
         lo, hi, n,
         mk, stride_mb, int(packed_position),
         *segs[0], *segs[1],
+        kp, vp, *means[0][1], *means[1][1],
         splits, split_size, n_f1,
         qk_scale, cap,
         h, R=rep, R_PAD=r_pad, D=d,
@@ -1215,9 +1393,10 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
         HAS_RANGE=has_range, HAS_MASK=has_mask, HAS_SOFTCAP=bool(softcap),
         DOT_T=dot_t, IEEE=ieee, FP_T=fp_t, FP_IEEE=fp_ieee,
         K_UNPACK=k_unpack, V_UNPACK=v_unpack, BLOCK_N=block_n, FP_BLOCK=fp_block,
+        K_PERM=kp is not dummy32, V_PERM=vp is not dummy32, K_MEAN=means[0][0], V_MEAN=means[1][0],
         num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config),
     )
-    _combine_kernel[(rows,)](m_part, l_part, o_part, max(s_tot, 1), out, D=d, S_BLOCK=16, num_warps=4)
+    _combine(m_part, l_part, o_part, s_tot, out)
     return out
 
 
@@ -1246,6 +1425,10 @@ def decode_attention(
     fp_segments: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     fp_positions: Sequence[int] = (),
     mask: torch.Tensor | None = None,
+    k_perm: torch.Tensor | None = None,
+    v_perm: torch.Tensor | None = None,
+    k_mean: torch.Tensor | tuple | None = None,
+    v_mean: torch.Tensor | tuple | None = None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over a packed + full-precision KV cache.
@@ -1259,4 +1442,4 @@ def decode_attention(
                    k_group=k_group, v_group=v_group, k_axis=k_axis, scaling=scaling, softcap=softcap,
                    packed_start=packed_start, packed_end=packed_end, packed_position=packed_position,
                    fp_segments=fp_segments, fp_positions=fp_positions, mask=mask,
-                   config=config or DEFAULT_CONFIG)
+                   config=config or DEFAULT_CONFIG, k_perm=k_perm, v_perm=v_perm, k_mean=k_mean, v_mean=v_mean)

@@ -20,7 +20,7 @@ Launches: ``_huffman_split_kernel`` twice -- grid ``(B * H, S_packed)`` for the 
 one program, so each stream is decoded once per GQA group), then grid ``(B * H, S_fp)`` with
 ``FP_ONLY`` for the full-precision chunks through decode_attention's ``_fp_chunk`` (apart so
 that the decode loop does not inherit the fp branch's register allocation) -- then
-decode_attention's ``_combine_kernel`` (log-sum-exp merge of all partials).
+decode_attention's ``_combine`` (log-sum-exp merge of all partials).
 
 How the codes get from the stream to the tensor cores (the choice the fixed-width kernel does
 not have to make): a program walks its split in blocks of ``BLOCK_N`` tokens; every token of a
@@ -81,7 +81,7 @@ import triton
 import triton.language as tl
 
 from kvcalib.quant.huffman import Codebook, EncodedBlocks
-from kvcalib_kernels.decode_attention import (LOG2E, _check_fp, _combine_kernel, _dot, _dummy,
+from kvcalib_kernels.decode_attention import (LOG2E, _check_fp, _combine, _dot, _dummy,
                                               _fp_chunk, _interpreting, _pow2_divisor, _q_plane, _scaled_p,
                                               _softcap, _tl_dtype, _work_split, _zero_column)
 from kvcalib_kernels.huffman_decode import (MAX_INDEX_BITS, DecodeTable, _check_block_tensors, _check_device,
@@ -343,7 +343,7 @@ class HuffmanAttentionConfig:
       key-scale fold needs a block inside one key group), at least 32. ``num_warps`` is clamped to
       ``block_n / 32``: each thread decodes one key and one value stream per step (or several).
     - ``num_warps``, ``num_stages``: launch options of the split kernel.
-    - ``programs_per_sm``, ``min_split_blocks``, ``num_splits``, ``fp_block``: the split-K work
+    - ``programs_per_sm``, ``min_split_blocks``, ``min_splits``, ``num_splits``, ``fp_block``: the split-K work
       division, as in :class:`kvcalib_kernels.decode_attention.DecodeConfig` (the fp chunks run
       as a second launch of the same kernel, with 4 warps: see the launcher).
     - ``max_index_bits``: decode 4 or 2 symbols per table lookup when that table has at most
@@ -360,6 +360,7 @@ class HuffmanAttentionConfig:
     num_splits: int | None = None
     fp_block: int = 64
     min_split_blocks: int = 4
+    min_splits: int = 1  # not re-tuned for this kernel: the split rule it was measured with
     max_index_bits: int = MAX_INDEX_BITS
     asm: bool | None = None
 
@@ -381,6 +382,8 @@ class HuffmanAttentionConfig:
             raise ValueError(f"programs_per_sm must be > 0, got {self.programs_per_sm!r}")
         if not isinstance(self.min_split_blocks, int) or self.min_split_blocks < 1:
             raise ValueError(f"min_split_blocks must be a positive int, got {self.min_split_blocks!r}")
+        if not isinstance(self.min_splits, int) or self.min_splits < 1:
+            raise ValueError(f"min_splits must be a positive int, got {self.min_splits!r}")
         if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
             raise ValueError(f"num_splits must be None or a positive int, got {self.num_splits!r}")
 
@@ -596,7 +599,7 @@ def _launch(q, k_blocks, k_scale, k_zero, v_blocks, v_scale, v_zero, *, k_codebo
                                                  num_warps=warps, num_stages=config.num_stages)
     if s_tot > splits:
         _huffman_split_kernel[(bsz * h, s_tot - splits)](*args, **consts, FP_ONLY=True, num_warps=4, num_stages=1)
-    _combine_kernel[(rows,)](m_part, l_part, o_part, max(s_tot, 1), out, D=d, S_BLOCK=16, num_warps=4)
+    _combine(m_part, l_part, o_part, s_tot, out)
     return out
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "center_pack_reference",
     "quantize_pack_keys_reference",
     "quantize_pack_values_reference",
+    "restore_channels",
 ]
 
 
@@ -54,6 +55,23 @@ def dequantize_packed(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     if axis == "token":
         return dequantize_values(QuantizedTensor(codes, scale, zero, bits, group, "channel"))
     raise ValueError(f"axis must be 'channel' or 'token', got {axis!r}")
+
+
+def restore_channels(x: torch.Tensor, perm: torch.Tensor | None, mean) -> torch.Tensor:
+    """Stored-order ``x`` (B, H, N, D) float32 -> input channel order, plus the TaDA mean.
+
+    ``perm`` (H, D): stored channel j holds input channel ``perm[h, j]`` (SKVQ); ``mean``: None,
+    float16 ``(B, 1, N, D)``, or 8-bit ``(codes uint8 (B, 1, N, D), scale, zero (B, 1, N, 1))``.
+    """
+    if perm is not None:
+        idx = perm.long().to(x.device)[None, :, None, :].expand_as(x)  # (B, H, N, D)
+        x = torch.empty_like(x).scatter_(-1, idx, x)
+    if mean is None:
+        return x
+    if isinstance(mean, torch.Tensor):
+        return x + mean.float()
+    codes, scale, zero = mean
+    return x + (codes.float() * scale.float() + zero.float())
 
 
 def _visible(mask: torch.Tensor | None, b: int, pos: int, n: int, device) -> torch.Tensor:
@@ -86,6 +104,10 @@ def decode_attention_reference_in(
     fp_segments: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     fp_positions: Sequence[int] = (),
     mask: torch.Tensor | None = None,
+    k_perm: torch.Tensor | None = None,
+    v_perm: torch.Tensor | None = None,
+    k_mean=None,
+    v_mean=None,
     config=None,
 ) -> torch.Tensor:
     """:func:`decode_attention_reference` computed in ``dtype`` (float64 for a "truth", the
@@ -100,8 +122,10 @@ def decode_attention_reference_in(
     ks, vs, valid = [], [], []
     if k_codes is not None and k_codes.shape[2] > 0:
         n = k_codes.shape[2]
-        ks.append(dequantize_packed(k_codes, k_scale, k_zero, bits=k_bits, group=k_group, axis=k_axis))
-        vs.append(dequantize_packed(v_codes, v_scale, v_zero, bits=v_bits, group=v_group, axis="token"))
+        ks.append(restore_channels(dequantize_packed(k_codes, k_scale, k_zero, bits=k_bits, group=k_group,
+                                                     axis=k_axis), k_perm, k_mean))
+        vs.append(restore_channels(dequantize_packed(v_codes, v_scale, v_zero, bits=v_bits, group=v_group,
+                                                     axis="token"), v_perm, v_mean))
         idx = torch.arange(n, device=q.device)[None, :]  # (1, N)
         lo = torch.zeros(b, dtype=torch.long, device=q.device) if packed_start is None else packed_start.long()
         hi = torch.full((b,), n, dtype=torch.long, device=q.device) if packed_end is None else packed_end.long()
@@ -157,6 +181,10 @@ def decode_attention_reference(
     fp_segments: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     fp_positions: Sequence[int] = (),
     mask: torch.Tensor | None = None,
+    k_perm: torch.Tensor | None = None,
+    v_perm: torch.Tensor | None = None,
+    k_mean=None,
+    v_mean=None,
     config=None,
 ) -> torch.Tensor:
     """One decode step of attention over packed K/V plus full-precision segments, in float32.
@@ -177,6 +205,11 @@ def decode_attention_reference(
         fp_segments: up to two full-precision ``(k, v)`` pairs ``(B, H, F, D)`` (sinks and the
             pending window), at absolute positions ``fp_positions``.
         mask: bool ``(B|1, L)`` over absolute positions; False = not visible (padding).
+        k_perm, v_perm: int ``(H, D)`` SKVQ channel permutations of the packed sides (stored
+            channel j holds input channel ``perm[h, j]``); None = stored in input order.
+        k_mean, v_mean: TaDA per-token means over the kv heads, added back after un-permuting:
+            float16 ``(B, 1, N, D)`` or 8-bit ``(codes uint8 (B, 1, N, D), scale, zero float16
+            (B, 1, N, 1))``; None = not centred.
 
     Returns float32 ``(B, Hq, D)``; a row that sees no token is 0.
     """
@@ -185,7 +218,7 @@ def decode_attention_reference(
         v_bits=v_bits, k_group=k_group, v_group=v_group, k_axis=k_axis, scaling=scaling,
         softcap=softcap, packed_start=packed_start, packed_end=packed_end,
         packed_position=packed_position, fp_segments=fp_segments, fp_positions=fp_positions,
-        mask=mask, config=config)
+        mask=mask, k_perm=k_perm, v_perm=v_perm, k_mean=k_mean, v_mean=v_mean, config=config)
 
 
 # ---------------------------------------------------------------- quantize and pack

@@ -3,6 +3,7 @@ no GPU, with the ptxas/nvdisasm bundled in the triton wheel, and report TTGIR op
 memory, register use and the SASS instruction mix of the main (packed) loop. Costs no device time.
 
     python scripts/compile_sm90.py BITS BLOCK_N WARPS UNPACK [STAGES [MIN_ROWS [MAXNREG]]]   e.g.  2 64 1 5
+    KV_FITTED=perm,mean8 python scripts/compile_sm90.py ...   (with SKVQ permutations / TaDA means)
 
 Shapes: Mistral-7B (8 kv heads, 4 query heads each, head_dim 128), key/value group 128, batch 8.
 The launcher is run on CPU tensors with the kernel replaced by a recorder; the recorded arguments
@@ -42,8 +43,19 @@ vs = torch.zeros(b, h, n, d // g, dtype=torch.float16); vz = vs.clone()
 w = torch.zeros(b, h, 128, d, dtype=torch.bfloat16)
 cfg = da.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, unpack=unpack, min_rows=min_rows,
                       maxnreg=maxnreg)
+# KV_FITTED="perm,mean8" (or mean16): SKVQ permutations of K and V, TaDA means of K and V
+fitted = os.environ.get("KV_FITTED", "")
+extra = {}
+if "perm" in fitted:
+    extra["k_perm"] = extra["v_perm"] = torch.stack([torch.randperm(d) for _ in range(h)]).int()
+if "mean16" in fitted:
+    extra["k_mean"] = extra["v_mean"] = torch.zeros(b, 1, n, d, dtype=torch.float16)
+elif "mean8" in fitted:
+    extra["k_mean"] = extra["v_mean"] = (torch.zeros(b, 1, n, d, dtype=torch.uint8),
+                                         torch.zeros(b, 1, n, 1, dtype=torch.float16),
+                                         torch.zeros(b, 1, n, 1, dtype=torch.float16))
 try:
-    da._launch(q, kc, ks, kz, vc, vs, vz, k_bits=bits, v_bits=bits, k_group=g, v_group=g, k_axis="channel",
+    da._launch(q, kc, ks, kz, vc, vs, vz, **extra, k_bits=bits, v_bits=bits, k_group=g, v_group=g, k_axis="channel",
                scaling=d ** -0.5, softcap=None, packed_start=None, packed_end=None, packed_position=0,
                fp_segments=[(w, w)], fp_positions=[n], mask=None, config=cfg)
 except Exception as e:

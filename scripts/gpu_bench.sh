@@ -12,6 +12,7 @@
 #         latency     GPU time (CUDA-graph replay) vs host time per call, small shapes
 #         splits      split-K parallelism sweep at batch 1/8 (CUDA-graph time)
 #         tune        tile/unpack/register-cap sweep at batch 1/8 (CUDA-graph time)
+#         fitted      cost of SKVQ permutations / TaDA means in the kernel (CUDA-graph time)
 #         huffman     kernels/bench/bench_huffman.py (entropy-coded decode and fused attention)
 #         e2e-smoke   end-to-end on a small random model (checks the path, seconds)
 #         e2e         end-to-end, random-weight Mistral-7B shape at 32k context
@@ -25,6 +26,10 @@ mkdir -p "$OUT"
 KK=/tmp/kvcalib_kernels_path
 mkdir -p "$KK" && ln -sfn "$PWD/kernels" "$KK/kvcalib_kernels"
 export PYTHONPATH="$PWD:$KK${PYTHONPATH:+:$PYTHONPATH}"
+# ... and kvcalib.presets is recipes/presets (pyproject's package-dir): link it for this run only
+if [ ! -e kvcalib/presets ]; then
+  ln -s ../recipes/presets kvcalib/presets && trap 'rm -f kvcalib/presets' EXIT
+fi
 PY=python3
 STAGES="${*:-tests micro}"
 T0=$(date +%s)
@@ -67,6 +72,9 @@ for st in $STAGES; do
     tune)
       timeout "${KV_TUNE_TIMEOUT:-240}" $PY kernels/bench/bench_decode.py --mode tune --out "$OUT" > "$OUT/tune.log" 2>&1
       echo "tune exit $?"; grep -E "^  b=|failed" "$OUT/tune.log" ;;
+    fitted)
+      timeout "${KV_FITTED_TIMEOUT:-200}" $PY kernels/bench/bench_decode.py --mode fitted --out "$OUT" > "$OUT/fitted.log" 2>&1
+      echo "fitted exit $?"; grep -E "^  b=|Error" "$OUT/fitted.log" ;;
     huffman)
       timeout "${KV_HUFF_TIMEOUT:-200}" $PY kernels/bench/bench_huffman.py --out "$OUT" > "$OUT/huffman.log" 2>&1
       echo "huffman exit $?"; tail -n 20 "$OUT/huffman.log" ;;

@@ -201,7 +201,7 @@ class LayerCodec:
             mean, mean16, mean_q = quant_pack.center_pack(x, self.center[side], validate=False)  # (B, 1, N, D)
         quantize = quant_pack.quantize_pack_keys if per_channel else quant_pack.quantize_pack_values
         q = quantize(x, bits, group, self._device_clip(side, x.device), m,
-                     perm=self._device_perm(side, x.device), mean=mean, validate=False)
+                     perm=self.device_perm(side, x.device), mean=mean, validate=False)
         return PackedBlock(q, None, mean16, mean_q)
 
     def _device_clip(self, side: str, device: torch.device) -> float | torch.Tensor:
@@ -218,8 +218,9 @@ class LayerCodec:
             self._on_device[key] = a.to(device)
         return self._on_device[key]  # type: ignore[return-value]
 
-    def _device_perm(self, side: str, device: torch.device) -> torch.Tensor | None:
-        """The side's permutation on ``device`` as int32 (H, D), copied once per device."""
+    def device_perm(self, side: str, device: torch.device) -> torch.Tensor | None:
+        """The side's permutation on ``device`` as int32 (H, D), copied once per device (the
+        quantize-and-pack and decode-attention kernels read it); None when not permuted."""
         perm = self.perm[side]
         if perm is None:
             return None

@@ -60,6 +60,8 @@ class PackedView:
 
     ``k_codes``/``v_codes`` (B, H, N, packed D) uint8 or, for a 16-bit side, ``k_raw``/``v_raw``
     (B, H, N, D); scales/zeros float16. Packed tokens hold absolute positions [start, start + N).
+    ``k_mean``/``v_mean``: a centred side's TaDA mean, float16 (B, 1, N, D) (16-bit) or
+    ``(codes uint8 (B, 1, N, D), scale, zero float16 (B, 1, N, 1))`` (8-bit); None otherwise.
     """
 
     cfg: LayerConfig
@@ -73,6 +75,8 @@ class PackedView:
     v_scale: torch.Tensor | None
     v_zero: torch.Tensor | None
     v_raw: torch.Tensor | None
+    k_mean: torch.Tensor | tuple | None = None
+    v_mean: torch.Tensor | tuple | None = None
 
 
 class PackedStore:
@@ -139,6 +143,11 @@ class PackedStore:
 
     def view(self) -> PackedView:
         p = {k: b.view() for k, b in self.parts.items() if "mean" not in k and k != "keep"}
+        for side in ("k", "v"):
+            mean = self.parts[f"{side}_mean"].view()
+            if mean is None and self.parts[f"{side}_mean_codes"].view() is not None:
+                mean = tuple(self.parts[f"{side}_mean_{n}"].view() for n in ("codes", "scale", "zero"))
+            p[f"{side}_mean"] = mean
         return PackedView(self.cfg, self.start, self.n, **p)
 
     def centred(self) -> bool:

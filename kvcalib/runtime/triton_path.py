@@ -12,16 +12,18 @@ the caller (:func:`kvcalib.runtime.backend.decode_attention`) then runs the PyTo
   positions), so left padding, holes, and ragged batches all work. Sliding-window layers return
   None (their window limit would need a per-step lower bound; the reference handles them).
 
+- SKVQ channel permutations (``{k|v}.perm``: the kernel reads the query at each stored key
+  channel's input channel and writes value channels back to their input positions) and TaDA
+  centering (``{k|v}.center``, 8- or 16-bit per-token means: ``q . mean`` joins each score and
+  ``sum p * mean`` the output, inside the same pass).
+
 Not covered, per layer (the reference runs that layer; other layers still use the kernel):
 
 - OTT outlier pools (``kv.outlier_pool`` > 0): the kernel takes at most two contiguous
   full-precision segments and no per-slot mask, while the pools sit at scattered positions and
   their packed slots must be masked out;
 - PATS tiers (a ``kv.schedule`` with more than one stored tier): the packed tokens live in one
-  store per bit width, and the kernel reads one bit width per call;
-- TaDA centering or SKVQ channel permutations (``{k|v}.center``, ``{k|v}.perm``): the kernel
-  neither adds the stored mean back nor un-permutes channels, so it would read such a layer's
-  codes as if they were plain K/V.
+  store per bit width, and the kernel reads one bit width per call.
 
 Segments passed to the kernel, by absolute position: sinks ``[0, S)`` (unless dropped), packed
 tokens ``[view.start, view.start + n)``, pending full-precision tokens ``[pend_start, n_seen)``.
@@ -57,10 +59,10 @@ def _reason_unsupported(query: torch.Tensor, layer) -> str | None:
         return "sliding-window layer"
     if layer.uses_pools_or_tiers:
         return "OTT outlier pools or PATS tiers (reference path)"
-    codec = layer.codec
-    if any(codec.center.values()) or any(p is not None for p in codec.perm.values()):
-        return "centering or channel permutation (reference path)"
     h = layer.sink_k.shape[1]
+    for side, perm in layer.codec.perm.items():
+        if perm is not None and tuple(perm.shape) != (h, d):
+            return f"{side} permutation of shape {tuple(perm.shape)} for {h} kv heads of {d} channels"
     if hq % h:
         return "query heads not a multiple of kv heads"
     from kvcalib_kernels.decode_attention import supports
@@ -81,6 +83,7 @@ def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, s
     from kvcalib_kernels.decode_attention import decode_attention
 
     cfg = layer.cfg
+    codec = layer.codec
     view = layer.packed_view()
     segments, positions = [], []
     if layer.sink_k.shape[2] and not layer.sinks_dropped:
@@ -100,5 +103,7 @@ def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, s
         query[:, :, 0, :], *packed,
         k_bits=cfg.k_bits, v_bits=cfg.v_bits, k_group=cfg.k_group, v_group=cfg.v_group,
         k_axis=cfg.k_axis, scaling=scaling, softcap=softcap, packed_position=view.start,
-        fp_segments=segments, fp_positions=positions, mask=mask)  # (B, Hq, D) float32
+        fp_segments=segments, fp_positions=positions, mask=mask,
+        k_perm=codec.device_perm("k", query.device), v_perm=codec.device_perm("v", query.device),
+        k_mean=view.k_mean if n else None, v_mean=view.v_mean if n else None)  # (B, Hq, D) float32
     return out[:, None]

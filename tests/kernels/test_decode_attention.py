@@ -216,6 +216,69 @@ def test_rejects_unsupported_layouts():
     assert da.supports(head_dim=128, k_bits=2, v_bits=2, k_group=128, v_group=128) is None
 
 
+# ---------------------------------------------------------------- SKVQ permutations, TaDA means
+
+
+def with_perm_mean(args, kw, *, k_perm=False, v_perm=False, k_mean=0, v_mean=0, seed=5):
+    """Add random channel permutations (H, D) and per-token means (16-bit float16 or 8-bit codes
+    with per-token scale/zero) over the packed tokens of a :func:`make_case` case."""
+    g = torch.Generator().manual_seed(seed)
+    kc = args[1]
+    b, h, n = kc.shape[:3]
+    d = args[0].shape[-1]
+    extra = {}
+    for name, on in (("k_perm", k_perm), ("v_perm", v_perm)):
+        if on:
+            extra[name] = torch.stack([torch.randperm(d, generator=g) for _ in range(h)]).to(DEVICE)
+    for name, bits in (("k_mean", k_mean), ("v_mean", v_mean)):
+        mean = torch.randn(b, 1, n, d, generator=g) * 3 + torch.randn(1, 1, 1, d, generator=g) * 2
+        if bits == 16:
+            extra[name] = mean.half().to(DEVICE)
+        elif bits == 8:
+            q8 = quantize_values(mean, 8, d)  # (B, 1, N, D) codes, (B, 1, N, 1) scale/zero
+            extra[name] = (q8.codes.to(DEVICE), q8.scale.to(DEVICE), q8.zero.to(DEVICE))
+    return args, {**kw, **extra}
+
+
+@pytest.mark.parametrize("k_bits,v_bits,k_mean,v_mean,perm", [
+    (2, 2, 16, 16, "kv"), (4, 4, 8, 8, "kv"), (8, 8, 16, 0, "v"), (2, 4, 0, 8, "k"), (4, 2, 0, 0, "kv"),
+    (2, 8, 8, 16, ""),
+], ids=lambda x: str(x))
+def test_permuted_and_centred_layers(k_bits, v_bits, k_mean, v_mean, perm):
+    args, kw = make_case(k_bits=k_bits, v_bits=v_bits, v_group=64 if v_bits == 8 else 32, dtype=torch.float16)
+    args, kw = with_perm_mean(args, kw, k_perm="k" in perm, v_perm="v" in perm, k_mean=k_mean, v_mean=v_mean)
+    out = check(args, kw)
+    plain = da.decode_attention(*args, **{k: v for k, v in kw.items() if "perm" not in k and "mean" not in k},
+                                config=SMALL)
+    assert float((out - plain).abs().max()) > 1e-2  # the permutation / mean really changed the answer
+
+
+@pytest.mark.parametrize("unpack", [0, 1, 6], ids=lambda u: f"unpack{u}")
+def test_permuted_and_centred_unpack_modes_token_keys_and_padding(unpack):
+    """Every unpack path (the lane folds too), per-token keys with small value groups (the
+    per-element path), a ragged batch with a mask, and a float32 query."""
+    cfg = da.DecodeConfig(block_n=16, fp_block=16, unpack=unpack, num_splits=2)
+    args, kw = make_case(b=2, n=48, k_bits=4, v_bits=2, f=(3, 5))
+    args, kw = with_perm_mean(args, kw, k_perm=True, v_perm=True, k_mean=16, v_mean=8)
+    mask = torch.ones(2, 56, dtype=torch.bool)
+    mask[1, :19] = False
+    check(args, {**kw, "mask": mask.to(DEVICE), "packed_start": torch.tensor([0, 16], device=DEVICE)}, cfg)
+    args, kw = make_case(k_axis="token", k_group=16, k_bits=4, v_bits=4, v_group=16, n=40, dtype=torch.float32)
+    check(*with_perm_mean(args, kw, k_perm=True, v_perm=True, k_mean=8, v_mean=16), cfg)
+
+
+def test_perm_and_mean_shapes_are_checked():
+    args, kw = make_case()
+    with pytest.raises(ValueError, match="k_perm"):
+        da.decode_attention(*args, **kw, k_perm=torch.zeros(3, 64, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="v_mean"):
+        da.decode_attention(*args, **kw, v_mean=torch.zeros(2, 1, 48, 64, device=DEVICE))  # float32, not float16
+    with pytest.raises(ValueError, match="k_mean: scale"):
+        codes = torch.zeros(2, 1, 48, 64, dtype=torch.uint8, device=DEVICE)
+        da.decode_attention(*args, **kw, k_mean=(codes, torch.zeros(2, 1, 48, 2, dtype=torch.float16, device=DEVICE),
+                                                 torch.zeros(2, 1, 48, 2, dtype=torch.float16, device=DEVICE)))
+
+
 def test_reference_matches_attend_compressed_on_a_real_layer():
     """The kernel reference and the runtime reference agree (two specifications, one answer)."""
     from kvcalib.recipe import LayerConfig
@@ -235,12 +298,13 @@ def test_reference_matches_attend_compressed_on_a_real_layer():
 # ---------------------------------------------------------------- the runtime adapter
 
 
-def _filled_layer(cfg, b=2, h=2, rep=3, d=64, prompt=75, steps=3, pad=(0, 9), dtype=torch.float32, seed=1):
+def _filled_layer(cfg, b=2, h=2, rep=3, d=64, prompt=75, steps=3, pad=(0, 9), dtype=torch.float32, seed=1,
+                  codec=None):
     """A CompressedLayer after a prompt and a few decode steps; (layer, query (B,Hq,1,D), visible)."""
     from kvcalib.runtime.cache import CompressedLayer
 
     g = torch.Generator().manual_seed(seed)
-    layer = CompressedLayer(cfg)
+    layer = CompressedLayer(cfg, codec)
     total = prompt + steps + 1
     vis = torch.ones(b, 1, total, dtype=torch.bool)
     for i, p in enumerate(pad):
@@ -274,6 +338,30 @@ def test_triton_path_matches_runtime_reference(cfg):
     assert float((out - ref).abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("k_center,v_center,perm", [(16, 8, "kv"), (8, 16, "k"), (0, 16, "v"), (16, 0, "")],
+                         ids=["k16-v8-perm-kv", "k8-v16-perm-k", "v16-perm-v", "k16"])
+def test_triton_path_runs_centred_and_permuted_layers(k_center, v_center, perm):
+    """TaDA means and SKVQ permutations go through the kernel (not the reference) and agree
+    with the runtime reference on the same stored bytes."""
+    from kvcalib.recipe import LayerConfig
+    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.codec import LayerCodec
+    from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
+
+    cfg = LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2)
+    g = torch.Generator().manual_seed(7)
+    perms = {s: torch.stack([torch.randperm(64, generator=g) for _ in range(2)]) if s in perm else None
+             for s in ("k", "v")}
+    codec = LayerCodec(cfg, k_perm=perms["k"], v_perm=perms["v"], k_center=k_center, v_center=v_center)
+    layer, q, vis = _filled_layer(cfg, codec=codec)
+    assert layer.n_packed > 0 and _reason_unsupported(q, layer) is None
+    view = layer.packed_view()
+    assert (view.k_mean is not None) == bool(k_center) and (view.v_mean is not None) == bool(v_center)
+    out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
+    ref = attend_compressed(q, layer, vis, 64 ** -0.5)
+    assert out is not None and float((out - ref).abs().max()) < 1e-4
+
+
 def test_triton_path_declines_what_it_does_not_cover():
     from kvcalib.recipe import LayerConfig
     from kvcalib.runtime.cache import CompressedLayer
@@ -290,11 +378,15 @@ def test_triton_path_declines_what_it_does_not_cover():
                                    torch.ones(1, 1, 20, dtype=torch.bool, device=DEVICE), 0.1) is None
 
 
-def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch):
-    """A tiny model decodes through the kernel (counted) with the reference backend's logits."""
+@pytest.mark.parametrize("fitted", [False, True], ids=["plain", "centred-permuted"])
+def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch, fitted):
+    """A tiny model decodes through the kernel (counted) with the reference backend's logits;
+    ``fitted``: every layer also has TaDA means (16-bit keys, 8-bit values) and SKVQ permutations."""
     from kvcalib.recipe import LayerConfig, Recipe
     from kvcalib.runtime import triton_path
+    from kvcalib.runtime.attention import use_kvcalib_attention
     from kvcalib.runtime.cache import CompressedCache
+    from kvcalib.runtime.codec import LayerCodec
     from tests.conftest import tiny_model
 
     model = tiny_model("llama", head_dim=64, heads=4, kv_heads=2).to(DEVICE)
@@ -311,7 +403,15 @@ def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch):
 
     def run(backend):
         monkeypatch.setenv("KVCALIB_BACKEND", backend)
-        cache = CompressedCache.from_recipe(model, rec)
+        if fitted:
+            g = torch.Generator().manual_seed(4)
+            cfgs = rec.layer_configs(model.config.num_hidden_layers)
+            perm = [torch.stack([torch.randperm(64, generator=g) for _ in range(2)]) for _ in range(2 * len(cfgs))]
+            cache = CompressedCache(cfgs, [LayerCodec(c, k_perm=perm[2 * i], v_perm=perm[2 * i + 1], k_center=16,
+                                                      v_center=8) for i, c in enumerate(cfgs)])
+            use_kvcalib_attention(model)
+        else:
+            cache = CompressedCache.from_recipe(model, rec)
         outs = []
         with torch.no_grad():
             outs.append(model(input_ids=ids[:, :34], past_key_values=cache).logits[:, -1].float())

@@ -162,9 +162,10 @@ def test_cache_refuses_non_kvcalib_attention():
         model.generate(torch.randint(0, 128, (1, 8)), max_new_tokens=3, past_key_values=cache)
 
 
-def test_triton_path_declines_centred_or_permuted_layers(monkeypatch):
-    """The fused kernel adds no stored mean and un-permutes no channel: such layers must go to the
-    reference (checked before any triton import), plain layers are not declined for that reason."""
+def test_triton_path_covers_centred_permuted_and_clipped_layers(monkeypatch):
+    """TaDA means, SKVQ permutations and clipping all run in the fused kernel (the kernel tests
+    compare it with the reference); OTT pools still go to the reference."""
+    pytest.importorskip("triton")
     from kvcalib.runtime.cache import CompressedLayer
     from kvcalib.runtime.codec import LayerCodec
     from kvcalib.runtime.triton_path import _reason_unsupported
@@ -172,13 +173,13 @@ def test_triton_path_declines_centred_or_permuted_layers(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cfg = LayerConfig(k_bits=4, v_bits=4, k_group=32, v_group=32, window=32)
     perm = torch.stack([torch.randperm(64) for _ in range(2)])
-    for codec in (LayerCodec(cfg, v_center=8), LayerCodec(cfg, v_perm=perm)):
+    for codec in (LayerCodec(cfg, v_center=8), LayerCodec(cfg, k_center=16, v_perm=perm, k_perm=perm),
+                  LayerCodec(cfg, v_clip=0.9)):
         layer = CompressedLayer(cfg, codec)
         layer.update(torch.randn(1, 2, 80, 64), torch.randn(1, 2, 80, 64))
         layer.flush()
-        assert "centering or channel permutation" in _reason_unsupported(torch.randn(1, 4, 1, 64), layer)
-    pytest.importorskip("triton")
-    plain = CompressedLayer(cfg, LayerCodec(cfg, v_clip=0.9))  # clipping only changes the codes: covered
-    plain.update(torch.randn(1, 2, 80, 64), torch.randn(1, 2, 80, 64))
-    plain.flush()
-    assert _reason_unsupported(torch.randn(1, 4, 1, 64), plain) is None
+        assert _reason_unsupported(torch.randn(1, 4, 1, 64), layer) is None
+    pooled = CompressedLayer(cfg, LayerCodec(cfg, outlier_pool=4))
+    pooled.update(torch.randn(1, 2, 80, 64), torch.randn(1, 2, 80, 64))
+    pooled.flush()
+    assert "outlier pools" in _reason_unsupported(torch.randn(1, 4, 1, 64), pooled)

@@ -401,6 +401,25 @@ def _v_deq_plane(acc, p_dot, vb, vs_rows, vz_rows, col0, offs_p, row_ok, GROUP: 
 
 
 @triton.jit
+def _plane_channels(offs_p, P: tl.constexpr, PLANES: tl.constexpr, perm_row, PERM: tl.constexpr):
+    """Input channel of each column of planes 0..3 (stored channels ``[s * P, (s + 1) * P)``, in
+    ``offs_p``'s column order): the stored channel itself, or ``perm_row[j]`` (the kv head's SKVQ
+    permutation, int32 (D,)) when PERM. Planes past PLANES are returned unpermuted (unused)."""
+    c0 = offs_p
+    c1 = P + offs_p
+    c2 = 2 * P + offs_p
+    c3 = 3 * P + offs_p
+    if PERM:
+        c0 = tl.load(perm_row + c0)
+        if PLANES > 1:
+            c1 = tl.load(perm_row + c1)
+        if PLANES > 2:
+            c2 = tl.load(perm_row + c2)
+            c3 = tl.load(perm_row + c3)
+    return c0, c1, c2, c3
+
+
+@triton.jit
 def _mean_tile(rows, cols, row_ok, MEAN: tl.constexpr, DOT_T: tl.constexpr):
     """A TaDA mean tile (BLOCK_N, P) as DOT_T: rows (BLOCK_N, 1) pointers to each token's mean
     row, cols (P,) channels; 8-bit codes (MEAN 8, exact) or float16 values (MEAN 16)."""
@@ -537,18 +556,7 @@ def _decode_split_kernel(
         end = tl.minimum(s0 + split_size, hi)
         # query channel of each column of key plane s (stored channels [s*PK, (s+1)*PK)); with an
         # SKVQ permutation, stored channel j holds input channel perm[h, j]
-        qc0 = offs_pk
-        qc1 = PK + offs_pk
-        qc2 = 2 * PK + offs_pk
-        qc3 = 3 * PK + offs_pk
-        if K_PERM:
-            kp_row = KP + h * D
-            qc0 = tl.load(kp_row + qc0)
-            if PER_K > 1:
-                qc1 = tl.load(kp_row + qc1)
-            if PER_K > 2:
-                qc2 = tl.load(kp_row + qc2)
-                qc3 = tl.load(kp_row + qc3)
+        qc0, qc1, qc2, qc3 = _plane_channels(offs_pk, PK, PER_K, KP + h * D, K_PERM)
         # the query, one slice per key plane, pre-scaled, float32. Per-token keys use them as is;
         # per-channel keys fold the scales in once per key group.
         q0 = _q_plane(q_rows, r_ok, qc0, 0, qk_scale)
@@ -562,18 +570,7 @@ def _decode_split_kernel(
                 q2 = _q_plane(q_rows, r_ok, qc2, 0, qk_scale)
                 q3 = _q_plane(q_rows, r_ok, qc3, 0, qk_scale)
         # output channel of each column of value plane s (scattered back when V is permuted)
-        vc0 = offs_pv
-        vc1 = PV + offs_pv
-        vc2 = 2 * PV + offs_pv
-        vc3 = 3 * PV + offs_pv
-        if V_PERM:
-            vp_row = VP + h * D
-            vc0 = tl.load(vp_row + vc0)
-            if PER_V > 1:
-                vc1 = tl.load(vp_row + vc1)
-            if PER_V > 2:
-                vc2 = tl.load(vp_row + vc2)
-                vc3 = tl.load(vp_row + vc3)
+        vc0, vc1, vc2, vc3 = _plane_channels(offs_pv, PV, PER_V, VP + h * D, V_PERM)
         # TaDA means (input channel order, one (N, D) mean per sequence shared by the kv heads):
         # the key mean adds q . mean_n to each score; the value mean adds sum_n p_n mean_n into
         # each value plane's accumulator, read at the plane's output channels (vc*)

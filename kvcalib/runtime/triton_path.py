@@ -105,5 +105,5 @@ def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, s
         k_axis=cfg.k_axis, scaling=scaling, softcap=softcap, packed_position=view.start,
         fp_segments=segments, fp_positions=positions, mask=mask,
         k_perm=codec.device_perm("k", query.device), v_perm=codec.device_perm("v", query.device),
-        k_mean=view.k_mean if n else None, v_mean=view.v_mean if n else None)  # (B, Hq, D) float32
+        k_mean=view.k_mean, v_mean=view.v_mean)  # (B, Hq, D) float32; means of an empty store are ignored
     return out[:, None]

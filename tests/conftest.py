@@ -35,17 +35,59 @@ def tiny_config(arch: str, layers: int = 2, heads: int = 4, kv_heads: int = 2, h
     raise ValueError(arch)
 
 
-def tiny_model(arch: str, seed: int = 0, **kw):
+def tiny_model(arch: str, seed: int = 0, config=None, **kw):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **kw), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config or tiny_config(arch, **kw), attn_implementation="sdpa")
     # random init gives tiny keys; scale k/v projections so statistics are not all ~0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("k_proj.weight", "v_proj.weight")):
                 p.mul_(20)
     return model.eval()
+
+
+_WORDS = ("the a river king castle old green stone walked over under quietly bright north town "
+          "market people were said that with from into between seven hundred winter summer "
+          "ship sailed harbour letter wrote poem play stage").split()
+
+
+def corpus_lines(n_lines: int = 300, seed: int = 0) -> list[str]:
+    """Seeded lines of filler text (the tiny tokenizer's training text)."""
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(8, 20))]
+        lines.append(" ".join(words).capitalize() + f" in {rng.randint(1500, 1999)}.")
+    return lines
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """A 400-token byte-level BPE trained on :func:`corpus_lines` (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator(corpus_lines() + ["What is the pass key? The pass key is 12345. Remember it."], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="</s>")
+
+
+def tiny_loaded_model(tokenizer, arch: str = "llama", **kw):
+    """A :class:`kvcalib.models.LoadedModel` of :func:`tiny_model` sized to ``tokenizer``."""
+    from kvcalib.models import LoadedModel, model_info
+
+    cfg = tiny_config(arch, **kw)
+    cfg.vocab_size = len(tokenizer)
+    model = tiny_model(arch, config=cfg)
+    return LoadedModel(model, tokenizer, model_info(cfg, f"tiny-{arch}"), source="tiny", resolved="tiny")
 
 
 @pytest.fixture(params=TINY_ARCHS)

@@ -10,25 +10,13 @@ query's dtype.
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-# ---- setup: the interpreter must be chosen before a @triton.jit function is defined
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
-triton = pytest.importorskip("triton")
-if not HAS_CUDA and not INTERPRET:
-    pytest.skip("no CUDA and TRITON_INTERPRET=0: Triton kernels cannot run here", allow_module_level=True)
-da = importlib.import_module("kvcalib_kernels.decode_attention")
-if INTERPRET and type(da._decode_split_kernel).__name__ != "InterpretedFunction":
-    da = importlib.reload(da)  # imported earlier without the interpreter
+from tests.kernels.triton_setup import kernel_modules
 
+# the interpreter must be chosen before a @triton.jit function is defined
+DEVICE, INTERPRET, (da,) = kernel_modules("kvcalib_kernels.decode_attention")
 from kvcalib.quant.uniform import quantize_keys, quantize_values  # noqa: E402
 from kvcalib_kernels.reference import decode_attention_reference, decode_attention_reference_in  # noqa: E402
 

@@ -11,29 +11,14 @@ atol(dtype)``, truth = the reference in float64 on the decoded codes.
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-# ---- setup: the interpreter must be chosen before a @triton.jit function is defined
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
-triton = pytest.importorskip("triton")
-if not HAS_CUDA and not INTERPRET:
-    pytest.skip("no CUDA and TRITON_INTERPRET=0: Triton kernels cannot run here", allow_module_level=True)
-hd = importlib.import_module("kvcalib_kernels.huffman_decode")
-dah = importlib.import_module("kvcalib_kernels.decode_attention_huffman")
-da = importlib.import_module("kvcalib_kernels.decode_attention")
-if INTERPRET and type(dah._huffman_split_kernel).__name__ != "InterpretedFunction":
-    da = importlib.reload(da)  # imported earlier without the interpreter: reload in dependency order
-    hd = importlib.reload(hd)
-    dah = importlib.reload(dah)
+from tests.kernels.triton_setup import kernel_modules
 
+# the interpreter must be chosen before a @triton.jit function is defined (modules in dependency order)
+DEVICE, INTERPRET, (da, hd, dah) = kernel_modules("kvcalib_kernels.decode_attention", "kvcalib_kernels.huffman_decode",
+                                                  "kvcalib_kernels.decode_attention_huffman")
 from kvcalib.quant.huffman import (Codebook, EncodedBlocks, HuffmanError, build_codebook,  # noqa: E402
                                    decode_blocks, encode_blocks, symbol_histogram)
 from kvcalib.quant.packing import pack_codes, unpack_codes  # noqa: E402

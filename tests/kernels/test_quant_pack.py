@@ -9,23 +9,12 @@ module is imported) and on CUDA as is; the full-size grid is marked ``gpu``.
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
-triton = pytest.importorskip("triton")
-if not HAS_CUDA and not INTERPRET:
-    pytest.skip("no CUDA and TRITON_INTERPRET=0: Triton kernels cannot run here", allow_module_level=True)
-qp = importlib.import_module("kvcalib_kernels.quant_pack")
-if INTERPRET and type(qp._quant_keys_kernel).__name__ != "InterpretedFunction":
-    qp = importlib.reload(qp)  # imported earlier without the interpreter
+from tests.kernels.triton_setup import kernel_modules
+
+DEVICE, INTERPRET, (qp,) = kernel_modules("kvcalib_kernels.quant_pack")  # before any kernel import
 
 from kvcalib.runtime.codec import quantize_reference  # noqa: E402
 from kvcalib_kernels.reference import (center_pack_reference, quantize_pack_keys_reference,  # noqa: E402

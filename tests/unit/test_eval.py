@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 
 import pytest
 import torch
@@ -18,10 +17,9 @@ from kvcalib.eval.agreement import agreement, agreement_stats, greedy_decode, gr
 from kvcalib.eval.gsm8k import build_gsm8k_prompt, extract_answer, is_correct, normalize_number
 from kvcalib.eval.passkey import NEEDLE, build_passkey_prompt, build_passkey_prompts, extract_passkey, run_passkey
 from kvcalib.eval.perplexity import decode_faithful_nll, perplexity, scored_slice
-from kvcalib.models import LoadedModel, model_info
 from kvcalib.recipe import LayerConfig, Recipe, quantized_token_count, resolve_recipe
 from kvcalib.runtime.cache import CompressedCache
-from tests.conftest import TINY_ARCHS, tiny_config, tiny_model
+from tests.conftest import TINY_ARCHS, corpus_lines as _corpus, tiny_config, tiny_loaded_model, tiny_model
 
 LOSSY = LayerConfig(k_bits=2, v_bits=2, k_group=8, v_group=8, window=8)  # tiny model: head_dim 16
 
@@ -147,48 +145,10 @@ def test_split_context_is_compressed_before_the_question():
         assert layer.n_seen - layer.pend_k.shape[-2] == quantized_token_count(LOSSY, 45) == 32
 
 
-# ------------------------------------------------------------------ tiny tokenizer + model
-_WORDS = ("the a river king castle old green stone walked over under quietly bright north town "
-          "market people were said that with from into between seven hundred winter summer "
-          "ship sailed harbour letter wrote poem play stage").split()
-
-
-def _corpus(n_lines: int = 300, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n_lines):
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(8, 20))]
-        lines.append(" ".join(words).capitalize() + f" in {rng.randint(1500, 1999)}.")
-    return lines
-
-
-@pytest.fixture(scope="module")
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tk.train_from_iterator(_corpus() + ["What is the pass key? The pass key is 12345. Remember it."], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="</s>")
-
-
+# ------------------------------------------------------------------ tiny model (tokenizer: tests/conftest.py)
 @pytest.fixture(scope="module")
 def tiny_loaded(tiny_tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    cfg = tiny_config("llama")
-    cfg.vocab_size = len(tiny_tokenizer)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("k_proj.weight", "v_proj.weight")):
-                p.mul_(20)
-    return LoadedModel(model, tiny_tokenizer, model_info(cfg, "tiny-llama"), source="tiny", resolved="tiny")
+    return tiny_loaded_model(tiny_tokenizer)
 
 
 # ------------------------------------------------------------------ passkey

@@ -512,7 +512,7 @@ def _decode_split_kernel(
     DOT_T: tl.constexpr, IEEE: tl.constexpr, FP_T: tl.constexpr, FP_IEEE: tl.constexpr,
     K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr, BLOCK_N: tl.constexpr, FP_BLOCK: tl.constexpr,
     K_PERM: tl.constexpr = False, V_PERM: tl.constexpr = False, K_MEAN: tl.constexpr = 0,
-    V_MEAN: tl.constexpr = 0, RESCALE: tl.constexpr = 8.0,
+    V_MEAN: tl.constexpr = 0, MASK_PACKED: tl.constexpr = True, RESCALE: tl.constexpr = 8.0,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -616,7 +616,7 @@ def _decode_split_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             row_ok = offs_n < end
             valid = row_ok & (offs_n >= lo)
-            if HAS_MASK:
+            if HAS_MASK and MASK_PACKED:
                 vis = tl.load(MASK + b * stride_mb + packed_pos + offs_n, mask=row_ok, other=0)
                 valid = valid & (vis != 0)
             # ---- scores: all key planes from one (BLOCK_N, PK) byte tile
@@ -1245,7 +1245,8 @@ def _check_mean(name: str, mean, b: int, n: int, d: int):
 
 def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_bits, k_group, v_group,
             k_axis, scaling, softcap, packed_start, packed_end, packed_position, fp_segments, fp_positions,
-            mask, config: DecodeConfig, k_perm=None, v_perm=None, k_mean=None, v_mean=None) -> torch.Tensor:
+            mask, config: DecodeConfig, k_perm=None, v_perm=None, k_mean=None, v_mean=None,
+            mask_packed: bool = True) -> torch.Tensor:
     """Check shapes/dtypes/contiguity, pick the code path, launch split + combine kernels.
 
     Shapes: q (B, Hq, D); k_codes (B, H, N, PK) u8, PK = D*k_bits/8; k_scale/k_zero f16
@@ -1310,7 +1311,6 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
     f_lens = [s[0].shape[2] for s in fp]
     splits, split_size, chunks, s_tot, (m_part, l_part, o_part, out) = _work_split(
         n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config)
-    rows = bsz * hq
     if s_tot == 0:
         return out.zero_()
 
@@ -1391,7 +1391,7 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
         DOT_T=dot_t, IEEE=ieee, FP_T=fp_t, FP_IEEE=fp_ieee,
         K_UNPACK=k_unpack, V_UNPACK=v_unpack, BLOCK_N=block_n, FP_BLOCK=fp_block,
         K_PERM=kp is not dummy32, V_PERM=vp is not dummy32, K_MEAN=means[0][0], V_MEAN=means[1][0],
-        num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config),
+        MASK_PACKED=bool(mask_packed), num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config),
     )
     _combine(m_part, l_part, o_part, s_tot, out)
     return out
@@ -1422,6 +1422,7 @@ def decode_attention(
     fp_segments: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     fp_positions: Sequence[int] = (),
     mask: torch.Tensor | None = None,
+    mask_packed: bool = True,
     k_perm: torch.Tensor | None = None,
     v_perm: torch.Tensor | None = None,
     k_mean: torch.Tensor | tuple | None = None,
@@ -1438,5 +1439,5 @@ def decode_attention(
     return _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits=k_bits, v_bits=v_bits,
                    k_group=k_group, v_group=v_group, k_axis=k_axis, scaling=scaling, softcap=softcap,
                    packed_start=packed_start, packed_end=packed_end, packed_position=packed_position,
-                   fp_segments=fp_segments, fp_positions=fp_positions, mask=mask,
+                   fp_segments=fp_segments, fp_positions=fp_positions, mask=mask, mask_packed=mask_packed,
                    config=config or DEFAULT_CONFIG, k_perm=k_perm, v_perm=v_perm, k_mean=k_mean, v_mean=v_mean)

@@ -523,7 +523,6 @@ def _launch(q, k_blocks, k_scale, k_zero, v_blocks, v_scale, v_zero, *, k_codebo
     f_lens = [s[0].shape[2] for s in fp]
     splits, split_size, chunks, s_tot, (m_part, l_part, o_part, out) = _work_split(
         n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config)
-    rows = bsz * hq
     if s_tot == 0:
         return out.zero_()
 

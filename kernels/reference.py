@@ -104,6 +104,7 @@ def decode_attention_reference_in(
     fp_segments: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     fp_positions: Sequence[int] = (),
     mask: torch.Tensor | None = None,
+    mask_packed: bool = True,
     k_perm: torch.Tensor | None = None,
     v_perm: torch.Tensor | None = None,
     k_mean=None,
@@ -130,7 +131,7 @@ def decode_attention_reference_in(
         lo = torch.zeros(b, dtype=torch.long, device=q.device) if packed_start is None else packed_start.long()
         hi = torch.full((b,), n, dtype=torch.long, device=q.device) if packed_end is None else packed_end.long()
         ok = (idx >= lo[:, None]) & (idx < hi[:, None])  # (B, N)
-        valid.append(ok & _visible(mask, b, packed_position, n, q.device))
+        valid.append(ok & _visible(mask if mask_packed else None, b, packed_position, n, q.device))
     positions = list(fp_positions) or [0] * len(fp_segments)
     for (fk, fv), pos in zip(fp_segments, positions):
         if fk is None or fk.shape[2] == 0:
@@ -181,6 +182,7 @@ def decode_attention_reference(
     fp_segments: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     fp_positions: Sequence[int] = (),
     mask: torch.Tensor | None = None,
+    mask_packed: bool = True,
     k_perm: torch.Tensor | None = None,
     v_perm: torch.Tensor | None = None,
     k_mean=None,
@@ -205,6 +207,8 @@ def decode_attention_reference(
         fp_segments: up to two full-precision ``(k, v)`` pairs ``(B, H, F, D)`` (sinks and the
             pending window), at absolute positions ``fp_positions``.
         mask: bool ``(B|1, L)`` over absolute positions; False = not visible (padding).
+        mask_packed: False: ``mask`` covers the full-precision segments only (every packed token
+            is visible, and ``L`` need not reach the packed positions).
         k_perm, v_perm: int ``(H, D)`` SKVQ channel permutations of the packed sides (stored
             channel j holds input channel ``perm[h, j]``); None = stored in input order.
         k_mean, v_mean: TaDA per-token means over the kv heads, added back after un-permuting:
@@ -218,7 +222,8 @@ def decode_attention_reference(
         v_bits=v_bits, k_group=k_group, v_group=v_group, k_axis=k_axis, scaling=scaling,
         softcap=softcap, packed_start=packed_start, packed_end=packed_end,
         packed_position=packed_position, fp_segments=fp_segments, fp_positions=fp_positions,
-        mask=mask, k_perm=k_perm, v_perm=v_perm, k_mean=k_mean, v_mean=v_mean, config=config)
+        mask=mask, mask_packed=mask_packed, k_perm=k_perm, v_perm=v_perm, k_mean=k_mean, v_mean=v_mean,
+        config=config)
 
 
 # ---------------------------------------------------------------- quantize and pack

@@ -258,9 +258,11 @@ def run(
     compare: bool = typer.Option(False, help="Also generate with full precision and report token agreement."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
     trust_remote_code: bool = typer.Option(False, help="Allow custom model code."),
+    cuda_graph: bool = typer.Option(False, "--cuda-graph", help="CUDA only: replay each decode step of the "
+                                    "compressed cache from a CUDA graph (no per-kernel launch cost; no streaming)."),
 ) -> None:
     """Generate with the compressed cache; print KV bytes, effective bits and tokens/s."""
-    from kvcalib.models import DEFAULT_MODEL, load_model
+    from kvcalib.models import DEFAULT_MODEL, default_device, load_model
     from kvcalib.recipe import resolve_recipe
     from kvcalib.runtime.generate import generate, token_agreement
 
@@ -274,11 +276,13 @@ def run(
     if not prompt or not prompt.strip():
         raise KvcalibError("the prompt is empty: pass some text with --prompt or --prompt-file.")
     rec = resolve_recipe(recipe)
+    if cuda_graph and (device or default_device()) != "cuda":
+        raise KvcalibError("--cuda-graph needs a CUDA device (none here): leave --cuda-graph out.")
     model_name = model or (rec.model.name if rec.model else DEFAULT_MODEL)
     loaded = load_model(model_name, device=device, trust_remote_code=trust_remote_code)
     rec.check_model(loaded.info)
     print(f"[{rec.name}] ", end="", flush=True)
-    result = generate(loaded, prompt, rec, max_new_tokens, stream=True)
+    result = generate(loaded, prompt, rec, max_new_tokens, stream=True, cuda_graph=cuda_graph)
     rows = [[result.label, len(result.new_tokens), result.tokens_per_second, result.kv_bytes,
              result.effective_bits, result.effective_bits_16]]
     if compare:

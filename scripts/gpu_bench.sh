@@ -84,7 +84,7 @@ for st in $STAGES; do
       echo "e2e-smoke exit $?"; tail -n 12 "$OUT/e2e_smoke.log" ;;
     e2e)
       timeout "${KV_E2E_TIMEOUT:-300}" $PY kernels/bench/bench_decode.py --mode e2e --steps "${KV_E2E_STEPS:-140}" \
-        --batches-bf16 8 --batches-packed 8 32 --out "$OUT" > "$OUT/e2e.log" 2>&1
+        --batches-bf16 8 --batches-packed 8 32 ${KV_E2E_ARGS:-} --out "$OUT" > "$OUT/e2e.log" 2>&1
       echo "e2e exit $?"; tail -n 12 "$OUT/e2e.log" ;;
     *) echo "unknown stage $st" ;;
   esac

@@ -112,12 +112,19 @@ def kvcalib_attention(module, query, key, value, attention_mask, scaling=None, d
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, softcap=softcap, **kwargs)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    if layer.static is not None:  # a static (CUDA-graph) step: the device state says what is visible
+        from kvcalib.runtime.triton_path import static_decode_attention
+
+        return static_decode_attention(query, layer, scale, softcap).to(query.dtype), None
     visible = _visible_mask(attention_mask, layer, query.shape[-2], query.device)  # (B|1, Tq, KV)
     if attention_mask is not None:  # no mask: nothing is padding (and no host sync per layer)
         layer.mark_padding(visible.any(dim=1).expand(layer.sink_k.shape[0], -1))
     from kvcalib.runtime.backend import decode_attention
 
-    out = decode_attention(query, layer, visible, scale, softcap)
+    # no mask and no padding seen: a decode step's query sees every cached token (the kernel then
+    # reads no mask at all)
+    all_visible = attention_mask is None and layer.valid is None and not layer.is_sliding
+    out = decode_attention(query, layer, visible, scale, softcap, all_visible=all_visible)
     layer.flush()
     return out.to(query.dtype), None
 

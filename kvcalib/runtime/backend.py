@@ -57,14 +57,15 @@ def use_triton_for(query: torch.Tensor) -> bool:
 
 
 def decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, scaling: float,
-                     softcap: float | None = None) -> torch.Tensor:
-    """Attention of ``query`` (B, Hq, Tq, D) over ``layer``; returns (B, Tq, Hq, D) float32."""
+                     softcap: float | None = None, all_visible: bool = False) -> torch.Tensor:
+    """Attention of ``query`` (B, Hq, Tq, D) over ``layer``; returns (B, Tq, Hq, D) float32.
+    ``all_visible``: ``visible`` is True everywhere (the kernel may skip reading it)."""
     from kvcalib.runtime.attention import attend_compressed
 
     if use_triton_for(query):
         from kvcalib.runtime.triton_path import triton_decode_attention
 
-        out = triton_decode_attention(query, layer, visible, scaling, softcap)
+        out = triton_decode_attention(query, layer, visible, scaling, softcap, all_visible=all_visible)
         if out is not None:
             return out
     return attend_compressed(query, layer, visible, scaling, softcap)

@@ -22,6 +22,14 @@ and a decode step at position i sees the blocks flushed after step i-1.
 
 Attention must go through :func:`kvcalib.runtime.attention.kvcalib_attention` (the model's
 ``attn_implementation="kvcalib"``); :meth:`CompressedCache.from_recipe` switches the model to it.
+
+Static mode (:meth:`CompressedCache.make_static`, used by :mod:`kvcalib.runtime.graphs` to replay
+decode steps from CUDA graphs): the pending window lives in a fixed buffer of ``window +
+flush_block`` tokens, a step writes its token at the slot a device tensor names
+(:class:`~kvcalib.runtime.static.StaticState`), attention reads the whole buffer under a device
+visibility mask, and nothing on the host changes during the step: the driver advances the
+bookkeeping (:meth:`CompressedCache.advance_static`) and flushes between steps, so between two
+flushes every step launches the same kernels on the same buffers.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from kvcalib.errors import KvcalibError
 from kvcalib.recipe import LayerConfig, Recipe, resolve_recipe
 from kvcalib.runtime.codec import LayerCodec
 from kvcalib.runtime.outlier_pool import OutlierPool, pack_keep
+from kvcalib.runtime.static import StaticState
 from kvcalib.runtime.store import GrowBuffer, PackedStore, PackedView  # noqa: F401  (re-exported)
 from kvcalib.runtime.tiers import PackedTiers
 
@@ -82,6 +91,9 @@ class CompressedLayer(CacheLayerMixin):
         self.outliers = OutlierPool(self.codec.outlier_pool)  # OTT pools (inactive at pool 0)
         self.valid: torch.Tensor | None = None  # (B, n_seen) bool: False = padding
         self.awaiting_attention = False
+        self.static: StaticState | None = None  # set in static mode (module docstring)
+        self.pend_buf_k: torch.Tensor | None = None  # static mode: (B, H, window + block, D)
+        self.pend_buf_v: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ Cache API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -95,6 +107,8 @@ class CompressedLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append new K/V (B, H, T_new, D). Returns the new states tagged with this layer."""
+        if self.static is not None:
+            return self._update_static(key_states, value_states)
         if self.awaiting_attention:
             raise KvcalibError(
                 "CompressedCache was updated twice without kvcalib attention in between: the model "
@@ -117,6 +131,18 @@ class CompressedLayer(CacheLayerMixin):
             self.valid = torch.cat([self.valid, self.valid.new_ones((self.valid.shape[0], t_new))], dim=1)
         self.n_seen += t_new
         self.awaiting_attention = True
+        setattr(key_states, LAYER_ATTR, self)
+        return key_states, value_states
+
+    def _update_static(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Static mode: write the step's token (B, H, 1, D) at its slot of the pending buffer, the
+        slot read from the device (``static.position - pend_start``); no host state changes."""
+        if key_states.shape[-2] != 1:
+            raise KvcalibError("a static (CUDA-graph) CompressedCache takes one token per step: leave static mode "
+                               "(cache.make_dynamic()) before a prefill")
+        slot = self.static.position - self.pend_start  # (1,) int64 on the device
+        self.pend_buf_k.index_copy_(2, slot, key_states.to(self.pend_buf_k.dtype))
+        self.pend_buf_v.index_copy_(2, slot, value_states.to(self.pend_buf_v.dtype))
         setattr(key_states, LAYER_ATTR, self)
         return key_states, value_states
 
@@ -202,9 +228,7 @@ class CompressedLayer(CacheLayerMixin):
                         self._flush_block(off, block)
                 else:  # one encode for all due groups (one kernel launch on GPU, not one per group)
                     self._flush_block(0, due)
-                self.pend_k = self.pend_k[:, :, due:].clone()
-                self.pend_v = self.pend_v[:, :, due:].clone()
-                self.pend_start += due
+                self._drop_pending(due)
             self.packed.advance(self.n_seen, self.valid)
         if self.sliding_window is not None:
             oldest_needed = self.n_seen - self.sliding_window + 1  # next query's first visible key
@@ -216,10 +240,78 @@ class CompressedLayer(CacheLayerMixin):
                 self.sink_k = self.sink_k[:, :, :0]
                 self.sink_v = self.sink_v[:, :, :0]
             if not cfg.compressed and self.pend_k.shape[-2] > self.sliding_window:
-                cut = self.pend_k.shape[-2] - self.sliding_window
-                self.pend_k = self.pend_k[:, :, cut:].clone()
-                self.pend_v = self.pend_v[:, :, cut:].clone()
-                self.pend_start += cut
+                self._drop_pending(self.pend_k.shape[-2] - self.sliding_window)
+
+    def _drop_pending(self, count: int) -> None:
+        """Forget the oldest ``count`` pending tokens (flushed or out of the window). Static mode
+        shifts the rest to the front of the same buffer (its address must not change)."""
+        rest = self.pend_k.shape[-2] - count
+        if self.static is not None:
+            self.pend_buf_k[:, :, :rest] = self.pend_buf_k[:, :, count:count + rest].clone()
+            self.pend_buf_v[:, :, :rest] = self.pend_buf_v[:, :, count:count + rest].clone()
+            self.pend_k, self.pend_v = self.pend_buf_k[:, :, :rest], self.pend_buf_v[:, :, :rest]
+        else:
+            self.pend_k = self.pend_k[:, :, count:].clone()
+            self.pend_v = self.pend_v[:, :, count:].clone()
+        self.pend_start += count
+
+    # ------------------------------------------------------------------ static mode
+    @property
+    def static_capacity(self) -> int:
+        """Pending tokens a static buffer must hold: the window plus one flush block (the most
+        there can be right before a flush)."""
+        return self.cfg.window + self.cfg.flush_block
+
+    def static_blocker(self) -> str | None:
+        """Why this layer cannot enter static mode now (None: it can)."""
+        if not getattr(self, "is_initialized", False):
+            return "the layer holds nothing yet (run the prompt first)"
+        if not self.cfg.compressed:
+            return "the layer keeps full precision (its window grows without bound)"
+        if self.is_sliding:
+            return "sliding-window layer"
+        if self.uses_pools_or_tiers:
+            return "OTT outlier pools or PATS tiers"
+        if self.n_seen < self.cfg.sinks:
+            return f"only {self.n_seen} of the {self.cfg.sinks} sink tokens seen"
+        if self.pend_k.shape[-2] >= self.static_capacity:
+            return "a flush is due"
+        return None
+
+    def make_static(self, state: StaticState) -> None:
+        """Enter static mode: move the pending window into a fixed buffer (module docstring)."""
+        why = self.static_blocker()
+        if why is not None:
+            raise KvcalibError(f"layer {self.layer_idx} cannot decode in static (CUDA-graph) mode: {why}")
+        if self.static is None:
+            b, h, u, d = self.pend_k.shape
+            self.pend_buf_k = self.pend_k.new_zeros((b, h, self.static_capacity, d))
+            self.pend_buf_v = self.pend_v.new_zeros((b, h, self.static_capacity, d))
+            self.pend_buf_k[:, :, :u] = self.pend_k
+            self.pend_buf_v[:, :, :u] = self.pend_v
+            self.pend_k, self.pend_v = self.pend_buf_k[:, :, :u], self.pend_buf_v[:, :, :u]
+        self.static = state
+        self.awaiting_attention = False
+
+    def make_dynamic(self) -> None:
+        """Leave static mode: the pending window becomes a tensor of its own again."""
+        if self.static is None:
+            return
+        self.pend_k, self.pend_v = self.pend_k.clone(), self.pend_v.clone()
+        self.pend_buf_k = self.pend_buf_v = None
+        self.static = None
+
+    def advance_static(self) -> None:
+        """Host bookkeeping of one static step (its token is already in the buffer)."""
+        u = self.pend_k.shape[-2] + 1
+        self.pend_k, self.pend_v = self.pend_buf_k[:, :, :u], self.pend_buf_v[:, :, :u]
+        if self.valid is not None:
+            self.valid = torch.cat([self.valid, self.valid.new_ones((self.valid.shape[0], 1))], dim=1)
+        self.n_seen += 1
+
+    def flush_due(self) -> bool:
+        """Whether :meth:`flush` would move pending tokens into packed storage now."""
+        return self.cfg.compressed and self.pend_k.shape[-2] - self.cfg.window >= self.cfg.flush_block
 
     # ------------------------------------------------------------------ memory
     def nbytes(self) -> dict[str, int]:
@@ -230,7 +322,9 @@ class CompressedLayer(CacheLayerMixin):
             return int(t.numel() * t.element_size())
         out = {
             "sinks": size(self.sink_k) + size(self.sink_v),
-            "window": size(self.pend_k) + size(self.pend_v),
+            # static mode holds the whole fixed buffer, used or not
+            "window": (size(self.pend_buf_k) + size(self.pend_buf_v)) if self.static is not None
+            else size(self.pend_k) + size(self.pend_v),
             **self.packed.nbytes(),  # codes, scales, means, OTT masks (all tiers)
             **self.outliers.nbytes(),  # OTT pools, positions, counters
             "padding_mask": 0 if self.valid is None else size(self.valid),
@@ -273,6 +367,41 @@ class CompressedCache(Cache):
         if switch_attention:
             use_kvcalib_attention(model)
         return cls(configs, build_codecs(recipe, configs, info.head_dim), list(info.sliding_window), recipe)
+
+    # ------------------------------------------------------------------ static mode (CUDA graphs)
+    def static_blockers(self) -> list[str]:
+        """Why the cache cannot enter static mode now, one line per layer that cannot (empty: it can)."""
+        return [f"layer {layer.layer_idx}: {why}" for layer in self.layers
+                if (why := layer.static_blocker()) is not None]
+
+    def make_static(self, position: torch.Tensor) -> StaticState:
+        """Enter (or refresh, after a flush) static mode; ``position`` (1,) int64 on the cache's
+        device holds the next token's absolute position. Returns the shared state."""
+        blockers = self.static_blockers()
+        if blockers:
+            raise KvcalibError("the cache cannot decode in static (CUDA-graph) mode: " + "; ".join(blockers))
+        length = max(layer.pend_start + layer.static_capacity for layer in self.layers)
+        state = StaticState.create(position, length, self.layers[0].valid)
+        for layer in self.layers:
+            layer.make_static(state)
+        return state
+
+    def make_dynamic(self) -> None:
+        for layer in self.layers:
+            layer.make_dynamic()
+
+    def advance_static(self) -> None:
+        """Host bookkeeping after a static step ran (eagerly or replayed)."""
+        for layer in self.layers:
+            layer.advance_static()
+
+    def flush_due(self) -> bool:
+        return any(layer.flush_due() for layer in self.layers)
+
+    def flush(self) -> None:
+        """Flush every layer (static mode defers the flush of a step to its driver)."""
+        for layer in self.layers:
+            layer.flush()
 
     def nbytes(self) -> dict[str, int]:
         """Actual bytes the cache holds (all layers), by component."""

@@ -49,8 +49,10 @@ def _streamer(tokenizer, stream: bool):
 
 @torch.no_grad()
 def generate(loaded: LoadedModel, prompt: str, recipe: Recipe | None, max_new_tokens: int = 64,
-             stream: bool = False) -> GenerationResult:
-    """Greedy generation; ``recipe=None`` uses the full-precision DynamicCache."""
+             stream: bool = False, cuda_graph: bool = False) -> GenerationResult:
+    """Greedy generation; ``recipe=None`` uses the full-precision DynamicCache. ``cuda_graph``:
+    decode steps replayed from CUDA graphs (:mod:`kvcalib.runtime.graphs`; compressed cache on
+    CUDA only, no streaming: the text is printed at the end)."""
     from transformers import DynamicCache
 
     from kvcalib.runtime.cache import CompressedCache
@@ -67,14 +69,32 @@ def generate(loaded: LoadedModel, prompt: str, recipe: Recipe | None, max_new_to
     else:
         cache = CompressedCache.from_recipe(model, recipe)
         label = recipe.name
-    t0 = time.perf_counter()
-    out = model.generate(**enc, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
-                         streamer=_streamer(tok, stream), pad_token_id=tok.pad_token_id)
-    if next(model.parameters()).is_cuda:
+    if cuda_graph:
+        if recipe is None or not next(model.parameters()).is_cuda:
+            raise KvcalibError("--cuda-graph replays decode steps of the compressed cache on a CUDA device: "
+                               "run with a recipe on --device cuda, or leave --cuda-graph out.")
+        from kvcalib.runtime.graphs import GraphDecoder
+
+        t0 = time.perf_counter()
+        res = GraphDecoder(model, cache).generate(enc["input_ids"], enc.get("attention_mask"), max_new_tokens,
+                                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    new = out[0, enc["input_ids"].shape[1]:].tolist()
-    text = tok.decode(new, skip_special_tokens=True)
+        seconds = time.perf_counter() - t0
+        new = res.tokens[0].tolist()
+        if tok.eos_token_id is not None and tok.eos_token_id in new:
+            new = new[:new.index(tok.eos_token_id) + 1]  # as generate: up to and including the first EOS
+        text = tok.decode(new, skip_special_tokens=True)
+        if stream:
+            print(text, flush=True)
+    else:
+        t0 = time.perf_counter()
+        out = model.generate(**enc, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
+                             streamer=_streamer(tok, stream), pad_token_id=tok.pad_token_id)
+        if next(model.parameters()).is_cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        new = out[0, enc["input_ids"].shape[1]:].tolist()
+        text = tok.decode(new, skip_special_tokens=True)
     if recipe is None:
         elem = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers if layer.keys is not None)
         size = next(iter(cache.layers)).keys.element_size()

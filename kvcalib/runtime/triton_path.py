@@ -72,14 +72,43 @@ def _reason_unsupported(query: torch.Tensor, layer) -> str | None:
 
 
 def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, scaling: float,
-                            softcap: float | None = None) -> torch.Tensor | None:
+                            softcap: float | None = None, all_visible: bool = False) -> torch.Tensor | None:
     """Fused attention of ``query`` (B, Hq, 1, D) over ``layer``; (B, 1, Hq, D) float32 or None.
 
-    ``visible`` (B|1, 1, KV) bool over absolute positions ``0..n_seen-1`` (False = padding).
+    ``visible`` (B|1, 1, KV) bool over absolute positions ``0..n_seen-1`` (False = padding);
+    ``all_visible``: it is True everywhere, so no mask is passed to the kernel.
     Returns None (use the reference) when the step or the layer is not covered (module doc).
     """
     if _reason_unsupported(query, layer) is not None:
         return None
+    pending = (layer.pend_k, layer.pend_v)  # (B, H, U, D) x 2
+    mask = None if all_visible else visible[:, -1, :]  # (B|1, KV)
+    return _launch_layer(query, layer, pending, mask, True, scaling, softcap)
+
+
+def static_decode_attention(query: torch.Tensor, layer, scaling: float,
+                            softcap: float | None = None) -> torch.Tensor:
+    """The same over a layer in static mode (:mod:`kvcalib.runtime.static`): the whole pending
+    buffer is passed and ``layer.static.visible`` hides its empty slots (and padding), so the
+    launch is the same at every step between two flushes. Raises when the kernel does not cover
+    the layer (there is no reference fallback inside a CUDA graph)."""
+    from kvcalib.errors import KvcalibError
+
+    why = _reason_unsupported(query, layer)
+    if why is not None:
+        raise KvcalibError(f"layer {layer.layer_idx} cannot decode in static (CUDA-graph) mode: {why}; "
+                           "decode without CUDA graphs")
+    state = layer.static
+    pending = (layer.pend_buf_k, layer.pend_buf_v)  # (B, H, window + block, D) x 2
+    out = _launch_layer(query, layer, pending, state.visible, state.mask_packed, scaling, softcap)
+    if out is None:
+        raise KvcalibError(f"layer {layer.layer_idx} stores a 16-bit side raw: static (CUDA-graph) mode needs "
+                           "packed K and V")
+    return out
+
+
+def _launch_layer(query, layer, pending, mask, mask_packed, scaling, softcap) -> torch.Tensor | None:
+    """One kernel call over ``layer``: sinks, packed tokens, ``pending`` (B, H, U, D) K/V."""
     from kvcalib_kernels.decode_attention import decode_attention
 
     cfg = layer.cfg
@@ -89,8 +118,8 @@ def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, s
     if layer.sink_k.shape[2] and not layer.sinks_dropped:
         segments.append((layer.sink_k, layer.sink_v))  # (B, H, S, D)
         positions.append(0)
-    if layer.pend_k.shape[2]:
-        segments.append((layer.pend_k, layer.pend_v))  # (B, H, U, D)
+    if pending[0].shape[2]:
+        segments.append(pending)  # (B, H, U, D)
         positions.append(layer.pend_start)
     n = view.n
     packed = (view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale, view.v_zero)
@@ -98,12 +127,11 @@ def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, s
         if n:
             return None  # a 16-bit side stored raw: not this kernel's layout
         packed = (None,) * 6
-    mask = visible[:, -1, :]  # (B|1, KV)
     out = decode_attention(
         query[:, :, 0, :], *packed,
         k_bits=cfg.k_bits, v_bits=cfg.v_bits, k_group=cfg.k_group, v_group=cfg.v_group,
         k_axis=cfg.k_axis, scaling=scaling, softcap=softcap, packed_position=view.start,
-        fp_segments=segments, fp_positions=positions, mask=mask,
+        fp_segments=segments, fp_positions=positions, mask=mask, mask_packed=mask_packed,
         k_perm=codec.device_perm("k", query.device), v_perm=codec.device_perm("v", query.device),
         k_mean=view.k_mean, v_mean=view.v_mean)  # (B, Hq, D) float32; means of an empty store are ignored
     return out[:, None]

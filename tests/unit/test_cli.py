@@ -40,6 +40,7 @@ def test_help_lists_every_command_with_examples():
     (["inspect", "{tmp}/garbage.safetensors"], "corrupt or truncated"),
     (["run", "--recipe", "kivi-2", "--prompt", "   "], "prompt is empty"),
     (["run", "--recipe", "kivi-9", "--prompt", "hi"], "does not exist"),
+    (["run", "--recipe", "kivi-2", "--prompt", "hi", "--device", "cpu", "--cuda-graph"], "--cuda-graph needs a CUDA"),
 ])
 def test_bad_input_exit_2_one_line(tmp_path, args, needle):
     (tmp_path / "nonempty").mkdir()

@@ -1,0 +1,238 @@
+"""Greedy decoding with each step replayed from a CUDA graph.
+
+An eager decode step of a 7B model launches hundreds of small kernels from Python; at batch 8
+and 32k context the step is bound by that host work, not by the GPU (``artifacts/bench/e2e.md``).
+:class:`GraphDecoder` captures one whole step (model forward, cache write, fused attention,
+argmax) into a CUDA graph and replays it, so a step costs one launch.
+
+Static shapes per bucket: a :class:`~kvcalib.runtime.cache.CompressedCache` in static mode
+(:mod:`kvcalib.runtime.static`) keeps its pending window in a fixed buffer and reads the step's
+position from the device, so every step between two flushes launches the same kernels on the
+same buffers. A flush (every ``flush_block`` steps) changes the packed store, so the driver
+flushes eagerly between steps and captures the next period's graph: one eager step (which also
+compiles what is new) and one capture per ``flush_block`` steps, replays otherwise.
+
+A transformers ``StaticCache`` (the bf16 baseline of the benchmark) works too: it has no
+flushes, so one capture serves every step; its attention gets a 4D visibility mask refreshed on
+the device.
+
+``capture=False`` runs exactly the same step eagerly (the CPU tests, and the check that a graph
+changes nothing). Only greedy decoding; EOS ends a sequence (it then repeats ``pad_token_id``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcalib.errors import KvcalibError
+
+
+@dataclass
+class DecodeResult:
+    """Tokens chosen per step (B, steps) and, when asked, the logits of each step."""
+
+    tokens: torch.Tensor  # (B, steps) int64
+    logits: list[torch.Tensor] = field(default_factory=list)  # steps x (B, V) float32
+    captures: int = 0  # CUDA graphs captured (one per flush period with a CompressedCache)
+    replays: int = 0  # steps replayed from a graph
+    eager_steps: int = 0  # steps run eagerly (first of each period, or capture=False)
+
+
+def _takes(model, name: str) -> bool:
+    """Whether the model's forward takes ``name`` (``cache_position`` left transformers in 5.x)."""
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class GraphDecoder:
+    """Greedy decode steps over ``cache`` (a CompressedCache or a transformers StaticCache)."""
+
+    def __init__(self, model, cache, *, capture: bool = True, keep_logits: bool = False) -> None:
+        from kvcalib.runtime.backend import requested_backend
+        from kvcalib.runtime.cache import CompressedCache
+
+        if isinstance(cache, CompressedCache) and requested_backend() == "reference":
+            raise KvcalibError("KVCALIB_BACKEND=reference cannot run static (CUDA-graph) decode steps, which need "
+                               "the fused kernel: unset it, or decode without CUDA graphs")
+        self.model = model
+        self.cache = cache
+        self.compressed = isinstance(cache, CompressedCache)
+        self.device = next(model.parameters()).device
+        if capture and self.device.type != "cuda":
+            raise KvcalibError("CUDA graphs need a CUDA model: decode eagerly (capture=False) on this device")
+        self.capture = capture
+        self.keep_logits = keep_logits
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._pool = None
+        self._with_cache_position = _takes(model, "cache_position")
+        self._mask4d: torch.Tensor | None = None  # StaticCache: (B, 1, 1, max_len) bool
+        self._positions: torch.Tensor | None = None  # StaticCache: (1, 1, 1, max_len) int64
+
+    # ------------------------------------------------------------------ one step
+    def _forward_step(self) -> None:
+        """The captured body: refresh the visibility, run the model on ``tok``, pick the next token."""
+        extra = {}
+        if self.compressed:
+            self.state.refresh()
+        else:
+            torch.le(self._positions, self.position, out=self._mask4d)
+            extra["attention_mask"] = self._mask4d
+        if self._with_cache_position:
+            extra["cache_position"] = self.position
+        out = self.model(input_ids=self.tok, position_ids=self.position_ids, past_key_values=self.cache,
+                         use_cache=True, logits_to_keep=1, **extra)
+        self._pick(out.logits[:, -1].float())
+
+    def _pick(self, logits: torch.Tensor) -> None:
+        """Greedy choice from ``logits`` (B, V); advance the positions (all on the device)."""
+        self.logits.copy_(logits)
+        nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
+        if self.eos is not None:
+            nxt = torch.where(self.done, torch.full_like(nxt, self.pad), nxt)
+            self.done |= torch.isin(nxt, self.eos)
+        self.tok.copy_(nxt)
+        self.position.add_(1)
+        self.position_ids.add_(1)
+
+    def _eager_step(self) -> None:
+        if self.device.type == "cuda":  # warm up off the capture stream, as CUDA-graph capture asks
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._forward_step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+        else:
+            self._forward_step()
+
+    def _capture(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._forward_step()
+        self._pool = graph.pool()
+        self._graph = graph
+
+    def _enter_period(self) -> None:
+        """(Re)build the static state: after the prompt and after every flush."""
+        if self.compressed:
+            self.state = self.cache.make_static(self.position)
+        elif self._mask4d is None:
+            max_len = int(self.cache.layers[0].max_cache_len)
+            self._positions = torch.arange(max_len, device=self.device).view(1, 1, 1, max_len)  # (1, 1, 1, L)
+            self._mask4d = torch.zeros((1, 1, 1, max_len), dtype=torch.bool, device=self.device)  # (1, 1, 1, L)
+
+    def _static_ready(self) -> bool:
+        """Whether the compressed cache can enter static mode now; False while the prompt has not
+        filled the sinks yet (those steps run dynamically); raises for layers that never can."""
+        blockers = self.cache.static_blockers()
+        if not blockers:
+            return True
+        if all(layer.n_seen < layer.cfg.sinks for layer in self.cache.layers if layer.static_blocker() is not None):
+            return False
+        raise KvcalibError("CUDA-graph decoding needs every layer on the fused kernel: " + "; ".join(blockers)
+                           + ". Decode without CUDA graphs for this recipe.")
+
+    def _dynamic_step(self) -> None:
+        """A step over the cache in its ordinary (dynamic) mode, e.g. while the sinks fill."""
+        valid = self.cache.layers[0].valid  # (B, n_seen) bool or None
+        mask = None if valid is None else torch.cat([valid, valid.new_ones((valid.shape[0], 1))], 1).long()
+        out = self.model(input_ids=self.tok, position_ids=self.position_ids, past_key_values=self.cache,
+                         use_cache=True, logits_to_keep=1, attention_mask=mask)
+        self._pick(out.logits[:, -1].float())
+
+    # ------------------------------------------------------------------ decoding
+    @torch.no_grad()
+    def decode(self, first_token: torch.Tensor, position: int, position_ids: torch.Tensor, steps: int,
+               eos_token_id=None, pad_token_id: int | None = None, step_times: list | None = None) -> DecodeResult:
+        """Feed ``first_token`` (B, 1) at absolute cache position ``position`` (rotary positions
+        ``position_ids`` (B, 1)) and decode ``steps`` tokens greedily.
+
+        ``step_times``: when a list, each step's wall time (seconds, synchronised) is appended.
+        """
+        import time
+
+        b = first_token.shape[0]
+        dev = self.device
+        self.tok = first_token.to(dev, torch.long).reshape(b, 1).clone()  # (B, 1)
+        self.position = torch.tensor([position], dtype=torch.long, device=dev)  # (1,)
+        self.position_ids = position_ids.to(dev, torch.long).reshape(b, 1).clone()  # (B, 1)
+        self.logits = torch.empty((b, self.model.config.get_text_config().vocab_size), dtype=torch.float32,
+                                  device=dev)  # (B, V)
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        self.eos = torch.tensor(eos, dtype=torch.long, device=dev) if eos else None
+        self.pad = int(pad_token_id if pad_token_id is not None else (eos[0] if eos else 0))
+        self.done = (torch.isin(self.tok, self.eos) if self.eos is not None
+                     else torch.zeros((b, 1), dtype=torch.bool, device=dev))  # (B, 1)
+        tokens = torch.empty((b, steps), dtype=torch.long, device=dev)  # (B, steps)
+        res = DecodeResult(tokens)
+        self._graph = None
+        sync = dev.type == "cuda" and step_times is not None
+        try:
+            for i in range(steps):
+                if sync:
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                static = True
+                if self._graph is not None:
+                    self._graph.replay()
+                    res.replays += 1
+                elif self.compressed and not self._static_ready():
+                    self._dynamic_step()
+                    res.eager_steps += 1
+                    static = False
+                else:
+                    self._enter_period()
+                    self._eager_step()
+                    res.eager_steps += 1
+                if self.compressed and static:
+                    self.cache.advance_static()
+                tokens[:, i] = self.tok[:, 0]
+                if self.keep_logits:
+                    res.logits.append(self.logits.clone())
+                if self.compressed and static and self.cache.flush_due():
+                    self.cache.flush()  # the packed store changes: the next step starts a new period
+                    self._graph = None
+                elif static and self._graph is None and self.capture and i + 1 < steps:
+                    self._capture()
+                    res.captures += 1
+                if sync:
+                    torch.cuda.synchronize(dev)
+                if step_times is not None:
+                    step_times.append(time.perf_counter() - t0)
+                if self.eos is not None and (i + 1) % 16 == 0 and bool(self.done.all()):
+                    res.tokens = tokens[:, :i + 1]
+                    break
+        finally:
+            self._graph = None
+            if self.compressed:
+                self.cache.make_dynamic()
+        return res
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 max_new_tokens: int = 64, eos_token_id=None, pad_token_id: int | None = None) -> DecodeResult:
+        """Prefill ``input_ids`` (B, T) eagerly (left padding through ``attention_mask``), then
+        decode ``max_new_tokens`` tokens; the first comes from the prefill's logits."""
+        if max_new_tokens < 1:
+            raise KvcalibError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
+        dev = self.device
+        input_ids = input_ids.to(dev)
+        b, t = input_ids.shape
+        if attention_mask is None:
+            position_ids = torch.arange(t, device=dev)[None].expand(b, t)  # (B, T)
+        else:
+            attention_mask = attention_mask.to(dev)
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        first_logits = out.logits[:, -1].float()  # (B, V)
+        first = first_logits.argmax(-1, keepdim=True)  # (B, 1)
+        res = self.decode(first, t, position_ids[:, -1:] + 1, max_new_tokens - 1, eos_token_id, pad_token_id)
+        res.tokens = torch.cat([first, res.tokens], dim=1)
+        if self.keep_logits:
+            res.logits.insert(0, first_logits)
+        return res

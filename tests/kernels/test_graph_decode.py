@@ -1,0 +1,178 @@
+"""Static (CUDA-graph) decode steps: the same answers as ordinary decoding.
+
+On CPU the static steps run eagerly (``capture=False``) through Triton's interpreter: that checks
+the static data path (fixed pending buffer, device position, visibility mask, deferred flushes)
+against the dynamic cache step by step. On CUDA (device tool) the captured graphs are checked
+against the same steps run eagerly, and the bf16 ``StaticCache`` baseline of the benchmark
+against transformers' own decoding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.triton_setup import kernel_modules
+
+DEVICE, INTERPRET, _ = kernel_modules("kvcalib_kernels.decode_attention")  # before any kernel import
+
+from kvcalib.errors import KvcalibError  # noqa: E402
+from kvcalib.recipe import LayerConfig, Recipe  # noqa: E402
+from kvcalib.runtime.cache import CompressedCache  # noqa: E402
+from kvcalib.runtime.graphs import GraphDecoder  # noqa: E402
+from tests.conftest import tiny_model  # noqa: E402
+
+requires_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (run through the device tool)")
+RECIPE = Recipe(name="t", default_layer=LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2))
+
+
+def _model():
+    return tiny_model("llama", head_dim=64, heads=4, kv_heads=2).to(DEVICE)
+
+
+def _dynamic_logits(model, recipe, ids, mask, tokens):
+    """Teacher-forced ordinary decoding: logits (steps, B, V) of the prompt's last position and of
+    each of ``tokens`` (B, steps) but the last, over a fresh dynamic cache (run by the caller's
+    backend: the PyTorch reference here, which the kernel is tested against elsewhere)."""
+    cache = CompressedCache.from_recipe(model, recipe)
+    b, t = ids.shape
+    full = torch.ones((b, t + tokens.shape[1]), dtype=torch.long, device=ids.device) if mask is None else \
+        torch.cat([mask, mask.new_ones((b, tokens.shape[1]))], 1)  # (B, T + steps)
+    pos = (full.cumsum(-1) - 1).clamp_min(0)  # (B, T + steps)
+    out = []
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=None if mask is None else mask, position_ids=pos[:, :t],
+                       past_key_values=cache).logits
+        out.append(logits[:, -1].float())
+        for i in range(tokens.shape[1] - 1):
+            am = None if mask is None else full[:, :t + i + 1]
+            logits = model(input_ids=tokens[:, i:i + 1], attention_mask=am, position_ids=pos[:, t + i:t + i + 1],
+                           past_key_values=cache).logits
+            out.append(logits[:, -1].float())
+    return torch.stack(out), cache
+
+
+@pytest.mark.parametrize("case", ["plain", "left-padding", "short-prompt"])
+def test_static_steps_match_dynamic_decoding(monkeypatch, case):
+    """Static steps (fixed buffers, device position and mask, flushes between steps) give the
+    dynamic cache's logits at every step, across several flushes; padding and a prompt shorter
+    than the sinks (whose first steps run dynamically) included."""
+    model = _model()
+    g = torch.Generator().manual_seed(5)
+    if case == "short-prompt":
+        ids, mask = torch.randint(0, 128, (1, 1), generator=g), None
+    else:
+        ids = torch.randint(0, 128, (2, 21), generator=g)
+        mask = None
+        if case == "left-padding":
+            mask = torch.ones_like(ids)
+            mask[1, :6] = 0
+            mask = mask.to(DEVICE)
+    ids = ids.to(DEVICE)
+    steps = 34 if case == "short-prompt" else 36  # one flush (short prompt) or two on the way (blocks of 16)
+    cache = CompressedCache.from_recipe(model, RECIPE)
+    res = GraphDecoder(model, cache, capture=False, keep_logits=True).generate(ids, mask, max_new_tokens=steps)
+    assert res.tokens.shape == (ids.shape[0], steps)
+    assert cache.layers[0].static is None and cache.layers[0].n_seen == ids.shape[1] + steps - 1
+    assert cache.layers[0].n_packed == (16 if case == "short-prompt" else 32)
+    monkeypatch.setenv("KVCALIB_BACKEND", "reference")
+    ref, ref_cache = _dynamic_logits(model, RECIPE, ids, mask, res.tokens)
+    got = torch.stack(res.logits)  # (steps, B, V)
+    assert got.shape == ref.shape
+    tol = 1e-3 * max(1.0, float(ref.abs().max()))
+    assert float((got - ref).abs().max()) < tol
+    assert torch.equal(res.tokens, torch.stack([x.argmax(-1) for x in ref], 1))
+    # the same bytes were stored
+    a, b = cache.layers[1].packed_view(), ref_cache.layers[1].packed_view()
+    assert a.n == b.n and torch.equal(a.k_codes, b.k_codes) and torch.equal(a.v_codes, b.v_codes)
+
+
+def test_static_mode_refuses_what_it_cannot_run(monkeypatch):
+    model = _model()
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    pools = Recipe(name="p", default_layer=LayerConfig(k_bits=2, v_bits=2, k_group=16, v_group=16, window=16),
+                   tensors={f"layers.{i}.kv.outlier_pool": torch.tensor(4) for i in range(model.config.num_hidden_layers)})
+    with pytest.raises(KvcalibError, match="OTT outlier pools"):
+        GraphDecoder(model, CompressedCache.from_recipe(model, pools), capture=False).generate(ids, max_new_tokens=3)
+    monkeypatch.setenv("KVCALIB_BACKEND", "reference")
+    with pytest.raises(KvcalibError, match="KVCALIB_BACKEND=reference"):
+        GraphDecoder(model, CompressedCache.from_recipe(model, RECIPE), capture=False)
+    monkeypatch.delenv("KVCALIB_BACKEND")
+    if DEVICE == "cpu":
+        with pytest.raises(KvcalibError, match="CUDA graphs need a CUDA model"):
+            GraphDecoder(model, CompressedCache.from_recipe(model, RECIPE), capture=True)
+
+
+def test_static_buffer_is_counted_whole():
+    """Memory accounting: in static mode the pending window holds its whole fixed buffer."""
+    from kvcalib.runtime.cache import CompressedLayer
+    from kvcalib.runtime.static import StaticState
+
+    layer = CompressedLayer(LayerConfig(k_bits=2, v_bits=2, k_group=16, v_group=16, window=16))
+    layer.update(torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64))
+    layer.flush()
+    used = layer.nbytes()["window"]
+    layer.make_static(StaticState.create(torch.tensor([40]), 64))
+    assert layer.nbytes()["window"] == 2 * 2 * 32 * 64 * 4 > used  # K and V, (1, 2, 32, 64) float32
+    layer.make_dynamic()
+    assert layer.nbytes()["window"] == used
+
+
+# ---------------------------------------------------------------- CUDA graphs (GPU)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "left-padding"])
+def test_captured_steps_equal_eager_static_steps(padded):
+    """Replayed graphs (one capture per flush period) give exactly the eager static steps."""
+    model = _model().to(torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 128, (3, 40), generator=g).to(DEVICE)
+    mask = None
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[2, :9] = 0
+    runs = []
+    for capture in (False, True):
+        cache = CompressedCache.from_recipe(model, RECIPE)
+        runs.append(GraphDecoder(model, cache, capture=capture, keep_logits=True).generate(ids, mask,
+                                                                                           max_new_tokens=70))
+    eager, graph = runs
+    assert graph.captures >= 4 and graph.replays >= 60
+    assert torch.equal(eager.tokens, graph.tokens)
+    assert float((torch.stack(eager.logits) - torch.stack(graph.logits)).abs().max()) < 1e-2
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_static_cache_baseline_matches_transformers():
+    """The benchmark's bf16 baseline (transformers StaticCache, replayed) decodes as transformers does."""
+    from transformers import DynamicCache, StaticCache
+
+    model = _model().to(torch.bfloat16)
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=20,
+                         do_sample=False, min_new_tokens=20)[:, 30:]
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    res = GraphDecoder(model, cache, capture=True).generate(ids, max_new_tokens=20)
+    assert res.replays >= 15
+    assert (res.tokens == ref).float().mean() > 0.9  # bf16 SDPA over 64 slots vs the growing cache
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_kvcalib_run_with_cuda_graphs_generates_the_eager_text(tiny_tokenizer):
+    """`kvcalib run --cuda-graph`'s generation path: the same tokens as `model.generate` over
+    the same recipe (float32 model: no near-ties between the two kernels' roundings)."""
+    from kvcalib.runtime.generate import generate
+    from tests.conftest import tiny_loaded_model
+
+    loaded = tiny_loaded_model(tiny_tokenizer, head_dim=64)
+    loaded.model.to(DEVICE)
+    prompt = "The old king walked over the green stone bridge into the market of the north town in 1650."
+    eager = generate(loaded, prompt, RECIPE, max_new_tokens=48)
+    graph = generate(loaded, prompt, RECIPE, max_new_tokens=48, cuda_graph=True)
+    assert graph.new_tokens == eager.new_tokens and graph.text == eager.text
+    assert graph.kv_bytes > 0 and graph.effective_bits < 16

@@ -895,7 +895,8 @@ give: value codes stored in a fragment-friendly order (4 tokens of a channel per
 as Marlin-style kernels store weights), and several kv heads or token sub-blocks per 16-row tile
 so no MMA row is padding. Small shapes (batch 1, short context, the small
 models) are additionally host-bound: ~80 us of Python + two Triton launches per call vs a GPU
-time of 14-44 us (see the latency table); CUDA-graph capture of the decode step removes that.
+time of 14-44 us (see the latency table); CUDA-graph capture of the decode step removes that
+(`GraphDecoder`, `e2e.md`).
 Per-token value groups smaller than a plane (4-bit, group 32) take the per-element path and run
 at ~0.5x.
 """
@@ -935,7 +936,7 @@ def _targets_section(rows, meta, out: Path) -> list[str]:
                 f"**{'met' if not slow_g else 'missed'}** ({len(slow_g)} of {len(lat)} rows slower; "
                 + ", ".join(f"{r['model']} {r['context'] // 1024}k {r['speedup_graph']:.2f}x" for r in lat)
                 + "). The do_bench rows above include ~85-130 us of host time per call (Python + two launches), "
-                "which only a captured decode step removes.")
+                "which a captured decode step (`kvcalib.runtime.graphs.GraphDecoder`) removes.")
     q = meta.get("quant_vs_prefill")
     if q:
         worst = max(q.get("quant_pack_2b_frac_of_prefill", 0), q.get("quant_pack_4b_frac_of_prefill", 0))

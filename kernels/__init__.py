@@ -5,7 +5,8 @@ twin of the same signature in :mod:`kvcalib_kernels.reference` that it is tested
 
 - :mod:`kvcalib_kernels.decode_attention`: split-K flash-decoding over packed 2/4/8-bit K
   (per-channel or per-token scales) and V (per-token scales), all query heads of a GQA group
-  in one program, the full-precision segments (sinks, window) merged by log-sum-exp.
+  in one program, the full-precision segments (sinks, window, OTT outlier pool) merged by
+  log-sum-exp, OTT quant masks skipping the pool entrants' packed slots.
 - :mod:`kvcalib_kernels.quant_pack`: quantize-and-pack a flushed block (with the recipe's
   permutation, clip, OTT keep mask and TaDA mean; ``center_pack`` stores the mean), bit-exact
   with :func:`kvcalib.runtime.codec.quantize_reference` / ``center_reference``.

@@ -9,6 +9,9 @@ What one call computes (the specification is
   ``k_group`` channels (``k_axis="token"``); V codes with per-token scales over groups of
   ``v_group`` channels. Bits 2, 4 or 8 per side (compile-time constants);
 - up to two full-precision segments ``(B, H, F, D)`` (the cache's sinks and pending window),
+- an OTT outlier pool ``(B, H, P, D)`` at int32 absolute positions ``(B, H, P)`` (-1 = empty),
+  with per-kv-head quant masks of the packed slots (the cache's ``keep`` bytes, one bit per
+  token in blocks of ``keep_block``; a 0 bit: the token lives in the pool, its slot is skipped),
 
 with a per-batch valid range of packed tokens and an optional visibility mask over absolute
 positions (padding). Packed sides may carry an SKVQ channel permutation ``(H, D)`` (the query is
@@ -18,7 +21,7 @@ scale/zero (``q . mean`` joins each score, ``sum p * mean`` each value plane, in
 
 Two launches:
 
-1. ``_decode_split_kernel``, grid ``(B * H, S_packed + S_fp)``. Program ``(b*H + h, s)`` holds
+1. ``_decode_split_kernel``, grid ``(B * H, S_packed + S_fp)`` (fp chunks: sinks, window, pool). Program ``(b*H + h, s)`` holds
    all ``R = Hq / H`` query heads of kv head ``h`` (rows of one ``(R_PAD, .)`` tile, so each K/V
    byte is read once per GQA group). ``s < S_packed``: a contiguous split of the packed tokens,
    walked in blocks of ``BLOCK_N`` tokens with an online softmax; ``s >= S_packed``: one
@@ -58,7 +61,7 @@ Arithmetic (what keeps the per-code work small):
 
 Performance status (H200, ``artifacts/bench/decode_attention.md``): ~1.3-1.6x over the fastest
 bf16 SDPA at batch >= 8 and long contexts (Mistral-7B shape, 32k, batch 8: 1.51x at 2 bits);
-batch 1 GPU time 0.95-1.31x (``decode_latency.json``); TaDA means cost 2.4-2.8x (every kv head's
+batch 1 GPU time 0.95-1.31x (``decode_latency.json``); OTT pools cost 1.03-1.10x, TaDA means 2.4-2.9x (every kv head's
 program reads the shared mean; ``decode_fitted.json``); the kernel is bound by instruction issue and latency at 255 registers (MMA
 fragments built from 4-row tiles, value codes gathered 4 tokens per register), not by memory.
 """
@@ -439,18 +442,25 @@ def _zero_column(zacc, offs_z, G: tl.constexpr):
 @triton.jit
 def _fp_chunk(q_rows, r_ok, part_row, M_part, L_part, O_part, k_base, v_base, skn, svn, c0, flen, mask_base,
               qk_scale, softcap, R_PAD: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr,
-              HAS_SOFTCAP: tl.constexpr, FP_T: tl.constexpr, FP_IEEE: tl.constexpr, FP_BLOCK: tl.constexpr):
+              HAS_SOFTCAP: tl.constexpr, FP_T: tl.constexpr, FP_IEEE: tl.constexpr, FP_BLOCK: tl.constexpr,
+              pos_base=None, HAS_POS: tl.constexpr = False):
     """Partial (m, l, acc) of tokens [c0, c0 + FP_BLOCK) of one full-precision segment.
 
     k_base/v_base point at the segment's (b, h) rows (F, D); mask_base at the visibility of its
-    first token. Products in FP_T (the segment's dtype on GPU; float32 in the interpreter).
+    first token. HAS_POS (the OTT pools): the tokens sit at the int32 absolute positions at
+    ``pos_base`` (F,) instead, -1 = empty slot, and mask_base points at position 0.
+    Products in FP_T (the segment's dtype on GPU; float32 in the interpreter).
     """
     offs_d = tl.arange(0, D)
     offs_f = c0 + tl.arange(0, FP_BLOCK)
     f_ok = offs_f < flen
     valid = f_ok
+    at = offs_f
+    if HAS_POS:
+        at = tl.load(pos_base + offs_f, mask=f_ok, other=-1)
+        valid = valid & (at >= 0)
     if HAS_MASK:
-        vis = tl.load(mask_base + offs_f, mask=f_ok, other=0)
+        vis = tl.load(mask_base + at, mask=valid, other=0)
         valid = valid & (vis != 0)
     q = tl.load(q_rows[:, None] + offs_d[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32) * qk_scale
     k = tl.load(k_base + offs_f[:, None] * skn + offs_d[None, :], mask=f_ok[:, None], other=0.0)
@@ -471,8 +481,8 @@ def _fp_chunk(q_rows, r_ok, part_row, M_part, L_part, O_part, k_base, v_base, sk
 # ---------------------------------------------------------------- kernels
 
 
-@triton.jit(do_not_specialize=["S_TOT", "N", "packed_pos", "F1_LEN", "f1_pos", "F2_LEN", "f2_pos",
-                               "num_splits", "split_size", "n_f1_chunks"])
+@triton.jit(do_not_specialize=["S_TOT", "N", "packed_pos", "F1_LEN", "f1_pos", "F2_LEN", "f2_pos", "F3_LEN",
+                               "num_splits", "split_size", "n_f1_chunks", "n_f2_chunks"])
 def _decode_split_kernel(
     # query (B, Hq, D), last dim contiguous
     Q, stride_qb, stride_qh,
@@ -491,6 +501,11 @@ def _decode_split_kernel(
     # full-precision segment 1 (sinks) and 2 (pending window): (B, H, F, D), last dim contiguous
     F1K, F1V, stride_f1kb, stride_f1kh, stride_f1kn, stride_f1vb, stride_f1vh, stride_f1vn, F1_LEN, f1_pos,
     F2K, F2V, stride_f2kb, stride_f2kh, stride_f2kn, stride_f2vb, stride_f2vh, stride_f2vn, F2_LEN, f2_pos,
+    # OTT: outlier pool K/V (B, H, P, D) (last dim contiguous) at int32 positions (B, H, P) (-1 =
+    # empty), used when F3_LEN > 0; quant masks uint8 (B, H, R) of the packed slots, used when HAS_KEEP
+    F3K, F3V, stride_f3kb, stride_f3kh, stride_f3kn, stride_f3vb, stride_f3vh, stride_f3vn, F3_LEN,
+    F3P, stride_f3pb, stride_f3ph,
+    KEEP, stride_keepb, stride_keeph,
     # SKVQ channel permutations, int32 (H, D) contiguous: stored channel j = channel perm[h, j]
     KP, VP,
     # TaDA means per token, shared by the kv heads: (B, 1, N, D) float16 (MEAN 16) or uint8 codes
@@ -498,7 +513,8 @@ def _decode_split_kernel(
     KM, KMS, KMZ, stride_kmb, stride_kmn, stride_kmsb, stride_kmsn,
     VM, VMS, VMZ, stride_vmb, stride_vmn, stride_vmsb, stride_vmsn,
     # work split: packed splits of split_size tokens (multiple of BLOCK_N), then fp chunks
-    num_splits, split_size, n_f1_chunks,
+    # (segment 1, segment 2, the pool)
+    num_splits, split_size, n_f1_chunks, n_f2_chunks,
     # softmax: scores * qk_scale are in log2 units (qk_scale = scaling * log2 e) unless softcap
     qk_scale, softcap,
     # shapes
@@ -512,7 +528,8 @@ def _decode_split_kernel(
     DOT_T: tl.constexpr, IEEE: tl.constexpr, FP_T: tl.constexpr, FP_IEEE: tl.constexpr,
     K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr, BLOCK_N: tl.constexpr, FP_BLOCK: tl.constexpr,
     K_PERM: tl.constexpr = False, V_PERM: tl.constexpr = False, K_MEAN: tl.constexpr = 0,
-    V_MEAN: tl.constexpr = 0, MASK_PACKED: tl.constexpr = True, RESCALE: tl.constexpr = 8.0,
+    V_MEAN: tl.constexpr = 0, MASK_PACKED: tl.constexpr = True, HAS_KEEP: tl.constexpr = False,
+    KEEP_BLOCK: tl.constexpr = 8, RESCALE: tl.constexpr = 8.0,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -594,6 +611,7 @@ def _decode_split_kernel(
         vc_base = VC + b.to(tl.int64) * stride_vcb + h.to(tl.int64) * stride_vch
         vs_base = VS + b.to(tl.int64) * stride_vsb + h.to(tl.int64) * stride_vsh
         vz_base = VZ + b.to(tl.int64) * stride_vsb + h.to(tl.int64) * stride_vsh
+        keep_base = KEEP + b.to(tl.int64) * stride_keepb + h.to(tl.int64) * stride_keeph
 
         m_i = tl.full([R_PAD], -1.0e30, tl.float32)  # finite: a fully masked block keeps alpha = 1
         l_i = tl.zeros([R_PAD], tl.float32)
@@ -619,6 +637,11 @@ def _decode_split_kernel(
             if HAS_MASK and MASK_PACKED:
                 vis = tl.load(MASK + b * stride_mb + packed_pos + offs_n, mask=row_ok, other=0)
                 valid = valid & (vis != 0)
+            if HAS_KEEP:  # OTT: this kv head's slots of pool entrants are masked out
+                KEEP_BYTES: tl.constexpr = (KEEP_BLOCK + 7) // 8
+                in_blk = offs_n % KEEP_BLOCK
+                kbyte = tl.load(keep_base + (offs_n // KEEP_BLOCK) * KEEP_BYTES + in_blk // 8, mask=row_ok, other=0)
+                valid = valid & (((kbyte.to(tl.int32) >> (in_blk % 8)) & 1) != 0)
             # ---- scores: all key planes from one (BLOCK_N, PK) byte tile
             kb = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_kw[None, :], mask=row_ok[:, None], other=0)
             scores = tl.zeros([R_PAD, BLOCK_N], tl.float32)
@@ -809,7 +832,16 @@ def _decode_split_kernel(
     else:
         # ------------------------------------------------ one chunk of a full-precision segment
         c = pid_s - num_splits
-        if c < n_f1_chunks:
+        POOL_MASK: tl.constexpr = HAS_MASK & MASK_PACKED  # pool tokens come from the packed range
+        if c >= n_f1_chunks + n_f2_chunks:
+            _fp_chunk(q_rows, r_ok, part_row, M_part, L_part, O_part,
+                      F3K + b.to(tl.int64) * stride_f3kb + h.to(tl.int64) * stride_f3kh,
+                      F3V + b.to(tl.int64) * stride_f3vb + h.to(tl.int64) * stride_f3vh,
+                      stride_f3kn, stride_f3vn, (c - n_f1_chunks - n_f2_chunks) * FP_BLOCK, F3_LEN,
+                      MASK + b * stride_mb,
+                      qk_scale, softcap, R_PAD, D, POOL_MASK, HAS_SOFTCAP, FP_T, FP_IEEE, FP_BLOCK,
+                      F3P + b.to(tl.int64) * stride_f3pb + h.to(tl.int64) * stride_f3ph, True)
+        elif c < n_f1_chunks:
             _fp_chunk(q_rows, r_ok, part_row, M_part, L_part, O_part,
                       F1K + b.to(tl.int64) * stride_f1kb + h.to(tl.int64) * stride_f1kh,
                       F1V + b.to(tl.int64) * stride_f1vb + h.to(tl.int64) * stride_f1vh,
@@ -1246,13 +1278,14 @@ def _check_mean(name: str, mean, b: int, n: int, d: int):
 def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_bits, k_group, v_group,
             k_axis, scaling, softcap, packed_start, packed_end, packed_position, fp_segments, fp_positions,
             mask, config: DecodeConfig, k_perm=None, v_perm=None, k_mean=None, v_mean=None,
-            mask_packed: bool = True) -> torch.Tensor:
+            mask_packed: bool = True, keep=None, keep_block: int = 0, pool=None) -> torch.Tensor:
     """Check shapes/dtypes/contiguity, pick the code path, launch split + combine kernels.
 
     Shapes: q (B, Hq, D); k_codes (B, H, N, PK) u8, PK = D*k_bits/8; k_scale/k_zero f16
     (B, H, N/k_group, D) [channel] or (B, H, N, D/k_group) [token]; v_codes (B, H, N, PV) u8;
     v_scale/v_zero f16 (B, H, N, D/v_group); fp segments (B, H, F, D); mask (B|1, L) bool/u8;
-    packed_start/end (B,) int; k_perm/v_perm (H, D) int; k_mean/v_mean see :func:`_check_mean`.
+    packed_start/end (B,) int; k_perm/v_perm (H, D) int; k_mean/v_mean see :func:`_check_mean`;
+    keep (B, H, R) u8 quant masks in blocks of keep_block tokens; pool (k, v (B, H, P, D), pos (B, H, P)).
     Returns float32 (B, Hq, D).
     """
     if q.dim() != 3 or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -1267,10 +1300,14 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
     if len(fp) > 2:
         raise ValueError(f"at most two full-precision segments, got {len(fp)}")
     n = 0 if k_codes is None else int(k_codes.shape[2])
+    if pool is not None and pool[0].shape[2] == 0:
+        pool = None
     if k_codes is not None:
         h = k_codes.shape[1]
     elif fp:
         h = fp[0][0].shape[1]
+    elif pool is not None:
+        h = pool[0].shape[1]
     else:
         return torch.zeros((bsz, hq, d), dtype=torch.float32, device=dev)
     if hq % h:
@@ -1299,16 +1336,32 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
         if k_scale.stride() != k_zero.stride() or v_scale.stride() != v_zero.stride():
             raise ValueError("k_scale/k_zero (and v_scale/v_zero) must have the same strides")
 
+    if keep is not None and n:
+        if keep_block < 1:
+            raise ValueError(f"keep needs keep_block >= 1 (tokens per quant-mask block), got {keep_block}")
+        rows = _cdiv(n, keep_block) * _cdiv(keep_block, 8)
+        if keep.dtype != torch.uint8 or keep.dim() != 3 or tuple(keep.shape[:2]) != (bsz, h) or keep.shape[2] < rows:
+            raise ValueError(f"keep must be uint8 (B={bsz}, H={h}, >= {rows}), got {keep.dtype} {tuple(keep.shape)}")
+        if keep.stride(2) != 1:
+            raise ValueError("keep: the last dim must be contiguous")
+    if pool is not None:
+        _check_fp(pool[:2], bsz, h, d, "pool")
+        slots = pool[2]  # (B, H, P) int32 positions
+        if slots.dtype != torch.int32 or tuple(slots.shape) != tuple(pool[0].shape[:3]) or slots.stride(2) != 1:
+            raise ValueError(f"pool positions must be int32 {tuple(pool[0].shape[:3])} with a contiguous last dim, "
+                             f"got {slots.dtype} {tuple(slots.shape)}")
+
     # ---- code paths (decided once per layout / dtype / config / device: no per-step Python cost)
-    fp_dtype = fp[0][0].dtype if fp else torch.float32
-    if fp and any(s[0].dtype != fp_dtype for s in fp):
-        raise ValueError("both full-precision segments must share a dtype")
+    fp_all = fp + ([pool[:2]] if pool is not None else [])
+    fp_dtype = fp_all[0][0].dtype if fp_all else torch.float32
+    if fp_all and any(s[0].dtype != fp_dtype for s in fp_all):
+        raise ValueError("the full-precision segments (and the outlier pool) must share a dtype")
     ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, ngv, zp, r_pad, fp_t, fp_ieee, fp_block) = _plan(
         d, rep, k_bits, v_bits, k_group, v_group, k_axis, q.dtype, fp_dtype, dev.type, dev.index or 0,
         config, _interpreting())
 
     # ---- work split
-    f_lens = [s[0].shape[2] for s in fp]
+    f_lens = [s[0].shape[2] for s in fp_all]  # sinks, window, pool (those present)
     splits, split_size, chunks, s_tot, (m_part, l_part, o_part, out) = _work_split(
         n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config)
     if s_tot == 0:
@@ -1368,6 +1421,16 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
             z = _dummy(dev, fp_dtype)
             segs.append((z, z, 0, 0, 0, 0, 0, 0, 0, 0))
     n_f1 = chunks[0] if fp else 0
+    n_f2 = chunks[1] if len(fp) > 1 else 0
+    if pool is not None:
+        pool_k, pool_v, pool_pos = pool  # (B, H, P, D) x 2, (B, H, P) int32
+        pool_args = (pool_k, pool_v, *pool_k.stride()[:3], *pool_v.stride()[:3], pool_k.shape[2], pool_pos,
+                     pool_pos.stride(0), pool_pos.stride(1))
+    else:
+        z = _dummy(dev, fp_dtype)
+        pool_args = (z, z, 0, 0, 0, 0, 0, 0, 0, dummy32, 0, 0)
+    has_keep = keep is not None and n > 0
+    keep_args = (keep, keep.stride(0), keep.stride(1)) if has_keep else (dummy8, 0, 0)
     if softcap:
         qk_scale, cap = float(scaling), float(softcap)
     else:
@@ -1380,9 +1443,9 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
         vc, *vcs, vs, vz, *vss,
         lo, hi, n,
         mk, stride_mb, int(packed_position),
-        *segs[0], *segs[1],
+        *segs[0], *segs[1], *pool_args, *keep_args,
         kp, vp, *means[0][1], *means[1][1],
-        splits, split_size, n_f1,
+        splits, split_size, n_f1, n_f2,
         qk_scale, cap,
         h, R=rep, R_PAD=r_pad, D=d,
         K_BITS=k_bits, V_BITS=v_bits, PK=pk, PV=pv, K_GROUP=k_group, V_GROUP=v_group,
@@ -1391,7 +1454,8 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
         DOT_T=dot_t, IEEE=ieee, FP_T=fp_t, FP_IEEE=fp_ieee,
         K_UNPACK=k_unpack, V_UNPACK=v_unpack, BLOCK_N=block_n, FP_BLOCK=fp_block,
         K_PERM=kp is not dummy32, V_PERM=vp is not dummy32, K_MEAN=means[0][0], V_MEAN=means[1][0],
-        MASK_PACKED=bool(mask_packed), num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config),
+        MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)),
+        num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config),
     )
     _combine(m_part, l_part, o_part, s_tot, out)
     return out
@@ -1423,6 +1487,9 @@ def decode_attention(
     fp_positions: Sequence[int] = (),
     mask: torch.Tensor | None = None,
     mask_packed: bool = True,
+    keep: torch.Tensor | None = None,
+    keep_block: int = 0,
+    pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     k_perm: torch.Tensor | None = None,
     v_perm: torch.Tensor | None = None,
     k_mean: torch.Tensor | tuple | None = None,
@@ -1440,4 +1507,4 @@ def decode_attention(
                    k_group=k_group, v_group=v_group, k_axis=k_axis, scaling=scaling, softcap=softcap,
                    packed_start=packed_start, packed_end=packed_end, packed_position=packed_position,
                    fp_segments=fp_segments, fp_positions=fp_positions, mask=mask, mask_packed=mask_packed,
-                   config=config or DEFAULT_CONFIG, k_perm=k_perm, v_perm=v_perm, k_mean=k_mean, v_mean=v_mean)
+                   keep=keep, keep_block=keep_block, pool=pool, config=config or DEFAULT_CONFIG, k_perm=k_perm, v_perm=v_perm, k_mean=k_mean, v_mean=v_mean)

@@ -35,6 +35,7 @@ __all__ = [
     "quantize_pack_keys_reference",
     "quantize_pack_values_reference",
     "restore_channels",
+    "unpack_keep_bits",
 ]
 
 
@@ -81,6 +82,33 @@ def _visible(mask: torch.Tensor | None, b: int, pos: int, n: int, device) -> tor
     return mask[:, pos:pos + n].to(device=device, dtype=torch.bool).expand(b, n)
 
 
+def unpack_keep_bits(keep: torch.Tensor, keep_block: int, n: int) -> torch.Tensor:
+    """OTT quant masks as the cache stores them -> bool ``(B, H, n)`` (False: the token's packed
+    slot is masked out, it lives in the outlier pool).
+
+    ``keep`` uint8 ``(B, H, R)``: per block of ``keep_block`` tokens, ``ceil(keep_block / 8)``
+    bytes; token ``t`` of a block is bit ``t % 8`` of the block's byte ``t // 8``
+    (:func:`kvcalib.runtime.outlier_pool.pack_keep`).
+    """
+    per_block = (keep_block + 7) // 8
+    t = torch.arange(n, device=keep.device)  # (n,)
+    byte = (t // keep_block) * per_block + (t % keep_block) // 8  # (n,)
+    bits = (keep.long()[:, :, byte] >> (t % keep_block % 8)) & 1  # (B, H, n)
+    return bits.bool()
+
+
+def _pool_visible(pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Outlier-pool slots ``pos`` int ``(B, H, P)`` (-1 = empty) -> bool ``(B, H, P)``: filled
+    and, when ``mask`` (B|1, L) is given, visible at their absolute positions."""
+    ok = pos >= 0
+    if mask is None:
+        return ok
+    b, h, p = pos.shape
+    m = mask.to(device=pos.device, dtype=torch.bool).expand(b, -1)  # (B, L)
+    idx = pos.long().clamp(0, m.shape[1] - 1).reshape(b, h * p)  # (B, H * P)
+    return ok & torch.gather(m, 1, idx).reshape(b, h, p)
+
+
 def decode_attention_reference_in(
     dtype: torch.dtype,
     q: torch.Tensor,
@@ -105,6 +133,9 @@ def decode_attention_reference_in(
     fp_positions: Sequence[int] = (),
     mask: torch.Tensor | None = None,
     mask_packed: bool = True,
+    keep: torch.Tensor | None = None,
+    keep_block: int = 0,
+    pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     k_perm: torch.Tensor | None = None,
     v_perm: torch.Tensor | None = None,
     k_mean=None,
@@ -131,29 +162,38 @@ def decode_attention_reference_in(
         lo = torch.zeros(b, dtype=torch.long, device=q.device) if packed_start is None else packed_start.long()
         hi = torch.full((b,), n, dtype=torch.long, device=q.device) if packed_end is None else packed_end.long()
         ok = (idx >= lo[:, None]) & (idx < hi[:, None])  # (B, N)
-        valid.append(ok & _visible(mask if mask_packed else None, b, packed_position, n, q.device))
+        ok = ok & _visible(mask if mask_packed else None, b, packed_position, n, q.device)  # (B, N)
+        ok = ok[:, None, :].expand(b, k_codes.shape[1], n)  # (B, H, N)
+        if keep is not None:
+            ok = ok & unpack_keep_bits(keep.to(q.device), keep_block, n)  # (B, H, N)
+        valid.append(ok)
     positions = list(fp_positions) or [0] * len(fp_segments)
     for (fk, fv), pos in zip(fp_segments, positions):
         if fk is None or fk.shape[2] == 0:
             continue
         ks.append(fk.float())
         vs.append(fv.float())
-        valid.append(_visible(mask, b, pos, fk.shape[2], q.device))
+        valid.append(_visible(mask, b, pos, fk.shape[2], q.device)[:, None, :].expand(b, fk.shape[1], -1))
+    if pool is not None and pool[0].shape[2] > 0:
+        pk, pv, ppos = pool  # (B, H, P, D) x 2, (B, H, P)
+        ks.append(pk.float())
+        vs.append(pv.float())
+        valid.append(_pool_visible(ppos, mask if mask_packed else None))  # (B, H, P)
     if not ks:
         return torch.zeros((b, hq, d), dtype=torch.float32, device=q.device)
     h = ks[0].shape[1]
     r = hq // h
     k = torch.cat(ks, dim=2).to(dtype)  # (B, H, L, D)
     v = torch.cat(vs, dim=2).to(dtype)  # (B, H, L, D)
-    ok = torch.cat(valid, dim=1)  # (B, L)
+    ok = torch.cat(valid, dim=2)  # (B, H, L)
     qq = q.reshape(b, h, r, d).to(dtype)  # (B, H, R, D)
     s = torch.einsum("bhrd,bhld->bhrl", qq, k) * scaling  # (B, H, R, L) in dtype
     soft = torch.float64 if dtype == torch.float64 else torch.float32
     s = s.to(soft)
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~ok[:, None, None, :], float("-inf"))
-    any_ok = ok.any(dim=1)[:, None, None, None]  # rows with nothing visible -> 0
+    s = s.masked_fill(~ok[:, :, None, :], float("-inf"))
+    any_ok = ok.any(dim=2)[:, :, None, None]  # (B, H, 1, 1): rows with nothing visible -> 0
     p = torch.softmax(torch.where(any_ok, s, torch.zeros_like(s)), dim=-1)
     p = torch.where(any_ok, p, torch.zeros_like(p)).to(dtype)
     out = torch.einsum("bhrl,bhld->bhrd", p, v)  # (B, H, R, D)
@@ -183,6 +223,9 @@ def decode_attention_reference(
     fp_positions: Sequence[int] = (),
     mask: torch.Tensor | None = None,
     mask_packed: bool = True,
+    keep: torch.Tensor | None = None,
+    keep_block: int = 0,
+    pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     k_perm: torch.Tensor | None = None,
     v_perm: torch.Tensor | None = None,
     k_mean=None,
@@ -209,6 +252,13 @@ def decode_attention_reference(
         mask: bool ``(B|1, L)`` over absolute positions; False = not visible (padding).
         mask_packed: False: ``mask`` covers the full-precision segments only (every packed token
             is visible, and ``L`` need not reach the packed positions).
+        keep, keep_block: OTT quant masks, uint8 ``(B, H, R)`` in the cache's layout (blocks of
+            ``keep_block`` tokens, :func:`unpack_keep_bits`); a 0 bit masks that kv head's packed
+            slot out (the token lives in the pool). None = every slot counts.
+        pool: OTT outlier pools ``(k, v, positions)``: ``(B, H, P, D)`` full precision and int
+            ``(B, H, P)`` absolute positions, -1 = empty slot; a filled slot is visible where
+            ``mask`` is at its position (when ``mask_packed``: pool tokens come from the packed
+            range).
         k_perm, v_perm: int ``(H, D)`` SKVQ channel permutations of the packed sides (stored
             channel j holds input channel ``perm[h, j]``); None = stored in input order.
         k_mean, v_mean: TaDA per-token means over the kv heads, added back after un-permuting:
@@ -222,8 +272,8 @@ def decode_attention_reference(
         v_bits=v_bits, k_group=k_group, v_group=v_group, k_axis=k_axis, scaling=scaling,
         softcap=softcap, packed_start=packed_start, packed_end=packed_end,
         packed_position=packed_position, fp_segments=fp_segments, fp_positions=fp_positions,
-        mask=mask, mask_packed=mask_packed, k_perm=k_perm, v_perm=v_perm, k_mean=k_mean, v_mean=v_mean,
-        config=config)
+        mask=mask, mask_packed=mask_packed, keep=keep, keep_block=keep_block, pool=pool, k_perm=k_perm,
+        v_perm=v_perm, k_mean=k_mean, v_mean=v_mean, config=config)
 
 
 # ---------------------------------------------------------------- quantize and pack

@@ -4,7 +4,8 @@
 #
 #   bash scripts/gpu_bench.sh [STAGE ...]       (default: tests micro)
 #
-# Stages: tests       pytest tests/kernels on CUDA (small grid + the `gpu`-marked full grid)
+# Stages: tests       pytest tests/kernels on CUDA (small grid + the `gpu`-marked full grid);
+#                     $KV_TESTS_PATH: other paths/options, $KV_TESTS_K: a -k expression
 #         micro       kernels/bench/bench_decode.py --mode micro (sweep, grid, quantize vs prefill)
 #         micro-nosweep   the grid with configs from $KV_CONFIG (JSON), no sweep
 #         micro-default   the grid with DecodeConfig's defaults, no sweep
@@ -45,7 +46,7 @@ for st in $STAGES; do
   case "$st" in
     tests)
       timeout "${KV_TESTS_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider $XDIST --maxfail=30 -rfE \
-        ${KV_TESTS_PATH:-tests/kernels} > "$OUT/tests.log" 2>&1
+        ${KV_TESTS_K:+-k "$KV_TESTS_K"} ${KV_TESTS_PATH:-tests/kernels} > "$OUT/tests.log" 2>&1
       echo "tests exit $?"; tail -n 30 "$OUT/tests.log" ;;
     micro)
       timeout "${KV_MICRO_TIMEOUT:-330}" $PY kernels/bench/bench_decode.py --mode micro --out "$OUT" > "$OUT/bench.log" 2>&1

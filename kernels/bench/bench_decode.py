@@ -26,7 +26,7 @@ Modes (``--mode``):
 - ``splits`` / ``tune``: CUDA-graph time of config grids on the Mistral shape at batch 1 and 8
   (split-K parallelism; tile shape, unpack and register cap) with bf16 SDPA's graph time.
   Write ``decode_splits.json`` / ``decode_tune.json``.
-- ``fitted``: what SKVQ permutations and TaDA means (8/16-bit) cost the kernel (CUDA-graph time,
+- ``fitted``: what SKVQ permutations, TaDA means (8/16-bit) and OTT pools cost the kernel (CUDA-graph time,
   Mistral shape, batch 1/8). Writes ``decode_fitted.json``.
 - ``report``: from the JSON files, write ``decode_attention.md``, ``e2e.md`` and the plot
   ``decode_attention.png`` (runs anywhere; matplotlib).
@@ -572,20 +572,30 @@ def main_tune(args) -> None:
                 lambda bits: DecodeConfig())
 
 
-FITTED_VARIANTS = {  # name: (K and V permuted, mean bits of K and V: 0 off, 8 or 16)
-    "plain": (False, 0),
-    "perm": (True, 0),
-    "mean8": (False, 8),
-    "mean16": (False, 16),
-    "perm+mean8": (True, 8),
+FITTED_VARIANTS = {  # name: (K and V permuted, mean bits of K and V: 0 off, 8 or 16, OTT pool slots)
+    "plain": (False, 0, 0),
+    "perm": (True, 0, 0),
+    "mean8": (False, 8, 0),
+    "mean16": (False, 16, 0),
+    "perm+mean8": (True, 8, 0),
+    "ott": (False, 0, 3 + 32),  # OTT's pool of 3 + extra pool of 32 slots per kv head, quant masks
 }
 
 
 def fitted_inputs(b, h, n, d, variant, dev, seed=0) -> dict:
-    """Random SKVQ permutations (H, D) of K and V and TaDA means (B, 1, N, D) of ``variant``."""
-    perm, mean_bits = FITTED_VARIANTS[variant]
+    """Random SKVQ permutations (H, D) of K and V, TaDA means (B, 1, N, D) and OTT parts (quant
+    masks over blocks of 128 tokens with one pool entrant per block, a pool of full-precision
+    K/V at positions inside the packed range) of ``variant``."""
+    perm, mean_bits, pool = FITTED_VARIANTS[variant]
     g = torch.Generator(device=dev).manual_seed(seed + 1000)
     kw = {}
+    if pool:
+        keep = torch.full((b, h, n // 8), 255, dtype=torch.uint8, device=dev)  # (B, H, N / 8)
+        keep[:, :, ::16] = 254  # token 0 of every 128-token block went to the pool
+        kw.update(keep=keep, keep_block=128, pool=(
+            torch.randn(b, h, pool, d, device=dev, generator=g).bfloat16(),
+            torch.randn(b, h, pool, d, device=dev, generator=g).bfloat16(),
+            torch.randint(0, n, (b, h, pool), device=dev, generator=g).int()))
     if perm:
         for side in ("k_perm", "v_perm"):
             kw[side] = torch.stack([torch.randperm(d, device=dev, generator=g) for _ in range(h)]).int()
@@ -599,14 +609,16 @@ def fitted_inputs(b, h, n, d, variant, dev, seed=0) -> dict:
     return kw
 
 
-def fitted_bytes(b, n, d, variant) -> int:
-    """Bytes the TaDA means add (shared by the kv heads: one (N, D) mean per sequence and side)."""
-    mean_bits = FITTED_VARIANTS[variant][1]
+def fitted_bytes(b, h, n, d, variant) -> int:
+    """Bytes the TaDA means add (shared by the kv heads: one (N, D) mean per sequence and side)
+    and the OTT parts (quant mask bits per kv head, the pools' bf16 K/V and int32 positions)."""
+    _, mean_bits, pool = FITTED_VARIANTS[variant]
+    ott = b * h * (n // 8 + pool * (2 * d * 2 + 4)) if pool else 0
     if mean_bits == 16:
-        return 2 * b * n * d * 2
+        return ott + 2 * b * n * d * 2
     if mean_bits == 8:
-        return 2 * b * n * (d + 4)
-    return 0
+        return ott + 2 * b * n * (d + 4)
+    return ott
 
 
 def main_fitted(args) -> None:
@@ -633,7 +645,7 @@ def main_fitted(args) -> None:
         del kvs
         for bits in (2, 4):
             for variant in FITTED_VARIANTS:
-                nb = packed_bytes(b, h, hq, n, WINDOW, d, bits, 128, 128)["total"] + fitted_bytes(b, n, d, variant)
+                nb = packed_bytes(b, h, hq, n, WINDOW, d, bits, 128, 128)["total"] + fitted_bytes(b, h, n, d, variant)
                 sets = max(1, min(32, math.ceil(256e6 / nb)))
                 fns = []
                 for i in range(sets):
@@ -1011,13 +1023,16 @@ def main_report(args) -> None:
     fit_path = out / "decode_fitted.json"
     if fit_path.exists():
         fit = json.loads(fit_path.read_text())
-        lines += ["", "## SKVQ permutations and TaDA means in the kernel (Mistral-7B shape, group 128)", "",
+        lines += ["", "## SKVQ permutations, TaDA means and OTT pools in the kernel (Mistral-7B shape, group 128)", "",
                   "CUDA-graph time (median replay over rotating input sets, GPU time only) of the default config "
                   "on packed K/V plus: `perm` a channel permutation of K and of V per kv head (the query is read at "
                   "the permuted channels, values written back to theirs); `mean8`/`mean16` TaDA per-token means of "
                   "K and V over the kv heads at 8 bits (codes + per-token scale/zero) or 16 bits, added in the same "
-                  "pass (`q . mean` per score, `sum p * mean` per output). `bytes` counts the means (one (N, D) "
-                  "tensor per sequence and side, shared by the 8 kv heads). bf16: SDPA `enable_gqa`, same timing. "
+                  "pass (`q . mean` per score, `sum p * mean` per output); `ott` OTT quant masks (one bit per "
+                  "packed token and kv head, read in the loop) and a 35-slot outlier pool per kv head (OTT's 3 + 32 "
+                  "extra, bf16, at their own positions) as one more segment. `bytes` counts the means (one (N, D) "
+                  "tensor per sequence and side, shared by the 8 kv heads) and the OTT parts. bf16: SDPA "
+                  "`enable_gqa`, same timing. "
                   "Command: `" + fit.get("command", "?") + "`.", "",
                   "| batch | context | bits | variant | us | vs plain | bf16 us | speedup vs bf16 | MB read |",
                   "|---:|---:|---:|---|---:|---:|---:|---:|---:|"]

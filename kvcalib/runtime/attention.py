@@ -59,7 +59,7 @@ def _segment_visible(visible: torch.Tensor, seg) -> torch.Tensor:
         b, h, _ = pos.shape
         tq = visible.shape[1]
         rows = visible.expand(b, -1, -1)[:, None].expand(b, h, tq, visible.shape[-1])  # (B, H, Tq, KV)
-        idx = pos.clamp_min(0)[:, :, None, :].expand(b, h, tq, n)  # (B, H, Tq, N)
+        idx = pos.long().clamp_min(0)[:, :, None, :].expand(b, h, tq, n)  # (B, H, Tq, N)
         vis = (rows.gather(-1, idx) & (pos >= 0)[:, :, None, :])[:, :, None]  # (B, H, 1, Tq, N)
     if seg.keep is not None:
         vis = vis & seg.keep[:, :, None, None, :]  # (B, H, 1, Tq, N)

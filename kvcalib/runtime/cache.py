@@ -54,7 +54,7 @@ class Segment(NamedTuple):
     """A run of cached tokens for attention, in the attention's dtype.
 
     ``k``, ``v``: (B, H, N, D). Contiguous segments hold absolute positions ``[start, start + N)``;
-    the outlier pools instead give ``positions`` (B, H, N) int64 (-1 = empty slot). ``keep``
+    the outlier pools instead give ``positions`` (B, H, N) int32 (-1 = empty slot). ``keep``
     (B, H, N) bool, when given, masks slots out (False: an OTT pool entrant's packed slot).
     """
 
@@ -195,9 +195,9 @@ class CompressedLayer(CacheLayerMixin):
         return self.packed.n
 
     @property
-    def uses_pools_or_tiers(self) -> bool:
-        """OTT pools or PATS tiers: layouts only the reference attention reads."""
-        return self.outliers.active or self.codec.tiered
+    def uses_tiers(self) -> bool:
+        """PATS tiers: one packed store per bit width, a layout only the reference attention reads."""
+        return self.codec.tiered
 
     def packed_view(self) -> PackedView:
         """Contiguous views of the packed tokens, for the Triton path (untiered layers only)."""
@@ -270,8 +270,8 @@ class CompressedLayer(CacheLayerMixin):
             return "the layer keeps full precision (its window grows without bound)"
         if self.is_sliding:
             return "sliding-window layer"
-        if self.uses_pools_or_tiers:
-            return "OTT outlier pools or PATS tiers"
+        if self.uses_tiers:
+            return "PATS tiers"
         if self.n_seen < self.cfg.sinks:
             return f"only {self.n_seen} of the {self.cfg.sinks} sink tokens seen"
         if self.pend_k.shape[-2] >= self.static_capacity:

@@ -46,13 +46,36 @@ def unpack_keep(packed: torch.Tensor, block: int) -> torch.Tensor:
     return bits.reshape(b, h, r // nb, nb * 8)[..., :block].reshape(b, h, -1).bool()
 
 
+def _joined(state: OutlierState) -> tuple[OutlierState, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The same state with pool and extra pool stored back to back: K, V ``(B, H, P + E, D)``
+    and positions ``(B, H, P + E)``, the state's parts views into them (one copy per flush, so
+    attention reads the pools without a concatenation per step; the bytes are the same)."""
+    p = state.pool_size
+    k = torch.cat([state.pool_k, state.extra_k], dim=2)  # (B, H, P + E, D)
+    v = torch.cat([state.pool_v, state.extra_v], dim=2)  # (B, H, P + E, D)
+    pos = torch.cat([state.pool_pos, state.extra_pos], dim=2)  # (B, H, P + E) int32
+    views = OutlierState(k[:, :, :p], v[:, :, :p], pos[:, :, :p], k[:, :, p:], v[:, :, p:], pos[:, :, p:],
+                         state.extra_count, state.tracking)
+    return views, (k, v, pos)
+
+
 class OutlierPool:
     """One layer's OTT state in the cache (``pool_size`` 0 = off)."""
 
     def __init__(self, pool_size: int = 0, extra_capacity: int = EXTRA_CAPACITY) -> None:
         self.pool_size = int(pool_size)
         self.extra_capacity = int(extra_capacity)
-        self.state: OutlierState | None = None  # allocated at the first flush
+        self._state: OutlierState | None = None  # allocated at the first flush
+        self._joined: tuple[torch.Tensor, ...] = ()  # K, V (B, H, P + E, D), positions (B, H, P + E)
+
+    @property
+    def state(self) -> OutlierState | None:
+        """The pools (None before the first flush); setting it stores the pools joined."""
+        return self._state
+
+    @state.setter
+    def state(self, value: OutlierState | None) -> None:
+        self._state, self._joined = (None, ()) if value is None else _joined(value)
 
     @property
     def active(self) -> bool:
@@ -76,16 +99,14 @@ class OutlierPool:
         return sel.quant_mask
 
     def segment(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Pool and extra pool for attention: K, V ``(B, H, P + E, D)`` in ``dtype`` and int64
+        """Pool and extra pool for attention: K, V ``(B, H, P + E, D)`` in ``dtype`` and int32
         positions ``(B, H, P + E)`` (-1 = empty slot); None before the first flush or when off.
-        No host sync: empty slots are left for the attention to mask."""
-        s = self.state
-        if s is None:
+        No copy in the cache's dtype (the pools are stored joined, one tensor per part), no host
+        sync: empty slots are left for the attention to mask."""
+        if self.state is None:
             return None
-        k = torch.cat([s.pool_k, s.extra_k], dim=2).to(dtype)  # (B, H, P + E, D)
-        v = torch.cat([s.pool_v, s.extra_v], dim=2).to(dtype)  # (B, H, P + E, D)
-        pos = torch.cat([s.pool_pos, s.extra_pos], dim=2).long()  # (B, H, P + E)
-        return k, v, pos
+        k, v, pos = self._joined
+        return k.to(dtype), v.to(dtype), pos
 
     def nbytes(self) -> dict[str, int]:
         """Held bytes: ``outlier_pool`` (K/V slots), ``outlier_positions`` (positions + counters)."""

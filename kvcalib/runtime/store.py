@@ -62,6 +62,8 @@ class PackedView:
     (B, H, N, D); scales/zeros float16. Packed tokens hold absolute positions [start, start + N).
     ``k_mean``/``v_mean``: a centred side's TaDA mean, float16 (B, 1, N, D) (16-bit) or
     ``(codes uint8 (B, 1, N, D), scale, zero float16 (B, 1, N, 1))`` (8-bit); None otherwise.
+    ``keep``: OTT quant masks uint8 (B, H, blocks * ceil(flush_block / 8)) (0 bit: the token's
+    packed slot is masked, it lives in the outlier pool); None without OTT.
     """
 
     cfg: LayerConfig
@@ -77,6 +79,7 @@ class PackedView:
     v_raw: torch.Tensor | None
     k_mean: torch.Tensor | tuple | None = None
     v_mean: torch.Tensor | tuple | None = None
+    keep: torch.Tensor | None = None
 
 
 class PackedStore:
@@ -148,7 +151,7 @@ class PackedStore:
             if mean is None and self.parts[f"{side}_mean_codes"].view() is not None:
                 mean = tuple(self.parts[f"{side}_mean_{n}"].view() for n in ("codes", "scale", "zero"))
             p[f"{side}_mean"] = mean
-        return PackedView(self.cfg, self.start, self.n, **p)
+        return PackedView(self.cfg, self.start, self.n, **p, keep=self.parts["keep"].view())
 
     def centred(self) -> bool:
         return any(self.parts[n].buf is not None for n in ("k_mean", "v_mean", "k_mean_codes", "v_mean_codes"))

@@ -15,19 +15,20 @@ the caller (:func:`kvcalib.runtime.backend.decode_attention`) then runs the PyTo
 - SKVQ channel permutations (``{k|v}.perm``: the kernel reads the query at each stored key
   channel's input channel and writes value channels back to their input positions) and TaDA
   centering (``{k|v}.center``, 8- or 16-bit per-token means: ``q . mean`` joins each score and
-  ``sum p * mean`` the output, inside the same pass).
+  ``sum p * mean`` the output, inside the same pass);
+- OTT outlier pools (``kv.outlier_pool`` > 0): each kv head's packed slots of pool entrants are
+  skipped through the stored quant masks (read as bits inside the loop), and the pool and extra
+  pool (full precision, at their own absolute positions, -1 = empty) are one more segment.
 
 Not covered, per layer (the reference runs that layer; other layers still use the kernel):
 
-- OTT outlier pools (``kv.outlier_pool`` > 0): the kernel takes at most two contiguous
-  full-precision segments and no per-slot mask, while the pools sit at scattered positions and
-  their packed slots must be masked out;
 - PATS tiers (a ``kv.schedule`` with more than one stored tier): the packed tokens live in one
   store per bit width, and the kernel reads one bit width per call.
 
 Segments passed to the kernel, by absolute position: sinks ``[0, S)`` (unless dropped), packed
-tokens ``[view.start, view.start + n)``, pending full-precision tokens ``[pend_start, n_seen)``.
-Nothing is copied: the packed parts are views of the layer's growable buffers.
+tokens ``[view.start, view.start + n)``, pending full-precision tokens ``[pend_start, n_seen)``,
+the outlier pools at their positions. Nothing is copied: the packed parts are views of the
+layer's growable buffers, the pools the layer's joined pool tensors.
 
 Importing this module imports triton (through kvcalib_kernels.decode_attention) on first use
 of :func:`triton_decode_attention` only.
@@ -57,8 +58,8 @@ def _reason_unsupported(query: torch.Tensor, layer) -> str | None:
         return "layer is not packed on both K and V"
     if layer.is_sliding:
         return "sliding-window layer"
-    if layer.uses_pools_or_tiers:
-        return "OTT outlier pools or PATS tiers (reference path)"
+    if layer.uses_tiers:
+        return "PATS tiers (reference path)"
     h = layer.sink_k.shape[1]
     for side, perm in layer.codec.perm.items():
         if perm is not None and tuple(perm.shape) != (h, d):
@@ -122,6 +123,7 @@ def _launch_layer(query, layer, pending, mask, mask_packed, scaling, softcap) ->
         segments.append(pending)  # (B, H, U, D)
         positions.append(layer.pend_start)
     n = view.n
+    pool = layer.outliers.segment(segments[0][0].dtype if segments else query.dtype)  # or None
     packed = (view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale, view.v_zero)
     if n == 0 or any(t is None for t in packed):
         if n:
@@ -132,6 +134,7 @@ def _launch_layer(query, layer, pending, mask, mask_packed, scaling, softcap) ->
         k_bits=cfg.k_bits, v_bits=cfg.v_bits, k_group=cfg.k_group, v_group=cfg.v_group,
         k_axis=cfg.k_axis, scaling=scaling, softcap=softcap, packed_position=view.start,
         fp_segments=segments, fp_positions=positions, mask=mask, mask_packed=mask_packed,
+        keep=view.keep, keep_block=cfg.flush_block, pool=pool,
         k_perm=codec.device_perm("k", query.device), v_perm=codec.device_perm("v", query.device),
         k_mean=view.k_mean, v_mean=view.v_mean)  # (B, Hq, D) float32; means of an empty store are ignored
     return out[:, None]

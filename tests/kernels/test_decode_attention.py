@@ -204,6 +204,90 @@ def test_rejects_unsupported_layouts():
     assert da.supports(head_dim=128, k_bits=2, v_bits=2, k_group=128, v_group=128) is None
 
 
+# ---------------------------------------------------------------- OTT: quant masks and outlier pools
+
+
+def with_ott(args, kw, *, keep_block, pool=6, drop=0.2, seed=9, dtype=None):
+    """Add OTT parts to a case: random quant masks (about ``drop`` of the packed slots masked, per
+    kv head) in the cache's byte layout, and a ``pool``-slot outlier pool with a few empty slots
+    at distinct positions inside the packed range."""
+    from kvcalib.runtime.outlier_pool import pack_keep
+
+    g = torch.Generator().manual_seed(seed)
+    q, kc = args[0], args[1]
+    b, hq, d = q.shape
+    h = kc.shape[1] if kc is not None else kw["fp_segments"][0][0].shape[1]
+    n = kc.shape[2] if kc is not None else 0
+    out = dict(kw)
+    if n:
+        nblk = -(-n // keep_block)
+        keep = torch.rand(b, h, nblk * keep_block, generator=g) >= drop  # (B, H, blocks * G)
+        rows = [pack_keep(keep[:, :, i * keep_block:(i + 1) * keep_block]) for i in range(nblk)]
+        out.update(keep=torch.cat(rows, dim=2).to(DEVICE), keep_block=keep_block)
+    if pool:
+        dt = dtype or (kw["fp_segments"][0][0].dtype if kw["fp_segments"] else q.dtype)
+        pk = (torch.randn(b, h, pool, d, generator=g) * 3).to(dt).to(DEVICE)  # outliers: large
+        pv = torch.randn(b, h, pool, d, generator=g).to(dt).to(DEVICE)
+        base = kw.get("packed_position", 0)
+        pos = torch.stack([torch.randperm(max(n, pool), generator=g)[:pool] for _ in range(b * h)])
+        pos = (pos + base).reshape(b, h, pool).to(torch.int32)  # (B, H, P) distinct positions
+        pos[:, :, -2:] = -1  # empty slots
+        out["pool"] = (pk, pv, pos.to(DEVICE))
+    return args, out
+
+
+@pytest.mark.parametrize("keep_block,k_axis,k_group,bits", [(16, "channel", 16, 2), (32, "channel", 32, 4),
+                                                            (1, "token", 16, 2)],
+                         ids=["g16-2b", "g32-4b", "token-keys"])
+def test_ott_quant_masks_and_pool(keep_block, k_axis, k_group, bits):
+    """OTT inside the kernel: each kv head's masked packed slots are skipped (the quant mask
+    bytes as the cache stores them) and the pool joins as a full-precision segment at its own
+    positions (empty slots never count)."""
+    args, kw = make_case(b=2, n=64, k_axis=k_axis, k_group=k_group, k_bits=bits, v_bits=bits)
+    check(*with_ott(args, kw, keep_block=keep_block))
+
+
+def test_ott_with_padding_mask_and_ragged_range():
+    """The pool looks its positions up in the visibility mask (left padding), the quant masks
+    combine with the per-batch packed range."""
+    args, kw = make_case(b=2, n=48, f=(3, 5))
+    args, kw = with_ott(args, kw, keep_block=16)
+    total = 3 + 48 + 5
+    mask = torch.ones(2, total, dtype=torch.bool)
+    mask[1, :15] = False  # batch 1: padding over the sinks and the first packed tokens
+    kw["pool"][2][1, :, 0] = 4  # a pool slot of batch 1 at a padding position: hidden
+    check(args, {**kw, "mask": mask.to(DEVICE), "packed_start": torch.tensor([0, 12], device=DEVICE)})
+
+
+def test_ott_pool_only_and_no_fp_segments():
+    """Nothing packed (window and pool only), and packed + pool with no sinks or window."""
+    args, kw = make_case(n=0, f=(0, 7))
+    check(*with_ott(args, kw, keep_block=16))
+    args, kw = make_case(n=32, f=())
+    check(*with_ott(args, kw, keep_block=16, dtype=torch.bfloat16))
+
+
+def test_ott_masks_everything_but_the_pool():
+    """Every packed slot masked: the result is attention over the pool and window alone."""
+    args, kw = make_case(b=1, n=32, f=(0, 4))
+    args, kw = with_ott(args, kw, keep_block=16, drop=1.1)
+    out = check(args, kw)
+    only = da.decode_attention(args[0], *([None] * 6), **{**kw, "keep": None}, config=SMALL)
+    assert float((out - only).abs().max()) < 1e-5
+
+
+def test_ott_arguments_are_checked():
+    args, kw = make_case(n=32)
+    args, kw = with_ott(args, kw, keep_block=16)
+    with pytest.raises(ValueError, match="keep must be uint8"):
+        da.decode_attention(*args, **{**kw, "keep": kw["keep"][:, :, :1]})
+    with pytest.raises(ValueError, match="keep_block"):
+        da.decode_attention(*args, **{**kw, "keep_block": 0})
+    pk, pv, pos = kw["pool"]
+    with pytest.raises(ValueError, match="pool positions"):
+        da.decode_attention(*args, **{**kw, "pool": (pk, pv, pos.long())})
+
+
 # ---------------------------------------------------------------- SKVQ permutations, TaDA means
 
 
@@ -350,6 +434,31 @@ def test_triton_path_runs_centred_and_permuted_layers(k_center, v_center, perm):
     assert out is not None and float((out - ref).abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("cfg", [
+    dict(k_bits=2, v_bits=2, k_group=16, v_group=32, window=16, sinks=2),
+    dict(k_bits=4, v_bits=2, k_axis="token", k_group=16, v_group=16, window=0, sinks=0),
+], ids=["channel-keys-sinks", "token-keys"])
+def test_triton_path_runs_ott_layers(cfg):
+    """OTT pools go through the kernel (quant masks + pool segment) and agree with the runtime
+    reference on the same stored bytes, with left padding; the pools have filled slots."""
+    from kvcalib.recipe import LayerConfig
+    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.codec import LayerCodec
+    from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
+
+    lc = LayerConfig(**cfg)
+    layer, q, vis = _filled_layer(lc, codec=LayerCodec(lc, outlier_pool=4))
+    assert layer.n_packed > 0 and _reason_unsupported(q, layer) is None
+    view = layer.packed_view()
+    assert view.keep is not None and layer.outliers.state is not None
+    pool_k, _, pool_pos = layer.outliers.segment(q.dtype)
+    assert int((pool_pos >= 0).sum()) > 0 and pool_pos.dtype == torch.int32
+    assert pool_k.data_ptr() == layer.outliers.state.pool_k.data_ptr()  # the joined storage: no copy per step
+    out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
+    ref = attend_compressed(q, layer, vis, 64 ** -0.5)
+    assert out is not None and float((out - ref).abs().max()) < 1e-4
+
+
 def test_triton_path_declines_what_it_does_not_cover():
     from kvcalib.recipe import LayerConfig
     from kvcalib.runtime.cache import CompressedLayer
@@ -366,10 +475,11 @@ def test_triton_path_declines_what_it_does_not_cover():
                                    torch.ones(1, 1, 20, dtype=torch.bool, device=DEVICE), 0.1) is None
 
 
-@pytest.mark.parametrize("fitted", [False, True], ids=["plain", "centred-permuted"])
+@pytest.mark.parametrize("fitted", [False, True, "ott"], ids=["plain", "centred-permuted", "ott"])
 def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch, fitted):
     """A tiny model decodes through the kernel (counted) with the reference backend's logits;
-    ``fitted``: every layer also has TaDA means (16-bit keys, 8-bit values) and SKVQ permutations."""
+    ``fitted``: every layer also has TaDA means (16-bit keys, 8-bit values) and SKVQ permutations;
+    ``ott``: every layer has a 4-slot OTT outlier pool."""
     from kvcalib.recipe import LayerConfig, Recipe
     from kvcalib.runtime import triton_path
     from kvcalib.runtime.attention import use_kvcalib_attention
@@ -391,7 +501,11 @@ def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch, 
 
     def run(backend):
         monkeypatch.setenv("KVCALIB_BACKEND", backend)
-        if fitted:
+        if fitted == "ott":
+            cfgs = rec.layer_configs(model.config.num_hidden_layers)
+            cache = CompressedCache(cfgs, [LayerCodec(c, outlier_pool=4) for c in cfgs])
+            use_kvcalib_attention(model)
+        elif fitted:
             g = torch.Generator().manual_seed(4)
             cfgs = rec.layer_configs(model.config.num_hidden_layers)
             perm = [torch.stack([torch.randperm(64, generator=g) for _ in range(2)]) for _ in range(2 * len(cfgs))]

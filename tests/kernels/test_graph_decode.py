@@ -24,6 +24,13 @@ from tests.conftest import tiny_model  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (run through the device tool)")
 RECIPE = Recipe(name="t", default_layer=LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2))
+LAYERS = 2  # tiny_model's layers
+
+
+def _ott_recipe(pool: int = 4) -> Recipe:
+    """RECIPE with an OTT outlier pool on every layer."""
+    return Recipe(name="ott", default_layer=RECIPE.default_layer,
+                  tensors={f"layers.{i}.kv.outlier_pool": torch.tensor(pool) for i in range(LAYERS)})
 
 
 def _model():
@@ -52,31 +59,33 @@ def _dynamic_logits(model, recipe, ids, mask, tokens):
     return torch.stack(out), cache
 
 
-@pytest.mark.parametrize("case", ["plain", "left-padding", "short-prompt"])
+@pytest.mark.parametrize("case", ["plain", "left-padding", "short-prompt", "ott-left-padding"])
 def test_static_steps_match_dynamic_decoding(monkeypatch, case):
     """Static steps (fixed buffers, device position and mask, flushes between steps) give the
-    dynamic cache's logits at every step, across several flushes; padding and a prompt shorter
-    than the sinks (whose first steps run dynamically) included."""
+    dynamic cache's logits at every step, across several flushes; padding, a prompt shorter
+    than the sinks (whose first steps run dynamically) and OTT outlier pools included."""
     model = _model()
+    assert model.config.num_hidden_layers == LAYERS
+    recipe = _ott_recipe() if case.startswith("ott") else RECIPE
     g = torch.Generator().manual_seed(5)
     if case == "short-prompt":
         ids, mask = torch.randint(0, 128, (1, 1), generator=g), None
     else:
         ids = torch.randint(0, 128, (2, 21), generator=g)
         mask = None
-        if case == "left-padding":
+        if case.endswith("left-padding"):
             mask = torch.ones_like(ids)
             mask[1, :6] = 0
             mask = mask.to(DEVICE)
     ids = ids.to(DEVICE)
     steps = 34 if case == "short-prompt" else 36  # one flush (short prompt) or two on the way (blocks of 16)
-    cache = CompressedCache.from_recipe(model, RECIPE)
+    cache = CompressedCache.from_recipe(model, recipe)
     res = GraphDecoder(model, cache, capture=False, keep_logits=True).generate(ids, mask, max_new_tokens=steps)
     assert res.tokens.shape == (ids.shape[0], steps)
     assert cache.layers[0].static is None and cache.layers[0].n_seen == ids.shape[1] + steps - 1
     assert cache.layers[0].n_packed == (16 if case == "short-prompt" else 32)
     monkeypatch.setenv("KVCALIB_BACKEND", "reference")
-    ref, ref_cache = _dynamic_logits(model, RECIPE, ids, mask, res.tokens)
+    ref, ref_cache = _dynamic_logits(model, recipe, ids, mask, res.tokens)
     got = torch.stack(res.logits)  # (steps, B, V)
     assert got.shape == ref.shape
     tol = 1e-3 * max(1.0, float(ref.abs().max()))
@@ -85,15 +94,23 @@ def test_static_steps_match_dynamic_decoding(monkeypatch, case):
     # the same bytes were stored
     a, b = cache.layers[1].packed_view(), ref_cache.layers[1].packed_view()
     assert a.n == b.n and torch.equal(a.k_codes, b.k_codes) and torch.equal(a.v_codes, b.v_codes)
+    if recipe is not RECIPE:  # the same tokens went to the pools
+        assert a.keep is not None and torch.equal(a.keep, b.keep)
+        assert torch.equal(cache.layers[1].outliers.segment(torch.float32)[2],
+                           ref_cache.layers[1].outliers.segment(torch.float32)[2])
 
 
 def test_static_mode_refuses_what_it_cannot_run(monkeypatch):
     model = _model()
     ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    pools = Recipe(name="p", default_layer=LayerConfig(k_bits=2, v_bits=2, k_group=16, v_group=16, window=16),
-                   tensors={f"layers.{i}.kv.outlier_pool": torch.tensor(4) for i in range(model.config.num_hidden_layers)})
-    with pytest.raises(KvcalibError, match="OTT outlier pools"):
-        GraphDecoder(model, CompressedCache.from_recipe(model, pools), capture=False).generate(ids, max_new_tokens=3)
+    from kvcalib.calibrate.schedule import Schedule
+
+    cfg = LayerConfig(k_bits=4, v_bits=4, k_group=16, v_group=16, window=16)
+    tiers = Schedule.from_layer(cfg, (32,)).to_tensor()  # 4 bits, then 2 bits from age 32
+    tiered = Recipe(name="p", default_layer=cfg,
+                    tensors={f"layers.{i}.kv.schedule": tiers for i in range(model.config.num_hidden_layers)})
+    with pytest.raises(KvcalibError, match="PATS tiers"):
+        GraphDecoder(model, CompressedCache.from_recipe(model, tiered), capture=False).generate(ids, max_new_tokens=3)
     monkeypatch.setenv("KVCALIB_BACKEND", "reference")
     with pytest.raises(KvcalibError, match="KVCALIB_BACKEND=reference"):
         GraphDecoder(model, CompressedCache.from_recipe(model, RECIPE), capture=False)
@@ -123,9 +140,12 @@ def test_static_buffer_is_counted_whole():
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("padded", [False, True], ids=["plain", "left-padding"])
-def test_captured_steps_equal_eager_static_steps(padded):
-    """Replayed graphs (one capture per flush period) give exactly the eager static steps."""
+@pytest.mark.parametrize("padded,ott", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "left-padding", "ott-left-padding"])
+def test_captured_steps_equal_eager_static_steps(padded, ott):
+    """Replayed graphs (one capture per flush period) give exactly the eager static steps, OTT
+    outlier pools included (the pools change at flushes, which start a new period)."""
+    recipe = _ott_recipe() if ott else RECIPE
     model = _model().to(torch.bfloat16)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 128, (3, 40), generator=g).to(DEVICE)
@@ -135,7 +155,7 @@ def test_captured_steps_equal_eager_static_steps(padded):
         mask[2, :9] = 0
     runs = []
     for capture in (False, True):
-        cache = CompressedCache.from_recipe(model, RECIPE)
+        cache = CompressedCache.from_recipe(model, recipe)
         runs.append(GraphDecoder(model, cache, capture=capture, keep_logits=True).generate(ids, mask,
                                                                                            max_new_tokens=70))
     eager, graph = runs

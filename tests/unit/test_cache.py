@@ -163,8 +163,8 @@ def test_cache_refuses_non_kvcalib_attention():
 
 
 def test_triton_path_covers_centred_permuted_and_clipped_layers(monkeypatch):
-    """TaDA means, SKVQ permutations and clipping all run in the fused kernel (the kernel tests
-    compare it with the reference); OTT pools still go to the reference."""
+    """TaDA means, SKVQ permutations, clipping and OTT pools all run in the fused kernel (the
+    kernel tests compare it with the reference; PATS tiers: tests/unit/test_outlier_runtime.py)."""
     pytest.importorskip("triton")
     from kvcalib.runtime.cache import CompressedLayer
     from kvcalib.runtime.codec import LayerCodec
@@ -174,12 +174,8 @@ def test_triton_path_covers_centred_permuted_and_clipped_layers(monkeypatch):
     cfg = LayerConfig(k_bits=4, v_bits=4, k_group=32, v_group=32, window=32)
     perm = torch.stack([torch.randperm(64) for _ in range(2)])
     for codec in (LayerCodec(cfg, v_center=8), LayerCodec(cfg, k_center=16, v_perm=perm, k_perm=perm),
-                  LayerCodec(cfg, v_clip=0.9)):
+                  LayerCodec(cfg, v_clip=0.9), LayerCodec(cfg, outlier_pool=4)):
         layer = CompressedLayer(cfg, codec)
         layer.update(torch.randn(1, 2, 80, 64), torch.randn(1, 2, 80, 64))
         layer.flush()
         assert _reason_unsupported(torch.randn(1, 4, 1, 64), layer) is None
-    pooled = CompressedLayer(cfg, LayerCodec(cfg, outlier_pool=4))
-    pooled.update(torch.randn(1, 2, 80, 64), torch.randn(1, 2, 80, 64))
-    pooled.flush()
-    assert "outlier pools" in _reason_unsupported(torch.randn(1, 4, 1, 64), pooled)

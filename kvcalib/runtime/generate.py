@@ -11,6 +11,7 @@ import torch
 from kvcalib.errors import KvcalibError
 from kvcalib.models import LoadedModel
 from kvcalib.recipe import Recipe
+from kvcalib.runtime.sampling import Sampling
 
 
 @dataclass
@@ -49,10 +50,15 @@ def _streamer(tokenizer, stream: bool):
 
 @torch.no_grad()
 def generate(loaded: LoadedModel, prompt: str, recipe: Recipe | None, max_new_tokens: int = 64,
-             stream: bool = False, cuda_graph: bool = False) -> GenerationResult:
-    """Greedy generation; ``recipe=None`` uses the full-precision DynamicCache. ``cuda_graph``:
-    decode steps replayed from CUDA graphs (:mod:`kvcalib.runtime.graphs`; compressed cache on
-    CUDA only, no streaming: the text is printed at the end)."""
+             stream: bool = False, cuda_graph: bool = False, sampling: Sampling | None = None) -> GenerationResult:
+    """Greedy generation, or sampled when ``sampling`` is given; ``recipe=None`` uses the
+    full-precision DynamicCache. ``cuda_graph``: decode steps replayed from CUDA graphs
+    (:mod:`kvcalib.runtime.graphs`; compressed cache on CUDA only, no streaming: the text is
+    printed at the end).
+
+    Sampling runs ``model.generate(do_sample=True, ...)`` after ``torch.manual_seed(seed)`` (when
+    a seed is given), or, with ``cuda_graph``, the graph decoder's own sampler and generator: the
+    same seed repeats a run of the same path, but the two paths draw differently."""
     from transformers import DynamicCache
 
     from kvcalib.runtime.cache import CompressedCache
@@ -76,8 +82,9 @@ def generate(loaded: LoadedModel, prompt: str, recipe: Recipe | None, max_new_to
         from kvcalib.runtime.graphs import GraphDecoder
 
         t0 = time.perf_counter()
-        res = GraphDecoder(model, cache).generate(enc["input_ids"], enc.get("attention_mask"), max_new_tokens,
-                                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        decoder = GraphDecoder(model, cache, sampling=sampling)
+        res = decoder.generate(enc["input_ids"], enc.get("attention_mask"), max_new_tokens,
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         new = res.tokens[0].tolist()
@@ -87,8 +94,15 @@ def generate(loaded: LoadedModel, prompt: str, recipe: Recipe | None, max_new_to
         if stream:
             print(text, flush=True)
     else:
+        if sampling is None:
+            decoding: dict[str, Any] = {"do_sample": False}
+        else:  # top_k=0 and top_p=1.0 are passed too: they override the model's generation_config
+            decoding = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
+                   "top_p": sampling.top_p}
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
         t0 = time.perf_counter()
-        out = model.generate(**enc, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
+        out = model.generate(**enc, past_key_values=cache, max_new_tokens=max_new_tokens, **decoding,
                              streamer=_streamer(tok, stream), pad_token_id=tok.pad_token_id)
         if next(model.parameters()).is_cuda:
             torch.cuda.synchronize()

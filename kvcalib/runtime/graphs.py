@@ -1,9 +1,9 @@
-"""Greedy decoding with each step replayed from a CUDA graph.
+"""Decoding (greedy, or sampled) with each step replayed from a CUDA graph.
 
 An eager decode step of a 7B model launches hundreds of small kernels from Python; at batch 8
 and 32k context the step is bound by that host work, not by the GPU (``artifacts/bench/e2e.md``).
 :class:`GraphDecoder` captures one whole step (model forward, cache write, fused attention,
-argmax) into a CUDA graph and replays it, so a step costs one launch.
+next-token pick) into a CUDA graph and replays it, so a step costs one launch.
 
 Static shapes per bucket: a :class:`~kvcalib.runtime.cache.CompressedCache` in static mode
 (:mod:`kvcalib.runtime.static`) keeps its pending window in a fixed buffer and reads the step's
@@ -17,7 +17,16 @@ flushes, so one capture serves every step; its attention gets a 4D visibility ma
 the device.
 
 ``capture=False`` runs exactly the same step eagerly (the CPU tests, and the check that a graph
-changes nothing). Only greedy decoding; EOS ends a sequence (it then repeats ``pad_token_id``).
+changes nothing). EOS ends a sequence (it then repeats ``pad_token_id``).
+
+The pick is greedy (argmax) by default; ``sampling=Sampling(...)``
+(:mod:`kvcalib.runtime.sampling`) samples inside the captured step instead: temperature, top-k,
+top-p and a Gumbel-max draw, all on the device. The noise comes from the decoder's own
+``torch.Generator``, seeded once from ``Sampling.seed`` and registered with every captured graph
+(``CUDAGraph.register_generator_state``): a replay then draws exactly what the same step run
+eagerly would, so ``capture=True`` and ``capture=False`` give the same tokens for the same seed.
+On a torch without that method only the default CUDA generator works under capture: it is used
+(and seeded with ``seed``, which touches the global CUDA RNG) instead.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcalib.errors import KvcalibError
+from kvcalib.runtime.sampling import Sampling, make_generator, sample
 
 
 @dataclass
@@ -49,10 +59,27 @@ def _takes(model, name: str) -> bool:
         return False
 
 
-class GraphDecoder:
-    """Greedy decode steps over ``cache`` (a CompressedCache or a transformers StaticCache)."""
+def _graph_generator(device: torch.device, seed: int | None) -> tuple[torch.Generator, bool]:
+    """The sampling generator for ``device`` and whether it must be registered with each graph.
 
-    def __init__(self, model, cache, *, capture: bool = True, keep_logits: bool = False) -> None:
+    A dedicated generator needs ``CUDAGraph.register_generator_state`` (torch >= 2.4) to be
+    usable under capture; without it only the device's default generator is, so that one is
+    seeded (when ``seed`` is given) and used."""
+    if device.type != "cuda" or hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
+        return make_generator(device, seed), device.type == "cuda"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    generator = torch.cuda.default_generators[index]
+    if seed is not None:
+        generator.manual_seed(seed)
+    return generator, False  # the default generator is registered by the capture itself
+
+
+class GraphDecoder:
+    """Decode steps over ``cache`` (a CompressedCache or a transformers StaticCache), greedy
+    unless ``sampling`` says how to sample (:class:`~kvcalib.runtime.sampling.Sampling`)."""
+
+    def __init__(self, model, cache, *, capture: bool = True, keep_logits: bool = False,
+                 sampling: Sampling | None = None) -> None:
         from kvcalib.runtime.backend import requested_backend
         from kvcalib.runtime.cache import CompressedCache
 
@@ -67,6 +94,13 @@ class GraphDecoder:
             raise KvcalibError("CUDA graphs need a CUDA model: decode eagerly (capture=False) on this device")
         self.capture = capture
         self.keep_logits = keep_logits
+        if sampling is not None and not isinstance(sampling, Sampling):
+            raise KvcalibError(f"sampling must be a kvcalib.runtime.sampling.Sampling or None for greedy decoding "
+                               f"(got {type(sampling).__name__}).")
+        self.sampling = sampling
+        # one generator per decoder, seeded once: successive steps (and generate calls) continue its stream
+        self.generator, self._register_generator = (None, False) if sampling is None else \
+            _graph_generator(self.device, sampling.seed)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._pool = None
         self._with_cache_position = _takes(model, "cache_position")
@@ -88,10 +122,16 @@ class GraphDecoder:
                          use_cache=True, logits_to_keep=1, **extra)
         self._pick(out.logits[:, -1].float())
 
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """Next tokens (B, 1) int64 from ``logits`` (B, V): argmax, or sampled (no host sync either way)."""
+        if self.sampling is None:
+            return logits.argmax(-1, keepdim=True)  # (B, 1)
+        return sample(logits, self.sampling, self.generator)  # (B, 1)
+
     def _pick(self, logits: torch.Tensor) -> None:
-        """Greedy choice from ``logits`` (B, V); advance the positions (all on the device)."""
+        """Choose from ``logits`` (B, V) (kept raw); advance the positions (all on the device)."""
         self.logits.copy_(logits)
-        nxt = logits.argmax(-1, keepdim=True)  # (B, 1)
+        nxt = self._choose(logits)  # (B, 1)
         if self.eos is not None:
             nxt = torch.where(self.done, torch.full_like(nxt, self.pad), nxt)
             self.done |= torch.isin(nxt, self.eos)
@@ -111,6 +151,8 @@ class GraphDecoder:
 
     def _capture(self) -> None:
         graph = torch.cuda.CUDAGraph()
+        if self._register_generator:  # before the capture begins, as torch requires
+            graph.register_generator_state(self.generator)
         with torch.cuda.graph(graph, pool=self._pool):
             self._forward_step()
         self._pool = graph.pool()
@@ -149,7 +191,7 @@ class GraphDecoder:
     def decode(self, first_token: torch.Tensor, position: int, position_ids: torch.Tensor, steps: int,
                eos_token_id=None, pad_token_id: int | None = None, step_times: list | None = None) -> DecodeResult:
         """Feed ``first_token`` (B, 1) at absolute cache position ``position`` (rotary positions
-        ``position_ids`` (B, 1)) and decode ``steps`` tokens greedily.
+        ``position_ids`` (B, 1)) and decode ``steps`` tokens (greedily, or as ``sampling`` says).
 
         ``step_times``: when a list, each step's wall time (seconds, synchronised) is appended.
         """
@@ -216,7 +258,8 @@ class GraphDecoder:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int = 64, eos_token_id=None, pad_token_id: int | None = None) -> DecodeResult:
         """Prefill ``input_ids`` (B, T) eagerly (left padding through ``attention_mask``), then
-        decode ``max_new_tokens`` tokens; the first comes from the prefill's logits."""
+        decode ``max_new_tokens`` tokens; the first comes from the prefill's logits, picked the
+        same way as the others."""
         if max_new_tokens < 1:
             raise KvcalibError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
         dev = self.device
@@ -230,7 +273,7 @@ class GraphDecoder:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         first_logits = out.logits[:, -1].float()  # (B, V)
-        first = first_logits.argmax(-1, keepdim=True)  # (B, 1)
+        first = self._choose(first_logits)  # (B, 1) int64
         res = self.decode(first, t, position_ids[:, -1:] + 1, max_new_tokens - 1, eos_token_id, pad_token_id)
         res.tokens = torch.cat([first, res.tokens], dim=1)
         if self.keep_logits:

@@ -860,9 +860,12 @@ def _decode_split_kernel(
 def _combine_kernel(
     M_part, L_part, O_part, S_TOT,  # (ROWS, S_TOT), (ROWS, S_TOT), (ROWS, S_TOT, D) float32
     Out,  # (ROWS, D) float32, ROWS = B * Hq
-    D: tl.constexpr, DB: tl.constexpr, S_BLOCK: tl.constexpr,
+    Lse,  # (ROWS,) float32, written when STORE_LSE
+    D: tl.constexpr, DB: tl.constexpr, S_BLOCK: tl.constexpr, STORE_LSE: tl.constexpr = False,
 ):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s; 0 where nothing was visible.
+    STORE_LSE: also the row's log-sum-exp of the scores in natural-log units (-inf: nothing
+    visible), written by the programs of the first channel block.
 
     Program ``(row, c)`` merges channels ``[c * DB, (c + 1) * DB)`` of one row, S_BLOCK partials
     at a time with a running max (one pass; usually one step: the launcher sizes S_BLOCK to the
@@ -890,16 +893,21 @@ def _combine_kernel(
         m_run = m_new
     out = acc / tl.where(l_run > 0, l_run, 1.0)
     tl.store(Out + row * D + offs_d, out)
+    if STORE_LSE:
+        lse = tl.where(l_run > 0, (m_run + tl.log2(tl.where(l_run > 0, l_run, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        tl.store(Lse + row, lse, mask=tl.program_id(1) == 0)
 
 
-def _combine(m_part, l_part, o_part, s_tot: int, out: torch.Tensor) -> None:
+def _combine(m_part, l_part, o_part, s_tot: int, out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
     """Launch :func:`_combine_kernel` over ``out`` (B, Hq, D) float32 from ``s_tot`` partials per
-    row: all partials in one step (up to 1024), channels split so a program holds <= 2048 values."""
+    row: all partials in one step (up to 1024), channels split so a program holds <= 2048 values.
+    ``lse`` (B, Hq) float32, when given, receives each row's log-sum-exp."""
     rows, d = out.shape[0] * out.shape[1], out.shape[2]
     s_block = min(1024, max(16, triton.next_power_of_2(max(s_tot, 1))))
     db = max(2, min(d, 2048 // s_block))
-    _combine_kernel[(rows, d // db)](m_part, l_part, o_part, max(s_tot, 1), out, D=d, DB=db, S_BLOCK=s_block,
-                                     num_warps=4)
+    _combine_kernel[(rows, d // db)](m_part, l_part, o_part, max(s_tot, 1), out, out if lse is None else lse,
+                                     D=d, DB=db, S_BLOCK=s_block, STORE_LSE=lse is not None, num_warps=4)
 
 
 # ---------------------------------------------------------------- launcher
@@ -1278,7 +1286,7 @@ def _check_mean(name: str, mean, b: int, n: int, d: int):
 def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_bits, k_group, v_group,
             k_axis, scaling, softcap, packed_start, packed_end, packed_position, fp_segments, fp_positions,
             mask, config: DecodeConfig, k_perm=None, v_perm=None, k_mean=None, v_mean=None,
-            mask_packed: bool = True, keep=None, keep_block: int = 0, pool=None) -> torch.Tensor:
+            mask_packed: bool = True, keep=None, keep_block: int = 0, pool=None, return_lse: bool = False):
     """Check shapes/dtypes/contiguity, pick the code path, launch split + combine kernels.
 
     Shapes: q (B, Hq, D); k_codes (B, H, N, PK) u8, PK = D*k_bits/8; k_scale/k_zero f16
@@ -1286,7 +1294,7 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
     v_scale/v_zero f16 (B, H, N, D/v_group); fp segments (B, H, F, D); mask (B|1, L) bool/u8;
     packed_start/end (B,) int; k_perm/v_perm (H, D) int; k_mean/v_mean see :func:`_check_mean`;
     keep (B, H, R) u8 quant masks in blocks of keep_block tokens; pool (k, v (B, H, P, D), pos (B, H, P)).
-    Returns float32 (B, Hq, D).
+    Returns float32 (B, Hq, D), and with ``return_lse`` the rows' log-sum-exp (B, Hq) float32.
     """
     if q.dim() != 3 or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q must be (B, Hq, D) float16/bfloat16/float32, got {tuple(q.shape)} {q.dtype}")
@@ -1309,7 +1317,8 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
     elif pool is not None:
         h = pool[0].shape[1]
     else:
-        return torch.zeros((bsz, hq, d), dtype=torch.float32, device=dev)
+        empty = torch.zeros((bsz, hq, d), dtype=torch.float32, device=dev)  # (B, Hq, D)
+        return (empty, torch.full((bsz, hq), float("-inf"), device=dev)) if return_lse else empty
     if hq % h:
         raise ValueError(f"query heads {hq} are not a multiple of kv heads {h}")
     rep = hq // h
@@ -1365,7 +1374,8 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
     splits, split_size, chunks, s_tot, (m_part, l_part, o_part, out) = _work_split(
         n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config)
     if s_tot == 0:
-        return out.zero_()
+        out.zero_()
+        return (out, torch.full((bsz, hq), float("-inf"), device=dev)) if return_lse else out
 
     # ---- arguments (dummies where a part is absent; their code is never reached)
     dummy8 = _dummy(dev, torch.uint8)
@@ -1457,8 +1467,9 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
         MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)),
         num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config),
     )
-    _combine(m_part, l_part, o_part, s_tot, out)
-    return out
+    lse = torch.empty((bsz, hq), dtype=torch.float32, device=dev) if return_lse else None  # (B, Hq)
+    _combine(m_part, l_part, o_part, s_tot, out, lse)
+    return (out, lse) if return_lse else out
 
 
 # ---------------------------------------------------------------- public function
@@ -1495,7 +1506,8 @@ def decode_attention(
     k_mean: torch.Tensor | tuple | None = None,
     v_mean: torch.Tensor | tuple | None = None,
     config: DecodeConfig | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+):
     """Attention of one query token per sequence over a packed + full-precision KV cache.
 
     Same arguments and result as :func:`kvcalib_kernels.reference.decode_attention_reference`
@@ -1507,4 +1519,4 @@ def decode_attention(
                    k_group=k_group, v_group=v_group, k_axis=k_axis, scaling=scaling, softcap=softcap,
                    packed_start=packed_start, packed_end=packed_end, packed_position=packed_position,
                    fp_segments=fp_segments, fp_positions=fp_positions, mask=mask, mask_packed=mask_packed,
-                   keep=keep, keep_block=keep_block, pool=pool, config=config or DEFAULT_CONFIG, k_perm=k_perm, v_perm=v_perm, k_mean=k_mean, v_mean=v_mean)
+                   keep=keep, keep_block=keep_block, pool=pool, return_lse=return_lse, config=config or DEFAULT_CONFIG, k_perm=k_perm, v_perm=v_perm, k_mean=k_mean, v_mean=v_mean)

@@ -141,7 +141,8 @@ def decode_attention_reference_in(
     k_mean=None,
     v_mean=None,
     config=None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+):
     """:func:`decode_attention_reference` computed in ``dtype`` (float64 for a "truth", the
     query's dtype for the "same-dtype PyTorch" error that the tolerance rule scales).
 
@@ -180,7 +181,8 @@ def decode_attention_reference_in(
         vs.append(pv.float())
         valid.append(_pool_visible(ppos, mask if mask_packed else None))  # (B, H, P)
     if not ks:
-        return torch.zeros((b, hq, d), dtype=torch.float32, device=q.device)
+        empty = torch.zeros((b, hq, d), dtype=torch.float32, device=q.device)  # (B, Hq, D)
+        return (empty, torch.full((b, hq), float("-inf"), device=q.device)) if return_lse else empty
     h = ks[0].shape[1]
     r = hq // h
     k = torch.cat(ks, dim=2).to(dtype)  # (B, H, L, D)
@@ -197,6 +199,9 @@ def decode_attention_reference_in(
     p = torch.softmax(torch.where(any_ok, s, torch.zeros_like(s)), dim=-1)
     p = torch.where(any_ok, p, torch.zeros_like(p)).to(dtype)
     out = torch.einsum("bhrl,bhld->bhrd", p, v)  # (B, H, R, D)
+    if return_lse:
+        lse = torch.logsumexp(s, dim=-1)  # (B, H, R): -inf where nothing is visible
+        return out.reshape(b, hq, d).float(), lse.reshape(b, hq).float()
     return out.reshape(b, hq, d).float()
 
 
@@ -231,7 +236,8 @@ def decode_attention_reference(
     k_mean=None,
     v_mean=None,
     config=None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+):
     """One decode step of attention over packed K/V plus full-precision segments, in float32.
 
     Args (shapes; B batch, Hq query heads, H kv heads, D head_dim, N packed tokens):
@@ -265,7 +271,10 @@ def decode_attention_reference(
             float16 ``(B, 1, N, D)`` or 8-bit ``(codes uint8 (B, 1, N, D), scale, zero float16
             (B, 1, N, 1))``; None = not centred.
 
-    Returns float32 ``(B, Hq, D)``; a row that sees no token is 0.
+    Returns float32 ``(B, Hq, D)``; a row that sees no token is 0. ``return_lse``: also each
+    row's log-sum-exp of its (scaled, softcapped) scores over the visible tokens, float32
+    ``(B, Hq)`` in natural-log units, -inf where nothing is visible (what merging calls over
+    disjoint parts of one cache needs, e.g. one call per PATS tier).
     """
     return decode_attention_reference_in(
         torch.float32, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_bits=k_bits,
@@ -273,7 +282,7 @@ def decode_attention_reference(
         softcap=softcap, packed_start=packed_start, packed_end=packed_end,
         packed_position=packed_position, fp_segments=fp_segments, fp_positions=fp_positions,
         mask=mask, mask_packed=mask_packed, keep=keep, keep_block=keep_block, pool=pool, k_perm=k_perm,
-        v_perm=v_perm, k_mean=k_mean, v_mean=v_mean, config=config)
+        v_perm=v_perm, k_mean=k_mean, v_mean=v_mean, config=config, return_lse=return_lse)
 
 
 # ---------------------------------------------------------------- quantize and pack

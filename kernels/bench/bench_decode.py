@@ -579,7 +579,40 @@ FITTED_VARIANTS = {  # name: (K and V permuted, mean bits of K and V: 0 off, 8 o
     "mean16": (False, 16, 0),
     "perm+mean8": (True, 8, 0),
     "ott": (False, 0, 3 + 32),  # OTT's pool of 3 + extra pool of 32 slots per kv head, quant masks
+    "pats": (False, 0, 0),  # PATS middle-heavy tiers (below): one call per tier store, merged
 }
+# PATS as kvcalib exports it (--schedule middle-heavy, ages 1024 and 4096 after a 128-token window):
+# (first age, bits) per stored tier; the "pats" rows run at the last tier's bits (2) only
+PATS_TIERS = ((WINDOW, 8), (1024, 4), (4096, 2))
+
+
+def pats_parts(ctx: int) -> list[tuple[int, int]]:
+    """(tokens, bits) of each non-empty PATS tier store at ``ctx`` tokens, youngest first."""
+    parts = []
+    for i, (age, bits) in enumerate(PATS_TIERS):
+        end = PATS_TIERS[i + 1][0] if i + 1 < len(PATS_TIERS) else ctx
+        tokens = min(end, ctx) - age
+        if tokens > 0:
+            parts.append((tokens, bits))
+    return parts
+
+
+def pats_call(q, b, h, d, ctx, win, scale, cfg, dev, seed):
+    """One decode step over a PATS layer as the runtime runs it: a kernel call per tier store (the
+    first with the window), log-sum-exp merge (:func:`kvcalib.runtime.triton_path.merge_partials`)."""
+    from kvcalib.runtime.triton_path import merge_partials
+    from kvcalib_kernels.decode_attention import decode_attention
+
+    stores = [(packed_inputs(b, h, tokens, d, bits, 128, 128, dev, seed=seed), bits)
+              for tokens, bits in pats_parts(ctx)]
+
+    def call():
+        parts = [decode_attention(q, *packed, k_bits=bits, v_bits=bits, k_group=128, v_group=128, scaling=scale,
+                                  fp_segments=[win] if i == 0 else (), fp_positions=[ctx - WINDOW] if i == 0 else (),
+                                  config=cfg, return_lse=True)
+                 for i, (packed, bits) in enumerate(stores)]
+        return merge_partials(parts)
+    return call
 
 
 def fitted_inputs(b, h, n, d, variant, dev, seed=0) -> dict:
@@ -613,6 +646,11 @@ def fitted_bytes(b, h, n, d, variant) -> int:
     """Bytes the TaDA means add (shared by the kv heads: one (N, D) mean per sequence and side)
     and the OTT parts (quant mask bits per kv head, the pools' bf16 K/V and int32 positions)."""
     _, mean_bits, pool = FITTED_VARIANTS[variant]
+    if variant == "pats":  # the 8- and 4-bit tiers' bytes beyond the same tokens at 2 bits
+        hq = MODELS["mistral-7b"][0]
+        return sum(packed_bytes(b, h, hq, tokens, 0, d, bits, 128, 128)["total"]
+                   - packed_bytes(b, h, hq, tokens, 0, d, 2, 128, 128)["total"]
+                   for tokens, bits in pats_parts(n + WINDOW) if bits != 2)
     ott = b * h * (n // 8 + pool * (2 * d * 2 + 4)) if pool else 0
     if mean_bits == 16:
         return ott + 2 * b * n * d * 2
@@ -645,14 +683,19 @@ def main_fitted(args) -> None:
         del kvs
         for bits in (2, 4):
             for variant in FITTED_VARIANTS:
+                if variant == "pats" and bits != PATS_TIERS[-1][1]:
+                    continue
                 nb = packed_bytes(b, h, hq, n, WINDOW, d, bits, 128, 128)["total"] + fitted_bytes(b, h, n, d, variant)
                 sets = max(1, min(32, math.ceil(256e6 / nb)))
                 fns = []
                 for i in range(sets):
                     q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
-                    packed = packed_inputs(b, h, n, d, bits, 128, 128, dev, seed=i)
                     win = (torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16),
                            torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16))
+                    if variant == "pats":
+                        fns.append(pats_call(q, b, h, d, ctx, win, scale, cfg, dev, seed=i))
+                        continue
+                    packed = packed_inputs(b, h, n, d, bits, 128, 128, dev, seed=i)
                     extra = fitted_inputs(b, h, n, d, variant, dev, seed=i)
                     fns.append(lambda q=q, packed=packed, win=win, extra=extra: decode_attention(
                         q, *packed, k_bits=bits, v_bits=bits, k_group=128, v_group=128, scaling=scale,
@@ -1030,8 +1073,11 @@ def main_report(args) -> None:
                   "K and V over the kv heads at 8 bits (codes + per-token scale/zero) or 16 bits, added in the same "
                   "pass (`q . mean` per score, `sum p * mean` per output); `ott` OTT quant masks (one bit per "
                   "packed token and kv head, read in the loop) and a 35-slot outlier pool per kv head (OTT's 3 + 32 "
-                  "extra, bf16, at their own positions) as one more segment. `bytes` counts the means (one (N, D) "
-                  "tensor per sequence and side, shared by the 8 kv heads) and the OTT parts. bf16: SDPA "
+                  "extra, bf16, at their own positions) as one more segment; `pats` PATS middle-heavy tiers (8 bits "
+                  "to age 1024, 4 bits to 4096, then 2 bits) as the runtime runs them: one call per tier store "
+                  "(the first with the window) returning its log-sum-exp, then one merge. `bytes` counts the means "
+                  "(one (N, D) tensor per sequence and side, shared by the 8 kv heads), the OTT parts and the "
+                  "tiers' extra bits. bf16: SDPA "
                   "`enable_gqa`, same timing. "
                   "Command: `" + fit.get("command", "?") + "`.", "",
                   "| batch | context | bits | variant | us | vs plain | bf16 us | speedup vs bf16 | MB read |",

@@ -271,7 +271,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.is_sliding:
             return "sliding-window layer"
         if self.uses_tiers:
-            return "PATS tiers"
+            return "PATS tiers (blocks change tiers between flushes, which static steps do not follow)"
         if self.n_seen < self.cfg.sinks:
             return f"only {self.n_seen} of the {self.cfg.sinks} sink tokens seen"
         if self.pend_k.shape[-2] >= self.static_capacity:

@@ -18,12 +18,14 @@ the caller (:func:`kvcalib.runtime.backend.decode_attention`) then runs the PyTo
   ``sum p * mean`` the output, inside the same pass);
 - OTT outlier pools (``kv.outlier_pool`` > 0): each kv head's packed slots of pool entrants are
   skipped through the stored quant masks (read as bits inside the loop), and the pool and extra
-  pool (full precision, at their own absolute positions, -1 = empty) are one more segment.
-
-Not covered, per layer (the reference runs that layer; other layers still use the kernel):
-
+  pool (full precision, at their own absolute positions, -1 = empty) are one more segment;
 - PATS tiers (a ``kv.schedule`` with more than one stored tier): the packed tokens live in one
-  store per bit width, and the kernel reads one bit width per call.
+  store per bit width and the kernel reads one bit width per call, so a tiered layer is one
+  call per non-empty store (the first also takes the sinks, window and pools), each returning
+  its rows' log-sum-exp, merged by :func:`merge_partials` (exact: the parts are disjoint).
+
+Not covered (the reference runs that layer; other layers still use the kernel): sliding-window
+layers, 16-bit sides, layouts :func:`kvcalib_kernels.decode_attention.supports` refuses.
 
 Segments passed to the kernel, by absolute position: sinks ``[0, S)`` (unless dropped), packed
 tokens ``[view.start, view.start + n)``, pending full-precision tokens ``[pend_start, n_seen)``,
@@ -58,8 +60,6 @@ def _reason_unsupported(query: torch.Tensor, layer) -> str | None:
         return "layer is not packed on both K and V"
     if layer.is_sliding:
         return "sliding-window layer"
-    if layer.uses_tiers:
-        return "PATS tiers (reference path)"
     h = layer.sink_k.shape[1]
     for side, perm in layer.codec.perm.items():
         if perm is not None and tuple(perm.shape) != (h, d):
@@ -68,8 +68,14 @@ def _reason_unsupported(query: torch.Tensor, layer) -> str | None:
         return "query heads not a multiple of kv heads"
     from kvcalib_kernels.decode_attention import supports
 
-    return supports(head_dim=d, k_bits=cfg.k_bits, v_bits=cfg.v_bits, k_group=cfg.k_group,
-                    v_group=cfg.v_group, k_axis=cfg.k_axis, rep=hq // h)
+    for _, k_bits, v_bits in layer.codec.tiers:  # the config's bits, then each PATS tier's
+        if k_bits not in _PACKED_BITS or v_bits not in _PACKED_BITS:
+            return f"a PATS tier at K{k_bits}/V{v_bits} is not packed on both K and V"
+        why = supports(head_dim=d, k_bits=k_bits, v_bits=v_bits, k_group=cfg.k_group, v_group=cfg.v_group,
+                       k_axis=cfg.k_axis, rep=hq // h)
+        if why is not None:
+            return why
+    return None
 
 
 def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, scaling: float,
@@ -108,13 +114,26 @@ def static_decode_attention(query: torch.Tensor, layer, scaling: float,
     return out
 
 
+def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Attention over disjoint parts of a cache from each part's result: ``parts`` of (out
+    (B, Hq, D) float32, normalised over the part; lse (B, Hq), its log-sum-exp, -inf when the
+    part saw nothing). Returns (B, Hq, D) float32; 0 where no part saw anything."""
+    lse = torch.stack([part_lse for _, part_lse in parts])  # (S, B, Hq)
+    top = lse.max(dim=0).values  # (B, Hq)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weight = torch.exp(lse - top)  # (S, B, Hq): 0 for a part that saw nothing
+    total = weight.sum(dim=0)  # (B, Hq)
+    out = (weight[..., None] * torch.stack([o for o, _ in parts])).sum(dim=0)  # (B, Hq, D)
+    return out / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+
+
 def _launch_layer(query, layer, pending, mask, mask_packed, scaling, softcap) -> torch.Tensor | None:
-    """One kernel call over ``layer``: sinks, packed tokens, ``pending`` (B, H, U, D) K/V."""
+    """Kernel calls over ``layer``: sinks, packed tokens (one call per non-empty PATS store),
+    ``pending`` (B, H, U, D) K/V, the OTT pools."""
     from kvcalib_kernels.decode_attention import decode_attention
 
     cfg = layer.cfg
     codec = layer.codec
-    view = layer.packed_view()
     segments, positions = [], []
     if layer.sink_k.shape[2] and not layer.sinks_dropped:
         segments.append((layer.sink_k, layer.sink_v))  # (B, H, S, D)
@@ -122,19 +141,25 @@ def _launch_layer(query, layer, pending, mask, mask_packed, scaling, softcap) ->
     if pending[0].shape[2]:
         segments.append(pending)  # (B, H, U, D)
         positions.append(layer.pend_start)
-    n = view.n
     pool = layer.outliers.segment(segments[0][0].dtype if segments else query.dtype)  # or None
-    packed = (view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale, view.v_zero)
-    if n == 0 or any(t is None for t in packed):
-        if n:
-            return None  # a 16-bit side stored raw: not this kernel's layout
-        packed = (None,) * 6
-    out = decode_attention(
-        query[:, :, 0, :], *packed,
-        k_bits=cfg.k_bits, v_bits=cfg.v_bits, k_group=cfg.k_group, v_group=cfg.v_group,
-        k_axis=cfg.k_axis, scaling=scaling, softcap=softcap, packed_position=view.start,
-        fp_segments=segments, fp_positions=positions, mask=mask, mask_packed=mask_packed,
-        keep=view.keep, keep_block=cfg.flush_block, pool=pool,
-        k_perm=codec.device_perm("k", query.device), v_perm=codec.device_perm("v", query.device),
-        k_mean=view.k_mean, v_mean=view.v_mean)  # (B, Hq, D) float32; means of an empty store are ignored
+    stores = [store for store in layer.packed.stores if store.n] or layer.packed.stores[:1]  # oldest tier last
+    parts = []
+    for i, store in enumerate(stores):
+        view = store.view()
+        packed = (view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale, view.v_zero)
+        if view.n == 0 or any(t is None for t in packed):
+            if view.n:
+                return None  # a 16-bit side stored raw: not this kernel's layout
+            packed = (None,) * 6
+        first = i == 0  # the full-precision parts join the first call only
+        parts.append(decode_attention(
+            query[:, :, 0, :], *packed,
+            k_bits=store.bits["k"], v_bits=store.bits["v"], k_group=cfg.k_group, v_group=cfg.v_group,
+            k_axis=cfg.k_axis, scaling=scaling, softcap=softcap, packed_position=view.start,
+            fp_segments=segments if first else (), fp_positions=positions if first else (), mask=mask,
+            mask_packed=mask_packed, keep=view.keep, keep_block=cfg.flush_block, pool=pool if first else None,
+            k_perm=codec.device_perm("k", query.device), v_perm=codec.device_perm("v", query.device),
+            k_mean=view.k_mean, v_mean=view.v_mean, return_lse=len(stores) > 1))
+        # (B, Hq, D) float32 [, (B, Hq) lse]; means of an empty store are ignored
+    out = parts[0] if len(parts) == 1 else merge_partials(parts)  # (B, Hq, D)
     return out[:, None]

@@ -459,6 +459,60 @@ def test_triton_path_runs_ott_layers(cfg):
     assert out is not None and float((out - ref).abs().max()) < 1e-4
 
 
+def test_log_sum_exp_merges_disjoint_parts():
+    """``return_lse`` matches the reference's, and two calls over disjoint parts of one cache
+    (packed tokens, then the full-precision segments with a mask and softcap) merge to the
+    single call (how a PATS layer is run, one call per tier)."""
+    from kvcalib.runtime.triton_path import merge_partials
+
+    args, kw = make_case(b=2, n=48, f=(3, 5))
+    mask = torch.ones(2, 56, dtype=torch.bool)
+    mask[1, :20] = False
+    kw = {**kw, "mask": mask.to(DEVICE), "softcap": 20.0}
+    out, lse = da.decode_attention(*args, **kw, config=SMALL, return_lse=True)
+    truth = decode_attention_reference_in(torch.float64, *args, **kw, return_lse=True)[1]
+    same = decode_attention_reference_in(args[0].dtype, *args, **kw, return_lse=True)[1]
+    assert lse.shape == truth.shape == args[0].shape[:2]
+    torch_err = float((same - truth).abs().max())
+    assert float((lse - truth).abs().max()) <= 2 * torch_err + ATOL[args[0].dtype]
+    assert float((out - decode_attention_reference(*args, **kw)).abs().max()) < 2e-2
+    packed_only = da.decode_attention(*args, **{**kw, "fp_segments": (), "fp_positions": ()}, config=SMALL,
+                                      return_lse=True)
+    fp_only = da.decode_attention(args[0], *([None] * 6), **kw, config=SMALL, return_lse=True)
+    assert float((merge_partials([packed_only, fp_only]) - out).abs().max()) < 1e-4
+    none = da.decode_attention(args[0], *([None] * 6), **{**kw, "fp_segments": ()}, config=SMALL, return_lse=True)
+    assert torch.isinf(none[1]).all() and float((merge_partials([out_lse := (out, lse), none]) - out).abs().max()) == 0
+    del out_lse
+
+
+def _tiered_layer(tiers=(48,), bits=4, ott=0, **kw):
+    """A layer whose PATS schedule halves the bits at each age of ``tiers``, after enough steps
+    that every stored tier holds blocks."""
+    from kvcalib.calibrate.schedule import Schedule
+    from kvcalib.recipe import LayerConfig
+    from kvcalib.runtime.codec import LayerCodec
+
+    cfg = LayerConfig(k_bits=bits, v_bits=bits, k_group=16, v_group=16, window=16, sinks=2)
+    codec = LayerCodec(cfg, schedule=Schedule.from_layer(cfg, tiers), outlier_pool=ott)
+    return _filled_layer(cfg, codec=codec, prompt=120, **kw)
+
+
+@pytest.mark.parametrize("tiers,bits,ott", [((48,), 4, 0), ((32, 64), 8, 0), ((48,), 4, 3)],
+                         ids=["4-2", "8-4-2", "4-2-ott"])
+def test_triton_path_runs_pats_tiers(tiers, bits, ott):
+    """A PATS layer runs one kernel call per non-empty tier store (merged by log-sum-exp) and
+    agrees with the runtime reference on the same stored bytes, with padding (and OTT pools)."""
+    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
+
+    layer, q, vis = _tiered_layer(tiers, bits, ott)
+    assert _reason_unsupported(q, layer) is None
+    assert sum(1 for st in layer.packed.stores if st.n) == len(tiers) + 1  # every tier holds blocks
+    out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
+    ref = attend_compressed(q, layer, vis, 64 ** -0.5)
+    assert out is not None and float((out - ref).abs().max()) < 1e-4
+
+
 def test_triton_path_declines_what_it_does_not_cover():
     from kvcalib.recipe import LayerConfig
     from kvcalib.runtime.cache import CompressedLayer
@@ -475,11 +529,11 @@ def test_triton_path_declines_what_it_does_not_cover():
                                    torch.ones(1, 1, 20, dtype=torch.bool, device=DEVICE), 0.1) is None
 
 
-@pytest.mark.parametrize("fitted", [False, True, "ott"], ids=["plain", "centred-permuted", "ott"])
+@pytest.mark.parametrize("fitted", [False, True, "ott", "pats"], ids=["plain", "centred-permuted", "ott", "pats"])
 def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch, fitted):
     """A tiny model decodes through the kernel (counted) with the reference backend's logits;
     ``fitted``: every layer also has TaDA means (16-bit keys, 8-bit values) and SKVQ permutations;
-    ``ott``: every layer has a 4-slot OTT outlier pool."""
+    ``ott``: every layer has a 4-slot OTT outlier pool; ``pats``: 4-bit blocks become 2-bit at age 28."""
     from kvcalib.recipe import LayerConfig, Recipe
     from kvcalib.runtime import triton_path
     from kvcalib.runtime.attention import use_kvcalib_attention
@@ -489,7 +543,8 @@ def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch, 
 
     model = tiny_model("llama", head_dim=64, heads=4, kv_heads=2).to(DEVICE)
     rec = Recipe(name="t", default_layer=LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2))
-    ids = torch.randint(0, 128, (1, 44), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    length = 52 if fitted == "pats" else 44  # pats: the last steps hold a 4-bit and a 2-bit block
+    ids = torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     calls = []
     real = triton_path.triton_decode_attention
 
@@ -505,6 +560,13 @@ def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch, 
             cfgs = rec.layer_configs(model.config.num_hidden_layers)
             cache = CompressedCache(cfgs, [LayerCodec(c, outlier_pool=4) for c in cfgs])
             use_kvcalib_attention(model)
+        elif fitted == "pats":
+            from kvcalib.calibrate.schedule import Schedule
+
+            cfg4 = LayerConfig(k_bits=4, v_bits=4, k_group=16, v_group=32, window=16, sinks=2)
+            cfgs = [cfg4] * model.config.num_hidden_layers
+            cache = CompressedCache(cfgs, [LayerCodec(c, schedule=Schedule.from_layer(c, (28,))) for c in cfgs])
+            use_kvcalib_attention(model)
         elif fitted:
             g = torch.Generator().manual_seed(4)
             cfgs = rec.layer_configs(model.config.num_hidden_layers)
@@ -519,6 +581,8 @@ def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch, 
             outs.append(model(input_ids=ids[:, :34], past_key_values=cache).logits[:, -1].float())
             for i in range(34, ids.shape[1]):
                 outs.append(model(input_ids=ids[:, i:i + 1], past_key_values=cache).logits[:, -1].float())
+        if fitted == "pats":  # the last steps read two tier stores (4-bit and 2-bit blocks)
+            assert all(sum(1 for st in layer.packed.stores if st.n) == 2 for layer in cache.layers)
         return torch.stack(outs)
 
     ref = run("reference")

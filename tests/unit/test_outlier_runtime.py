@@ -185,19 +185,23 @@ def test_pool_on_a_full_precision_layer_or_wrong_side_is_refused():
         build_codecs(rec, [CFG, CFG])
 
 
-def test_triton_path_takes_outlier_layers_and_declines_tiers(monkeypatch):
-    """The kernel reads OTT pools and quant masks; PATS tiers (one store per bit width) go to the
-    reference, decided before any triton import."""
+def test_triton_path_takes_outlier_and_tiered_layers(monkeypatch):
+    """The kernel reads OTT pools and quant masks, and PATS tiers (one call per store); a tier
+    whose bits the kernel cannot read sends the layer to the reference. Decided before any
+    triton import."""
     from kvcalib.calibrate.schedule import Schedule
     from kvcalib.runtime.triton_path import _reason_unsupported
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cfg2 = LayerConfig(k_bits=2, v_bits=2, k_group=16, v_group=16, window=16, sinks=2)  # a layout the kernel takes
     cfg4 = LayerConfig(k_bits=4, v_bits=4, k_group=16, v_group=16, window=16)
-    for codec, why in ((LayerCodec(cfg2, outlier_pool=3), None),
-                       (LayerCodec(cfg4, schedule=Schedule.from_layer(cfg4, (64,))), "PATS")):
+    for codec in (LayerCodec(cfg2, outlier_pool=3), LayerCodec(cfg4, schedule=Schedule.from_layer(cfg4, (64,)))):
         layer = CompressedLayer(codec.cfg, codec)
         layer.update(torch.randn(1, 2, 30, 64), torch.randn(1, 2, 30, 64))
         layer.flush()
-        reason = _reason_unsupported(torch.randn(1, 4, 1, 64), layer)
-        assert reason is None if why is None else why in reason
+        assert _reason_unsupported(torch.randn(1, 4, 1, 64), layer) is None
+    codec = LayerCodec(cfg4, schedule=Schedule.from_layer(cfg4, (64,)))
+    codec.tiers.append((128, 1, 4))  # a tier no kernel layout has (as a corrupt schedule could ask)
+    layer = CompressedLayer(cfg4, codec)
+    layer.update(torch.randn(1, 2, 30, 64), torch.randn(1, 2, 30, 64))
+    assert "PATS tier at K1/V4" in _reason_unsupported(torch.randn(1, 4, 1, 64), layer)

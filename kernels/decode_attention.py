@@ -1362,7 +1362,9 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
 
     # ---- code paths (decided once per layout / dtype / config / device: no per-step Python cost)
     fp_all = fp + ([pool[:2]] if pool is not None else [])
-    fp_dtype = fp_all[0][0].dtype if fp_all else torch.float32
+    # without fp segments their (unreached) code still shapes the kernel's register allocation: a
+    # float32 fp branch made the packed loop of a window-less call (a PATS tier store) 1.3x slower
+    fp_dtype = fp_all[0][0].dtype if fp_all else q.dtype
     if fp_all and any(s[0].dtype != fp_dtype for s in fp_all):
         raise ValueError("the full-precision segments (and the outlier pool) must share a dtype")
     ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, ngv, zp, r_pad, fp_t, fp_ieee, fp_block) = _plan(

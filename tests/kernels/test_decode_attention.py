@@ -513,6 +513,25 @@ def test_triton_path_runs_pats_tiers(tiers, bits, ott):
     assert out is not None and float((out - ref).abs().max()) < 1e-4
 
 
+def test_triton_path_runs_tiered_layers_with_mixed_bits():
+    """A PATS layer whose stores hold K8/V4, K4/V4 and K2/V2 blocks (K and V at different bits
+    in one store) goes through the kernel with the reference's answer."""
+    from kvcalib.calibrate.schedule import Schedule
+    from kvcalib.recipe import LayerConfig
+    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.codec import LayerCodec
+    from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
+
+    cfg = LayerConfig(k_bits=8, v_bits=4, k_group=16, v_group=16, window=16, sinks=2)
+    sched = Schedule.from_tensor(torch.tensor([[0, 16, 16], [16, 8, 4], [40, 4, 4], [72, 2, 2]]), sinks=cfg.sinks)
+    layer, q, vis = _filled_layer(cfg, codec=LayerCodec(cfg, schedule=sched), prompt=130)
+    assert len({(s.bits["k"], s.bits["v"]) for s in layer.packed.stores if s.n}) == 3
+    assert _reason_unsupported(q, layer) is None
+    out = triton_decode_attention(q, layer, vis, 0.125)
+    ref = attend_compressed(q, layer, vis, 0.125)
+    assert out is not None and float((out - ref).abs().max()) < 1e-4
+
+
 def test_triton_path_declines_what_it_does_not_cover():
     from kvcalib.recipe import LayerConfig
     from kvcalib.runtime.cache import CompressedLayer

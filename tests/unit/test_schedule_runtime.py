@@ -125,15 +125,12 @@ def test_schedule_sinks_come_from_the_layer_and_side_is_checked():
         build_codecs(rec, [CFG, CFG])
 
 
-def test_triton_path_declines_tiered_layers(monkeypatch):
-    from kvcalib.runtime.triton_path import _reason_unsupported
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_tiered_layers_have_no_single_packed_view():
+    """One store per tier: the kernels read them one call per store (tests/kernels), never as one view."""
     sched = Schedule.from_tensor(torch.tensor(TIERS), sinks=CFG.sinks)
     layer = CompressedLayer(CFG, LayerCodec(CFG, schedule=sched))
     layer.update(torch.randn(1, 2, 60, 64), torch.randn(1, 2, 60, 64))
     layer.flush()
     assert len({s.bits["k"] for s in layer.packed.stores if s.n}) > 1
-    assert "PATS" in _reason_unsupported(torch.randn(1, 4, 1, 64), layer)
     with pytest.raises(Exception, match="tier"):
         layer.packed_view()

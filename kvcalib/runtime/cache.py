@@ -196,11 +196,13 @@ class CompressedLayer(CacheLayerMixin):
 
     @property
     def uses_tiers(self) -> bool:
-        """PATS tiers: one packed store per bit width, a layout only the reference attention reads."""
+        """PATS tiers: one packed store per bit width (the kernel reads them one call per store;
+        static mode refuses them)."""
         return self.codec.tiered
 
     def packed_view(self) -> PackedView:
-        """Contiguous views of the packed tokens, for the Triton path (untiered layers only)."""
+        """Contiguous views of the packed tokens (untiered layers only; the Triton path reads
+        each PATS store's own ``view()``)."""
         return self.packed.view()
 
     def _flush_block(self, off: int, block: int) -> None:

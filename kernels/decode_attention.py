@@ -19,7 +19,8 @@ read at each stored key channel's input channel; value channels are stored back 
 TaDA per-token mean ``(B, 1, N, D)`` shared by the kv heads, 16-bit or 8-bit codes with per-token
 scale/zero (``q . mean`` joins each score, ``sum p * mean`` each value plane, in the same pass).
 
-Two launches:
+Two launches (:func:`decode_attention_parts`: one split launch per stored part, e.g. a PATS tier
+store, each writing its own columns of one partial buffer, then one combine):
 
 1. ``_decode_split_kernel``, grid ``(B * H, S_packed + S_fp)`` (fp chunks: sinks, window, pool). Program ``(b*H + h, s)`` holds
    all ``R = Hq / H`` query heads of kv head ``h`` (rows of one ``(R_PAD, .)`` tile, so each K/V
@@ -62,7 +63,8 @@ Arithmetic (what keeps the per-code work small):
 Performance status (H200, ``artifacts/bench/decode_attention.md``): ~1.3-1.6x over the fastest
 bf16 SDPA at batch >= 8 and long contexts (Mistral-7B shape, 32k, batch 8: 1.51x at 2 bits);
 batch 1 GPU time 0.95-1.31x (``decode_latency.json``); OTT pools cost 1.03-1.10x, TaDA means 2.4-2.9x (every kv head's
-program reads the shared mean; ``decode_fitted.json``); the kernel is bound by instruction issue and latency at 255 registers (MMA
+program reads the shared mean and runs a full-width product with it; ``decode_fitted.json``); PATS tier stores
+(:func:`decode_attention_parts`, one split launch per store, one combine) 1.18x plain at batch 8 / 32k; the kernel is bound by instruction issue and latency at 255 registers (MMA
 fragments built from 4-row tiles, value codes gathered 4 tokens per register), not by memory.
 """
 
@@ -71,14 +73,15 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["DecodeConfig", "decode_attention", "supports", "fast_unpack_available"]
+__all__ = ["DecodeConfig", "decode_attention", "decode_attention_parts", "supports", "fast_unpack_available"]
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the kernels use exp2
 
@@ -481,13 +484,14 @@ def _fp_chunk(q_rows, r_ok, part_row, M_part, L_part, O_part, k_base, v_base, sk
 # ---------------------------------------------------------------- kernels
 
 
-@triton.jit(do_not_specialize=["S_TOT", "N", "packed_pos", "F1_LEN", "f1_pos", "F2_LEN", "f2_pos", "F3_LEN",
+@triton.jit(do_not_specialize=["S_TOT", "S_OFF", "N", "packed_pos", "F1_LEN", "f1_pos", "F2_LEN", "f2_pos", "F3_LEN",
                                "num_splits", "split_size", "n_f1_chunks", "n_f2_chunks"])
 def _decode_split_kernel(
     # query (B, Hq, D), last dim contiguous
     Q, stride_qb, stride_qh,
-    # partial results, contiguous: m, l (B*Hq, S_TOT); acc (B*Hq, S_TOT, D); float32
-    M_part, L_part, O_part, S_TOT,
+    # partial results, contiguous: m, l (B*Hq, S_TOT); acc (B*Hq, S_TOT, D); float32. This call's
+    # programs write columns [S_OFF, S_OFF + grid[1]) (several calls can share one buffer)
+    M_part, L_part, O_part, S_TOT, S_OFF,
     # packed keys: codes (B, H, N, PK) uint8; scale/zero float16, last dim contiguous, same strides
     KC, stride_kcb, stride_kch, stride_kcn,
     KS, KZ, stride_ksb, stride_ksh, stride_ksn,
@@ -538,7 +542,7 @@ def _decode_split_kernel(
     offs_r = tl.arange(0, R_PAD)
     r_ok = offs_r < R  # padding rows (R < 16: tl.dot needs M >= 16) are computed, never stored
     q_rows = Q + b.to(tl.int64) * stride_qb + (h * R + offs_r) * stride_qh  # (R_PAD,) pointers
-    part_row = (b * H * R + h * R + offs_r).to(tl.int64) * S_TOT + pid_s  # (R_PAD,)
+    part_row = (b * H * R + h * R + offs_r).to(tl.int64) * S_TOT + S_OFF + pid_s  # (R_PAD,)
     PER_K: tl.constexpr = 8 // K_BITS
     PER_V: tl.constexpr = 8 // V_BITS
 
@@ -605,6 +609,10 @@ def _decode_split_kernel(
         vms_base = VMS + b.to(tl.int64) * stride_vmsb
         vmz_base = VMZ + b.to(tl.int64) * stride_vmsb
         mzacc = tl.zeros([R_PAD], tl.float32)  # sum_n p_n * zero_n of 8-bit value means
+        # with a permuted V, the value mean accumulates apart in input channel order (a mean tile
+        # read at each plane's permuted channels is a byte gather: 7x slower at batch 8 / 32k)
+        VM_APART: tl.constexpr = V_PERM & (V_MEAN != 0)
+        macc = tl.zeros([R_PAD, D], tl.float32)  # sum_n p_n mean_n, used when VM_APART
         kc_base = KC + b.to(tl.int64) * stride_kcb + h.to(tl.int64) * stride_kch
         ks_base = KS + b.to(tl.int64) * stride_ksb + h.to(tl.int64) * stride_ksh
         kz_base = KZ + b.to(tl.int64) * stride_ksb + h.to(tl.int64) * stride_ksh
@@ -718,6 +726,8 @@ def _decode_split_kernel(
                     asum3 = asum3 * alpha
                 if V_MEAN != 0:
                     mzacc = mzacc * alpha
+                if VM_APART:
+                    macc = macc * alpha[:, None]
                 m_i = m_new
             p = tl.exp2(scores - m_i[:, None])  # (R_PAD, BLOCK_N); masked -> 0
             l_i = l_i + tl.sum(p, axis=1)
@@ -790,11 +800,14 @@ def _decode_split_kernel(
                 # plane s: p @ mean[:, vc_s]; a lane-folded plane is scaled by 2**-(s * V_BITS) at the
                 # end, so its mean term goes in times 2**(s * V_BITS) (exact)
                 vm_rows = vm_base + offs_n[:, None] * stride_vmn  # (BLOCK_N, 1)
-                acc0 = _dot(pm.to(DOT_T), _mean_tile(vm_rows, vc0, row_ok, V_MEAN, DOT_T), acc0, IEEE)
-                if PER_V > 1:
+                if VM_APART:  # input channel order, added to the stored output at the end
+                    macc = _dot(pm.to(DOT_T), _mean_tile(vm_rows, offs_d, row_ok, V_MEAN, DOT_T), macc, IEEE)
+                else:
+                    acc0 = _dot(pm.to(DOT_T), _mean_tile(vm_rows, vc0, row_ok, V_MEAN, DOT_T), acc0, IEEE)
+                if (PER_V > 1) & (not VM_APART):
                     acc1 = _dot((pm * (1 << V_BITS) if V_LANES else pm).to(DOT_T),
                                 _mean_tile(vm_rows, vc1, row_ok, V_MEAN, DOT_T), acc1, IEEE)
-                if PER_V > 2:
+                if (PER_V > 2) & (not VM_APART):
                     acc2 = _dot((pm * (1 << (2 * V_BITS)) if V_LANES else pm).to(DOT_T),
                                 _mean_tile(vm_rows, vc2, row_ok, V_MEAN, DOT_T), acc2, IEEE)
                     acc3 = _dot((pm * (1 << (3 * V_BITS)) if V_LANES else pm).to(DOT_T),
@@ -806,7 +819,9 @@ def _decode_split_kernel(
             if PER_V > 2:
                 acc2 = (acc2 - 1024.0 * asum2[:, None]) * (1.0 / (1 << (2 * V_BITS)))
                 acc3 = (acc3 - 1024.0 * asum3[:, None]) * (1.0 / (1 << (3 * V_BITS)))
-        if V_MEAN == 8:  # the 8-bit means' zero points, one per token, on every channel
+        if VM_APART:
+            macc += mzacc[:, None]
+        elif V_MEAN == 8:  # the 8-bit means' zero points, one per token, on every channel
             acc0 += mzacc[:, None]
             if PER_V > 1:
                 acc1 += mzacc[:, None]
@@ -829,6 +844,10 @@ def _decode_split_kernel(
         if PER_V > 2:
             tl.store(o_rows[:, None] + vc2[None, :], acc2, mask=r_ok[:, None])
             tl.store(o_rows[:, None] + vc3[None, :], acc3, mask=r_ok[:, None])
+        if VM_APART:  # add the value mean (input channel order) onto the planes just stored
+            tl.debug_barrier()  # other threads of the program stored them
+            o_nat = o_rows[:, None] + offs_d[None, :]  # (R_PAD, D) pointers
+            tl.store(o_nat, tl.load(o_nat, mask=r_ok[:, None], other=0.0) + macc, mask=r_ok[:, None])
     else:
         # ------------------------------------------------ one chunk of a full-precision segment
         c = pid_s - num_splits
@@ -1216,12 +1235,11 @@ def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, d
     return (k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, ngv, zp, r_pad, fp_t, fp_ieee, fp_block
 
 
-def _work_split(n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config):
+def _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config):
     """Split-K plan shared by the fixed-width and Huffman kernels: ``n`` packed tokens in splits of
     whole ``block_n`` blocks (about ``programs_per_sm`` programs per SM, at least
     ``min_split_blocks`` blocks each), full-precision segments of ``f_lens`` tokens in ``fp_block``
-    chunks. Returns (splits, split_size, chunks per segment, total partials, buffers): m/l
-    (B*Hq, S) float32, acc (B*Hq, S, D) float32 partials and the output (B, Hq, D) float32."""
+    chunks. Returns (splits, split_size, chunks per segment, total partials)."""
     if n:
         n_blocks = _cdiv(n, block_n)
         if config.num_splits is not None:
@@ -1237,13 +1255,25 @@ def _work_split(n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config):
     else:
         splits, split_size = 0, block_n
     chunks = [_cdiv(f, fp_block) for f in f_lens]
-    s_tot = splits + sum(chunks)
+    return splits, split_size, chunks, splits + sum(chunks)
+
+
+def _partials(bsz, hq, d, s_tot, dev):
+    """Buffers of ``s_tot`` partials per row: m/l (B*Hq, S) float32, acc (B*Hq, S, D) float32, and
+    the output (B, Hq, D) float32."""
     rows = bsz * hq
     m_part = torch.empty((rows, max(s_tot, 1)), dtype=torch.float32, device=dev)  # (B*Hq, S)
     l_part = torch.empty_like(m_part)
     o_part = torch.empty((rows, max(s_tot, 1), d), dtype=torch.float32, device=dev)  # (B*Hq, S, D)
     out = torch.empty((bsz, hq, d), dtype=torch.float32, device=dev)  # (B, Hq, D)
-    return splits, split_size, chunks, s_tot, (m_part, l_part, o_part, out)
+    return m_part, l_part, o_part, out
+
+
+def _work_split(n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config):
+    """:func:`_split_plan` plus its buffers (:func:`_partials`): (splits, split_size, chunks per
+    segment, total partials, (m, l, acc, out))."""
+    splits, split_size, chunks, s_tot = _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config)
+    return splits, split_size, chunks, s_tot, _partials(bsz, hq, d, s_tot, dev)
 
 
 def _reg_cap(config: DecodeConfig) -> dict:
@@ -1283,23 +1313,30 @@ def _check_mean(name: str, mean, b: int, n: int, d: int):
     return 8, codes, scale, zero
 
 
-def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_bits, k_group, v_group,
-            k_axis, scaling, softcap, packed_start, packed_end, packed_position, fp_segments, fp_positions,
-            mask, config: DecodeConfig, k_perm=None, v_perm=None, k_mean=None, v_mean=None,
-            mask_packed: bool = True, keep=None, keep_block: int = 0, pool=None, return_lse: bool = False):
-    """Check shapes/dtypes/contiguity, pick the code path, launch split + combine kernels.
+@dataclass
+class _SplitCall:
+    """One planned launch of :func:`_decode_split_kernel`: its grid ``(B * H, s_tot)`` and every
+    argument after the query and the partial buffers."""
+
+    bh: int
+    s_tot: int
+    args: tuple
+    meta: dict
+
+
+def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_bits, k_group, v_group,
+             k_axis, scaling, softcap, packed_start, packed_end, packed_position, fp_segments, fp_positions,
+             mask, config: DecodeConfig, k_perm=None, v_perm=None, k_mean=None, v_mean=None,
+             mask_packed: bool = True, keep=None, keep_block: int = 0, pool=None) -> _SplitCall | None:
+    """Check shapes/dtypes/contiguity, pick the code path and plan the split kernel's launch
+    (None: nothing to attend to). ``q`` must have a contiguous last dim.
 
     Shapes: q (B, Hq, D); k_codes (B, H, N, PK) u8, PK = D*k_bits/8; k_scale/k_zero f16
     (B, H, N/k_group, D) [channel] or (B, H, N, D/k_group) [token]; v_codes (B, H, N, PV) u8;
     v_scale/v_zero f16 (B, H, N, D/v_group); fp segments (B, H, F, D); mask (B|1, L) bool/u8;
     packed_start/end (B,) int; k_perm/v_perm (H, D) int; k_mean/v_mean see :func:`_check_mean`;
     keep (B, H, R) u8 quant masks in blocks of keep_block tokens; pool (k, v (B, H, P, D), pos (B, H, P)).
-    Returns float32 (B, Hq, D), and with ``return_lse`` the rows' log-sum-exp (B, Hq) float32.
     """
-    if q.dim() != 3 or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"q must be (B, Hq, D) float16/bfloat16/float32, got {tuple(q.shape)} {q.dtype}")
-    if q.stride(2) != 1:
-        q = q.contiguous()
     bsz, hq, d = q.shape
     dev = q.device
     fp = [tuple(s) for s in fp_segments if s is not None and s[0] is not None and s[0].shape[2] > 0]
@@ -1317,8 +1354,7 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
     elif pool is not None:
         h = pool[0].shape[1]
     else:
-        empty = torch.zeros((bsz, hq, d), dtype=torch.float32, device=dev)  # (B, Hq, D)
-        return (empty, torch.full((bsz, hq), float("-inf"), device=dev)) if return_lse else empty
+        return None
     if hq % h:
         raise ValueError(f"query heads {hq} are not a multiple of kv heads {h}")
     rep = hq // h
@@ -1373,11 +1409,9 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
 
     # ---- work split
     f_lens = [s[0].shape[2] for s in fp_all]  # sinks, window, pool (those present)
-    splits, split_size, chunks, s_tot, (m_part, l_part, o_part, out) = _work_split(
-        n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config)
+    splits, split_size, chunks, s_tot = _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config)
     if s_tot == 0:
-        out.zero_()
-        return (out, torch.full((bsz, hq), float("-inf"), device=dev)) if return_lse else out
+        return None
 
     # ---- arguments (dummies where a part is absent; their code is never reached)
     dummy8 = _dummy(dev, torch.uint8)
@@ -1448,30 +1482,61 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_
     else:
         qk_scale, cap = float(scaling) * LOG2E, 1.0
 
-    _decode_split_kernel[(bsz * h, s_tot)](
-        q, q.stride(0), q.stride(1),
-        m_part, l_part, o_part, max(s_tot, 1),
-        kc, *kcs, ks, kz, *kss,
-        vc, *vcs, vs, vz, *vss,
-        lo, hi, n,
-        mk, stride_mb, int(packed_position),
-        *segs[0], *segs[1], *pool_args, *keep_args,
-        kp, vp, *means[0][1], *means[1][1],
-        splits, split_size, n_f1, n_f2,
-        qk_scale, cap,
-        h, R=rep, R_PAD=r_pad, D=d,
-        K_BITS=k_bits, V_BITS=v_bits, PK=pk, PV=pv, K_GROUP=k_group, V_GROUP=v_group,
-        K_FOLD=k_fold, V_FOLD=v_fold, NGV=ngv, ZP=zp,
-        HAS_RANGE=has_range, HAS_MASK=has_mask, HAS_SOFTCAP=bool(softcap),
-        DOT_T=dot_t, IEEE=ieee, FP_T=fp_t, FP_IEEE=fp_ieee,
-        K_UNPACK=k_unpack, V_UNPACK=v_unpack, BLOCK_N=block_n, FP_BLOCK=fp_block,
-        K_PERM=kp is not dummy32, V_PERM=vp is not dummy32, K_MEAN=means[0][0], V_MEAN=means[1][0],
-        MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)),
-        num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config),
-    )
-    lse = torch.empty((bsz, hq), dtype=torch.float32, device=dev) if return_lse else None  # (B, Hq)
-    _combine(m_part, l_part, o_part, s_tot, out, lse)
+    args = (kc, *kcs, ks, kz, *kss,
+            vc, *vcs, vs, vz, *vss,
+            lo, hi, n,
+            mk, stride_mb, int(packed_position),
+            *segs[0], *segs[1], *pool_args, *keep_args,
+            kp, vp, *means[0][1], *means[1][1],
+            splits, split_size, n_f1, n_f2,
+            qk_scale, cap,
+            h)
+    meta = dict(R=rep, R_PAD=r_pad, D=d,
+                K_BITS=k_bits, V_BITS=v_bits, PK=pk, PV=pv, K_GROUP=k_group, V_GROUP=v_group,
+                K_FOLD=k_fold, V_FOLD=v_fold, NGV=ngv, ZP=zp,
+                HAS_RANGE=has_range, HAS_MASK=has_mask, HAS_SOFTCAP=bool(softcap),
+                DOT_T=dot_t, IEEE=ieee, FP_T=fp_t, FP_IEEE=fp_ieee,
+                K_UNPACK=k_unpack, V_UNPACK=v_unpack, BLOCK_N=block_n, FP_BLOCK=fp_block,
+                K_PERM=kp is not dummy32, V_PERM=vp is not dummy32, K_MEAN=means[0][0], V_MEAN=means[1][0],
+                MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)),
+                num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config))
+    return _SplitCall(bsz * h, s_tot, args, meta)
+
+
+def _run(q: torch.Tensor, calls: list[_SplitCall | None], return_lse: bool):
+    """Launch the planned split kernels into one partial buffer (each call its own columns),
+    then one combine over all of them: the calls must cover disjoint tokens of one cache.
+    Returns float32 (B, Hq, D) (0 where nothing is visible), with ``return_lse`` also the rows'
+    log-sum-exp (B, Hq) float32 (-inf there)."""
+    bsz, hq, d = q.shape
+    calls = [c for c in calls if c is not None]
+    s_all = sum(c.s_tot for c in calls)
+    m_part, l_part, o_part, out = _partials(bsz, hq, d, s_all, q.device)
+    if s_all == 0:
+        out.zero_()
+        return (out, torch.full((bsz, hq), float("-inf"), device=q.device)) if return_lse else out
+    s_off = 0
+    for c in calls:
+        _decode_split_kernel[(c.bh, c.s_tot)](q, q.stride(0), q.stride(1), m_part, l_part, o_part, s_all, s_off,
+                                               *c.args, **c.meta)
+        s_off += c.s_tot
+    lse = torch.empty((bsz, hq), dtype=torch.float32, device=q.device) if return_lse else None  # (B, Hq)
+    _combine(m_part, l_part, o_part, s_all, out, lse)
     return (out, lse) if return_lse else out
+
+
+def _check_q(q) -> torch.Tensor:
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.dtype not in (torch.float16, torch.bfloat16,
+                                                                          torch.float32):
+        raise ValueError(f"q must be (B, Hq, D) float16/bfloat16/float32, got "
+                         f"{tuple(getattr(q, 'shape', ()))} {getattr(q, 'dtype', type(q))}")
+    return q if q.stride(2) == 1 else q.contiguous()
+
+
+def _launch(q, *args, return_lse: bool = False, **kwargs):
+    """One call: :func:`_prepare` then :func:`_run` (split + combine kernels)."""
+    q = _check_q(q)
+    return _run(q, [_prepare(q, *args, **kwargs)], return_lse)
 
 
 # ---------------------------------------------------------------- public function
@@ -1522,3 +1587,42 @@ def decode_attention(
                    packed_start=packed_start, packed_end=packed_end, packed_position=packed_position,
                    fp_segments=fp_segments, fp_positions=fp_positions, mask=mask, mask_packed=mask_packed,
                    keep=keep, keep_block=keep_block, pool=pool, return_lse=return_lse, config=config or DEFAULT_CONFIG, k_perm=k_perm, v_perm=v_perm, k_mean=k_mean, v_mean=v_mean)
+
+
+def decode_attention_parts(
+    q: torch.Tensor,
+    parts: Sequence[Mapping[str, Any]],
+    *,
+    config: DecodeConfig | None = None,
+    return_lse: bool = False,
+):
+    """Attention over a cache stored as disjoint parts, e.g. PATS tier stores (each its own bits):
+    one split launch per part, all writing one partial buffer, and one combine over all partials
+    (no per-part combine, no separate merge).
+
+    ``parts``: one mapping per part with :func:`decode_attention`'s arguments after ``q`` by
+    name (``k_codes`` ... ``v_zero`` may be None or absent for a part with no packed tokens).
+    Same result as :func:`kvcalib_kernels.reference.decode_attention_parts_reference`.
+    """
+    q = _check_q(q)
+    cfg = config or DEFAULT_CONFIG
+    calls = []
+    for i, part in enumerate(parts):
+        unknown = set(part) - _PART_KEYS
+        if unknown:
+            raise ValueError(f"part {i}: unknown arguments {sorted(unknown)}")
+        kw = {name: part.get(name) for name in _PACKED_NAMES}
+        kw.update({name: part.get(name, default) for name, default in _PART_DEFAULTS.items()})
+        for name in ("k_bits", "v_bits", "k_group", "v_group", "scaling"):
+            if name not in part:
+                raise ValueError(f"part {i}: missing {name}")
+            kw[name] = part[name]
+        calls.append(_prepare(q, **kw, config=cfg))
+    return _run(q, calls, return_lse)
+
+
+_PACKED_NAMES = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+_PART_DEFAULTS = dict(k_axis="channel", softcap=None, packed_start=None, packed_end=None, packed_position=0,
+                      fp_segments=(), fp_positions=(), mask=None, mask_packed=True, keep=None, keep_block=0,
+                      pool=None, k_perm=None, v_perm=None, k_mean=None, v_mean=None)
+_PART_KEYS = set(_PACKED_NAMES) | set(_PART_DEFAULTS) | {"k_bits", "v_bits", "k_group", "v_group", "scaling"}

@@ -4,6 +4,8 @@ Each kernel is tested against its twin here (STYLE habit 1). The references are 
 clarity, not speed: they dequantize the whole packed cache (the kernels never do).
 
 - :func:`decode_attention_reference` <-> :func:`kvcalib_kernels.decode_attention.decode_attention`
+- :func:`decode_attention_parts_reference` <->
+  :func:`kvcalib_kernels.decode_attention.decode_attention_parts`
 - :func:`quantize_pack_keys_reference` <-> :func:`kvcalib_kernels.quant_pack.quantize_pack_keys`
 - :func:`quantize_pack_values_reference` <-> :func:`kvcalib_kernels.quant_pack.quantize_pack_values`
 - :func:`center_pack_reference` <-> :func:`kvcalib_kernels.quant_pack.center_pack`
@@ -27,11 +29,13 @@ from kvcalib.quant.uniform import (QuantizedTensor, dequantize_keys, dequantize_
 
 __all__ = [
     "decode_attention_huffman_reference",
+    "decode_attention_parts_reference",
     "decode_attention_reference",
     "decode_attention_reference_in",
     "dequantize_packed",
     "huffman_decode_reference",
     "center_pack_reference",
+    "merge_parts",
     "quantize_pack_keys_reference",
     "quantize_pack_values_reference",
     "restore_channels",
@@ -283,6 +287,41 @@ def decode_attention_reference(
         packed_position=packed_position, fp_segments=fp_segments, fp_positions=fp_positions,
         mask=mask, mask_packed=mask_packed, keep=keep, keep_block=keep_block, pool=pool, k_perm=k_perm,
         v_perm=v_perm, k_mean=k_mean, v_mean=v_mean, config=config, return_lse=return_lse)
+
+
+def merge_parts(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Attention over disjoint parts of a cache from each part's result: ``parts`` of (out
+    (B, Hq, D) float32, normalised over the part; lse (B, Hq), its log-sum-exp, -inf when the
+    part saw nothing). Returns (B, Hq, D) float32; 0 where no part saw anything."""
+    lse = torch.stack([part_lse for _, part_lse in parts])  # (S, B, Hq)
+    top = lse.max(dim=0).values  # (B, Hq)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weight = torch.exp(lse - top)  # (S, B, Hq): 0 for a part that saw nothing
+    total = weight.sum(dim=0)  # (B, Hq)
+    out = (weight[..., None] * torch.stack([o for o, _ in parts])).sum(dim=0)  # (B, Hq, D)
+    return out / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+
+
+def decode_attention_parts_reference(q: torch.Tensor, parts, *, config=None, return_lse: bool = False):
+    """Attention over a cache stored as disjoint parts (e.g. PATS tier stores): each part (a
+    mapping of :func:`decode_attention_reference`'s arguments after ``q``, the packed tensors by
+    name, None or absent when the part has none) attended with its log-sum-exp, the parts merged
+    exactly (:func:`merge_parts`). Returns float32 ``(B, Hq, D)`` [and the rows' log-sum-exp]."""
+    del config
+    results = []
+    for part in parts:
+        kw = dict(part)
+        packed = [kw.pop(name, None) for name in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")]
+        results.append(decode_attention_reference(q, *packed, **kw, return_lse=True))
+    if not results:
+        b, hq, d = q.shape
+        empty = torch.zeros((b, hq, d), dtype=torch.float32, device=q.device)  # (B, Hq, D)
+        return (empty, torch.full((b, hq), float("-inf"), device=q.device)) if return_lse else empty
+    out = merge_parts(results)  # (B, Hq, D)
+    if not return_lse:
+        return out
+    lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in results]), dim=0)  # (B, Hq)
+    return out, lse
 
 
 # ---------------------------------------------------------------- quantize and pack

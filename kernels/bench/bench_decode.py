@@ -579,7 +579,7 @@ FITTED_VARIANTS = {  # name: (K and V permuted, mean bits of K and V: 0 off, 8 o
     "mean16": (False, 16, 0),
     "perm+mean8": (True, 8, 0),
     "ott": (False, 0, 3 + 32),  # OTT's pool of 3 + extra pool of 32 slots per kv head, quant masks
-    "pats": (False, 0, 0),  # PATS middle-heavy tiers (below): one call per tier store, merged
+    "pats": (False, 0, 0),  # PATS middle-heavy tiers (below): one split launch per tier store, one combine
 }
 # PATS as kvcalib exports it (--schedule middle-heavy, ages 1024 and 4096 after a 128-token window):
 # (first age, bits) per stored tier; the "pats" rows run at the last tier's bits (2) only
@@ -598,21 +598,20 @@ def pats_parts(ctx: int) -> list[tuple[int, int]]:
 
 
 def pats_call(q, b, h, d, ctx, win, scale, cfg, dev, seed):
-    """One decode step over a PATS layer as the runtime runs it: a kernel call per tier store (the
-    first with the window), log-sum-exp merge (:func:`kvcalib.runtime.triton_path.merge_partials`)."""
-    from kvcalib.runtime.triton_path import merge_partials
-    from kvcalib_kernels.decode_attention import decode_attention
+    """One decode step over a PATS layer as the runtime runs it: one split launch per tier store
+    (the first with the window) into one partial buffer, one combine
+    (:func:`kvcalib_kernels.decode_attention.decode_attention_parts`)."""
+    from kvcalib_kernels.decode_attention import decode_attention_parts
 
-    stores = [(packed_inputs(b, h, tokens, d, bits, 128, 128, dev, seed=seed), bits)
-              for tokens, bits in pats_parts(ctx)]
-
-    def call():
-        parts = [decode_attention(q, *packed, k_bits=bits, v_bits=bits, k_group=128, v_group=128, scaling=scale,
-                                  fp_segments=[win] if i == 0 else (), fp_positions=[ctx - WINDOW] if i == 0 else (),
-                                  config=cfg, return_lse=True)
-                 for i, (packed, bits) in enumerate(stores)]
-        return merge_partials(parts)
-    return call
+    names = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+    parts = []
+    for i, (tokens, bits) in enumerate(pats_parts(ctx)):
+        part = dict(zip(names, packed_inputs(b, h, tokens, d, bits, 128, 128, dev, seed=seed)),
+                    k_bits=bits, v_bits=bits, k_group=128, v_group=128, scaling=scale)
+        if i == 0:
+            part.update(fp_segments=[win], fp_positions=[ctx - WINDOW])
+        parts.append(part)
+    return lambda: decode_attention_parts(q, parts, config=cfg)
 
 
 def fitted_inputs(b, h, n, d, variant, dev, seed=0) -> dict:
@@ -1074,8 +1073,10 @@ def main_report(args) -> None:
                   "pass (`q . mean` per score, `sum p * mean` per output); `ott` OTT quant masks (one bit per "
                   "packed token and kv head, read in the loop) and a 35-slot outlier pool per kv head (OTT's 3 + 32 "
                   "extra, bf16, at their own positions) as one more segment; `pats` PATS middle-heavy tiers (8 bits "
-                  "to age 1024, 4 bits to 4096, then 2 bits) as the runtime runs them: one call per tier store "
-                  "(the first with the window) returning its log-sum-exp, then one merge. `bytes` counts the means "
+                  "to age 1024, 4 bits to 4096, then 2 bits) as the runtime runs them: one split launch per tier "
+                  "store (the first with the window) into one buffer of partials, one combine "
+                  "(`decode_attention_parts`); `perm+mean8` accumulates the value mean apart in input channel "
+                  "order. `bytes` counts the means "
                   "(one (N, D) tensor per sequence and side, shared by the 8 kv heads), the OTT parts and the "
                   "tiers' extra bits. bf16: SDPA "
                   "`enable_gqa`, same timing. "

@@ -20,9 +20,10 @@ the caller (:func:`kvcalib.runtime.backend.decode_attention`) then runs the PyTo
   skipped through the stored quant masks (read as bits inside the loop), and the pool and extra
   pool (full precision, at their own absolute positions, -1 = empty) are one more segment;
 - PATS tiers (a ``kv.schedule`` with more than one stored tier): the packed tokens live in one
-  store per bit width and the kernel reads one bit width per call, so a tiered layer is one
-  call per non-empty store (the first also takes the sinks, window and pools), each returning
-  its rows' log-sum-exp, merged by :func:`merge_partials` (exact: the parts are disjoint).
+  store per bit width and the split kernel reads one bit width per launch, so a tiered layer is
+  one split launch per non-empty store (the first also takes the sinks, window and pools), all
+  writing one partial buffer that a single combine merges
+  (:func:`kvcalib_kernels.decode_attention.decode_attention_parts`; exact: the parts are disjoint).
 
 Not covered (the reference runs that layer; other layers still use the kernel): sliding-window
 layers, 16-bit sides, layouts :func:`kvcalib_kernels.decode_attention.supports` refuses.
@@ -114,23 +115,10 @@ def static_decode_attention(query: torch.Tensor, layer, scaling: float,
     return out
 
 
-def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Attention over disjoint parts of a cache from each part's result: ``parts`` of (out
-    (B, Hq, D) float32, normalised over the part; lse (B, Hq), its log-sum-exp, -inf when the
-    part saw nothing). Returns (B, Hq, D) float32; 0 where no part saw anything."""
-    lse = torch.stack([part_lse for _, part_lse in parts])  # (S, B, Hq)
-    top = lse.max(dim=0).values  # (B, Hq)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weight = torch.exp(lse - top)  # (S, B, Hq): 0 for a part that saw nothing
-    total = weight.sum(dim=0)  # (B, Hq)
-    out = (weight[..., None] * torch.stack([o for o, _ in parts])).sum(dim=0)  # (B, Hq, D)
-    return out / torch.where(total > 0, total, torch.ones_like(total))[..., None]
-
-
 def _launch_layer(query, layer, pending, mask, mask_packed, scaling, softcap) -> torch.Tensor | None:
     """Kernel calls over ``layer``: sinks, packed tokens (one call per non-empty PATS store),
     ``pending`` (B, H, U, D) K/V, the OTT pools."""
-    from kvcalib_kernels.decode_attention import decode_attention
+    from kvcalib_kernels.decode_attention import decode_attention_parts
 
     cfg = layer.cfg
     codec = layer.codec
@@ -146,20 +134,19 @@ def _launch_layer(query, layer, pending, mask, mask_packed, scaling, softcap) ->
     parts = []
     for i, store in enumerate(stores):
         view = store.view()
-        packed = (view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale, view.v_zero)
-        if view.n == 0 or any(t is None for t in packed):
+        packed = dict(k_codes=view.k_codes, k_scale=view.k_scale, k_zero=view.k_zero, v_codes=view.v_codes,
+                      v_scale=view.v_scale, v_zero=view.v_zero)
+        if view.n == 0 or any(t is None for t in packed.values()):
             if view.n:
                 return None  # a 16-bit side stored raw: not this kernel's layout
-            packed = (None,) * 6
-        first = i == 0  # the full-precision parts join the first call only
-        parts.append(decode_attention(
-            query[:, :, 0, :], *packed,
-            k_bits=store.bits["k"], v_bits=store.bits["v"], k_group=cfg.k_group, v_group=cfg.v_group,
+            packed = {}
+        first = i == 0  # the full-precision parts join the first part only
+        parts.append(dict(
+            packed, k_bits=store.bits["k"], v_bits=store.bits["v"], k_group=cfg.k_group, v_group=cfg.v_group,
             k_axis=cfg.k_axis, scaling=scaling, softcap=softcap, packed_position=view.start,
             fp_segments=segments if first else (), fp_positions=positions if first else (), mask=mask,
             mask_packed=mask_packed, keep=view.keep, keep_block=cfg.flush_block, pool=pool if first else None,
             k_perm=codec.device_perm("k", query.device), v_perm=codec.device_perm("v", query.device),
-            k_mean=view.k_mean, v_mean=view.v_mean, return_lse=len(stores) > 1))
-        # (B, Hq, D) float32 [, (B, Hq) lse]; means of an empty store are ignored
-    out = parts[0] if len(parts) == 1 else merge_partials(parts)  # (B, Hq, D)
-    return out[:, None]
+            k_mean=view.k_mean, v_mean=view.v_mean))  # means of an empty store are ignored
+    # one split launch per store into one partial buffer, one combine: (B, Hq, D) float32
+    return decode_attention_parts(query[:, :, 0, :], parts)[:, None]

@@ -463,7 +463,7 @@ def test_log_sum_exp_merges_disjoint_parts():
     """``return_lse`` matches the reference's, and two calls over disjoint parts of one cache
     (packed tokens, then the full-precision segments with a mask and softcap) merge to the
     single call (how a PATS layer is run, one call per tier)."""
-    from kvcalib.runtime.triton_path import merge_partials
+    from kvcalib_kernels.reference import merge_parts as merge_partials
 
     args, kw = make_case(b=2, n=48, f=(3, 5))
     mask = torch.ones(2, 56, dtype=torch.bool)
@@ -483,6 +483,80 @@ def test_log_sum_exp_merges_disjoint_parts():
     none = da.decode_attention(args[0], *([None] * 6), **{**kw, "fp_segments": ()}, config=SMALL, return_lse=True)
     assert torch.isinf(none[1]).all() and float((merge_partials([out_lse := (out, lse), none]) - out).abs().max()) == 0
     del out_lse
+
+
+def _store_parts(bits_of_parts=((8, 8), (4, 4), (2, 2)), sizes=(16, 32, 48), seed=3):
+    """Three disjoint packed stores of one cache (PATS tiers: youngest, 8-bit, first) after 3 sinks,
+    with a 5-token window; a padding mask over every absolute position and ragged valid ranges."""
+    b, h, d = 2, 2, 64
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, h * 4, d, generator=g) * 1.5).to(torch.bfloat16).to(DEVICE)
+    sinks = tuple((torch.randn(b, h, 3, d, generator=g) * 2).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    window = tuple((torch.randn(b, h, 5, d, generator=g) * 2).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    total = 3 + sum(sizes) + 5
+    mask = torch.ones(b, total, dtype=torch.bool)
+    mask[1, :30] = False  # left padding of row 1 reaches into the oldest store
+    mask = mask.to(DEVICE)
+    parts, at = [], 3 + sum(sizes)  # stores sit youngest first, right before the window
+    for i, ((kb, vb), n) in enumerate(zip(bits_of_parts, sizes)):
+        at -= n
+        k = torch.randn(b, h, n, d, generator=g) * 2 + torch.randn(1, 1, 1, d, generator=g)
+        v = torch.randn(b, h, n, d, generator=g)
+        qk, qv = quantize_keys(k, kb, 16), quantize_values(v, vb, 32)
+        part = dict(k_codes=qk.codes.to(DEVICE), k_scale=qk.scale.to(DEVICE), k_zero=qk.zero.to(DEVICE),
+                    v_codes=qv.codes.to(DEVICE), v_scale=qv.scale.to(DEVICE), v_zero=qv.zero.to(DEVICE),
+                    k_bits=kb, v_bits=vb, k_group=16, v_group=32, scaling=d ** -0.5, packed_position=at,
+                    mask=mask, softcap=30.0)
+        if i == 0:
+            part.update(fp_segments=[sinks, window], fp_positions=[0, 3 + sum(sizes)])
+        parts.append(part)
+    return q, parts
+
+
+def test_parts_one_combine_matches_reference():
+    """Several disjoint stores at different bits in one buffer of partials with one combine ==
+    the reference (each part with its log-sum-exp, merged exactly), under the tolerance rule, and
+    == the per-part kernel calls merged in torch; the log-sum-exp is the whole cache's."""
+    from kvcalib_kernels.reference import decode_attention_parts_reference, merge_parts
+
+    q, parts = _store_parts()
+    out, lse = da.decode_attention_parts(q, parts, config=SMALL, return_lse=True)
+
+    def reference_in(dtype):  # the parts reference, computed in dtype
+        packed_names = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+        return merge_parts([decode_attention_reference_in(
+            dtype, q, *(part[k] for k in packed_names), **{k: v for k, v in part.items() if k not in packed_names},
+            return_lse=True) for part in parts])
+
+    truth, same = reference_in(torch.float64), reference_in(q.dtype)
+    assert float((decode_attention_parts_reference(q, parts) - reference_in(torch.float32)).abs().max()) == 0
+    err, torch_err = float((out - truth).abs().max()), float((same - truth).abs().max())
+    assert out.shape == q.shape and err <= 2 * torch_err + ATOL[q.dtype], (err, torch_err)
+    singles = [da.decode_attention(q, **{k: part.get(k) for k in ("k_codes", "k_scale", "k_zero", "v_codes",
+                                                                  "v_scale", "v_zero")},
+                                   **{k: v for k, v in part.items() if not k.startswith(("k_c", "k_s", "k_z",
+                                                                                          "v_c", "v_s", "v_z"))},
+                                   config=SMALL, return_lse=True) for part in parts]
+    assert float((merge_parts(singles) - out).abs().max()) < 1e-4
+    whole = torch.logsumexp(torch.stack([part_lse for _, part_lse in singles]), dim=0)  # (B, Hq)
+    assert float((lse - whole).abs().max()) < 1e-4
+    ref_lse = decode_attention_parts_reference(q, parts, return_lse=True)[1]
+    assert float((lse - ref_lse).abs().max()) < 5e-2
+    # an empty part (no packed tokens, no fp segments) adds nothing; no parts: zeros, -inf
+    empty = dict(k_bits=2, v_bits=2, k_group=16, v_group=32, scaling=0.125)
+    assert torch.equal(da.decode_attention_parts(q, parts + [empty], config=SMALL), out)
+    none_out, none_lse = da.decode_attention_parts(q, [], config=SMALL, return_lse=True)
+    assert not none_out.any() and torch.isinf(none_lse).all()
+
+
+def test_parts_argument_errors():
+    q, parts = _store_parts()
+    with pytest.raises(ValueError, match="unknown arguments"):
+        da.decode_attention_parts(q, [{**parts[0], "k_bitz": 2}], config=SMALL)
+    bad = dict(parts[1])
+    del bad["scaling"]
+    with pytest.raises(ValueError, match="part 0: missing scaling"):
+        da.decode_attention_parts(q, [bad], config=SMALL)
 
 
 def _tiered_layer(tiers=(48,), bits=4, ott=0, **kw):

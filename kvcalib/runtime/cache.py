@@ -29,7 +29,8 @@ flush_block`` tokens, a step writes its token at the slot a device tensor names
 (:class:`~kvcalib.runtime.static.StaticState`), attention reads the whole buffer under a device
 visibility mask, and nothing on the host changes during the step: the driver advances the
 bookkeeping (:meth:`CompressedCache.advance_static`) and flushes between steps, so between two
-flushes every step launches the same kernels on the same buffers.
+flushes every step launches the same kernels on the same buffers. A PATS layer's block moving
+down a tier is a flush for that purpose (:meth:`CompressedLayer.flush_due`).
 """
 
 from __future__ import annotations
@@ -196,8 +197,8 @@ class CompressedLayer(CacheLayerMixin):
 
     @property
     def uses_tiers(self) -> bool:
-        """PATS tiers: one packed store per bit width (the kernel reads them one call per store;
-        static mode refuses them)."""
+        """PATS tiers: one packed store per bit width (the kernel reads them with one split launch
+        per store; in static mode a tier move counts as a flush, :meth:`flush_due`)."""
         return self.codec.tiered
 
     def packed_view(self) -> PackedView:
@@ -272,8 +273,6 @@ class CompressedLayer(CacheLayerMixin):
             return "the layer keeps full precision (its window grows without bound)"
         if self.is_sliding:
             return "sliding-window layer"
-        if self.uses_tiers:
-            return "PATS tiers (blocks change tiers between flushes, which static steps do not follow)"
         if self.n_seen < self.cfg.sinks:
             return f"only {self.n_seen} of the {self.cfg.sinks} sink tokens seen"
         if self.pend_k.shape[-2] >= self.static_capacity:
@@ -312,8 +311,13 @@ class CompressedLayer(CacheLayerMixin):
         self.n_seen += 1
 
     def flush_due(self) -> bool:
-        """Whether :meth:`flush` would move pending tokens into packed storage now."""
-        return self.cfg.compressed and self.pend_k.shape[-2] - self.cfg.window >= self.cfg.flush_block
+        """Whether :meth:`flush` would change packed storage now: pending tokens due for packing, or
+        (PATS) a block due to move down a tier. The static driver flushes exactly then, so a
+        tiered layer's stores stay fixed between two flushes (one captured graph per period)."""
+        if not self.cfg.compressed:
+            return False
+        return (self.pend_k.shape[-2] - self.cfg.window >= self.cfg.flush_block
+                or (self.uses_tiers and self.packed.move_due(self.n_seen)))
 
     # ------------------------------------------------------------------ memory
     def nbytes(self) -> dict[str, int]:

@@ -97,6 +97,13 @@ class PackedTiers:
                 if tokens:
                     self._move(src_i, dst_i, tokens, valid)
 
+    def move_due(self, context: int) -> bool:
+        """Whether :meth:`advance` at ``context`` tokens would move a block (cheap, host only): some
+        store's oldest block has reached the next tier's age (the nearest tier is reached first)."""
+        block = self.cfg.flush_block
+        return any(src.n and context - self.ages[i + 1] - src.start >= block
+                   for i, src in enumerate(self.stores[:-1]))
+
     def _move(self, src_i: int, dst_i: int, tokens: int, valid: torch.Tensor | None) -> None:
         """Requantize the leading ``tokens`` of store ``src_i`` through the tiers up to ``dst_i``."""
         src, dst = self.stores[src_i], self.stores[dst_i]

@@ -33,6 +33,21 @@ def _ott_recipe(pool: int = 4) -> Recipe:
                   tensors={f"layers.{i}.kv.outlier_pool": torch.tensor(pool) for i in range(LAYERS)})
 
 
+def _pats_recipe(ages=(40,)) -> Recipe:
+    """4-bit K/V halved to 2 bits from age 40: with blocks of 16 after a 16-token window and 2
+    sinks, blocks reach that age 8 steps after a flush (a tier move between flushes)."""
+    from kvcalib.calibrate.schedule import Schedule
+
+    cfg = LayerConfig(k_bits=4, v_bits=4, k_group=16, v_group=16, window=16, sinks=2)
+    tiers = Schedule.from_layer(cfg, ages).to_tensor()
+    return Recipe(name="pats", default_layer=cfg, tensors={f"layers.{i}.kv.schedule": tiers for i in range(LAYERS)})
+
+
+def _stored_views(layer):
+    """Each PATS store's packed view (one for an untiered layer)."""
+    return [store.view() for store in layer.packed.stores]
+
+
 def _model():
     return tiny_model("llama", head_dim=64, heads=4, kv_heads=2).to(DEVICE)
 
@@ -59,14 +74,16 @@ def _dynamic_logits(model, recipe, ids, mask, tokens):
     return torch.stack(out), cache
 
 
-@pytest.mark.parametrize("case", ["plain", "left-padding", "short-prompt", "ott-left-padding"])
+@pytest.mark.parametrize("case", ["plain", "left-padding", "short-prompt", "ott-left-padding",
+                                  "pats-left-padding"])
 def test_static_steps_match_dynamic_decoding(monkeypatch, case):
     """Static steps (fixed buffers, device position and mask, flushes between steps) give the
     dynamic cache's logits at every step, across several flushes; padding, a prompt shorter
-    than the sinks (whose first steps run dynamically) and OTT outlier pools included."""
+    than the sinks (whose first steps run dynamically), OTT outlier pools and PATS tiers (blocks
+    moving down a tier between two flushes) included."""
     model = _model()
     assert model.config.num_hidden_layers == LAYERS
-    recipe = _ott_recipe() if case.startswith("ott") else RECIPE
+    recipe = _ott_recipe() if case.startswith("ott") else _pats_recipe() if case.startswith("pats") else RECIPE
     g = torch.Generator().manual_seed(5)
     if case == "short-prompt":
         ids, mask = torch.randint(0, 128, (1, 1), generator=g), None
@@ -78,23 +95,32 @@ def test_static_steps_match_dynamic_decoding(monkeypatch, case):
             mask[1, :6] = 0
             mask = mask.to(DEVICE)
     ids = ids.to(DEVICE)
-    steps = 34 if case == "short-prompt" else 36  # one flush (short prompt) or two on the way (blocks of 16)
+    # one flush (short prompt) or two on the way (blocks of 16); PATS: three, and tier moves at
+    # contexts 58 and 74 (a block [s, s + 16) reaches age 40 at s + 56), between the flushes
+    steps = 34 if case == "short-prompt" else 56 if case.startswith("pats") else 36
     cache = CompressedCache.from_recipe(model, recipe)
     res = GraphDecoder(model, cache, capture=False, keep_logits=True).generate(ids, mask, max_new_tokens=steps)
     assert res.tokens.shape == (ids.shape[0], steps)
     assert cache.layers[0].static is None and cache.layers[0].n_seen == ids.shape[1] + steps - 1
-    assert cache.layers[0].n_packed == (16 if case == "short-prompt" else 32)
-    monkeypatch.setenv("KVCALIB_BACKEND", "reference")
+    assert cache.layers[0].n_packed == (16 if case == "short-prompt" else 48 if case.startswith("pats") else 32)
+    if case.startswith("pats"):  # two blocks moved down to 2 bits, one still at 4
+        assert [store.n for store in cache.layers[0].packed.stores] == [16, 32]
+    # the dynamic run on the reference backend; PATS on the kernel too: its 4-bit layer-0 attention
+    # differs from the reference's by ~1e-5, enough over 56 steps to flip a float16 scale of a
+    # layer-1 block (kernel vs reference: test_decode_attention); static vs dynamic is what counts here
+    monkeypatch.setenv("KVCALIB_BACKEND", "triton" if case.startswith("pats") else "reference")
     ref, ref_cache = _dynamic_logits(model, recipe, ids, mask, res.tokens)
     got = torch.stack(res.logits)  # (steps, B, V)
     assert got.shape == ref.shape
     tol = 1e-3 * max(1.0, float(ref.abs().max()))
     assert float((got - ref).abs().max()) < tol
     assert torch.equal(res.tokens, torch.stack([x.argmax(-1) for x in ref], 1))
-    # the same bytes were stored
-    a, b = cache.layers[1].packed_view(), ref_cache.layers[1].packed_view()
-    assert a.n == b.n and torch.equal(a.k_codes, b.k_codes) and torch.equal(a.v_codes, b.v_codes)
-    if recipe is not RECIPE:  # the same tokens went to the pools
+    # the same bytes were stored (in the same tier stores)
+    for a, b in zip(_stored_views(cache.layers[1]), _stored_views(ref_cache.layers[1]), strict=True):
+        assert a.n == b.n and torch.equal(a.k_codes, b.k_codes) and torch.equal(a.v_codes, b.v_codes)
+    a = _stored_views(cache.layers[1])[0]
+    b = _stored_views(ref_cache.layers[1])[0]
+    if case.startswith("ott"):  # the same tokens went to the pools
         assert a.keep is not None and torch.equal(a.keep, b.keep)
         assert torch.equal(cache.layers[1].outliers.segment(torch.float32)[2],
                            ref_cache.layers[1].outliers.segment(torch.float32)[2])
@@ -103,14 +129,9 @@ def test_static_steps_match_dynamic_decoding(monkeypatch, case):
 def test_static_mode_refuses_what_it_cannot_run(monkeypatch):
     model = _model()
     ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    from kvcalib.calibrate.schedule import Schedule
-
-    cfg = LayerConfig(k_bits=4, v_bits=4, k_group=16, v_group=16, window=16)
-    tiers = Schedule.from_layer(cfg, (32,)).to_tensor()  # 4 bits, then 2 bits from age 32
-    tiered = Recipe(name="p", default_layer=cfg,
-                    tensors={f"layers.{i}.kv.schedule": tiers for i in range(model.config.num_hidden_layers)})
-    with pytest.raises(KvcalibError, match="PATS tiers"):
-        GraphDecoder(model, CompressedCache.from_recipe(model, tiered), capture=False).generate(ids, max_new_tokens=3)
+    full = Recipe(name="fp", default_layer=LayerConfig(k_bits=16, v_bits=16, window=16))
+    with pytest.raises(KvcalibError, match="layer 0: the layer keeps full precision"):
+        GraphDecoder(model, CompressedCache.from_recipe(model, full), capture=False).generate(ids, max_new_tokens=3)
     monkeypatch.setenv("KVCALIB_BACKEND", "reference")
     with pytest.raises(KvcalibError, match="KVCALIB_BACKEND=reference"):
         GraphDecoder(model, CompressedCache.from_recipe(model, RECIPE), capture=False)
@@ -140,12 +161,13 @@ def test_static_buffer_is_counted_whole():
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("padded,ott", [(False, False), (True, False), (True, True)],
-                         ids=["plain", "left-padding", "ott-left-padding"])
-def test_captured_steps_equal_eager_static_steps(padded, ott):
+@pytest.mark.parametrize("padded,variant", [(False, ""), (True, ""), (True, "ott"), (True, "pats")],
+                         ids=["plain", "left-padding", "ott-left-padding", "pats-left-padding"])
+def test_captured_steps_equal_eager_static_steps(padded, variant):
     """Replayed graphs (one capture per flush period) give exactly the eager static steps, OTT
-    outlier pools included (the pools change at flushes, which start a new period)."""
-    recipe = _ott_recipe() if ott else RECIPE
+    outlier pools (they change at flushes, which start a new period) and PATS tiers (a tier move
+    starts one too) included."""
+    recipe = {"ott": _ott_recipe(), "pats": _pats_recipe()}.get(variant, RECIPE)
     model = _model().to(torch.bfloat16)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 128, (3, 40), generator=g).to(DEVICE)

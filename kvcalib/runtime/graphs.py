@@ -8,9 +8,11 @@ next-token pick) into a CUDA graph and replays it, so a step costs one launch.
 Static shapes per bucket: a :class:`~kvcalib.runtime.cache.CompressedCache` in static mode
 (:mod:`kvcalib.runtime.static`) keeps its pending window in a fixed buffer and reads the step's
 position from the device, so every step between two flushes launches the same kernels on the
-same buffers. A flush (every ``flush_block`` steps) changes the packed store, so the driver
-flushes eagerly between steps and captures the next period's graph: one eager step (which also
-compiles what is new) and one capture per ``flush_block`` steps, replays otherwise.
+same buffers. A flush (every ``flush_block`` steps) changes the packed store, and so does a
+block moving down a PATS tier (:meth:`~kvcalib.runtime.cache.CompressedLayer.flush_due` counts
+both), so the driver flushes eagerly between steps and captures the next period's graph: one
+eager step (which also compiles what is new) and one capture per period (``flush_block`` steps,
+fewer when tier moves fall between flushes), replays otherwise.
 
 A transformers ``StaticCache`` (the bf16 baseline of the benchmark) works too: it has no
 flushes, so one capture serves every step; its attention gets a 4D visibility mask refreshed on
@@ -102,7 +104,8 @@ class GraphDecoder:
         self.generator, self._register_generator = (None, False) if sampling is None else \
             _graph_generator(self.device, sampling.seed)
         self._graph: torch.cuda.CUDAGraph | None = None
-        self._pool = None
+        self._pool = None  # memory pool of this decode call's graphs (shared by its periods)
+        self._retired = None  # the last period's graph, alive until the next capture (see _capture)
         self._with_cache_position = _takes(model, "cache_position")
         self._mask4d: torch.Tensor | None = None  # StaticCache: (B, 1, 1, max_len) bool
         self._positions: torch.Tensor | None = None  # StaticCache: (1, 1, 1, max_len) int64
@@ -153,10 +156,13 @@ class GraphDecoder:
         graph = torch.cuda.CUDAGraph()
         if self._register_generator:  # before the capture begins, as torch requires
             graph.register_generator_state(self.generator)
+        # a shared pool is only valid while a graph that uses it is alive (torch asserts
+        # use_count > 0 otherwise): the retired graph keeps it so until this capture holds it too
         with torch.cuda.graph(graph, pool=self._pool):
             self._forward_step()
         self._pool = graph.pool()
         self._graph = graph
+        self._retired = None
 
     def _enter_period(self) -> None:
         """(Re)build the static state: after the prompt and after every flush."""
@@ -237,7 +243,7 @@ class GraphDecoder:
                     res.logits.append(self.logits.clone())
                 if self.compressed and static and self.cache.flush_due():
                     self.cache.flush()  # the packed store changes: the next step starts a new period
-                    self._graph = None
+                    self._retired, self._graph = self._graph, None
                 elif static and self._graph is None and self.capture and i + 1 < steps:
                     self._capture()
                     res.captures += 1
@@ -249,7 +255,8 @@ class GraphDecoder:
                     res.tokens = tokens[:, :i + 1]
                     break
         finally:
-            self._graph = None
+            self._graph = self._retired = None
+            self._pool = None  # its graphs are gone: the next call captures into a fresh pool
             if self.compressed:
                 self.cache.make_dynamic()
         return res

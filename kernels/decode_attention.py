@@ -62,7 +62,7 @@ Arithmetic (what keeps the per-code work small):
 
 Performance status (H200, ``artifacts/bench/decode_attention.md``): ~1.3-1.6x over the fastest
 bf16 SDPA at batch >= 8 and long contexts (Mistral-7B shape, 32k, batch 8: 1.51x at 2 bits);
-batch 1 GPU time 0.95-1.31x (``decode_latency.json``); OTT pools cost 1.03-1.10x, TaDA means 2.4-2.9x (every kv head's
+batch 1 GPU time 0.99-1.42x (``decode_latency.json``); OTT pools cost 1.03-1.10x, TaDA means 2.4-2.9x (every kv head's
 program reads the shared mean and runs a full-width product with it; ``decode_fitted.json``); PATS tier stores
 (:func:`decode_attention_parts`, one split launch per store, one combine) 1.18x plain at batch 8 / 32k; the kernel is bound by instruction issue and latency at 255 registers (MMA
 fragments built from 4-row tiles, value codes gathered 4 tokens per register), not by memory.
@@ -955,7 +955,11 @@ class DecodeConfig:
       each warp whole rows of chained dots, so extra warps only repeat the same products and
       softmax; parallelism comes from more programs instead.
     - ``min_split_blocks``: fewest blocks per split (bounds the partials written and merged),
-      unless that leaves fewer than ``min_splits`` splits: then down to one block per split.
+      unless that leaves fewer than ``min_splits`` splits or fewer than ``min_programs`` split
+      programs in all (batch x kv heads x splits): then down to one block per split.
+    - ``min_programs``: below this many packed split programs at ``block_n`` with one block
+      each, blocks of ``small_block_n`` tokens instead (more, shorter splits; few kv heads at
+      batch 1 and short contexts).
     - ``num_splits``: force the number of packed splits (tests); None = from programs_per_sm.
     - ``fp_block``: tokens per full-precision chunk program.
     - ``min_rows``: fewest query rows of a tile (the GQA group padded up to it). 16 fills one
@@ -974,6 +978,8 @@ class DecodeConfig:
     fp_block: int = 64
     min_split_blocks: int = 2  # 4 before: at batch 1 / 4k it halved the splits (0.031 -> 0.015 ms, artifacts/bench/decode_splits.json)
     min_splits: int = 64  # batch 1 / 4k: 31 -> 62 splits, 0.0131 -> 0.0109 ms (decode_splits.json)
+    min_programs: int = 640  # Qwen2.5-1.5B shape (2 kv heads) at batch 1, 2-bit: 16k 13.7 -> 11.8 us (decode_splits_qwen2.5-1.5b.json)
+    small_block_n: int = 32  # ... and 4k 8.5 -> 7.5 us
     min_rows: int = 4  # 16 before: 0.196 -> 0.159 ms at batch 8 / 32k, 2-bit, with unpack 5 (artifacts/bench/decode_tune.json)
     maxnreg: int | None = None
 
@@ -992,6 +998,10 @@ class DecodeConfig:
             raise ValueError(f"programs_per_sm must be > 0, got {self.programs_per_sm!r}")
         if not isinstance(self.min_splits, int) or self.min_splits < 1:
             raise ValueError(f"min_splits must be a positive int, got {self.min_splits!r}")
+        if not isinstance(self.min_programs, int) or self.min_programs < 0:
+            raise ValueError(f"min_programs must be an int >= 0, got {self.min_programs!r}")
+        if not isinstance(self.small_block_n, int) or self.small_block_n < 16 or self.small_block_n & (self.small_block_n - 1):
+            raise ValueError(f"small_block_n must be a power of two >= 16, got {self.small_block_n!r}")
         if not isinstance(self.min_split_blocks, int) or self.min_split_blocks < 1:
             raise ValueError(f"min_split_blocks must be a positive int, got {self.min_split_blocks!r}")
         if self.min_rows not in (1, 2, 4, 8, 16):
@@ -1249,6 +1259,8 @@ def _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config):
             cap = max(1, n_blocks // max(1, config.min_split_blocks))
             if cap < config.min_splits:  # short caches: down to one block per split
                 cap = min(n_blocks, config.min_splits)
+            if bsz * h * cap < config.min_programs:  # few (batch, kv head) rows: one block per split
+                cap = n_blocks
             splits = max(1, min(cap, math.ceil(config.programs_per_sm * sms / (bsz * h))))
         split_size = _cdiv(n_blocks, splits) * block_n
         splits = _cdiv(n, split_size)
@@ -1409,6 +1421,10 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
 
     # ---- work split
     f_lens = [s[0].shape[2] for s in fp_all]  # sinks, window, pool (those present)
+    small = config.small_block_n
+    if (n and config.num_splits is None and small < block_n and bsz * h * _cdiv(n, block_n) < config.min_programs // 2
+            and (k_axis != "channel" or k_group % small == 0)):
+        block_n = small  # few rows and a short cache: shorter blocks give more split programs
     splits, split_size, chunks, s_tot = _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config)
     if s_tot == 0:
         return None

@@ -11,7 +11,7 @@
 #         micro-default   the grid with DecodeConfig's defaults, no sweep
 #         tests-gpu   only the `gpu`-marked tests
 #         latency     GPU time (CUDA-graph replay) vs host time per call, small shapes
-#         splits      split-K parallelism sweep at batch 1/8 (CUDA-graph time)
+#         splits      split-K parallelism sweep at batch 1/8 (CUDA-graph time); $KV_MODEL: another shape
 #         tune        tile/unpack/register-cap sweep at batch 1/8 (CUDA-graph time)
 #         fitted      cost of SKVQ permutations / TaDA means in the kernel (CUDA-graph time)
 #         huffman     kernels/bench/bench_huffman.py (entropy-coded decode and fused attention)
@@ -68,7 +68,8 @@ for st in $STAGES; do
         --out "$OUT" >> "$OUT/bench.log" 2>&1
       echo "latency exit $?"; grep -E "ours do_bench" "$OUT/bench.log" | tail -n 12 ;;
     splits)
-      timeout "${KV_SPLITS_TIMEOUT:-200}" $PY kernels/bench/bench_decode.py --mode splits --out "$OUT" > "$OUT/splits.log" 2>&1
+      timeout "${KV_SPLITS_TIMEOUT:-200}" $PY kernels/bench/bench_decode.py --mode splits ${KV_MODEL:+--model "$KV_MODEL"} \
+        --out "$OUT" > "$OUT/splits.log" 2>&1
       echo "splits exit $?"; grep -E "^  b=" "$OUT/splits.log" ;;
     tune)
       timeout "${KV_TUNE_TIMEOUT:-240}" $PY kernels/bench/bench_decode.py --mode tune --out "$OUT" > "$OUT/tune.log" 2>&1

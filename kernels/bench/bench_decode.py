@@ -415,7 +415,7 @@ def main_latency(args) -> None:
 
     for model, (hq, h, d) in MODELS.items():
         for b in (1, 8):
-            for ctx in (4096, 32768):
+            for ctx in (4096, 16384, 32768):
                 n = ctx - WINDOW
                 scale = d ** -0.5
                 vg = min(128, d)
@@ -472,12 +472,12 @@ def graph_ms_per_call(fns, rep: int) -> float:
     return float(triton.testing.do_bench_cudagraph(all_sets, rep=rep, return_mode="median")) / len(fns)
 
 
-def graph_sweep(out_file: Path, shapes, configs_for_bits, default_for_bits) -> list[dict]:
+def graph_sweep(out_file: Path, shapes, configs_for_bits, default_for_bits, model: str = "mistral-7b") -> list[dict]:
     """CUDA-graph time of the kernel for each config of ``configs_for_bits(bits)`` (2 and 4 bits,
-    group 128) on the Mistral shape at each (batch, context) of ``shapes``, with the bf16 SDPA
+    group 128) on ``model``'s shape at each (batch, context) of ``shapes``, with the bf16 SDPA
     graph time of the same shape; rows written to ``out_file`` as they come."""
     dev = torch.device("cuda")
-    hq, h, d = MODELS["mistral-7b"]
+    hq, h, d = MODELS[model]
     scale = d ** -0.5
 
     def graph_ms(fns):
@@ -517,7 +517,7 @@ def graph_sweep(out_file: Path, shapes, configs_for_bits, default_for_bits) -> l
                 except Exception as err:  # noqa: BLE001
                     log(f"  config {cfg_dict(cfg)} failed: {type(err).__name__}: {str(err)[:160]}")
                     continue
-                rows.append({"model": "mistral-7b", "batch": b, "context": ctx, "bits": bits, **cfg_dict(cfg),
+                rows.append({"model": model, "batch": b, "context": ctx, "bits": bits, **cfg_dict(cfg),
                              "ms_graph": ms, "bf16_ms_graph": bf16_ms, "speedup": bf16_ms / ms,
                              "bytes": nb, "bf16_bytes": bb, "default": cfg == default})
                 if best is None or ms < best[0]:
@@ -534,11 +534,20 @@ def graph_sweep(out_file: Path, shapes, configs_for_bits, default_for_bits) -> l
 
 def main_splits(args) -> None:
     """Split-K parallelism at small batch: (block_n, programs_per_sm, min_split_blocks) on the
-    Mistral shape at batch 1 and 8 (CUDA-graph time). Writes ``decode_splits.json``."""
+    Mistral shape at batch 1 and 8 (CUDA-graph time). Writes ``decode_splits.json``. With
+    ``--model`` another shape: (block_n, min_splits, min_split_blocks) at batch 1 (4k-32k) and
+    8 (4k), into ``decode_splits_<model>.json``."""
     from kvcalib_kernels.decode_attention import DecodeConfig
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.model != "mistral-7b":
+        grid = [(bn, ms, msb) for bn in (32, 64) for ms in (16, 32, 64, 128, 256) for msb in (1, 2)]
+        graph_sweep(out / f"decode_splits_{args.model}.json", ((1, 4096), (1, 16384), (1, 32768), (8, 4096)),
+                    lambda bits: [DecodeConfig(block_n=bn, min_splits=ms, min_split_blocks=msb)
+                                  for bn, ms, msb in grid],
+                    lambda bits: DecodeConfig(), model=args.model)
+        return
     grid = [(bn, pps, msb) for bn in (32, 64) for pps in (16.0, 32.0, 64.0) for msb in (1, 2, 4)]
     graph_sweep(out / "decode_splits.json", ((1, 4096), (1, 16384), (1, 32768), (8, 4096), (8, 32768)),
                 lambda bits: [DecodeConfig(block_n=bn, programs_per_sm=pps, min_split_blocks=msb, num_warps=1,
@@ -986,7 +995,7 @@ def _targets_section(rows, meta, out: Path) -> list[str]:
         if lat:
             slow_g = [r for r in lat if r["speedup_graph"] < 1.0]
             out_lines.append(
-                f"- The same on GPU time (`decode_latency.json`, CUDA-graph replay, 2-bit g128, 4k and 32k, three shapes): "
+                f"- The same on GPU time (`decode_latency.json`, CUDA-graph replay, 2-bit g128, 4k, 16k and 32k, three shapes): "
                 f"**{'met' if not slow_g else 'missed'}** ({len(slow_g)} of {len(lat)} rows slower; "
                 + ", ".join(f"{r['model']} {r['context'] // 1024}k {r['speedup_graph']:.2f}x" for r in lat)
                 + "). The do_bench rows above include ~85-130 us of host time per call (Python + two launches), "
@@ -1203,6 +1212,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-sweep", action="store_true", help="default config, no sweep")
     ap.add_argument("--config", default=None, help='JSON {"2": {DecodeConfig fields}, "4": {...}}: skip the sweep')
     ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--model", choices=tuple(MODELS), default="mistral-7b", help="splits: the shape to sweep")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batches-bf16", type=int, nargs="*", default=[8])
     ap.add_argument("--batches-packed", type=int, nargs="*", default=[8, 32])

@@ -111,6 +111,19 @@ def test_unpack_modes(unpack):
     check(args, kw, da.DecodeConfig(block_n=16, fp_block=16, unpack=unpack))
 
 
+def test_few_rows_split_finer():
+    """Few (batch, kv head) rows: one block per split (below ``min_programs`` programs), and
+    shorter blocks (``small_block_n``) when even that leaves few programs; results unchanged."""
+    cpu = torch.device("cpu")  # 4 "SMs" off CUDA: 64 programs per row pair at most
+    coarse = da.DecodeConfig(min_splits=1, min_programs=0)
+    fine = da.DecodeConfig(min_splits=1)
+    assert da._split_plan(64 * 20, 64, [], 64, 1, 2, cpu, coarse)[:2] == (10, 128)  # 2 blocks per split
+    assert da._split_plan(64 * 20, 64, [], 64, 1, 2, cpu, fine)[:2] == (20, 64)  # 1 block per split
+    assert da._split_plan(64 * 20, 64, [], 64, 8, 8, cpu, fine)[:2] == (1, 64 * 20)  # many rows: as before
+    args, kw = make_case(b=1, h=2, n=96, k_group=32, v_group=32, k_bits=2, v_bits=4, f=(2, 5))
+    check(args, kw, da.DecodeConfig(small_block_n=16, min_programs=10_000))  # 32-token blocks -> 16
+
+
 @pytest.mark.parametrize("rep,min_rows", [(3, 4), (7, 1), (1, 1), (4, 8)], ids=str)
 def test_small_row_tiles(rep, min_rows):
     """Query tiles of fewer than 16 rows (the GQA group padded to a power of two >= min_rows)."""

@@ -343,7 +343,7 @@ class HuffmanAttentionConfig:
       key-scale fold needs a block inside one key group), at least 32. ``num_warps`` is clamped to
       ``block_n / 32``: each thread decodes one key and one value stream per step (or several).
     - ``num_warps``, ``num_stages``: launch options of the split kernel.
-    - ``programs_per_sm``, ``min_split_blocks``, ``min_splits``, ``num_splits``, ``fp_block``: the split-K work
+    - ``programs_per_sm``, ``min_split_blocks``, ``min_splits``, ``min_programs``, ``num_splits``, ``fp_block``: the split-K work
       division, as in :class:`kvcalib_kernels.decode_attention.DecodeConfig` (the fp chunks run
       as a second launch of the same kernel, with 4 warps: see the launcher).
     - ``max_index_bits``: decode 4 or 2 symbols per table lookup when that table has at most
@@ -361,6 +361,7 @@ class HuffmanAttentionConfig:
     fp_block: int = 64
     min_split_blocks: int = 4
     min_splits: int = 1  # not re-tuned for this kernel: the split rule it was measured with
+    min_programs: int = 0  # likewise (DecodeConfig's few-rows rule, off)
     max_index_bits: int = MAX_INDEX_BITS
     asm: bool | None = None
 

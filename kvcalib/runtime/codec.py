@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcalib.quant.uniform import (QuantizedTensor, dequantize_keys, dequantize_values,
+from kvcalib.quant.uniform import (QuantizedTensor, dequantize, dequantize_keys, dequantize_values,
                                    quantize_keys, quantize_values)
 from kvcalib.calibrate.reorder import apply_perm, invert_perm
 from kvcalib.calibrate.schedule import Schedule, requantize
@@ -249,8 +249,30 @@ class LayerCodec:
         range mask as at the first quantization (``valid`` (B, N), ``keep`` (B, H, N))."""
         if block.quantized is None:
             raise KvcalibError(f"the {side} side is stored at 16 bits: a schedule cannot requantize it")
-        q = requantize(block.quantized, bits, valid=_range_mask(valid, keep))
+        qt, m = block.quantized, _range_mask(valid, keep)
+        q = self._requantize_triton(qt, bits, m) if use_triton_encode(qt.codes) else None
+        if q is None:
+            q = requantize(qt, bits, valid=m)
         return PackedBlock(q, None, block.mean, block.mean_q)
+
+    @staticmethod
+    def _requantize_triton(qt, bits: int, m: torch.Tensor | None):
+        """:func:`~kvcalib.calibrate.schedule.requantize` with the quantize-and-pack kernel for the
+        second step (the same bytes: the kernels are bit-exact with the reference quantizers):
+        dequantize in torch, then quantize the stored-order values at ``bits``, no clip. None when
+        the kernels do not cover the layout. A tier move at a flush was ~2 ms per layer and side in
+        torch on an H200 (most of a PATS flush at 32k)."""
+        from kvcalib_kernels import quant_pack
+
+        if isinstance(bits, bool) or bits not in (2, 4, 8) or bits >= qt.bits:
+            return None  # the reference names the problem
+        per_channel = qt.axis == "token"  # keys per channel over token groups
+        x = dequantize(qt)  # (B, H, T, D) float32, stored channel order
+        if quant_pack.supports(shape=tuple(x.shape), dtype=x.dtype, bits=bits, group=qt.group,
+                               per_channel=per_channel) is not None:
+            return None
+        quantize = quant_pack.quantize_pack_keys if per_channel else quant_pack.quantize_pack_values
+        return quantize(x, bits, qt.group, 1.0, m, validate=False)
 
     # -- keys
     def encode_keys(self, k: torch.Tensor, valid: torch.Tensor | None = None,

@@ -6,7 +6,7 @@ imported); ``KVCALIB_BACKEND=reference`` forces PyTorch. The same K/V fed to two
 the same stored bits: codes, scales, zeros, means, OTT masks and pools. Cases: a whole prompt
 flushed after prefill, then group-by-group flushes during decode; ragged padding; SKVQ
 permutation and clip; TaDA centering (8- and 16-bit means); OTT pools; per-token keys; PATS
-tiers (first encode on the kernel, requantization on the reference). Shapes are small: the
+tiers (first encode and requantization at each tier move on the kernel). Shapes are small: the
 interpreter runs every program in Python.
 """
 
@@ -178,6 +178,27 @@ def test_per_token_keys_and_tiers_store_reference_bytes(monkeypatch):
     tri = _run(monkeypatch, "triton", CHANNEL, steps, schedule=sched, pool=2, **CASES["perm+clip"])
     assert tri.packed.stores[-1].n > 0, "a block reached the last tier"
     assert_same_storage(tri, ref)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("src,dst", [(8, 4), (8, 2), (4, 2)])
+def test_requantize_on_the_kernel_stores_reference_bytes(monkeypatch, src, dst):
+    """A tier move (requantization to fewer bits, padding and pool entrants out of the ranges)
+    through the quantize-and-pack kernel gives the reference's bytes, keys and values."""
+    cfg = LayerConfig(k_bits=src, v_bits=src, k_group=8, v_group=16, window=8, sinks=CHANNEL.sinks)
+    k, v = _kv(16, seed=13)
+    valid = torch.arange(16)[None, :] >= torch.tensor([[0], [5]])  # (B, N): row 1 left-padded
+    keep = torch.rand(k.shape[:3], generator=torch.Generator().manual_seed(2)) > 0.1  # (B, H, N)
+    out = {}
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("KVCALIB_BACKEND", backend)
+        codec = LayerCodec(cfg)
+        out[backend] = [codec.requantize(side, enc(x, valid, keep), dst, valid, keep)
+                        for side, enc, x in (("k", codec.encode_keys, k), ("v", codec.encode_values, v))]
+    for ref, tri in zip(out["reference"], out["triton"]):
+        assert tri.quantized.bits == dst
+        for name in ("codes", "scale", "zero"):
+            assert torch.equal(_bits(getattr(tri.quantized, name)), _bits(getattr(ref.quantized, name))), name
 
 
 @needs_interpreter

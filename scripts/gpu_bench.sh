@@ -17,6 +17,7 @@
 #         huffman     kernels/bench/bench_huffman.py (entropy-coded decode and fused attention)
 #         e2e-smoke   end-to-end on a small random model (checks the path, seconds)
 #         e2e         end-to-end, random-weight Mistral-7B shape at 32k context
+#         e2e-pats    the same, CUDA-graph decoding of a PATS middle-heavy cache beside plain 2-bit
 # Everything is written under $OUT (the device tool returns it); each stage has a time limit so
 # the files of the earlier stages come back even if a later one runs long.
 set -uo pipefail
@@ -88,6 +89,10 @@ for st in $STAGES; do
       timeout "${KV_E2E_TIMEOUT:-300}" $PY kernels/bench/bench_decode.py --mode e2e --steps "${KV_E2E_STEPS:-140}" \
         --batches-bf16 8 --batches-packed 8 32 ${KV_E2E_ARGS:-} --out "$OUT" > "$OUT/e2e.log" 2>&1
       echo "e2e exit $?"; tail -n 12 "$OUT/e2e.log" ;;
+    e2e-pats)
+      timeout "${KV_E2E_TIMEOUT:-300}" $PY kernels/bench/bench_decode.py --mode e2e --pats --steps "${KV_E2E_STEPS:-140}" \
+        --batches-bf16 --batches-packed ${KV_E2E_BATCHES:-8} --out "$OUT" > "$OUT/e2e_pats.log" 2>&1
+      echo "e2e-pats exit $?"; tail -n 8 "$OUT/e2e_pats.log" ;;
     *) echo "unknown stage $st" ;;
   esac
 done

@@ -747,20 +747,31 @@ def fill_compressed(cache, b, t, dev, slack_tokens=1024):
         k = torch.randn(b, kv_heads, t, d, device=dev, dtype=torch.bfloat16)
         v = torch.randn(b, kv_heads, t, d, device=dev, dtype=torch.bfloat16)
         layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
-        qk = quantize_pack_keys(k[:, :, :n], cfg.k_bits, cfg.k_group, validate=False)
-        qv = quantize_pack_values(v[:, :, :n], cfg.v_bits, cfg.v_group, validate=False)
-        store = layer.packed.stores[0]  # an untiered layer: one store (kvcalib.runtime.tiers.PackedTiers)
-        for side, qt in (("k", qk), ("v", qv)):
-            _fill_grow(store.parts[f"{side}_codes"], qt.codes, slack_tokens)
-            rows_slack = slack_tokens // cfg.k_group if side == "k" else slack_tokens
-            _fill_grow(store.parts[f"{side}_scale"], qt.scale, rows_slack)
-            _fill_grow(store.parts[f"{side}_zero"], qt.zero, rows_slack)
-        store.start, store.n = 0, n
+        for store, lo, hi in _tier_ranges(layer, n, t):  # one store per PATS tier (one when untiered)
+            qk = quantize_pack_keys(k[:, :, lo:hi], store.bits["k"], cfg.k_group, validate=False)
+            qv = quantize_pack_values(v[:, :, lo:hi], store.bits["v"], cfg.v_group, validate=False)
+            for side, qt in (("k", qk), ("v", qv)):
+                _fill_grow(store.parts[f"{side}_codes"], qt.codes, slack_tokens)
+                rows_slack = slack_tokens // cfg.k_group if side == "k" else slack_tokens
+                _fill_grow(store.parts[f"{side}_scale"], qt.scale, rows_slack)
+                _fill_grow(store.parts[f"{side}_zero"], qt.zero, rows_slack)
+            store.start, store.n = lo, hi - lo
         layer.pend_k = k[:, :, n:].clone()
         layer.pend_v = v[:, :, n:].clone()
         layer.pend_start = n
         layer.n_seen = t
         del k, v, qk, qv
+
+
+def _tier_ranges(layer, n: int, t: int) -> list:
+    """(store, first, end) of the packed tokens [0, n) of ``layer`` at context ``t``: each block
+    in the last stored tier whose age it has reached (:meth:`PackedTiers.advance`'s rule; quantized
+    straight at that tier's bits, not through the requantization chain: the same bytes to read)."""
+    tiers = layer.packed
+    block = layer.cfg.flush_block
+    # tier j holds the blocks [s, e) with ages[j] <= t - e < ages[j + 1]: its tokens end at ends[j]
+    ends = [min(n, max(0, (t - age) // block * block)) for age in tiers.ages]
+    return [(store, ends[j + 1] if j + 1 < len(ends) else 0, ends[j]) for j, store in enumerate(tiers.stores)]
 
 
 def fill_dynamic(cache, n_layers, b, kv_heads, t, d, dev):
@@ -833,6 +844,15 @@ def main_e2e(args) -> None:
     rec = Recipe(name="kivi2-g128-w128", default_layer=LayerConfig(k_bits=2, v_bits=2, k_group=128, v_group=128,
                                                                    window=128))
     res["recipe"] = rec.default_layer.to_dict()
+    e2e_file = "e2e_pats.json" if args.pats else "e2e.json"
+    if args.pats:  # PATS middle-heavy: 8 bits from the window to age 1024, 4 to 4096, then 2 (no sinks)
+        from kvcalib.calibrate.schedule import preset_schedule
+
+        tiers = preset_schedule("middle-heavy", window=128, sinks=0)
+        pats = Recipe(name="pats-middle-heavy-g128-w128",
+                      default_layer=LayerConfig(k_bits=8, v_bits=8, k_group=128, v_group=128, window=128),
+                      tensors={f"layers.{i}.kv.schedule": tiers.to_tensor() for i in range(n_layers)})
+        res["pats_recipe"] = {**pats.default_layer.to_dict(), "schedule": [[x.age, x.k_bits, x.v_bits] for x in tiers.tiers]}
 
     def record(kind, b, times, cache_bytes, peak):
         steady = sorted(times[2:]) if len(times) > 4 else sorted(times)
@@ -847,7 +867,7 @@ def main_e2e(args) -> None:
         log(f"  {kind:10s} b={b:3d}: {run['tokens_per_s']:.1f} tok/s, median step {run['median_step_ms']:.2f} ms, "
             f"max {run['max_step_ms']:.2f} ms, peak {peak / 2**30:.1f} GiB, cache {cache_bytes / 2**30:.2f} GiB, "
             f"est. max batch {run['est_max_batch_at_context']}")
-        _write_json(out / "e2e.json", res)
+        _write_json(out / e2e_file, res)
 
     def graph_decode(cache, b):
         """Greedy steps replayed from CUDA graphs (kvcalib.runtime.graphs); per-step wall times."""
@@ -885,8 +905,8 @@ def main_e2e(args) -> None:
         fill_dynamic(cache, n_layers, b, kv_heads, t, d, dev)
         return cache, sum(x.numel() * x.element_size() for lay in cache.layers for x in (lay.keys, lay.values))
 
-    def make_packed(b):
-        cache = CompressedCache.from_recipe(model, rec)  # switches attention to kvcalib
+    def make_packed(b, recipe=rec):
+        cache = CompressedCache.from_recipe(model, recipe)  # switches attention to kvcalib
         for lay in cache.layers:
             lay._e2e_shape = (kv_heads, d)
         fill_compressed(cache, b, t, dev)
@@ -899,11 +919,22 @@ def main_e2e(args) -> None:
         run("bf16_dynamic", b, make_dynamic, eager)
         if args.graphs:
             run("bf16_static_graph", b, make_static, graph_decode)
+    if args.pats:  # compile the tier-move kernels (requantize 8 -> 4 -> 2) outside the timed steps
+        warm = CompressedCache.from_recipe(model, pats).layers[0].codec
+        for side, enc in (("k", warm.encode_keys), ("v", warm.encode_values)):
+            blk = enc(torch.randn(1, kv_heads, 128, d, device=dev, dtype=torch.bfloat16))
+            for bits in (4, 2):
+                blk = warm.requantize(side, blk, bits)
+        torch.cuda.synchronize()
     for b in args.batches_packed:
+        if args.pats:  # graph decoding only: plain 2-bit, then the PATS tiers
+            run("kvcalib_2bit_graph", b, make_packed, graph_decode)
+            run("kvcalib_pats_graph", b, lambda b: make_packed(b, pats), graph_decode)
+            continue
         run("kvcalib_2bit", b, make_packed, eager)
         if args.graphs:
             run("kvcalib_2bit_graph", b, make_packed, graph_decode)
-    _write_json(out / "e2e.json", res)
+    _write_json(out / e2e_file, res)
 
 
 # ---------------------------------------------------------------- report (markdown + plot)
@@ -1200,7 +1231,34 @@ def main_report(args) -> None:
         el += ["", "Largest batch: an *estimate*, (0.97 x GPU memory - weights) / (measured peak - weights) x batch, "
                "i.e. assuming everything beyond the weights grows linearly with the batch; not verified by a run at "
                "that batch.", "", "Command: `" + e.get("command", "?") + "`"]
+        el += _pats_e2e_section(out / "e2e_pats.json")
         (out / "e2e.md").write_text("\n".join(el) + "\n")
+
+
+def _pats_e2e_section(path: Path) -> list[str]:
+    """The e2e.md section of ``e2e_pats.json`` (``--mode e2e --pats``), if it exists."""
+    if not path.exists():
+        return []
+    e = json.loads(path.read_text())
+    lines = ["", "## PATS tiers under CUDA-graph decoding", "",
+             f"GPU: **{e['gpu']}**, same model and context ({e['context']} tokens), {e['steps']} steps, one run "
+             "(the same process) of each cache: `kvcalib_2bit_graph` as above, `kvcalib_pats_graph` a PATS "
+             "middle-heavy cache (" + json.dumps(e.get("pats_recipe", {})) + ": the stored blocks in one store "
+             "per bit width, filled as a 32k prompt leaves them). Every 128 steps a flush also moves the blocks "
+             "that reach a tier's age down to it (requantized by the quantize-and-pack kernel, compiled before "
+             "the timed steps) and the next step starts a new graph period. `slow steps ms`: the steps over 3x the "
+             "median (PATS: the flush with its tier moves, then the eager + capture step of the next period; "
+             "plain: only the eager + capture step, its flush is one kernel launch per side).", "",
+             "| cache | batch | tokens/s | median step ms | slow steps ms | cache GiB | est. max batch |",
+             "|---|---:|---:|---:|---|---:|---:|"]
+    for r in e["runs"]:
+        if r.get("oom"):
+            lines.append(f"| {r['cache']} | {r['batch']} | out of memory | | | | |")
+            continue
+        slow = ", ".join(f"{x:.0f}" for x in r["step_ms"][1:] if x > 3 * r["median_step_ms"])
+        lines.append(f"| {r['cache']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['median_step_ms']:.2f} | {slow} | "
+                     f"{r['cache_bytes'] / 2**30:.2f} | {r['est_max_batch_at_context']} |")
+    return lines + ["", "Command: `" + e.get("command", "?") + "`"]
 
 
 def main(argv=None) -> None:
@@ -1216,6 +1274,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batches-bf16", type=int, nargs="*", default=[8])
     ap.add_argument("--batches-packed", type=int, nargs="*", default=[8, 32])
+    ap.add_argument("--pats", action="store_true",
+                    help="e2e: CUDA-graph decoding of a PATS middle-heavy cache beside plain 2-bit (e2e_pats.json)")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false",
                     help="e2e: eager steps only (no CUDA-graph runs of either cache)")
     args = ap.parse_args(argv)

@@ -71,6 +71,7 @@ fragments built from 4-row tiles, value codes gathered 4 tokens per register), n
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -1624,21 +1625,22 @@ def decode_attention_parts(
     cfg = config or DEFAULT_CONFIG
     calls = []
     for i, part in enumerate(parts):
-        unknown = set(part) - _PART_KEYS
+        unknown = set(part) - set(_PART_PARAMS)
         if unknown:
             raise ValueError(f"part {i}: unknown arguments {sorted(unknown)}")
-        kw = {name: part.get(name) for name in _PACKED_NAMES}
-        kw.update({name: part.get(name, default) for name, default in _PART_DEFAULTS.items()})
-        for name in ("k_bits", "v_bits", "k_group", "v_group", "scaling"):
-            if name not in part:
+        kw = {}
+        for name, param in _PART_PARAMS.items():  # decode_attention's own defaults; packed tensors: None
+            if name in part:
+                kw[name] = part[name]
+            elif param.default is not param.empty or name in _PACKED_NAMES:
+                kw[name] = None if param.default is param.empty else param.default
+            else:
                 raise ValueError(f"part {i}: missing {name}")
-            kw[name] = part[name]
         calls.append(_prepare(q, **kw, config=cfg))
     return _run(q, calls, return_lse)
 
 
 _PACKED_NAMES = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
-_PART_DEFAULTS = dict(k_axis="channel", softcap=None, packed_start=None, packed_end=None, packed_position=0,
-                      fp_segments=(), fp_positions=(), mask=None, mask_packed=True, keep=None, keep_block=0,
-                      pool=None, k_perm=None, v_perm=None, k_mean=None, v_mean=None)
-_PART_KEYS = set(_PACKED_NAMES) | set(_PART_DEFAULTS) | {"k_bits", "v_bits", "k_group", "v_group", "scaling"}
+# what a part may name: decode_attention's arguments after q, less the per-call ones
+_PART_PARAMS = {name: param for name, param in inspect.signature(decode_attention).parameters.items()
+                if name not in ("q", "config", "return_lse")}

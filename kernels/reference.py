@@ -308,11 +308,8 @@ def decode_attention_parts_reference(q: torch.Tensor, parts, *, config=None, ret
     name, None or absent when the part has none) attended with its log-sum-exp, the parts merged
     exactly (:func:`merge_parts`). Returns float32 ``(B, Hq, D)`` [and the rows' log-sum-exp]."""
     del config
-    results = []
-    for part in parts:
-        kw = dict(part)
-        packed = [kw.pop(name, None) for name in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")]
-        results.append(decode_attention_reference(q, *packed, **kw, return_lse=True))
+    absent = dict.fromkeys(("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"))  # no packed tokens
+    results = [decode_attention_reference(q, **{**absent, **part}, return_lse=True) for part in parts]
     if not results:
         b, hq, d = q.shape
         empty = torch.zeros((b, hq, d), dtype=torch.float32, device=q.device)  # (B, Hq, D)

@@ -536,20 +536,13 @@ def test_parts_one_combine_matches_reference():
     out, lse = da.decode_attention_parts(q, parts, config=SMALL, return_lse=True)
 
     def reference_in(dtype):  # the parts reference, computed in dtype
-        packed_names = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
-        return merge_parts([decode_attention_reference_in(
-            dtype, q, *(part[k] for k in packed_names), **{k: v for k, v in part.items() if k not in packed_names},
-            return_lse=True) for part in parts])
+        return merge_parts([decode_attention_reference_in(dtype, q, **part, return_lse=True) for part in parts])
 
     truth, same = reference_in(torch.float64), reference_in(q.dtype)
     assert float((decode_attention_parts_reference(q, parts) - reference_in(torch.float32)).abs().max()) == 0
     err, torch_err = float((out - truth).abs().max()), float((same - truth).abs().max())
     assert out.shape == q.shape and err <= 2 * torch_err + ATOL[q.dtype], (err, torch_err)
-    singles = [da.decode_attention(q, **{k: part.get(k) for k in ("k_codes", "k_scale", "k_zero", "v_codes",
-                                                                  "v_scale", "v_zero")},
-                                   **{k: v for k, v in part.items() if not k.startswith(("k_c", "k_s", "k_z",
-                                                                                          "v_c", "v_s", "v_z"))},
-                                   config=SMALL, return_lse=True) for part in parts]
+    singles = [da.decode_attention(q, **part, config=SMALL, return_lse=True) for part in parts]
     assert float((merge_parts(singles) - out).abs().max()) < 1e-4
     whole = torch.logsumexp(torch.stack([part_lse for _, part_lse in singles]), dim=0)  # (B, Hq)
     assert float((lse - whole).abs().max()) < 1e-4

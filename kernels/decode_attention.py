@@ -60,12 +60,15 @@ Arithmetic (what keeps the per-code work small):
 - one warp per program and 4-row query tiles (see :class:`DecodeConfig`), parallelism from many
   split programs.
 
-Performance status (H200, ``artifacts/bench/decode_attention.md``): ~1.3-1.6x over the fastest
-bf16 SDPA at batch >= 8 and long contexts (Mistral-7B shape, 32k, batch 8: 1.51x at 2 bits);
-batch 1 GPU time 0.99-1.42x (``decode_latency.json``); OTT pools cost 1.03-1.10x, TaDA means 2.4-2.9x (every kv head's
-program reads the shared mean and runs a full-width product with it; ``decode_fitted.json``); PATS tier stores
-(:func:`decode_attention_parts`, one split launch per store, one combine) 1.18x plain at batch 8 / 32k; the kernel is bound by instruction issue and latency at 255 registers (MMA
-fragments built from 4-row tiles, value codes gathered 4 tokens per register), not by memory.
+Performance status (H200, ``artifacts/bench/decode_attention.md``, CUDA-graph time): Mistral-7B
+shape, 32k, batch 8: 1.92x over the fastest bf16 SDPA at 2 bits, 1.68x at 4 bits; batch 1 GPU
+time 1.10-1.56x at 4k-32k on the three benchmark shapes (``decode_latency.json``); OTT pools cost
+1.0-1.1x plain, TaDA means 2.0-2.9x (every kv head's program reads the shared mean and runs a
+full-width product with it; ``decode_fitted.json``); PATS tier stores
+(:func:`decode_attention_parts`, one split launch per store, one combine) 1.21x plain at batch 8 /
+32k. The key products run transposed (the block's tokens are the MMA rows, the GQA group's query
+rows its N); the value products still pad the 4 query rows into 16-row MMA tiles and gather value
+codes along tokens: the kernel is bound by instruction issue, not by memory.
 """
 
 from __future__ import annotations
@@ -350,40 +353,49 @@ def _q_plane(q_rows, r_ok, offs_p, COL0: tl.constexpr, qk_scale):
 
 
 @triton.jit
-def _k_group_fold(q_s, ks_ptr, kz_ptr, offs_p, DOT_T: tl.constexpr, SHIFT: tl.constexpr, LANES: tl.constexpr):
+def _q_plane_t(q_rows, r_ok, offs_p, qk_scale):
+    """:func:`_q_plane` transposed: channels ``offs_p`` of the query rows, float32, times qk_scale,
+    as (P, R_PAD) -- the N operand of the key products, whose M rows are the tokens."""
+    return tl.load(q_rows[None, :] + offs_p[:, None], mask=r_ok[None, :], other=0.0).to(tl.float32) * qk_scale
+
+
+@triton.jit
+def _k_group_fold(q_t, ks_ptr, kz_ptr, offs_p, DOT_T: tl.constexpr, SHIFT: tl.constexpr, LANES: tl.constexpr):
     """Per-channel key parameters folded into one query plane for a whole key group:
-    ``q . (c * s + z) = (q * s) . c + q . z``. Returns ((q * s) as DOT_T (R_PAD, P), q . z (R_PAD,)).
+    ``q . (c * s + z) = (q * s) . c + q . z``. Returns ((q * s) as DOT_T (P, R_PAD), q . z (R_PAD,)).
 
     LANES (the plane's codes arrive as ``1024 + c * 2**SHIFT``, unpack 5/6): the plane is
     ``(q * s) * 2**-SHIFT`` (exact: a power of two) and the bias also takes
     ``-1024 * sum(plane)``, summed from the rounded DOT_T values the product uses, so the 1024
-    cancels exactly. q_s (R_PAD, P) float32 (pre-scaled); ks_ptr/kz_ptr: the plane's P parameters.
+    cancels exactly. q_t (P, R_PAD) float32 (pre-scaled, :func:`_q_plane_t`); ks_ptr/kz_ptr: the
+    plane's P parameters.
     """
     ks = tl.load(ks_ptr + offs_p).to(tl.float32)  # (P,)
     kz = tl.load(kz_ptr + offs_p).to(tl.float32)  # (P,)
-    bias = tl.sum(q_s * kz[None, :], axis=1)  # (R_PAD,)
+    bias = tl.sum(q_t * kz[:, None], axis=0)  # (R_PAD,)
     if LANES:
-        qp = (q_s * ks[None, :] * (1.0 / (1 << SHIFT))).to(DOT_T)  # (R_PAD, P)
-        return qp, bias - 1024.0 * tl.sum(qp.to(tl.float32), axis=1)
+        qp = (q_t * ks[:, None] * (1.0 / (1 << SHIFT))).to(DOT_T)  # (P, R_PAD)
+        return qp, bias - 1024.0 * tl.sum(qp.to(tl.float32), axis=0)
     else:
-        return (q_s * ks[None, :]).to(DOT_T), bias
+        return (q_t * ks[:, None]).to(DOT_T), bias
 
 
 @triton.jit
-def _k_deq_plane(scores, q_s, kb, ks_rows, kz_rows, col0, offs_p, row_ok, GROUP: tl.constexpr,
+def _k_deq_plane(scores_t, q_t, kb, ks_rows, kz_rows, col0, offs_p, row_ok, GROUP: tl.constexpr,
                  SHIFT: tl.constexpr, BITS: tl.constexpr, DOT_T: tl.constexpr,
                  UNPACK: tl.constexpr, IEEE: tl.constexpr):
-    """Scores of one key plane with per-token parameters over groups of GROUP channels:
-    dequantize ``c * s + z`` per element, then the product.
+    """Transposed scores (BLOCK_N, R_PAD) of one key plane with per-token parameters over groups
+    of GROUP channels: dequantize ``c * s + z`` per element, then the product.
 
-    ks_rows/kz_rows (BLOCK_N,) pointers to each token's parameter row; col0 = first channel.
+    q_t (P, R_PAD) float32; ks_rows/kz_rows (BLOCK_N,) pointers to each token's parameter row;
+    col0 = first channel.
     """
     g = (col0 + offs_p) // GROUP  # (P,) parameter column of each channel
     sc = tl.load(ks_rows[:, None] + g[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     ze = tl.load(kz_rows[:, None] + g[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     c = _codes(kb, SHIFT, BITS, DOT_T, UNPACK).to(tl.float32)  # (BLOCK_N, P)
     k = (c * sc + ze).to(DOT_T)
-    return _dot(q_s.to(DOT_T), tl.trans(k), scores, IEEE)
+    return _dot(k, q_t.to(DOT_T), scores_t, IEEE)
 
 
 @triton.jit
@@ -392,6 +404,13 @@ def _scaled_p(p, vs_rows, row_ok, DOT_T: tl.constexpr):
     each token's scale of that group. (The zero term is accumulated apart.)"""
     vs = tl.load(vs_rows, mask=row_ok, other=0.0).to(tl.float32)  # (BLOCK_N,)
     return (p * vs[None, :]).to(DOT_T)
+
+
+@triton.jit
+def _scaled_pt(p_t, vs_rows, row_ok, DOT_T: tl.constexpr):
+    """:func:`_scaled_p` on transposed probabilities: ``p * scale`` as DOT_T (BLOCK_N, R_PAD)."""
+    vs = tl.load(vs_rows, mask=row_ok, other=0.0).to(tl.float32)  # (BLOCK_N,)
+    return (p_t * vs[:, None]).to(DOT_T)
 
 
 @triton.jit
@@ -527,7 +546,6 @@ def _decode_split_kernel(
     # packed layout
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, PK: tl.constexpr, PV: tl.constexpr,
     K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, K_FOLD: tl.constexpr, V_FOLD: tl.constexpr,
-    NGV: tl.constexpr, ZP: tl.constexpr,
     # code paths
     HAS_RANGE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_T: tl.constexpr, IEEE: tl.constexpr, FP_T: tl.constexpr, FP_IEEE: tl.constexpr,
@@ -567,7 +585,9 @@ def _decode_split_kernel(
                 offs_pk = _perm4(offs_pk)
             if V_UNPACK == 5:  # ... of each 4 token rows: load the rows in that order, so they return in order
                 offs_bn = _perm4(offs_bn)
-        offs_z = tl.arange(0, ZP)
+        G1: tl.constexpr = PV // V_GROUP  # value group of plane 1, 2, 3 (fold path: a plane lies in one)
+        G2: tl.constexpr = (2 * PV) // V_GROUP
+        G3: tl.constexpr = (3 * PV) // V_GROUP
         lo = 0
         hi = N
         if HAS_RANGE:
@@ -579,30 +599,34 @@ def _decode_split_kernel(
         # query channel of each column of key plane s (stored channels [s*PK, (s+1)*PK)); with an
         # SKVQ permutation, stored channel j holds input channel perm[h, j]
         qc0, qc1, qc2, qc3 = _plane_channels(offs_pk, PK, PER_K, KP + h * D, K_PERM)
-        # the query, one slice per key plane, pre-scaled, float32. Per-token keys use them as is;
-        # per-channel keys fold the scales in once per key group.
-        q0 = _q_plane(q_rows, r_ok, qc0, 0, qk_scale)
+        # the query, one transposed slice (PK, R_PAD) per key plane, pre-scaled, float32: the key
+        # products run transposed, scores^T = codes (BLOCK_N, PK) @ q^T, so the block's tokens fill
+        # the MMA rows (the R query rows are only its small N; as M they were padded to 16 rows and
+        # the kernel spent more on moving fragments than on unpacking: 1.4x slower at batch 8 /
+        # 32k, kernels/bench/probe_swap.py). Per-token keys use the slices as is; per-channel keys
+        # fold the scales in once per key group.
+        q0 = _q_plane_t(q_rows, r_ok, qc0, qk_scale)
         q1 = q0
         q2 = q0
         q3 = q0
         if not K_FOLD:
             if PER_K > 1:
-                q1 = _q_plane(q_rows, r_ok, qc1, 0, qk_scale)
+                q1 = _q_plane_t(q_rows, r_ok, qc1, qk_scale)
             if PER_K > 2:
-                q2 = _q_plane(q_rows, r_ok, qc2, 0, qk_scale)
-                q3 = _q_plane(q_rows, r_ok, qc3, 0, qk_scale)
+                q2 = _q_plane_t(q_rows, r_ok, qc2, qk_scale)
+                q3 = _q_plane_t(q_rows, r_ok, qc3, qk_scale)
         # output channel of each column of value plane s (scattered back when V is permuted)
         vc0, vc1, vc2, vc3 = _plane_channels(offs_pv, PV, PER_V, VP + h * D, V_PERM)
         # TaDA means (input channel order, one (N, D) mean per sequence shared by the kv heads):
         # the key mean adds q . mean_n to each score; the value mean adds sum_n p_n mean_n into
         # each value plane's accumulator, read at the plane's output channels (vc*)
         offs_d = tl.arange(0, D)
-        qm = tl.zeros([R_PAD, D], DOT_T)
+        qm = tl.zeros([D, R_PAD], DOT_T)
         qm_sum = tl.zeros([R_PAD], tl.float32)
         if K_MEAN != 0:
-            qm32 = _q_plane(q_rows, r_ok, offs_d, 0, qk_scale)  # (R_PAD, D)
+            qm32 = _q_plane_t(q_rows, r_ok, offs_d, qk_scale)  # (D, R_PAD)
             qm = qm32.to(DOT_T)
-            qm_sum = tl.sum(qm32, axis=1)
+            qm_sum = tl.sum(qm32, axis=0)
         km_base = KM + b.to(tl.int64) * stride_kmb
         kms_base = KMS + b.to(tl.int64) * stride_kmsb
         kmz_base = KMZ + b.to(tl.int64) * stride_kmsb
@@ -628,13 +652,16 @@ def _decode_split_kernel(
         acc1 = tl.zeros([R_PAD, PV], tl.float32)
         acc2 = tl.zeros([R_PAD, PV], tl.float32)
         acc3 = tl.zeros([R_PAD, PV], tl.float32)
-        zacc = tl.zeros([R_PAD, ZP], tl.float32)  # sum_n p * zero, per value group (fold path)
+        zsum0 = tl.zeros([R_PAD], tl.float32)  # sum_n p * zero of value plane s's group (fold path)
+        zsum1 = zsum0
+        zsum2 = zsum0
+        zsum3 = zsum0
         asum0 = tl.zeros([R_PAD], tl.float32)  # sum_n (p * scale) per value plane (V_LANES: the 1024 to remove)
         asum1 = asum0
         asum2 = asum0
         asum3 = asum0
         # per-channel keys: (q * scale) per plane and q . zero, refreshed at each key group
-        qp0 = tl.zeros([R_PAD, PK], DOT_T)
+        qp0 = tl.zeros([PK, R_PAD], DOT_T)
         qp1 = qp0
         qp2 = qp0
         qp3 = qp0
@@ -653,31 +680,31 @@ def _decode_split_kernel(
                 valid = valid & (((kbyte.to(tl.int32) >> (in_blk % 8)) & 1) != 0)
             # ---- scores: all key planes from one (BLOCK_N, PK) byte tile
             kb = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_kw[None, :], mask=row_ok[:, None], other=0)
-            scores = tl.zeros([R_PAD, BLOCK_N], tl.float32)
+            scores = tl.zeros([BLOCK_N, R_PAD], tl.float32)  # transposed: token rows
             if K_FOLD:
                 if ((n0 % K_GROUP) == 0) | (n0 == start):  # a new key group (blocks never straddle one)
                     krow = (n0 // K_GROUP) * stride_ksn
                     qp0, kbias = _k_group_fold(q0, ks_base + krow, kz_base + krow, offs_pk, DOT_T, 0, K_LANES)
                     if PER_K > 1:
-                        qp1, b1 = _k_group_fold(_q_plane(q_rows, r_ok, qc1, 0, qk_scale),
+                        qp1, b1 = _k_group_fold(_q_plane_t(q_rows, r_ok, qc1, qk_scale),
                                                 ks_base + krow + PK, kz_base + krow + PK, offs_pk, DOT_T,
                                                 K_BITS, K_LANES)
                         kbias += b1
                     if PER_K > 2:
-                        qp2, b2 = _k_group_fold(_q_plane(q_rows, r_ok, qc2, 0, qk_scale),
+                        qp2, b2 = _k_group_fold(_q_plane_t(q_rows, r_ok, qc2, qk_scale),
                                                 ks_base + krow + 2 * PK, kz_base + krow + 2 * PK, offs_pk, DOT_T,
                                                 2 * K_BITS, K_LANES)
-                        qp3, b3 = _k_group_fold(_q_plane(q_rows, r_ok, qc3, 0, qk_scale),
+                        qp3, b3 = _k_group_fold(_q_plane_t(q_rows, r_ok, qc3, qk_scale),
                                                 ks_base + krow + 3 * PK, kz_base + krow + 3 * PK, offs_pk, DOT_T,
                                                 3 * K_BITS, K_LANES)
                         kbias += b2 + b3
-                scores = _dot(qp0, tl.trans(_codes(kb, 0, K_BITS, DOT_T, K_UNPACK)), scores, IEEE)
+                scores = _dot(_codes(kb, 0, K_BITS, DOT_T, K_UNPACK), qp0, scores, IEEE)
                 if PER_K > 1:
-                    scores = _dot(qp1, tl.trans(_codes(kb, K_BITS, K_BITS, DOT_T, K_UNPACK)), scores, IEEE)
+                    scores = _dot(_codes(kb, K_BITS, K_BITS, DOT_T, K_UNPACK), qp1, scores, IEEE)
                 if PER_K > 2:
-                    scores = _dot(qp2, tl.trans(_codes(kb, 2 * K_BITS, K_BITS, DOT_T, K_UNPACK)), scores, IEEE)
-                    scores = _dot(qp3, tl.trans(_codes(kb, 3 * K_BITS, K_BITS, DOT_T, K_UNPACK)), scores, IEEE)
-                scores = scores + kbias[:, None]
+                    scores = _dot(_codes(kb, 2 * K_BITS, K_BITS, DOT_T, K_UNPACK), qp2, scores, IEEE)
+                    scores = _dot(_codes(kb, 3 * K_BITS, K_BITS, DOT_T, K_UNPACK), qp3, scores, IEEE)
+                scores = scores + kbias[None, :]
             else:
                 ks_rows = ks_base + offs_n * stride_ksn
                 kz_rows = kz_base + offs_n * stride_ksn
@@ -694,21 +721,21 @@ def _decode_split_kernel(
             if K_MEAN == 16:
                 km = tl.load(km_base + offs_n[:, None] * stride_kmn + offs_d[None, :], mask=row_ok[:, None],
                              other=0.0).to(DOT_T)  # (BLOCK_N, D)
-                scores = _dot(qm, tl.trans(km), scores, IEEE)
+                scores = _dot(km, qm, scores, IEEE)
             elif K_MEAN == 8:  # q . (c * s + z) = s * (q . c) + z * sum(q)
                 km = _codes(tl.load(km_base + offs_n[:, None] * stride_kmn + offs_d[None, :], mask=row_ok[:, None],
                                     other=0), 0, 8, DOT_T, 1)  # (BLOCK_N, D) codes, exact in float16
                 kms = tl.load(kms_base + offs_n * stride_kmsn, mask=row_ok, other=0.0).to(tl.float32)
                 kmz = tl.load(kmz_base + offs_n * stride_kmsn, mask=row_ok, other=0.0).to(tl.float32)
-                sm = _dot(qm, tl.trans(km), tl.zeros([R_PAD, BLOCK_N], tl.float32), IEEE)
-                scores = scores + sm * kms[None, :] + qm_sum[:, None] * kmz[None, :]
+                sm = _dot(km, qm, tl.zeros([BLOCK_N, R_PAD], tl.float32), IEEE)
+                scores = scores + sm * kms[:, None] + qm_sum[None, :] * kmz[:, None]
             if HAS_SOFTCAP:
                 scores = _softcap(scores, softcap) * 1.4426950408889634
-            scores = tl.where(valid[None, :], scores, float("-inf"))
+            scores = tl.where(valid[:, None], scores, float("-inf"))  # (BLOCK_N, R_PAD)
             # ---- online softmax (log2 domain), lazily rescaled: the running max only moves (and
             # the accumulators are only rescaled) when a row's max grew by more than 2^RESCALE;
             # until then p <= 2^RESCALE, harmless in float32 sums and float16 products.
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=0))
             if tl.max(m_new - m_i, axis=0) > RESCALE:
                 alpha = tl.exp2(m_i - m_new)
                 l_i = l_i * alpha
@@ -719,7 +746,10 @@ def _decode_split_kernel(
                     acc2 = acc2 * alpha[:, None]
                     acc3 = acc3 * alpha[:, None]
                 if V_FOLD:
-                    zacc = zacc * alpha[:, None]
+                    zsum0 = zsum0 * alpha
+                    zsum1 = zsum1 * alpha
+                    zsum2 = zsum2 * alpha
+                    zsum3 = zsum3 * alpha
                 if V_LANES:
                     asum0 = asum0 * alpha
                     asum1 = asum1 * alpha
@@ -730,55 +760,60 @@ def _decode_split_kernel(
                 if VM_APART:
                     macc = macc * alpha[:, None]
                 m_i = m_new
-            p = tl.exp2(scores - m_i[:, None])  # (R_PAD, BLOCK_N); masked -> 0
-            l_i = l_i + tl.sum(p, axis=1)
-            # ---- values: all planes from one (BLOCK_N, PV) byte tile
+            pt = tl.exp2(scores - m_i[None, :])  # (BLOCK_N, R_PAD), transposed; masked -> 0
+            l_i = l_i + tl.sum(pt, axis=0)
+            # ---- values: all planes from one (BLOCK_N, PV) byte tile; the products take the
+            # transposed probabilities back as their (R_PAD, BLOCK_N) M operand
             offs_nv = n0 + offs_bn  # (BLOCK_N,) token of each loaded value row (see offs_bn)
             vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_vw[None, :], mask=(offs_nv < end)[:, None],
                          other=0)
             vrows = offs_n * stride_vsn
             if V_FOLD:
-                # plane s lies in value group (s * PV) // V_GROUP: (p * scale) is built once per group;
+                # plane s lies in value group (s * PV) // V_GROUP: (p * scale) is built once per group,
+                # and so is sum_n p * zero (added to every channel of the plane at the end);
                 # V_LANES: the plane's codes are 1024 + c * 2**shift, sum(p * scale) takes the 1024 out
-                a0 = _scaled_p(p, vs_base + vrows, row_ok, DOT_T)
-                acc0 = _dot(a0, _codes(vb, 0, V_BITS, DOT_T, V_UNPACK), acc0, IEEE)
+                a0 = _scaled_pt(pt, vs_base + vrows, row_ok, DOT_T)  # (BLOCK_N, R_PAD)
+                zsum0 += tl.sum(pt * tl.load(vz_base + vrows, mask=row_ok, other=0.0).to(tl.float32)[:, None], axis=0)
+                acc0 = _dot(tl.trans(a0), _codes(vb, 0, V_BITS, DOT_T, V_UNPACK), acc0, IEEE)
                 if V_LANES:
-                    sa0 = tl.sum(a0.to(tl.float32), axis=1)
+                    sa0 = tl.sum(a0.to(tl.float32), axis=0)
                     asum0 += sa0
                 if PER_V > 1:
                     a1 = a0
-                    if (PV // V_GROUP) != 0:
-                        a1 = _scaled_p(p, vs_base + vrows + PV // V_GROUP, row_ok, DOT_T)
-                    acc1 = _dot(a1, _codes(vb, V_BITS, V_BITS, DOT_T, V_UNPACK), acc1, IEEE)
+                    if G1 != 0:
+                        a1 = _scaled_pt(pt, vs_base + vrows + G1, row_ok, DOT_T)
+                        zsum1 += tl.sum(pt * tl.load(vz_base + vrows + G1, mask=row_ok, other=0.0).to(tl.float32)[:, None],
+                                        axis=0)
+                    acc1 = _dot(tl.trans(a1), _codes(vb, V_BITS, V_BITS, DOT_T, V_UNPACK), acc1, IEEE)
                     if V_LANES:
                         sa1 = sa0
-                        if (PV // V_GROUP) != 0:
-                            sa1 = tl.sum(a1.to(tl.float32), axis=1)
+                        if G1 != 0:
+                            sa1 = tl.sum(a1.to(tl.float32), axis=0)
                         asum1 += sa1
                 if PER_V > 2:
                     a2 = a1
-                    if ((2 * PV) // V_GROUP) != (PV // V_GROUP):
-                        a2 = _scaled_p(p, vs_base + vrows + (2 * PV) // V_GROUP, row_ok, DOT_T)
-                    acc2 = _dot(a2, _codes(vb, 2 * V_BITS, V_BITS, DOT_T, V_UNPACK), acc2, IEEE)
+                    if G2 != G1:
+                        a2 = _scaled_pt(pt, vs_base + vrows + G2, row_ok, DOT_T)
+                        zsum2 += tl.sum(pt * tl.load(vz_base + vrows + G2, mask=row_ok, other=0.0).to(tl.float32)[:, None],
+                                        axis=0)
+                    acc2 = _dot(tl.trans(a2), _codes(vb, 2 * V_BITS, V_BITS, DOT_T, V_UNPACK), acc2, IEEE)
                     a3 = a2
-                    if ((3 * PV) // V_GROUP) != ((2 * PV) // V_GROUP):
-                        a3 = _scaled_p(p, vs_base + vrows + (3 * PV) // V_GROUP, row_ok, DOT_T)
-                    acc3 = _dot(a3, _codes(vb, 3 * V_BITS, V_BITS, DOT_T, V_UNPACK), acc3, IEEE)
+                    if G3 != G2:
+                        a3 = _scaled_pt(pt, vs_base + vrows + G3, row_ok, DOT_T)
+                        zsum3 += tl.sum(pt * tl.load(vz_base + vrows + G3, mask=row_ok, other=0.0).to(tl.float32)[:, None],
+                                        axis=0)
+                    acc3 = _dot(tl.trans(a3), _codes(vb, 3 * V_BITS, V_BITS, DOT_T, V_UNPACK), acc3, IEEE)
                     if V_LANES:
                         sa2 = sa1
-                        if ((2 * PV) // V_GROUP) != (PV // V_GROUP):
-                            sa2 = tl.sum(a2.to(tl.float32), axis=1)
+                        if G2 != G1:
+                            sa2 = tl.sum(a2.to(tl.float32), axis=0)
                         sa3 = sa2
-                        if ((3 * PV) // V_GROUP) != ((2 * PV) // V_GROUP):
-                            sa3 = tl.sum(a3.to(tl.float32), axis=1)
+                        if G3 != G2:
+                            sa3 = tl.sum(a3.to(tl.float32), axis=0)
                         asum2 += sa2
                         asum3 += sa3
-                # zero term of every group at once: (R_PAD, BLOCK_N) @ (BLOCK_N, ZP)
-                zt = tl.load(vz_base + vrows[:, None] + offs_z[None, :],
-                             mask=row_ok[:, None] & (offs_z[None, :] < NGV), other=0.0).to(DOT_T)
-                zacc = _dot(p.to(DOT_T), zt, zacc, IEEE)
             else:
-                p_dot = p.to(DOT_T)
+                p_dot = tl.trans(pt.to(DOT_T))  # (R_PAD, BLOCK_N)
                 vs_rows = vs_base + vrows
                 vz_rows = vz_base + vrows
                 acc0 = _v_deq_plane(acc0, p_dot, vb, vs_rows, vz_rows, 0, offs_pv, row_ok, V_GROUP,
@@ -792,26 +827,26 @@ def _decode_split_kernel(
                     acc3 = _v_deq_plane(acc3, p_dot, vb, vs_rows, vz_rows, 3 * PV, offs_pv, row_ok, V_GROUP,
                                         3 * V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE)
             if V_MEAN != 0:
-                pm = p
+                pm = pt  # (BLOCK_N, R_PAD)
                 if V_MEAN == 8:  # sum_n p_n (c_n * s_n + z_n) = (p * s) @ c + sum_n p_n z_n
                     vms = tl.load(vms_base + offs_n * stride_vmsn, mask=row_ok, other=0.0).to(tl.float32)
                     vmz = tl.load(vmz_base + offs_n * stride_vmsn, mask=row_ok, other=0.0).to(tl.float32)
-                    pm = p * vms[None, :]
-                    mzacc += tl.sum(p * vmz[None, :], axis=1)
+                    pm = pt * vms[:, None]
+                    mzacc += tl.sum(pt * vmz[:, None], axis=0)
                 # plane s: p @ mean[:, vc_s]; a lane-folded plane is scaled by 2**-(s * V_BITS) at the
                 # end, so its mean term goes in times 2**(s * V_BITS) (exact)
                 vm_rows = vm_base + offs_n[:, None] * stride_vmn  # (BLOCK_N, 1)
                 if VM_APART:  # input channel order, added to the stored output at the end
-                    macc = _dot(pm.to(DOT_T), _mean_tile(vm_rows, offs_d, row_ok, V_MEAN, DOT_T), macc, IEEE)
+                    macc = _dot(tl.trans(pm.to(DOT_T)), _mean_tile(vm_rows, offs_d, row_ok, V_MEAN, DOT_T), macc, IEEE)
                 else:
-                    acc0 = _dot(pm.to(DOT_T), _mean_tile(vm_rows, vc0, row_ok, V_MEAN, DOT_T), acc0, IEEE)
+                    acc0 = _dot(tl.trans(pm.to(DOT_T)), _mean_tile(vm_rows, vc0, row_ok, V_MEAN, DOT_T), acc0, IEEE)
                 if (PER_V > 1) & (not VM_APART):
-                    acc1 = _dot((pm * (1 << V_BITS) if V_LANES else pm).to(DOT_T),
+                    acc1 = _dot(tl.trans((pm * (1 << V_BITS) if V_LANES else pm).to(DOT_T)),
                                 _mean_tile(vm_rows, vc1, row_ok, V_MEAN, DOT_T), acc1, IEEE)
                 if (PER_V > 2) & (not VM_APART):
-                    acc2 = _dot((pm * (1 << (2 * V_BITS)) if V_LANES else pm).to(DOT_T),
+                    acc2 = _dot(tl.trans((pm * (1 << (2 * V_BITS)) if V_LANES else pm).to(DOT_T)),
                                 _mean_tile(vm_rows, vc2, row_ok, V_MEAN, DOT_T), acc2, IEEE)
-                    acc3 = _dot((pm * (1 << (3 * V_BITS)) if V_LANES else pm).to(DOT_T),
+                    acc3 = _dot(tl.trans((pm * (1 << (3 * V_BITS)) if V_LANES else pm).to(DOT_T)),
                                 _mean_tile(vm_rows, vc3, row_ok, V_MEAN, DOT_T), acc3, IEEE)
         if V_LANES:  # codes were 1024 + c * 2**(plane * V_BITS): remove both (exact scalings)
             acc0 = acc0 - 1024.0 * asum0[:, None]
@@ -829,13 +864,19 @@ def _decode_split_kernel(
             if PER_V > 2:
                 acc2 += mzacc[:, None]
                 acc3 += mzacc[:, None]
-        if V_FOLD:
-            acc0 += _zero_column(zacc, offs_z, 0)
+        if V_FOLD:  # planes of one value group share its zero sum
+            if G1 == 0:
+                zsum1 = zsum0
+            if G2 == G1:
+                zsum2 = zsum1
+            if G3 == G2:
+                zsum3 = zsum2
+            acc0 += zsum0[:, None]
             if PER_V > 1:
-                acc1 += _zero_column(zacc, offs_z, PV // V_GROUP)
+                acc1 += zsum1[:, None]
             if PER_V > 2:
-                acc2 += _zero_column(zacc, offs_z, (2 * PV) // V_GROUP)
-                acc3 += _zero_column(zacc, offs_z, (3 * PV) // V_GROUP)
+                acc2 += zsum2[:, None]
+                acc3 += zsum3[:, None]
         tl.store(M_part + part_row, m_i, mask=r_ok)
         tl.store(L_part + part_row, l_i, mask=r_ok)
         o_rows = O_part + part_row * D  # (R_PAD,) pointers
@@ -1079,13 +1120,15 @@ def _lanes_mismatch(dev: torch.device, d: int, rep: int, k_bits: int, v_bits: in
     same arithmetic in Triton ops (6) on random packed K/V; None when they agree, else what
     differed. The lane order the kernel undoes depends on how Triton lays the MMA operand
     registers out for the tile (seen to differ with two warps on one layout), so each compiled
-    variant is checked on the device once before it is used."""
+    variant is checked on the device once before it is used. Two splits of several blocks each:
+    with one block per split (what the plan gives so short a cache) two warps' lanes agreed here
+    and were wrong across blocks (error 2.0 on the GPU grid case d=64, GQA 3, K8V2)."""
     global _PROBING_LANES
     from dataclasses import replace
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     h = 2
-    n = 2 * k_group * max(1, 256 // k_group) if k_axis == "channel" else 256  # whole key groups
+    n = 4 * k_group * max(1, 256 // k_group) if k_axis == "channel" else 512  # whole key groups
     q = torch.randn(1, h * rep, d, generator=gen).to(dev, torch.float16)
 
     def side(bits, group, per_token):
@@ -1104,7 +1147,7 @@ def _lanes_mismatch(dev: torch.device, d: int, rep: int, k_bits: int, v_bits: in
             outs.append(_launch(q, kc, ks, kz, vc, vs, vz, k_bits=k_bits, v_bits=v_bits, k_group=k_group,
                                 v_group=v_group, k_axis=k_axis, scaling=d ** -0.5, softcap=None, packed_start=None,
                                 packed_end=None, packed_position=0, fp_segments=[], fp_positions=[], mask=None,
-                                config=replace(config, unpack=unpack)))
+                                config=replace(config, unpack=unpack, num_splits=2)))
     finally:
         _PROBING_LANES = False
         _plan.cache_clear()  # plans made while probing trusted the lanes
@@ -1236,14 +1279,12 @@ def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, d
     plain = 2 if (unpack == 5 and cuda and fast_unpack_available(dev_index, "bytes")) else 1
     k_unpack = plain if (unpack in (5, 6) and not k_fold) else unpack
     v_unpack = plain if (unpack in (5, 6) and not v_fold) else unpack
-    ngv = d // v_group
-    zp = max(16, triton.next_power_of_2(ngv))
     r_pad = max(config.min_rows, triton.next_power_of_2(rep))
     # the interpreter's tl.dot has no bfloat16 (stored as uint16 there): float32 products instead
     fp_t = tl.float32 if (fp_dtype == torch.float32 or interp) else _tl_dtype(fp_dtype)
     fp_ieee = fp_dtype == torch.float32 or interp
     fp_block = max(16, min(config.fp_block, 8192 // d))  # (FP_BLOCK, D) K and V tiles: keep them <= 8K elements
-    return (k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, ngv, zp, r_pad, fp_t, fp_ieee, fp_block
+    return (k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, r_pad, fp_t, fp_ieee, fp_block
 
 
 def _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config):
@@ -1416,7 +1457,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     fp_dtype = fp_all[0][0].dtype if fp_all else q.dtype
     if fp_all and any(s[0].dtype != fp_dtype for s in fp_all):
         raise ValueError("the full-precision segments (and the outlier pool) must share a dtype")
-    ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, ngv, zp, r_pad, fp_t, fp_ieee, fp_block) = _plan(
+    ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, r_pad, fp_t, fp_ieee, fp_block) = _plan(
         d, rep, k_bits, v_bits, k_group, v_group, k_axis, q.dtype, fp_dtype, dev.type, dev.index or 0,
         config, _interpreting())
 
@@ -1510,7 +1551,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
             h)
     meta = dict(R=rep, R_PAD=r_pad, D=d,
                 K_BITS=k_bits, V_BITS=v_bits, PK=pk, PV=pv, K_GROUP=k_group, V_GROUP=v_group,
-                K_FOLD=k_fold, V_FOLD=v_fold, NGV=ngv, ZP=zp,
+                K_FOLD=k_fold, V_FOLD=v_fold,
                 HAS_RANGE=has_range, HAS_MASK=has_mask, HAS_SOFTCAP=bool(softcap),
                 DOT_T=dot_t, IEEE=ieee, FP_T=fp_t, FP_IEEE=fp_ieee,
                 K_UNPACK=k_unpack, V_UNPACK=v_unpack, BLOCK_N=block_n, FP_BLOCK=fp_block,

@@ -973,26 +973,36 @@ NOTES = """
    channels) merges all partials at once, and short caches split down to one block per split
    (`min_splits`, 64): batch 1 CUDA-graph time 43.4 -> 28.5 us at 32k (0.86x -> 1.31x of bf16),
    15.4 -> 10.9 us at 4k (0.75x -> 1.05x) (`decode_splits.json`, `decode_latency.json`).
+6. Key products transposed ("swap AB"): scores^T (BLOCK_N, R) = codes (BLOCK_N, PK) @ (q * s)^T,
+   so a block's 64 tokens fill the MMA rows and the 4 query rows of the GQA group are its small
+   N; before, the 4 query rows were the M side, padded into 16-row fragments that Triton built
+   with register moves. Probe first (`kernels/bench/probe_swap.py`, a plain-layout copy of the
+   loop, `probe_swap.json`): 155 -> 111 us at batch 8 / 32k, 27.0 -> 22.5 us at batch 1 / 32k
+   (transposing the value products as well was slower: 143 us). In the production kernel
+   (masks, ranges, OTT, permutations, means kept): CUDA-graph time 0.155 -> 0.127 ms at batch 8
+   / 32k (1.57x -> 1.92x of bf16), 4-bit 0.166 -> 0.145 ms (1.47x -> 1.68x), batch 1 / 32k
+   28.2 -> 25.0 us (`decode_fitted.json`, `decode_latency.json`).
 
 ## Why the 5x / 3x targets are missed
 
-At 1.54x the kernel moves ~930 GB/s, 0.22 of the 4.3 TB/s copy bandwidth: it is bound by
-instruction issue and latency, not memory. Per 64-token block and kv head one warp issues ~1,840
-instructions (unpack now ~260 LOP3, the rest: ~440 register moves that build the 16-row MMA
-fragments from 4-row tiles, ~165 byte loads and permutes that gather each value code's 4
-consecutive tokens for the MMA operand, ~130 HMMA, softmax and scale sums), at 255 registers,
-so only 8 warps fit on an SM and the dependent chains are not hidden (about a third of the issue
-rate is used). Multi-warp tiles and register caps (`decode_tune.json`) trade the moves for
-shared-memory traffic or spills and were slower at batch 8 (at batch 1 / 4k two warps with the
-byte unpack were the fastest tile then: 0.0123 vs 0.0154 ms, bf16 0.0115). Closing the gap needs control Triton does not
-give: value codes stored in a fragment-friendly order (4 tokens of a channel per 32-bit word,
-as Marlin-style kernels store weights), and several kv heads or token sub-blocks per 16-row tile
-so no MMA row is padding. Small shapes (batch 1, short context, the small
-models) are additionally host-bound: ~80 us of Python + two Triton launches per call vs a GPU
-time of 14-44 us (see the latency table); CUDA-graph capture of the decode step removes that
-(`GraphDecoder`, `e2e.md`).
+At 1.92x the kernel moves ~1.15 TB/s, 0.27 of the 4.3 TB/s copy bandwidth: it is bound by
+instruction issue and latency, not memory. Before the transposed key products a 64-token block
+of one kv head cost one warp ~1,840 instructions (unpack ~260 LOP3, ~440 register moves building
+16-row MMA fragments from 4-row tiles, ~165 byte loads and permutes gathering each value code's
+consecutive tokens for the MMA operand, ~130 HMMA, softmax and scale sums) at 255 registers, so
+only 8 warps fit on an SM. Transposing the key side removed the key half of the padding moves
+(step 6); the value side still multiplies (R, BLOCK_N) probabilities by (BLOCK_N, PV) codes with
+the 4 query rows as M, and its transposed form (codes^T as the M side) was slower, because the
+codes then have to be regathered along tokens. Multi-warp tiles and register caps
+(`decode_tune.json`) traded the moves for shared-memory traffic or spills and were slower at
+batch 8. Closing the rest of the gap needs a value layout stored for the MMA (4 tokens of a
+channel per 32-bit word, as Marlin-style kernels store weights), i.e. a different packed format
+for values in the cache, the quantize-and-pack kernel, the tier moves and the Huffman tier.
+Small shapes (batch 1, short context, the small models) are additionally host-bound: ~150 us of
+Python + two Triton launches per call vs a GPU time of 6-25 us (see the latency table); CUDA-graph
+capture of the decode step removes that (`GraphDecoder`, `e2e.md`).
 Per-token value groups smaller than a plane (4-bit, group 32) take the per-element path and run
-at ~0.5x.
+at 0.5-0.7x of bf16.
 """
 
 
@@ -1029,7 +1039,7 @@ def _targets_section(rows, meta, out: Path) -> list[str]:
                 f"- The same on GPU time (`decode_latency.json`, CUDA-graph replay, 2-bit g128, 4k, 16k and 32k, three shapes): "
                 f"**{'met' if not slow_g else 'missed'}** ({len(slow_g)} of {len(lat)} rows slower; "
                 + ", ".join(f"{r['model']} {r['context'] // 1024}k {r['speedup_graph']:.2f}x" for r in lat)
-                + "). The do_bench rows above include ~85-130 us of host time per call (Python + two launches), "
+                + "). The do_bench rows above include ~100-150 us of host time per call (Python + two launches), "
                 "which a captured decode step (`kvcalib.runtime.graphs.GraphDecoder`) removes.")
     q = meta.get("quant_vs_prefill")
     if q:

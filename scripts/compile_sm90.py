@@ -104,8 +104,11 @@ for a,t in ins:
     if m and m.group(1) in addr_of_label and addr_of_label[m.group(1)]<a:
         body=[x for x in ins if addr_of_label[m.group(1)]<=x[0]<=a]
         cc=collections.Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)",x[1]).group(1) for x in body)
-        loops.append((len(body),cc.most_common(16)))
-for L in sorted(loops,reverse=True)[:1]: print("main loop", L)
+        loops.append((len(body),cc.most_common()))
+# the packed loop: the largest backward branch whose body has no bfloat16 MMA (those are the
+# full-precision chunk's; regions spanning both branches of the kernel are not the loop)
+packed = [L for L in loops if not any(op.endswith(".BF16") for op, _ in L[1])]
+for L in sorted(packed or loops, reverse=True)[:1]: print("main loop", (L[0], L[1][:16]))
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 usage = subprocess.run([cuobjdump, "--dump-resource-usage", f"{OUT_DIR}/k{bits}_b{block_n}_w{warps}_u{unpack}.cubin"],
                        capture_output=True, text=True).stdout

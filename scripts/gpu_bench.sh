@@ -18,6 +18,7 @@
 #         e2e-smoke   end-to-end on a small random model (checks the path, seconds)
 #         e2e         end-to-end, random-weight Mistral-7B shape at 32k context
 #         e2e-pats    the same, CUDA-graph decoding of a PATS middle-heavy cache beside plain 2-bit
+#         probe-swap  kernels/bench/probe_swap.py at 2 bits, batch 8 and 1 (transposed-products probe)
 # Everything is written under $OUT (the device tool returns it); each stage has a time limit so
 # the files of the earlier stages come back even if a later one runs long.
 set -uo pipefail
@@ -93,6 +94,10 @@ for st in $STAGES; do
       timeout "${KV_E2E_TIMEOUT:-300}" $PY kernels/bench/bench_decode.py --mode e2e --pats --steps "${KV_E2E_STEPS:-140}" \
         --batches-bf16 --batches-packed ${KV_E2E_BATCHES:-8} --out "$OUT" > "$OUT/e2e_pats.log" 2>&1
       echo "e2e-pats exit $?"; tail -n 8 "$OUT/e2e_pats.log" ;;
+    probe-swap)
+      timeout "${KV_PROBE_TIMEOUT:-300}" $PY kernels/bench/probe_swap.py --bits 2 --batches 8 1 --out "$OUT" \
+        > "$OUT/probe_swap.log" 2>&1
+      echo "probe-swap exit $?"; tail -n 6 "$OUT/probe_swap.log" ;;
     *) echo "unknown stage $st" ;;
   esac
 done

@@ -41,7 +41,9 @@ Arithmetic (what keeps the per-code work small):
   around them, so a lane reads exactly ``1024 + code * 2**shift``; the 1024 and the 2**shift are
   folded into the key bias / query planes and into the value accumulators (below), the lane
   order (bytes 0, 2, 1, 3) is undone on the query channels (keys) and on the loaded value rows.
-  ``unpack=6`` is that arithmetic in Triton ops (the interpreter's default). ``unpack=2``: a few
+  The folded sides unpack every plane of a tile in one PTX block (:func:`_code_planes`: the
+  exponent byte set once per 4 bytes by two ``prmt``, then one AND with an immediate per pair of
+  codes and plane). ``unpack=6`` is that arithmetic in Triton ops (the interpreter's default). ``unpack=2``: a few
   PTX instructions per 4 codes (``prmt`` into 16-bit lanes, OR the exponent, ``sub.f16x2``);
   ``unpack=3`` reads int32 words and keeps register pairs whole; ``1``/``4`` are those in Triton
   ops; ``unpack=0`` converts with ``.to``.
@@ -61,14 +63,15 @@ Arithmetic (what keeps the per-code work small):
   split programs.
 
 Performance status (H200, ``artifacts/bench/decode_attention.md``, CUDA-graph time): Mistral-7B
-shape, 32k, batch 8: 1.92x over the fastest bf16 SDPA at 2 bits, 1.68x at 4 bits; batch 1 GPU
-time 1.10-1.56x at 4k-32k on the three benchmark shapes (``decode_latency.json``); OTT pools cost
-1.0-1.1x plain, TaDA means 2.0-2.9x (every kv head's program reads the shared mean and runs a
+shape, 32k, batch 8: 2.02x over the fastest bf16 SDPA at 2 bits, 1.78x at 4 bits; batch 1 GPU
+time 1.13-1.63x at 4k-32k on the three benchmark shapes (``decode_latency.json``); OTT pools cost
+1.0-1.15x plain, TaDA means 2.5-3.2x (every kv head's program reads the shared mean and runs a
 full-width product with it; ``decode_fitted.json``); PATS tier stores
-(:func:`decode_attention_parts`, one split launch per store, one combine) 1.21x plain at batch 8 /
+(:func:`decode_attention_parts`, one split launch per store, one combine) 1.25x plain at batch 8 /
 32k. The key products run transposed (the block's tokens are the MMA rows, the GQA group's query
 rows its N); the value products still pad the 4 query rows into 16-row MMA tiles and gather value
-codes along tokens: the kernel is bound by instruction issue, not by memory.
+codes along tokens (storing them 4 tokens per word was slower, ``probe_vlayout.json``): the kernel
+is bound by instruction issue, not by memory.
 """
 
 from __future__ import annotations
@@ -283,6 +286,60 @@ def _unpack_lanes_asm(x, SHIFT: tl.constexpr, BITS: tl.constexpr):
             return tl.inline_asm_elementwise(_LANE_4_4, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
     else:
         return tl.inline_asm_elementwise(_LANE_8_0, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+
+
+def _lanes_all_asm(bits: int) -> str:
+    """PTX for :func:`_code_planes` (unpack 5): every plane of 4 packed bytes in one block.
+
+    Two ``prmt`` per 4 bytes build the register pairs (b0, 0x64, b2, 0x64) and (b1, 0x64, b3, 0x64):
+    the float16 exponent byte of 1024 is set once for all planes, so each plane is one AND with an
+    immediate (its code bits plus the exponent bits) per pair of codes -- the per-plane
+    ``(x & mask) | 0x6400`` of :func:`_lane_asm` needs a second constant in a register, which
+    ptxas rematerialized before every use (~130 register moves per block at batch 8 / 32k).
+    """
+    src = 2 * (8 // bits)
+    body = ("{ .reg .b32 r_l, r_h, r_c; mov.b32 r_c, 0x64646464; "
+            f"prmt.b32 r_l, ${src}, r_c, 0x4240; prmt.b32 r_h, ${src}, r_c, 0x4341; ")
+    for s in range(8 // bits):
+        m = (((1 << bits) - 1) << (s * bits)) | 0x6400
+        body += f"and.b32 ${2 * s}, r_l, 0x{m:04X}{m:04X}; and.b32 ${2 * s + 1}, r_h, 0x{m:04X}{m:04X}; "
+    return body + "}"
+
+
+_LANES_ALL_2 = tl.constexpr(_lanes_all_asm(2))
+_LANES_ALL_4 = tl.constexpr(_lanes_all_asm(4))
+_LANES_ALL_8 = tl.constexpr(_lanes_all_asm(8))
+
+
+@triton.jit
+def _code_planes(x, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexpr):
+    """All planes of a uint8 byte tile (N, P): 4 tiles, plane s = :func:`_codes` (x, s * BITS)
+    (tiles past 8 // BITS repeat plane 0). UNPACK 5 takes one PTX block for every plane (values
+    and lane order as :func:`_unpack_lanes_asm`); other unpacks go plane by plane."""
+    if UNPACK == 5:
+        if BITS == 2:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                _LANES_ALL_2, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+            return c0, c1, c2, c3
+        elif BITS == 4:
+            c0, c1 = tl.inline_asm_elementwise(_LANES_ALL_4, "=r,=r,=r,=r,r", [x], dtype=(tl.float16, tl.float16),
+                                               is_pure=True, pack=4)
+            return c0, c1, c0, c0
+        else:
+            c0 = tl.inline_asm_elementwise(_LANES_ALL_8, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+            return c0, c0, c0, c0
+    else:
+        c0 = _codes(x, 0, BITS, OUT_T, UNPACK)
+        c1 = c0
+        c2 = c0
+        c3 = c0
+        if BITS < 8:
+            c1 = _codes(x, BITS, BITS, OUT_T, UNPACK)
+        if BITS < 4:
+            c2 = _codes(x, 2 * BITS, BITS, OUT_T, UNPACK)
+            c3 = _codes(x, 3 * BITS, BITS, OUT_T, UNPACK)
+        return c0, c1, c2, c3
 
 
 @triton.jit
@@ -609,12 +666,11 @@ def _decode_split_kernel(
         q1 = q0
         q2 = q0
         q3 = q0
-        if not K_FOLD:
-            if PER_K > 1:
-                q1 = _q_plane_t(q_rows, r_ok, qc1, qk_scale)
-            if PER_K > 2:
-                q2 = _q_plane_t(q_rows, r_ok, qc2, qk_scale)
-                q3 = _q_plane_t(q_rows, r_ok, qc3, qk_scale)
+        if PER_K > 1:
+            q1 = _q_plane_t(q_rows, r_ok, qc1, qk_scale)
+        if PER_K > 2:
+            q2 = _q_plane_t(q_rows, r_ok, qc2, qk_scale)
+            q3 = _q_plane_t(q_rows, r_ok, qc3, qk_scale)
         # output channel of each column of value plane s (scattered back when V is permuted)
         vc0, vc1, vc2, vc3 = _plane_channels(offs_pv, PV, PER_V, VP + h * D, V_PERM)
         # TaDA means (input channel order, one (N, D) mean per sequence shared by the kv heads):
@@ -686,24 +742,22 @@ def _decode_split_kernel(
                     krow = (n0 // K_GROUP) * stride_ksn
                     qp0, kbias = _k_group_fold(q0, ks_base + krow, kz_base + krow, offs_pk, DOT_T, 0, K_LANES)
                     if PER_K > 1:
-                        qp1, b1 = _k_group_fold(_q_plane_t(q_rows, r_ok, qc1, qk_scale),
-                                                ks_base + krow + PK, kz_base + krow + PK, offs_pk, DOT_T,
+                        qp1, b1 = _k_group_fold(q1, ks_base + krow + PK, kz_base + krow + PK, offs_pk, DOT_T,
                                                 K_BITS, K_LANES)
                         kbias += b1
                     if PER_K > 2:
-                        qp2, b2 = _k_group_fold(_q_plane_t(q_rows, r_ok, qc2, qk_scale),
-                                                ks_base + krow + 2 * PK, kz_base + krow + 2 * PK, offs_pk, DOT_T,
+                        qp2, b2 = _k_group_fold(q2, ks_base + krow + 2 * PK, kz_base + krow + 2 * PK, offs_pk, DOT_T,
                                                 2 * K_BITS, K_LANES)
-                        qp3, b3 = _k_group_fold(_q_plane_t(q_rows, r_ok, qc3, qk_scale),
-                                                ks_base + krow + 3 * PK, kz_base + krow + 3 * PK, offs_pk, DOT_T,
+                        qp3, b3 = _k_group_fold(q3, ks_base + krow + 3 * PK, kz_base + krow + 3 * PK, offs_pk, DOT_T,
                                                 3 * K_BITS, K_LANES)
                         kbias += b2 + b3
-                scores = _dot(_codes(kb, 0, K_BITS, DOT_T, K_UNPACK), qp0, scores, IEEE)
+                kcode0, kcode1, kcode2, kcode3 = _code_planes(kb, K_BITS, DOT_T, K_UNPACK)  # (BLOCK_N, PK) each
+                scores = _dot(kcode0, qp0, scores, IEEE)
                 if PER_K > 1:
-                    scores = _dot(_codes(kb, K_BITS, K_BITS, DOT_T, K_UNPACK), qp1, scores, IEEE)
+                    scores = _dot(kcode1, qp1, scores, IEEE)
                 if PER_K > 2:
-                    scores = _dot(_codes(kb, 2 * K_BITS, K_BITS, DOT_T, K_UNPACK), qp2, scores, IEEE)
-                    scores = _dot(_codes(kb, 3 * K_BITS, K_BITS, DOT_T, K_UNPACK), qp3, scores, IEEE)
+                    scores = _dot(kcode2, qp2, scores, IEEE)
+                    scores = _dot(kcode3, qp3, scores, IEEE)
                 scores = scores + kbias[None, :]
             else:
                 ks_rows = ks_base + offs_n * stride_ksn
@@ -772,9 +826,10 @@ def _decode_split_kernel(
                 # plane s lies in value group (s * PV) // V_GROUP: (p * scale) is built once per group,
                 # and so is sum_n p * zero (added to every channel of the plane at the end);
                 # V_LANES: the plane's codes are 1024 + c * 2**shift, sum(p * scale) takes the 1024 out
+                vcode0, vcode1, vcode2, vcode3 = _code_planes(vb, V_BITS, DOT_T, V_UNPACK)  # (BLOCK_N, PV) each
                 a0 = _scaled_pt(pt, vs_base + vrows, row_ok, DOT_T)  # (BLOCK_N, R_PAD)
                 zsum0 += tl.sum(pt * tl.load(vz_base + vrows, mask=row_ok, other=0.0).to(tl.float32)[:, None], axis=0)
-                acc0 = _dot(tl.trans(a0), _codes(vb, 0, V_BITS, DOT_T, V_UNPACK), acc0, IEEE)
+                acc0 = _dot(tl.trans(a0), vcode0, acc0, IEEE)
                 if V_LANES:
                     sa0 = tl.sum(a0.to(tl.float32), axis=0)
                     asum0 += sa0
@@ -784,7 +839,7 @@ def _decode_split_kernel(
                         a1 = _scaled_pt(pt, vs_base + vrows + G1, row_ok, DOT_T)
                         zsum1 += tl.sum(pt * tl.load(vz_base + vrows + G1, mask=row_ok, other=0.0).to(tl.float32)[:, None],
                                         axis=0)
-                    acc1 = _dot(tl.trans(a1), _codes(vb, V_BITS, V_BITS, DOT_T, V_UNPACK), acc1, IEEE)
+                    acc1 = _dot(tl.trans(a1), vcode1, acc1, IEEE)
                     if V_LANES:
                         sa1 = sa0
                         if G1 != 0:
@@ -796,13 +851,13 @@ def _decode_split_kernel(
                         a2 = _scaled_pt(pt, vs_base + vrows + G2, row_ok, DOT_T)
                         zsum2 += tl.sum(pt * tl.load(vz_base + vrows + G2, mask=row_ok, other=0.0).to(tl.float32)[:, None],
                                         axis=0)
-                    acc2 = _dot(tl.trans(a2), _codes(vb, 2 * V_BITS, V_BITS, DOT_T, V_UNPACK), acc2, IEEE)
+                    acc2 = _dot(tl.trans(a2), vcode2, acc2, IEEE)
                     a3 = a2
                     if G3 != G2:
                         a3 = _scaled_pt(pt, vs_base + vrows + G3, row_ok, DOT_T)
                         zsum3 += tl.sum(pt * tl.load(vz_base + vrows + G3, mask=row_ok, other=0.0).to(tl.float32)[:, None],
                                         axis=0)
-                    acc3 = _dot(tl.trans(a3), _codes(vb, 3 * V_BITS, V_BITS, DOT_T, V_UNPACK), acc3, IEEE)
+                    acc3 = _dot(tl.trans(a3), vcode3, acc3, IEEE)
                     if V_LANES:
                         sa2 = sa1
                         if G2 != G1:

@@ -19,6 +19,7 @@
 #         e2e         end-to-end, random-weight Mistral-7B shape at 32k context
 #         e2e-pats    the same, CUDA-graph decoding of a PATS middle-heavy cache beside plain 2-bit
 #         probe-swap  kernels/bench/probe_swap.py at 2 bits, batch 8 and 1 (transposed-products probe)
+#         probe-vlayout   its second sweep: all-plane unpack, token-word value layout (2/4 bits, batch 8/1)
 # Everything is written under $OUT (the device tool returns it); each stage has a time limit so
 # the files of the earlier stages come back even if a later one runs long.
 set -uo pipefail
@@ -98,6 +99,10 @@ for st in $STAGES; do
       timeout "${KV_PROBE_TIMEOUT:-300}" $PY kernels/bench/probe_swap.py --bits 2 --batches 8 1 --out "$OUT" \
         > "$OUT/probe_swap.log" 2>&1
       echo "probe-swap exit $?"; tail -n 6 "$OUT/probe_swap.log" ;;
+    probe-vlayout)
+      timeout "${KV_PROBE_TIMEOUT:-300}" $PY kernels/bench/probe_swap.py --sweep vlayout --out "$OUT" \
+        > "$OUT/probe_vlayout.log" 2>&1
+      echo "probe-vlayout exit $?"; tail -n 6 "$OUT/probe_vlayout.log" ;;
     *) echo "unknown stage $st" ;;
   esac
 done

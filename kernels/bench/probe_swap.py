@@ -1,6 +1,6 @@
 """Probe: the split kernel with tokens as the MMA's M dimension ("swap AB"), plain packed K/V.
 
-The production split kernel (:mod:`kvcalib_kernels.decode_attention`) multiplies the R query
+The production split kernel (:mod:`kvcalib_kernels.decode_attention`) once multiplied the R query
 rows of a GQA group (4 for Mistral-7B, padded into 16-row MMA tiles) by the unpacked codes. This
 probe computes the transposed products instead: scores^T (BLOCK_N, RN) = codes (BLOCK_N, PK) @
 (q * s)^T (PK, RN) -- the codes fill the MMA rows, the R query rows become its small N -- and the
@@ -8,9 +8,18 @@ value product either as acc^T (PV, RN) = codes^T @ (p * s) (``v_swap``) or as be
 only (per-channel keys, per-token values with a group >= one plane, no window / mask / perm /
 means): enough to time against the production kernel at the same shape and check the outputs.
 
-``python kernels/bench/probe_swap.py [--out DIR]`` (CUDA): table of median CUDA-graph ms per
-variant at Mistral-7B shape, batch 1/8, 32k, 2/4 bits, with the max difference from the production
-kernel's output.
+Two further options, for the second sweep (``--sweep vlayout``):
+
+- ``k_unp`` / ``v_unp`` 7: every plane of a byte tile from one PTX block
+  (:func:`decode_attention._code_planes`, the exponent byte set once per 4 bytes) instead of one
+  block per plane (5);
+- ``v_tok``: value codes stored (B, H, N / 4, PV, 4) -- 4 consecutive tokens of a byte column per
+  32-bit word (:func:`to_tok`), so the value MMA's token-pair operand registers come from one word
+  instead of byte gathers from shared memory.
+
+``python kernels/bench/probe_swap.py [--sweep swap|vlayout] [--out DIR]`` (CUDA): median CUDA-graph
+time per variant at Mistral-7B shape, 32k, batch 8/1, 2/4 bits, with the max difference from the
+production kernel's output (``probe_swap.json`` / ``probe_vlayout.json``).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcalib_kernels.decode_attention import _codes, _combine, _partials, _perm4
+from kvcalib_kernels.decode_attention import _code_planes, _codes, _combine, _partials, _perm4
 
 
 @triton.jit
@@ -39,6 +48,7 @@ def _swap_split_kernel(
     R: tl.constexpr, RN: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     PK: tl.constexpr, PV: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, V_SWAP: tl.constexpr, K_UNP: tl.constexpr, V_UNP: tl.constexpr,
+    V_TOK: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -53,9 +63,9 @@ def _swap_split_kernel(
     offs_pv = tl.arange(0, PV)
     offs_bn = tl.arange(0, BLOCK_N)
     offs_qk = offs_pk
-    if K_UNP == 5:
+    if (K_UNP == 5) | (K_UNP == 7):
         offs_qk = _perm4(offs_pk)
-    if V_UNP == 5:
+    if (V_UNP == 5) | (V_UNP == 7):
         offs_bn = _perm4(offs_bn)
     start = pid_s * split_size
     end = tl.minimum(start + split_size, N)
@@ -125,12 +135,24 @@ def _swap_split_kernel(
                 qp3 = (qt3 * ks[:, None] * (1.0 / (1 << (3 * K_BITS)))).to(tl.float16)
                 kbias += tl.sum(qt3 * kz[:, None], axis=0) - 1024.0 * tl.sum(qp3.to(tl.float32), axis=0)
         st = tl.zeros([BLOCK_N, RN], tl.float32)
-        st = tl.dot(_codes(kb, 0, K_BITS, tl.float16, K_UNP), qp0, st)
+        if K_UNP == 7:
+            kc0, kc1, kc2, kc3 = _code_planes(kb, K_BITS, tl.float16, 5)
+        else:
+            kc0 = _codes(kb, 0, K_BITS, tl.float16, K_UNP)
+            kc1 = kc0
+            kc2 = kc0
+            kc3 = kc0
+            if PER_K > 1:
+                kc1 = _codes(kb, K_BITS, K_BITS, tl.float16, K_UNP)
+            if PER_K > 2:
+                kc2 = _codes(kb, 2 * K_BITS, K_BITS, tl.float16, K_UNP)
+                kc3 = _codes(kb, 3 * K_BITS, K_BITS, tl.float16, K_UNP)
+        st = tl.dot(kc0, qp0, st)
         if PER_K > 1:
-            st = tl.dot(_codes(kb, K_BITS, K_BITS, tl.float16, K_UNP), qp1, st)
+            st = tl.dot(kc1, qp1, st)
         if PER_K > 2:
-            st = tl.dot(_codes(kb, 2 * K_BITS, K_BITS, tl.float16, K_UNP), qp2, st)
-            st = tl.dot(_codes(kb, 3 * K_BITS, K_BITS, tl.float16, K_UNP), qp3, st)
+            st = tl.dot(kc2, qp2, st)
+            st = tl.dot(kc3, qp3, st)
         st = tl.where(row_ok[:, None], st + kbias[None, :], float("-inf"))  # (BLOCK_N, RN)
         m_new = tl.maximum(m_i, tl.max(st, axis=0))
         if tl.max(m_new - m_i, axis=0) > 8.0:
@@ -157,16 +179,33 @@ def _swap_split_kernel(
             m_i = m_new
         p = tl.exp2(st - m_i[None, :])  # (BLOCK_N, RN)
         l_i += tl.sum(p, axis=0)
-        offs_nv = n0 + offs_bn
-        vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_pv[None, :], mask=(offs_nv < end)[:, None],
-                     other=0)
+        if V_TOK:  # (N/4, PV, 4): 4 tokens of a byte column per 32-bit word (stored in lane order)
+            offs_k = tl.arange(0, BLOCK_N)
+            vbt = tl.load(vc_base + (n0 // 4 + offs_k[None, :] // 4) * stride_vcn + offs_pv[:, None] * 4
+                          + offs_k[None, :] % 4, mask=((n0 + offs_k) < end)[None, :], other=0)  # (PV, BLOCK_N)
+            vb = tl.trans(vbt)
+        else:
+            offs_nv = n0 + offs_bn
+            vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_pv[None, :], mask=(offs_nv < end)[:, None],
+                         other=0)
         vrow = vs_base + offs_n * stride_vsn
         zrow = vz_base + offs_n * stride_vsn
         vs = tl.load(vrow, mask=row_ok, other=0.0).to(tl.float32)
         a0 = (p * vs[:, None]).to(tl.float16)  # (BLOCK_N, RN)
         asum0 += tl.sum(a0.to(tl.float32), axis=0)
         zsum0 += tl.sum(p * tl.load(zrow, mask=row_ok, other=0.0).to(tl.float32)[:, None], axis=0)
-        c0 = _codes(vb, 0, V_BITS, tl.float16, V_UNP)
+        if V_UNP == 7:
+            c0, c1, c2, c3 = _code_planes(vb, V_BITS, tl.float16, 5)
+        else:
+            c0 = _codes(vb, 0, V_BITS, tl.float16, V_UNP)
+            c1 = c0
+            c2 = c0
+            c3 = c0
+            if PER_V > 1:
+                c1 = _codes(vb, V_BITS, V_BITS, tl.float16, V_UNP)
+            if PER_V > 2:
+                c2 = _codes(vb, 2 * V_BITS, V_BITS, tl.float16, V_UNP)
+                c3 = _codes(vb, 3 * V_BITS, V_BITS, tl.float16, V_UNP)
         if V_SWAP:
             acc0 = tl.dot(tl.trans(c0), a0, acc0)
         else:
@@ -178,7 +217,6 @@ def _swap_split_kernel(
                 a1 = (p * vs[:, None]).to(tl.float16)
                 zsum1 += tl.sum(p * tl.load(zrow + G1, mask=row_ok, other=0.0).to(tl.float32)[:, None], axis=0)
             asum1 += tl.sum(a1.to(tl.float32), axis=0)
-            c1 = _codes(vb, V_BITS, V_BITS, tl.float16, V_UNP)
             if V_SWAP:
                 acc1 = tl.dot(tl.trans(c1), a1, acc1)
             else:
@@ -196,8 +234,6 @@ def _swap_split_kernel(
                 a3 = (p * vs[:, None]).to(tl.float16)
                 zsum3 += tl.sum(p * tl.load(zrow + G3, mask=row_ok, other=0.0).to(tl.float32)[:, None], axis=0)
             asum3 += tl.sum(a3.to(tl.float32), axis=0)
-            c2 = _codes(vb, 2 * V_BITS, V_BITS, tl.float16, V_UNP)
-            c3 = _codes(vb, 3 * V_BITS, V_BITS, tl.float16, V_UNP)
             if V_SWAP:
                 acc2 = tl.dot(tl.trans(c2), a2, acc2)
                 acc3 = tl.dot(tl.trans(c3), a3, acc3)
@@ -233,7 +269,7 @@ def _swap_split_kernel(
 
 
 def swap_attention(q, kc, ks, kz, vc, vs, vz, *, bits, k_group, v_group, scaling, block_n=64, num_warps=1,
-                   v_swap=True, k_unp=6, v_unp=6, rn=None, splits=None, num_stages=2):
+                   v_swap=True, k_unp=6, v_unp=6, rn=None, splits=None, num_stages=2, v_tok=False):
     """Plain packed decode attention through the probe kernel: (B, Hq, D) float32."""
     b, hq, d = q.shape
     h, n = kc.shape[1], kc.shape[2]
@@ -252,10 +288,47 @@ def swap_attention(q, kc, ks, kz, vc, vs, vz, *, bits, k_group, v_group, scaling
         vc, vc.stride(0), vc.stride(1), vc.stride(2), vs, vz, vs.stride(0), vs.stride(1), vs.stride(2),
         n, split_size, scaling * 1.4426950408889634, h,
         R=r, RN=rn, D=d, K_BITS=bits, V_BITS=bits, PK=d * bits // 8, PV=d * bits // 8, K_GROUP=k_group,
-        V_GROUP=v_group, BLOCK_N=block_n, V_SWAP=v_swap, K_UNP=k_unp, V_UNP=v_unp,
+        V_GROUP=v_group, BLOCK_N=block_n, V_SWAP=v_swap, K_UNP=k_unp, V_UNP=v_unp, V_TOK=v_tok,
         num_warps=num_warps, num_stages=num_stages)
     _combine(m_part, l_part, o_part, splits, out)
     return out
+
+
+def to_tok(vc, lanes):
+    """(B, H, N, PV) codes -> (B, H, N / 4, PV, 4): 4 tokens of a byte column per 32-bit word, in the
+    lane unpack's order (0, 2, 1, 3) when ``lanes``."""
+    b, h, n, p = vc.shape
+    t = vc.view(b, h, n // 4, 4, p)
+    if lanes:
+        t = t[:, :, :, [0, 2, 1, 3], :]
+    return t.permute(0, 1, 2, 4, 3).contiguous()
+
+
+def sweep_variants(sweep: str) -> list[dict]:
+    """The probe options of one sweep: ``swap`` (which products to transpose, unpack, tile shape) or
+    ``vlayout`` (all-plane unpack and the token-word value layout, each with 2 and 3 stages)."""
+    variants = []
+    if sweep == "swap":
+        for vsw in (True, False):
+            for ku, vu in ((6, 6), (5, 6), (5, 5)):
+                for bn, nw in ((64, 1), (64, 4), (128, 4)):
+                    for rn in (4, 8, 16):
+                        variants.append(dict(v_swap=vsw, k_unp=ku, v_unp=vu, block_n=bn, num_warps=nw, rn=rn))
+        return variants
+    for ku, vu, vt, vsw in ((5, 5, False, False), (7, 7, False, False), (5, 5, True, False), (7, 7, True, False),
+                            (5, 5, True, True), (7, 7, True, True)):
+        for ns in (2, 3):
+            variants.append(dict(k_unp=ku, v_unp=vu, v_tok=vt, v_swap=vsw, num_stages=ns))
+    for extra in (dict(num_warps=2), dict(block_n=128), dict(rn=8)):
+        variants.append(dict(k_unp=7, v_unp=7, v_tok=True, v_swap=True, num_stages=2, **extra))
+    return variants
+
+
+def _inputs(packed, tok, v):
+    """The packed tensors a variant reads: the token-word value codes when ``v_tok``."""
+    if not v.get("v_tok"):
+        return packed
+    return (*packed[:3], tok[v["v_unp"] in (5, 7)], *packed[4:])
 
 
 def main(argv=None) -> None:
@@ -267,6 +340,7 @@ def main(argv=None) -> None:
     from kvcalib_kernels.decode_attention import decode_attention
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", choices=("swap", "vlayout"), default="swap")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--bits", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 1])
@@ -274,12 +348,7 @@ def main(argv=None) -> None:
     dev = torch.device("cuda")
     h, hq, d, n = 8, 32, 128, 32768
     scale = d ** -0.5
-    variants = []
-    for vsw in (True, False):
-        for ku, vu in ((6, 6), (5, 6), (5, 5)):
-            for bn, nw in ((64, 1), (64, 4), (128, 4)):
-                for rn in (4, 8, 16):
-                    variants.append(dict(v_swap=vsw, k_unp=ku, v_unp=vu, block_n=bn, num_warps=nw, rn=rn))
+    variants = sweep_variants(args.sweep)
     rows = []
     for bits in args.bits:
         for bsz in args.batches:
@@ -287,21 +356,24 @@ def main(argv=None) -> None:
             for seed in range(4 if bsz == 8 else 16):
                 q = torch.randn(bsz, hq, d, device=dev).half()
                 packed = packed_inputs(bsz, h, n, d, bits, 128, 128, dev, seed=seed)
-                sets.append((q, packed))
-            q0, p0 = sets[0]
+                tok = (to_tok(packed[3], False), to_tok(packed[3], True)) if args.sweep == "vlayout" else None
+                sets.append((q, packed, tok))
+            q0, p0, t0 = sets[0]
             ref = decode_attention(q0, *p0, k_bits=bits, v_bits=bits, k_group=128, v_group=128, scaling=scale)
             prod_ms = graph_ms_per_call([
                 (lambda q=q, p=p: decode_attention(q, *p, k_bits=bits, v_bits=bits, k_group=128, v_group=128,
-                                                   scaling=scale)) for q, p in sets], 200)
+                                                   scaling=scale)) for q, p, _ in sets], 200)
             rows.append(dict(kernel="production", bits=bits, batch=bsz, ms=prod_ms, err=0.0))
             print(f"bits {bits} batch {bsz}: production {prod_ms * 1e3:.1f} us", flush=True)
             for v in variants:
                 try:
-                    out = swap_attention(q0, *p0, bits=bits, k_group=128, v_group=128, scaling=scale, **v)
+                    out = swap_attention(q0, *_inputs(p0, t0, v), bits=bits, k_group=128, v_group=128,
+                                         scaling=scale, **v)
                     err = float((out - ref).abs().max())
                     ms = graph_ms_per_call([
-                        (lambda q=q, p=p: swap_attention(q, *p, bits=bits, k_group=128, v_group=128, scaling=scale,
-                                                         **v)) for q, p in sets], 200)
+                        (lambda q=q, p=_inputs(p, t, v): swap_attention(q, *p, bits=bits, k_group=128, v_group=128,
+                                                                         scaling=scale, **v)) for q, p, t in sets],
+                        200)
                 except Exception as e:  # noqa: BLE001 - a variant Triton refuses is reported
                     rows.append(dict(kernel="swap", bits=bits, batch=bsz, **v, ms=None, err=None,
                                      error=f"{type(e).__name__}: {str(e)[:200]}"))
@@ -311,17 +383,18 @@ def main(argv=None) -> None:
                 print(f"  {v}: {ms * 1e3:.1f} us ({prod_ms / ms:.2f}x production), max |diff| {err:.2e}", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "probe_swap.json").write_text(json.dumps(rows, indent=1))
+        (args.out / f"probe_{args.sweep}.json").write_text(json.dumps(rows, indent=1))
     ok = [r for r in rows if r["kernel"] == "swap" and r["ms"] and r["err"] is not None and r["err"] < 1e-2]
-    print("\nbest correct swap variant per shape:")
+    keys = sorted({k for v in variants for k in v})
+    print("\nbest correct probe variant per shape:")
     for bits in args.bits:
         for bsz in args.batches:
             prod = next(r for r in rows if r["kernel"] == "production" and r["bits"] == bits and r["batch"] == bsz)
             cand = [r for r in ok if r["bits"] == bits and r["batch"] == bsz]
             if cand:
                 best = min(cand, key=lambda r: r["ms"])
-                print(f"bits {bits} b{bsz}: production {prod['ms'] * 1e3:.1f} us, swap {best['ms'] * 1e3:.1f} us "
-                      f"({prod['ms'] / best['ms']:.2f}x) {({k: best[k] for k in ('v_swap', 'k_unp', 'v_unp', 'block_n', 'num_warps', 'rn')})}")
+                print(f"bits {bits} b{bsz}: production {prod['ms'] * 1e3:.1f} us, probe {best['ms'] * 1e3:.1f} us "
+                      f"({prod['ms'] / best['ms']:.2f}x) {({k: best.get(k) for k in keys})}")
 
 
 if __name__ == "__main__":

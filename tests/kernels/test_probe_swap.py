@@ -16,9 +16,10 @@ from kvcalib.quant.uniform import quantize_keys, quantize_values  # noqa: E402
 from kvcalib_kernels.reference import decode_attention_reference_in  # noqa: E402
 
 
-@pytest.mark.parametrize("bits,v_swap,block_n", [(2, False, 16), (2, True, 16), (4, False, 32), (4, True, 16)],
+@pytest.mark.parametrize("bits,v_swap,block_n,v_tok", [(2, False, 16, False), (2, True, 16, False), (4, False, 32, False),
+                                                     (4, True, 16, False), (2, False, 16, True), (4, True, 32, True)],
                          ids=str)
-def test_probe_matches_reference(bits, v_swap, block_n):
+def test_probe_matches_reference(bits, v_swap, block_n, v_tok):
     g = torch.Generator().manual_seed(bits)
     b, h, rep, d, n, group = 2, 2, 3, 64, 160, 32
     k = torch.randn(b, h, n, d, generator=g) * 2 + torch.randn(1, 1, 1, d, generator=g)
@@ -29,7 +30,9 @@ def test_probe_matches_reference(bits, v_swap, block_n):
     kw = dict(k_bits=bits, v_bits=bits, k_group=group, v_group=group, scaling=d ** -0.5)
     truth = decode_attention_reference_in(torch.float64, q, *packed, **kw)
     same = decode_attention_reference_in(torch.float16, q, *packed, **kw)
+    if v_tok:  # the token-word value layout (4 tokens of a byte column per word), plane-by-plane unpack
+        packed[3] = probe.to_tok(packed[3], False)
     out = probe.swap_attention(q, *packed, bits=bits, k_group=group, v_group=group, scaling=d ** -0.5,
-                               block_n=block_n, v_swap=v_swap, splits=3)
+                               block_n=block_n, v_swap=v_swap, splits=3, v_tok=v_tok)
     err = float((out - truth).abs().max())
     assert err <= 2 * float((same - truth).abs().max()) + 1e-3, err

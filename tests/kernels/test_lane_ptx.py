@@ -1,0 +1,61 @@
+"""The all-plane lane unpack's PTX (``decode_attention._lanes_all_asm``) computes, for every plane,
+what the Triton-ops lanes (``unpack=6``, the CPU specification) compute: float16 bits of
+``1024 + code * 2**shift`` for bytes (0, 2, 1, 3) of each 4.
+
+The GPU runs the PTX (checked there against unpack 6 by ``_lanes_mismatch``); here its three
+instructions (``mov``, ``prmt``, ``and``) are interpreted in Python on random words, so a wrong
+selector or mask fails on CPU too.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from tests.kernels.triton_setup import kernel_modules
+
+DEVICE, INTERPRET, (da,) = kernel_modules("kvcalib_kernels.decode_attention")
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX ``prmt.b32`` default mode: byte i of the result is byte ``sel[i]`` of {b, a} (a = 0..3)."""
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    return sum(pool[(sel >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
+
+
+def _run_ptx(src: str, word: int, n_out: int) -> list[int]:
+    """Interpret the asm block: ``$n_out`` is the input word, ``$0..`` the outputs."""
+    regs = {f"${n_out}": word}
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        return int(tok, 0) if tok[0].isdigit() else regs[tok]
+
+    for ins in re.findall(r"(mov|prmt|and)\.b32 ([^;]+);", src):
+        op, args = ins[0], [t.strip() for t in ins[1].split(",")]
+        if op == "mov":
+            regs[args[0]] = val(args[1])
+        elif op == "prmt":
+            regs[args[0]] = _prmt(val(args[1]), val(args[2]), val(args[3]))
+        else:
+            regs[args[0]] = val(args[1]) & val(args[2])
+    return [regs[f"${i}"] for i in range(n_out)]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_all_plane_ptx_matches_lanes(bits):
+    src = da._lanes_all_asm(bits)
+    planes = 8 // bits
+    rng = random.Random(bits)
+    for _ in range(500):
+        data = [rng.randrange(256) for _ in range(4)]
+        word = sum(x << (8 * i) for i, x in enumerate(data))
+        outs = _run_ptx(src, word, 2 * planes)
+        for s in range(planes):
+            shift = s * bits
+            mask = ((1 << bits) - 1) << shift
+            want = [0x6400 | (data[i] & mask) for i in (0, 2, 1, 3)]  # element k holds byte _perm4(k)
+            got = [outs[2 * s] & 0xFFFF, outs[2 * s] >> 16, outs[2 * s + 1] & 0xFFFF, outs[2 * s + 1] >> 16]
+            assert got == want, (bits, s, data, [hex(g) for g in got], [hex(w) for w in want])

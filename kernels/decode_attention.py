@@ -312,11 +312,12 @@ _LANES_ALL_8 = tl.constexpr(_lanes_all_asm(8))
 
 
 @triton.jit
-def _code_planes(x, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexpr):
+def _code_planes(x, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexpr, ONE_BLOCK: tl.constexpr = True):
     """All planes of a uint8 byte tile (N, P): 4 tiles, plane s = :func:`_codes` (x, s * BITS)
     (tiles past 8 // BITS repeat plane 0). UNPACK 5 takes one PTX block for every plane (values
-    and lane order as :func:`_unpack_lanes_asm`); other unpacks go plane by plane."""
-    if UNPACK == 5:
+    and lane order as :func:`_unpack_lanes_asm`) unless ONE_BLOCK is off (the probe's per-plane
+    variant); other unpacks go plane by plane."""
+    if (UNPACK == 5) & ONE_BLOCK:
         if BITS == 2:
             c0, c1, c2, c3 = tl.inline_asm_elementwise(
                 _LANES_ALL_2, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x],

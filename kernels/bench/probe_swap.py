@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcalib_kernels.decode_attention import _code_planes, _codes, _combine, _partials, _perm4
+from kvcalib_kernels.decode_attention import _code_planes, _combine, _partials, _perm4
 
 
 @triton.jit
@@ -48,7 +48,7 @@ def _swap_split_kernel(
     R: tl.constexpr, RN: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     PK: tl.constexpr, PV: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, V_SWAP: tl.constexpr, K_UNP: tl.constexpr, V_UNP: tl.constexpr,
-    V_TOK: tl.constexpr = False,
+    V_TOK: tl.constexpr = False, K_ALL: tl.constexpr = False, V_ALL: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -63,9 +63,9 @@ def _swap_split_kernel(
     offs_pv = tl.arange(0, PV)
     offs_bn = tl.arange(0, BLOCK_N)
     offs_qk = offs_pk
-    if (K_UNP == 5) | (K_UNP == 7):
+    if K_UNP == 5:
         offs_qk = _perm4(offs_pk)
-    if (V_UNP == 5) | (V_UNP == 7):
+    if V_UNP == 5:
         offs_bn = _perm4(offs_bn)
     start = pid_s * split_size
     end = tl.minimum(start + split_size, N)
@@ -135,18 +135,7 @@ def _swap_split_kernel(
                 qp3 = (qt3 * ks[:, None] * (1.0 / (1 << (3 * K_BITS)))).to(tl.float16)
                 kbias += tl.sum(qt3 * kz[:, None], axis=0) - 1024.0 * tl.sum(qp3.to(tl.float32), axis=0)
         st = tl.zeros([BLOCK_N, RN], tl.float32)
-        if K_UNP == 7:
-            kc0, kc1, kc2, kc3 = _code_planes(kb, K_BITS, tl.float16, 5)
-        else:
-            kc0 = _codes(kb, 0, K_BITS, tl.float16, K_UNP)
-            kc1 = kc0
-            kc2 = kc0
-            kc3 = kc0
-            if PER_K > 1:
-                kc1 = _codes(kb, K_BITS, K_BITS, tl.float16, K_UNP)
-            if PER_K > 2:
-                kc2 = _codes(kb, 2 * K_BITS, K_BITS, tl.float16, K_UNP)
-                kc3 = _codes(kb, 3 * K_BITS, K_BITS, tl.float16, K_UNP)
+        kc0, kc1, kc2, kc3 = _code_planes(kb, K_BITS, tl.float16, K_UNP, K_ALL)  # (BLOCK_N, PK) each
         st = tl.dot(kc0, qp0, st)
         if PER_K > 1:
             st = tl.dot(kc1, qp1, st)
@@ -194,18 +183,7 @@ def _swap_split_kernel(
         a0 = (p * vs[:, None]).to(tl.float16)  # (BLOCK_N, RN)
         asum0 += tl.sum(a0.to(tl.float32), axis=0)
         zsum0 += tl.sum(p * tl.load(zrow, mask=row_ok, other=0.0).to(tl.float32)[:, None], axis=0)
-        if V_UNP == 7:
-            c0, c1, c2, c3 = _code_planes(vb, V_BITS, tl.float16, 5)
-        else:
-            c0 = _codes(vb, 0, V_BITS, tl.float16, V_UNP)
-            c1 = c0
-            c2 = c0
-            c3 = c0
-            if PER_V > 1:
-                c1 = _codes(vb, V_BITS, V_BITS, tl.float16, V_UNP)
-            if PER_V > 2:
-                c2 = _codes(vb, 2 * V_BITS, V_BITS, tl.float16, V_UNP)
-                c3 = _codes(vb, 3 * V_BITS, V_BITS, tl.float16, V_UNP)
+        c0, c1, c2, c3 = _code_planes(vb, V_BITS, tl.float16, V_UNP, V_ALL)  # (BLOCK_N, PV) each
         if V_SWAP:
             acc0 = tl.dot(tl.trans(c0), a0, acc0)
         else:
@@ -288,7 +266,8 @@ def swap_attention(q, kc, ks, kz, vc, vs, vz, *, bits, k_group, v_group, scaling
         vc, vc.stride(0), vc.stride(1), vc.stride(2), vs, vz, vs.stride(0), vs.stride(1), vs.stride(2),
         n, split_size, scaling * 1.4426950408889634, h,
         R=r, RN=rn, D=d, K_BITS=bits, V_BITS=bits, PK=d * bits // 8, PV=d * bits // 8, K_GROUP=k_group,
-        V_GROUP=v_group, BLOCK_N=block_n, V_SWAP=v_swap, K_UNP=k_unp, V_UNP=v_unp, V_TOK=v_tok,
+        V_GROUP=v_group, BLOCK_N=block_n, V_SWAP=v_swap, K_UNP=5 if k_unp == 7 else k_unp,
+        V_UNP=5 if v_unp == 7 else v_unp, V_TOK=v_tok, K_ALL=k_unp == 7, V_ALL=v_unp == 7,
         num_warps=num_warps, num_stages=num_stages)
     _combine(m_part, l_part, o_part, splits, out)
     return out

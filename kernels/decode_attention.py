@@ -420,22 +420,25 @@ def _q_plane_t(q_rows, r_ok, offs_p, qk_scale):
 @triton.jit
 def _k_group_fold(q_t, ks_ptr, kz_ptr, offs_p, DOT_T: tl.constexpr, SHIFT: tl.constexpr, LANES: tl.constexpr):
     """Per-channel key parameters folded into one query plane for a whole key group:
-    ``q . (c * s + z) = (q * s) . c + q . z``. Returns ((q * s) as DOT_T (P, R_PAD), q . z (R_PAD,)).
+    ``q . (c * s + z) = (q * s) . c + q . z``. Returns ((q * s) as DOT_T (P, R_PAD), the bias
+    terms (P, R_PAD) float32 whose column sums are ``q . z``) -- the caller sums the terms of all
+    planes in one reduction (a reduction crosses the warp's threads; per plane they were most of
+    a 32-token key group's fold).
 
     LANES (the plane's codes arrive as ``1024 + c * 2**SHIFT``, unpack 5/6): the plane is
-    ``(q * s) * 2**-SHIFT`` (exact: a power of two) and the bias also takes
-    ``-1024 * sum(plane)``, summed from the rounded DOT_T values the product uses, so the 1024
-    cancels exactly. q_t (P, R_PAD) float32 (pre-scaled, :func:`_q_plane_t`); ks_ptr/kz_ptr: the
-    plane's P parameters.
+    ``(q * s) * 2**-SHIFT`` (exact: a power of two) and the bias terms also take
+    ``-1024 * plane``, from the rounded DOT_T values the product uses, so the 1024 cancels
+    exactly. q_t (P, R_PAD) float32 (pre-scaled, :func:`_q_plane_t`); ks_ptr/kz_ptr: the plane's
+    P parameters.
     """
     ks = tl.load(ks_ptr + offs_p).to(tl.float32)  # (P,)
     kz = tl.load(kz_ptr + offs_p).to(tl.float32)  # (P,)
-    bias = tl.sum(q_t * kz[:, None], axis=0)  # (R_PAD,)
+    terms = q_t * kz[:, None]  # (P, R_PAD)
     if LANES:
         qp = (q_t * ks[:, None] * (1.0 / (1 << SHIFT))).to(DOT_T)  # (P, R_PAD)
-        return qp, bias - 1024.0 * tl.sum(qp.to(tl.float32), axis=0)
+        return qp, terms - 1024.0 * qp.to(tl.float32)
     else:
-        return (q_t * ks[:, None]).to(DOT_T), bias
+        return (q_t * ks[:, None]).to(DOT_T), terms
 
 
 @triton.jit
@@ -472,6 +475,24 @@ def _scaled_pt(p_t, vs_rows, row_ok, DOT_T: tl.constexpr):
 
 
 @triton.jit
+def _v_group_product(acc, corr, pt, codes, vs_rows, vz_rows, row_ok, DOT_T: tl.constexpr, IEEE: tl.constexpr,
+                     LANES: tl.constexpr, SHIFT: tl.constexpr):
+    """One value group's codes (BLOCK_N, W) (a chunk of a plane lying in that group) into its
+    accumulator (R_PAD, W): ``acc + (p * scale)^T @ codes``, and the group's per-row correction
+    (R_PAD,) ``corr + sum_n p * zero``; LANES (codes ``1024 + c * 2**SHIFT``, the accumulator is
+    scaled by ``2**-SHIFT`` at the end) also ``- 1024 * 2**-SHIFT * sum_n (p * scale)``, from the
+    rounded ``p * scale`` the product used (one reduction per group instead of two).
+    pt (BLOCK_N, R_PAD) float32 transposed probabilities; vs_rows/vz_rows (BLOCK_N,) pointers to
+    each token's scale / zero of the group."""
+    a = _scaled_pt(pt, vs_rows, row_ok, DOT_T)  # (BLOCK_N, R_PAD)
+    t = pt * tl.load(vz_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]  # (BLOCK_N, R_PAD)
+    if LANES:
+        t = t - (1024.0 / (1 << SHIFT)) * a.to(tl.float32)
+    acc = _dot(tl.trans(a), codes, acc, IEEE)
+    return acc, corr + tl.sum(t, axis=0)
+
+
+@triton.jit
 def _v_deq_plane(acc, p_dot, vb, vs_rows, vz_rows, col0, offs_p, row_ok, GROUP: tl.constexpr,
                  SHIFT: tl.constexpr, BITS: tl.constexpr, DOT_T: tl.constexpr,
                  UNPACK: tl.constexpr, IEEE: tl.constexpr):
@@ -485,19 +506,23 @@ def _v_deq_plane(acc, p_dot, vb, vs_rows, vz_rows, col0, offs_p, row_ok, GROUP: 
 
 
 @triton.jit
-def _plane_channels(offs_p, P: tl.constexpr, PLANES: tl.constexpr, perm_row, PERM: tl.constexpr):
-    """Input channel of each column of planes 0..3 (stored channels ``[s * P, (s + 1) * P)``, in
-    ``offs_p``'s column order): the stored channel itself, or ``perm_row[j]`` (the kv head's SKVQ
-    permutation, int32 (D,)) when PERM. Planes past PLANES are returned unpermuted (unused)."""
+def _plane_channels(offs_p, P: tl.constexpr, PLANES: tl.constexpr, perm_row, PERM: tl.constexpr,
+                    NCH: tl.constexpr = 1):
+    """Input channel of each column of tiles 0..3, in ``offs_p``'s column order: the stored
+    channel itself, or ``perm_row[j]`` (the kv head's SKVQ permutation, int32 (D,)) when PERM.
+    NCH = 1: tile s is plane s (stored channels ``[s * P, (s + 1) * P)``); NCH > 1 (value groups
+    narrower than a plane): tile g is chunk ``g % NCH`` of plane ``g // NCH``, ``P / NCH``
+    columns. Tiles past PLANES * NCH are returned unpermuted (unused)."""
+    W: tl.constexpr = P // NCH
     c0 = offs_p
-    c1 = P + offs_p
-    c2 = 2 * P + offs_p
-    c3 = 3 * P + offs_p
+    c1 = (1 // NCH) * P + (1 % NCH) * W + offs_p
+    c2 = (2 // NCH) * P + (2 % NCH) * W + offs_p
+    c3 = (3 // NCH) * P + (3 % NCH) * W + offs_p
     if PERM:
         c0 = tl.load(perm_row + c0)
-        if PLANES > 1:
+        if PLANES * NCH > 1:
             c1 = tl.load(perm_row + c1)
-        if PLANES > 2:
+        if PLANES * NCH > 2:
             c2 = tl.load(perm_row + c2)
             c3 = tl.load(perm_row + c3)
     return c0, c1, c2, c3
@@ -610,7 +635,7 @@ def _decode_split_kernel(
     K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr, BLOCK_N: tl.constexpr, FP_BLOCK: tl.constexpr,
     K_PERM: tl.constexpr = False, V_PERM: tl.constexpr = False, K_MEAN: tl.constexpr = 0,
     V_MEAN: tl.constexpr = 0, MASK_PACKED: tl.constexpr = True, HAS_KEEP: tl.constexpr = False,
-    KEEP_BLOCK: tl.constexpr = 8, RESCALE: tl.constexpr = 8.0,
+    KEEP_BLOCK: tl.constexpr = 8, RESCALE: tl.constexpr = 8.0, V_NCH: tl.constexpr = 1,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -622,6 +647,11 @@ def _decode_split_kernel(
     part_row = (b * H * R + h * R + offs_r).to(tl.int64) * S_TOT + S_OFF + pid_s  # (R_PAD,)
     PER_K: tl.constexpr = 8 // K_BITS
     PER_V: tl.constexpr = 8 // V_BITS
+    # value accumulators: one per plane (V_NCH 1), or, with value groups narrower than a plane
+    # (fold path, V_NCH = PV / V_GROUP chunks of V_GROUP byte columns), one per value group
+    # g = plane * V_NCH + chunk, each AW = PV / V_NCH channels wide
+    NACC: tl.constexpr = PER_V * V_NCH
+    AW: tl.constexpr = PV // V_NCH
 
     if pid_s < num_splits:
         # ------------------------------------------------ packed split
@@ -672,8 +702,11 @@ def _decode_split_kernel(
         if PER_K > 2:
             q2 = _q_plane_t(q_rows, r_ok, qc2, qk_scale)
             q3 = _q_plane_t(q_rows, r_ok, qc3, qk_scale)
-        # output channel of each column of value plane s (scattered back when V is permuted)
-        vc0, vc1, vc2, vc3 = _plane_channels(offs_pv, PV, PER_V, VP + h * D, V_PERM)
+        # output channel of each column of value accumulator s (scattered back when V is permuted)
+        offs_av = offs_pv  # (AW,) byte column of each accumulator column within its chunk
+        if V_NCH > 1:
+            offs_av = tl.arange(0, AW)
+        vc0, vc1, vc2, vc3 = _plane_channels(offs_av, PV, PER_V, VP + h * D, V_PERM, V_NCH)
         # TaDA means (input channel order, one (N, D) mean per sequence shared by the kv heads):
         # the key mean adds q . mean_n to each score; the value mean adds sum_n p_n mean_n into
         # each value plane's accumulator, read at the plane's output channels (vc*)
@@ -692,8 +725,9 @@ def _decode_split_kernel(
         vmz_base = VMZ + b.to(tl.int64) * stride_vmsb
         mzacc = tl.zeros([R_PAD], tl.float32)  # sum_n p_n * zero_n of 8-bit value means
         # with a permuted V, the value mean accumulates apart in input channel order (a mean tile
-        # read at each plane's permuted channels is a byte gather: 7x slower at batch 8 / 32k)
-        VM_APART: tl.constexpr = V_PERM & (V_MEAN != 0)
+        # read at each plane's permuted channels is a byte gather: 7x slower at batch 8 / 32k);
+        # so does it with value-group accumulators (V_NCH > 1)
+        VM_APART: tl.constexpr = (V_PERM | (V_NCH > 1)) & (V_MEAN != 0)
         macc = tl.zeros([R_PAD, D], tl.float32)  # sum_n p_n mean_n, used when VM_APART
         kc_base = KC + b.to(tl.int64) * stride_kcb + h.to(tl.int64) * stride_kch
         ks_base = KS + b.to(tl.int64) * stride_ksb + h.to(tl.int64) * stride_ksh
@@ -705,11 +739,11 @@ def _decode_split_kernel(
 
         m_i = tl.full([R_PAD], -1.0e30, tl.float32)  # finite: a fully masked block keeps alpha = 1
         l_i = tl.zeros([R_PAD], tl.float32)
-        acc0 = tl.zeros([R_PAD, PV], tl.float32)  # one accumulator per value plane
-        acc1 = tl.zeros([R_PAD, PV], tl.float32)
-        acc2 = tl.zeros([R_PAD, PV], tl.float32)
-        acc3 = tl.zeros([R_PAD, PV], tl.float32)
-        zsum0 = tl.zeros([R_PAD], tl.float32)  # sum_n p * zero of value plane s's group (fold path)
+        acc0 = tl.zeros([R_PAD, AW], tl.float32)  # one accumulator per value plane (or group, NACC)
+        acc1 = tl.zeros([R_PAD, AW], tl.float32)
+        acc2 = tl.zeros([R_PAD, AW], tl.float32)
+        acc3 = tl.zeros([R_PAD, AW], tl.float32)
+        zsum0 = tl.zeros([R_PAD], tl.float32)  # sum_n p * zero of value accumulator s's group (fold path)
         zsum1 = zsum0
         zsum2 = zsum0
         zsum3 = zsum0
@@ -741,17 +775,18 @@ def _decode_split_kernel(
             if K_FOLD:
                 if ((n0 % K_GROUP) == 0) | (n0 == start):  # a new key group (blocks never straddle one)
                     krow = (n0 // K_GROUP) * stride_ksn
-                    qp0, kbias = _k_group_fold(q0, ks_base + krow, kz_base + krow, offs_pk, DOT_T, 0, K_LANES)
+                    qp0, bt = _k_group_fold(q0, ks_base + krow, kz_base + krow, offs_pk, DOT_T, 0, K_LANES)
                     if PER_K > 1:
                         qp1, b1 = _k_group_fold(q1, ks_base + krow + PK, kz_base + krow + PK, offs_pk, DOT_T,
                                                 K_BITS, K_LANES)
-                        kbias += b1
+                        bt += b1
                     if PER_K > 2:
                         qp2, b2 = _k_group_fold(q2, ks_base + krow + 2 * PK, kz_base + krow + 2 * PK, offs_pk, DOT_T,
                                                 2 * K_BITS, K_LANES)
                         qp3, b3 = _k_group_fold(q3, ks_base + krow + 3 * PK, kz_base + krow + 3 * PK, offs_pk, DOT_T,
                                                 3 * K_BITS, K_LANES)
-                        kbias += b2 + b3
+                        bt += b2 + b3
+                    kbias = tl.sum(bt, axis=0)  # (R_PAD,) q . zero of every plane, one reduction
                 kcode0, kcode1, kcode2, kcode3 = _code_planes(kb, K_BITS, DOT_T, K_UNPACK)  # (BLOCK_N, PK) each
                 scores = _dot(kcode0, qp0, scores, IEEE)
                 if PER_K > 1:
@@ -795,9 +830,9 @@ def _decode_split_kernel(
                 alpha = tl.exp2(m_i - m_new)
                 l_i = l_i * alpha
                 acc0 = acc0 * alpha[:, None]
-                if PER_V > 1:
+                if NACC > 1:
                     acc1 = acc1 * alpha[:, None]
-                if PER_V > 2:
+                if NACC > 2:
                     acc2 = acc2 * alpha[:, None]
                     acc3 = acc3 * alpha[:, None]
                 if V_FOLD:
@@ -820,10 +855,38 @@ def _decode_split_kernel(
             # ---- values: all planes from one (BLOCK_N, PV) byte tile; the products take the
             # transposed probabilities back as their (R_PAD, BLOCK_N) M operand
             offs_nv = n0 + offs_bn  # (BLOCK_N,) token of each loaded value row (see offs_bn)
-            vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_vw[None, :], mask=(offs_nv < end)[:, None],
-                         other=0)
             vrows = offs_n * stride_vsn
-            if V_FOLD:
+            if V_NCH > 1:
+                # value groups narrower than a plane: chunk c of the byte columns holds, in plane s,
+                # channels of group s * V_NCH + c only, so each (plane, chunk) tile folds its
+                # group's (p * scale) like a whole plane does below (4-bit: groups 0, 1 from the
+                # low nibbles, 2, 3 from the high ones; 8-bit: one group per chunk)
+                nv_ok = (offs_nv < end)[:, None]
+                vrow_ptr = vc_base + offs_nv[:, None] * stride_vcn + offs_av[None, :]  # (BLOCK_N, AW)
+                u00, u01, _, _ = _code_planes(tl.load(vrow_ptr, mask=nv_ok, other=0), V_BITS, DOT_T, V_UNPACK)
+                u10, u11, _, _ = _code_planes(tl.load(vrow_ptr + AW, mask=nv_ok, other=0), V_BITS, DOT_T, V_UNPACK)
+                # (zsum g: the group's zero term and, V_LANES, its 1024 -- asum stays 0 on this path)
+                acc0, zsum0 = _v_group_product(acc0, zsum0, pt, u00, vs_base + vrows, vz_base + vrows, row_ok, DOT_T,
+                                               IEEE, V_LANES, 0)
+                acc1, zsum1 = _v_group_product(acc1, zsum1, pt, u10, vs_base + vrows + 1, vz_base + vrows + 1, row_ok,
+                                               DOT_T, IEEE, V_LANES, (1 // V_NCH) * V_BITS)
+                if PER_V > 1:  # (then V_NCH == 2)
+                    acc2, zsum2 = _v_group_product(acc2, zsum2, pt, u01, vs_base + vrows + 2, vz_base + vrows + 2,
+                                                   row_ok, DOT_T, IEEE, V_LANES, V_BITS)
+                    acc3, zsum3 = _v_group_product(acc3, zsum3, pt, u11, vs_base + vrows + 3, vz_base + vrows + 3,
+                                                   row_ok, DOT_T, IEEE, V_LANES, V_BITS)
+                elif V_NCH > 2:
+                    u20, _, _, _ = _code_planes(tl.load(vrow_ptr + 2 * AW, mask=nv_ok, other=0), V_BITS, DOT_T,
+                                                V_UNPACK)
+                    u30, _, _, _ = _code_planes(tl.load(vrow_ptr + 3 * AW, mask=nv_ok, other=0), V_BITS, DOT_T,
+                                                V_UNPACK)
+                    acc2, zsum2 = _v_group_product(acc2, zsum2, pt, u20, vs_base + vrows + 2, vz_base + vrows + 2,
+                                                   row_ok, DOT_T, IEEE, V_LANES, 0)
+                    acc3, zsum3 = _v_group_product(acc3, zsum3, pt, u30, vs_base + vrows + 3, vz_base + vrows + 3,
+                                                   row_ok, DOT_T, IEEE, V_LANES, 0)
+            elif V_FOLD:
+                vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_vw[None, :],
+                             mask=(offs_nv < end)[:, None], other=0)
                 # plane s lies in value group (s * PV) // V_GROUP: (p * scale) is built once per group,
                 # and so is sum_n p * zero (added to every channel of the plane at the end);
                 # V_LANES: the plane's codes are 1024 + c * 2**shift, sum(p * scale) takes the 1024 out
@@ -869,6 +932,8 @@ def _decode_split_kernel(
                         asum2 += sa2
                         asum3 += sa3
             else:
+                vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_vw[None, :],
+                             mask=(offs_nv < end)[:, None], other=0)
                 p_dot = tl.trans(pt.to(DOT_T))  # (R_PAD, BLOCK_N)
                 vs_rows = vs_base + vrows
                 vz_rows = vz_base + vrows
@@ -906,11 +971,11 @@ def _decode_split_kernel(
                                 _mean_tile(vm_rows, vc3, row_ok, V_MEAN, DOT_T), acc3, IEEE)
         if V_LANES:  # codes were 1024 + c * 2**(plane * V_BITS): remove both (exact scalings)
             acc0 = acc0 - 1024.0 * asum0[:, None]
-            if PER_V > 1:
-                acc1 = (acc1 - 1024.0 * asum1[:, None]) * (1.0 / (1 << V_BITS))
-            if PER_V > 2:
-                acc2 = (acc2 - 1024.0 * asum2[:, None]) * (1.0 / (1 << (2 * V_BITS)))
-                acc3 = (acc3 - 1024.0 * asum3[:, None]) * (1.0 / (1 << (3 * V_BITS)))
+            if NACC > 1:
+                acc1 = (acc1 - 1024.0 * asum1[:, None]) * (1.0 / (1 << ((1 // V_NCH) * V_BITS)))
+            if NACC > 2:
+                acc2 = (acc2 - 1024.0 * asum2[:, None]) * (1.0 / (1 << ((2 // V_NCH) * V_BITS)))
+                acc3 = (acc3 - 1024.0 * asum3[:, None]) * (1.0 / (1 << ((3 // V_NCH) * V_BITS)))
         if VM_APART:
             macc += mzacc[:, None]
         elif V_MEAN == 8:  # the 8-bit means' zero points, one per token, on every channel
@@ -921,25 +986,26 @@ def _decode_split_kernel(
                 acc2 += mzacc[:, None]
                 acc3 += mzacc[:, None]
         if V_FOLD:  # planes of one value group share its zero sum
-            if G1 == 0:
-                zsum1 = zsum0
-            if G2 == G1:
-                zsum2 = zsum1
-            if G3 == G2:
-                zsum3 = zsum2
+            if V_NCH == 1:
+                if G1 == 0:
+                    zsum1 = zsum0
+                if G2 == G1:
+                    zsum2 = zsum1
+                if G3 == G2:
+                    zsum3 = zsum2
             acc0 += zsum0[:, None]
-            if PER_V > 1:
+            if NACC > 1:
                 acc1 += zsum1[:, None]
-            if PER_V > 2:
+            if NACC > 2:
                 acc2 += zsum2[:, None]
                 acc3 += zsum3[:, None]
         tl.store(M_part + part_row, m_i, mask=r_ok)
         tl.store(L_part + part_row, l_i, mask=r_ok)
         o_rows = O_part + part_row * D  # (R_PAD,) pointers
         tl.store(o_rows[:, None] + vc0[None, :], acc0, mask=r_ok[:, None])
-        if PER_V > 1:
+        if NACC > 1:
             tl.store(o_rows[:, None] + vc1[None, :], acc1, mask=r_ok[:, None])
-        if PER_V > 2:
+        if NACC > 2:
             tl.store(o_rows[:, None] + vc2[None, :], acc2, mask=r_ok[:, None])
             tl.store(o_rows[:, None] + vc3[None, :], acc3, mask=r_ok[:, None])
         if VM_APART:  # add the value mean (input channel order) onto the planes just stored
@@ -1065,6 +1131,10 @@ class DecodeConfig:
       into the MMA fragment), which holds fewer registers but moves more.
     - ``maxnreg``: register cap per thread passed to ptxas (None: ptxas decides; with one warp
       per program it takes all 255, which caps occupancy at 8 warps per SM).
+    - ``value_chunks``: value groups narrower than a plane of codes (e.g. 4-bit, head_dim 128,
+      v_group 32) fold their scales per (plane, chunk of v_group byte columns) into one
+      accumulator per group (at most 4 groups per head); off: they dequantize per element (the
+      slower path, kept for comparison: ``bench_decode.py --mode groups``).
     """
 
     block_n: int = 64
@@ -1080,6 +1150,7 @@ class DecodeConfig:
     small_block_n: int = 32  # ... and 4k 8.5 -> 7.5 us
     min_rows: int = 4  # 16 before: 0.196 -> 0.159 ms at batch 8 / 32k, 2-bit, with unpack 5 (artifacts/bench/decode_tune.json)
     maxnreg: int | None = None
+    value_chunks: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):
@@ -1330,6 +1401,11 @@ def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, d
     block_n = _pow2_divisor(k_group, config.block_n) if k_axis == "channel" else config.block_n
     k_fold = k_axis == "channel"
     v_fold = v_group >= pv and v_group % pv == 0
+    # value groups narrower than a plane: fold per (plane, chunk of v_group byte columns), one
+    # accumulator per value group (at most 4; not with the int32-word reads of unpack 3/4)
+    v_chunks = 1
+    if config.value_chunks and not v_fold and pv % v_group == 0 and d // v_group <= 4 and v_group >= 16 and unpack not in (3, 4):
+        v_fold, v_chunks = True, pv // v_group
     # the lane unpacks (5 PTX, 6 Triton ops) leave 1024 + c * 2**shift for the folds to remove; a
     # side that dequantizes per element (no fold) takes the byte unpack of the same kind instead
     plain = 2 if (unpack == 5 and cuda and fast_unpack_available(dev_index, "bytes")) else 1
@@ -1340,7 +1416,7 @@ def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, d
     fp_t = tl.float32 if (fp_dtype == torch.float32 or interp) else _tl_dtype(fp_dtype)
     fp_ieee = fp_dtype == torch.float32 or interp
     fp_block = max(16, min(config.fp_block, 8192 // d))  # (FP_BLOCK, D) K and V tiles: keep them <= 8K elements
-    return (k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, r_pad, fp_t, fp_ieee, fp_block
+    return (k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, v_chunks, r_pad, fp_t, fp_ieee, fp_block
 
 
 def _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config):
@@ -1513,7 +1589,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     fp_dtype = fp_all[0][0].dtype if fp_all else q.dtype
     if fp_all and any(s[0].dtype != fp_dtype for s in fp_all):
         raise ValueError("the full-precision segments (and the outlier pool) must share a dtype")
-    ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, r_pad, fp_t, fp_ieee, fp_block) = _plan(
+    ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, v_chunks, r_pad, fp_t, fp_ieee, fp_block) = _plan(
         d, rep, k_bits, v_bits, k_group, v_group, k_axis, q.dtype, fp_dtype, dev.type, dev.index or 0,
         config, _interpreting())
 
@@ -1612,7 +1688,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 DOT_T=dot_t, IEEE=ieee, FP_T=fp_t, FP_IEEE=fp_ieee,
                 K_UNPACK=k_unpack, V_UNPACK=v_unpack, BLOCK_N=block_n, FP_BLOCK=fp_block,
                 K_PERM=kp is not dummy32, V_PERM=vp is not dummy32, K_MEAN=means[0][0], V_MEAN=means[1][0],
-                MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)),
+                MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)), V_NCH=v_chunks,
                 num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config))
     return _SplitCall(bsz * h, s_tot, args, meta)
 

@@ -438,7 +438,7 @@ def _inspect_diff(a: str, b: str, model: Optional[str], context: int, as_json: b
 def bench(ctx: typer.Context) -> None:
     """GPU decode-attention and end-to-end benchmarks against bf16 (DESIGN.md protocol).
 
-    Arguments are passed to kernels/bench/bench_decode.py (--mode micro|latency|splits|tune|e2e|report,
+    Arguments are passed to kernels/bench/bench_decode.py (--mode micro|latency|splits|tune|fitted|groups|e2e|report,
     --quick, --out DIR, ...).
     """
     import torch

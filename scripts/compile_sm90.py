@@ -4,8 +4,10 @@ memory, register use and the SASS instruction mix of the main (packed) loop. Cos
 
     python scripts/compile_sm90.py BITS BLOCK_N WARPS UNPACK [STAGES [MIN_ROWS [MAXNREG]]]   e.g.  2 64 1 5
     KV_FITTED=perm,mean8 python scripts/compile_sm90.py ...   (with SKVQ permutations / TaDA means)
+    KV_GROUPS=32,32 python scripts/compile_sm90.py 4 64 1 5 2 4   (key group, value group; default 128,128)
 
-Shapes: Mistral-7B (8 kv heads, 4 query heads each, head_dim 128), key/value group 128, batch 8.
+Shapes: Mistral-7B (8 kv heads, 4 query heads each, head_dim 128), key/value group 128 (or
+$KV_GROUPS), batch 8.
 The launcher is run on CPU tensors with the kernel replaced by a recorder; the recorded arguments
 are bound with triton's own binder for a CUDA sm_90 target (same specialization as a real launch).
 Outputs (.ttgir, .ptx, .cubin, .sass) go to $OUT_DIR (default /tmp/compile_sm90)."""
@@ -35,11 +37,12 @@ _orig_plan = da._plan.__wrapped__
 def _plan(d, rep, kb, vb, kg, vg, ax, qd, fd, dev_type, idx, cfg, interp):
     return _orig_plan(d, rep, kb, vb, kg, vg, ax, qd, fd, "cuda", idx, cfg, interp)
 da._plan = _plan
-b, h, rep, n, d, g = 8, 8, 4, 4096, 128, 128
+b, h, rep, n, d = 8, 8, 4, 4096, 128
+kg, vg = (int(x) for x in os.environ.get("KV_GROUPS", "128,128").split(","))
 q = torch.randn(b, h * rep, d, dtype=torch.float16)
 kc = torch.zeros(b, h, n, d * bits // 8, dtype=torch.uint8); vc = kc.clone()
-ks = torch.zeros(b, h, n // g, d, dtype=torch.float16); kz = ks.clone()
-vs = torch.zeros(b, h, n, d // g, dtype=torch.float16); vz = vs.clone()
+ks = torch.zeros(b, h, n // kg, d, dtype=torch.float16); kz = ks.clone()
+vs = torch.zeros(b, h, n, d // vg, dtype=torch.float16); vz = vs.clone()
 w = torch.zeros(b, h, 128, d, dtype=torch.bfloat16)
 cfg = da.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, unpack=unpack, min_rows=min_rows,
                       maxnreg=maxnreg)
@@ -55,7 +58,7 @@ elif "mean8" in fitted:
                                          torch.zeros(b, 1, n, 1, dtype=torch.float16),
                                          torch.zeros(b, 1, n, 1, dtype=torch.float16))
 try:
-    da._launch(q, kc, ks, kz, vc, vs, vz, **extra, k_bits=bits, v_bits=bits, k_group=g, v_group=g, k_axis="channel",
+    da._launch(q, kc, ks, kz, vc, vs, vz, **extra, k_bits=bits, v_bits=bits, k_group=kg, v_group=vg, k_axis="channel",
                scaling=d ** -0.5, softcap=None, packed_start=None, packed_end=None, packed_position=0,
                fp_segments=[(w, w)], fp_positions=[n], mask=None, config=cfg)
 except Exception as e:

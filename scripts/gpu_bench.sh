@@ -14,6 +14,7 @@
 #         splits      split-K parallelism sweep at batch 1/8 (CUDA-graph time); $KV_MODEL: another shape
 #         tune        tile/unpack/register-cap sweep at batch 1/8 (CUDA-graph time)
 #         fitted      cost of SKVQ permutations / TaDA means in the kernel (CUDA-graph time)
+#         groups      cost of key / value groups of 32 (value-group accumulators vs per element)
 #         huffman     kernels/bench/bench_huffman.py (entropy-coded decode and fused attention)
 #         e2e-smoke   end-to-end on a small random model (checks the path, seconds)
 #         e2e         end-to-end, random-weight Mistral-7B shape at 32k context
@@ -80,6 +81,9 @@ for st in $STAGES; do
     fitted)
       timeout "${KV_FITTED_TIMEOUT:-200}" $PY kernels/bench/bench_decode.py --mode fitted --out "$OUT" > "$OUT/fitted.log" 2>&1
       echo "fitted exit $?"; grep -E "^  b=|Error" "$OUT/fitted.log" ;;
+    groups)
+      timeout "${KV_GROUPS_TIMEOUT:-200}" $PY kernels/bench/bench_decode.py --mode groups --out "$OUT" > "$OUT/groups.log" 2>&1
+      echo "groups exit $?"; grep -E "^  b=|Error" "$OUT/groups.log" ;;
     huffman)
       timeout "${KV_HUFF_TIMEOUT:-200}" $PY kernels/bench/bench_huffman.py --out "$OUT" > "$OUT/huffman.log" 2>&1
       echo "huffman exit $?"; tail -n 20 "$OUT/huffman.log" ;;

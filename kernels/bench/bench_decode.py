@@ -28,6 +28,9 @@ Modes (``--mode``):
   Write ``decode_splits.json`` / ``decode_tune.json``.
 - ``fitted``: what SKVQ permutations, TaDA means (8/16-bit) and OTT pools cost the kernel (CUDA-graph time,
   Mistral shape, batch 1/8). Writes ``decode_fitted.json``.
+- ``groups``: what key groups / value groups of 32 cost the kernel (value groups narrower than a
+  plane: one accumulator per group vs per-element dequantization), CUDA-graph time, Mistral
+  shape. Writes ``decode_groups.json``.
 - ``report``: from the JSON files, write ``decode_attention.md``, ``e2e.md`` and the plot
   ``decode_attention.png`` (runs anywhere; matplotlib).
 
@@ -181,7 +184,7 @@ def sweep_configs():
 
 def cfg_dict(c) -> dict:
     return {k: getattr(c, k) for k in ("block_n", "num_warps", "num_stages", "unpack", "programs_per_sm", "fp_block",
-                                       "min_split_blocks", "min_splits", "min_rows", "maxnreg")}
+                                       "min_split_blocks", "min_splits", "min_rows", "maxnreg", "value_chunks")}
 
 
 def run_sweep(dev, meta, quick=False) -> dict:
@@ -675,6 +678,19 @@ def fitted_bytes(b, h, n, d, variant) -> int:
     return ott
 
 
+def bf16_sdpa_graph_ms(b, h, hq, ctx, d, dev) -> float:
+    """CUDA-graph time of bf16 SDPA (``enable_gqa``) at one shape, over rotating random K/V sets
+    (>= 256 MB in all, so L2 cannot hold them): the baseline of the fitted and groups tables."""
+    bsets = max(1, min(32, math.ceil(256e6 / bf16_bytes(b, h, hq, ctx, d))))
+    kvs = [(torch.randn(b, hq, 1, d, device=dev, dtype=torch.bfloat16),
+            torch.randn(b, h, ctx, d, device=dev, dtype=torch.bfloat16),
+            torch.randn(b, h, ctx, d, device=dev, dtype=torch.bfloat16)) for _ in range(bsets)]
+    ms = graph_ms_per_call([bf16_variants(q4, k, v, d ** -0.5)["sdpa_enable_gqa"] for q4, k, v in kvs], rep=30)
+    del kvs
+    torch.cuda.empty_cache()
+    return ms
+
+
 def main_fitted(args) -> None:
     """What SKVQ permutations and TaDA means cost the fused kernel: CUDA-graph time of each
     :data:`FITTED_VARIANTS` on the Mistral shape (batch 1 and 8, 4k and 32k, 2 and 4 bits, group
@@ -691,12 +707,7 @@ def main_fitted(args) -> None:
     for b, ctx in ((1, 4096), (1, 32768), (8, 32768)):
         n = ctx - WINDOW
         bb = bf16_bytes(b, h, hq, ctx, d)
-        bsets = max(1, min(32, math.ceil(256e6 / bb)))
-        kvs = [(torch.randn(b, hq, 1, d, device=dev, dtype=torch.bfloat16),
-                torch.randn(b, h, ctx, d, device=dev, dtype=torch.bfloat16),
-                torch.randn(b, h, ctx, d, device=dev, dtype=torch.bfloat16)) for _ in range(bsets)]
-        bf16_ms = graph_ms_per_call([bf16_variants(q4, k, v, scale)["sdpa_enable_gqa"] for q4, k, v in kvs], rep=30)
-        del kvs
+        bf16_ms = bf16_sdpa_graph_ms(b, h, hq, ctx, d, dev)
         for bits in (2, 4):
             for variant in FITTED_VARIANTS:
                 if variant == "pats" and bits != PATS_TIERS[-1][1]:
@@ -726,6 +737,62 @@ def main_fitted(args) -> None:
                 torch.cuda.empty_cache()
         _write_json(out / "decode_fitted.json", {"rows": rows, "config": cfg_dict(cfg),
                                                   "command": "python kernels/bench/bench_decode.py --mode fitted"})
+
+
+GROUP_VARIANTS = (  # (k_group, v_group, DecodeConfig.value_chunks)
+    (128, 128, True), (32, 128, True), (128, 32, False), (128, 32, True), (32, 32, False), (32, 32, True))
+
+
+def value_path(d, bits, v_group, chunks) -> str:
+    """How the kernel reads values of this layout (``_plan``'s rule): one fold per plane, one
+    per value group (chunks of a plane), or per-element dequantization."""
+    pv = d * bits // 8
+    if v_group >= pv and v_group % pv == 0:
+        return "fold"
+    if chunks and pv % v_group == 0 and d // v_group <= 4 and v_group >= 16:
+        return "group-fold"
+    return "per-element"
+
+
+def main_groups(args) -> None:
+    """What small groups cost the fused kernel: CUDA-graph time on the Mistral shape (batch 1 at
+    4k / 32k, batch 8 at 32k; 4 and 8 bits) of each :data:`GROUP_VARIANTS` -- key groups of 32
+    tokens (32-token blocks, the key-scale fold redone every block), value groups of 32 channels
+    (per-element dequantization vs one accumulator per value group) -- against bf16 SDPA.
+    Writes ``decode_groups.json``."""
+    from kvcalib_kernels.decode_attention import DecodeConfig
+
+    dev = torch.device("cuda")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    hq, h, d = MODELS["mistral-7b"]
+    scale = d ** -0.5
+    rows = []
+    for b, ctx in ((1, 4096), (1, 32768), (8, 32768)):
+        n = ctx - WINDOW
+        bb = bf16_bytes(b, h, hq, ctx, d)
+        bf16_ms = bf16_sdpa_graph_ms(b, h, hq, ctx, d, dev)
+        for bits in (4, 8):
+            for kg, vg, chunks in GROUP_VARIANTS:
+                cfg = DecodeConfig(value_chunks=chunks)
+                nb = packed_bytes(b, h, hq, n, WINDOW, d, bits, kg, vg)["total"]
+                sets = max(1, min(32, math.ceil(256e6 / nb)))
+                inputs = [(torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16),
+                           packed_inputs(b, h, n, d, bits, kg, vg, dev, seed=i),
+                           (torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16),
+                            torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16))) for i in range(sets)]
+                ms = graph_ms_per_call([kernel_call(q, pk, w, bits, kg, vg, n, scale, cfg) for q, pk, w in inputs],
+                                       rep=30)
+                path = value_path(d, bits, vg, chunks)
+                rows.append({"model": "mistral-7b", "batch": b, "context": ctx, "bits": bits, "k_group": kg,
+                             "v_group": vg, "value_path": path, "ms_graph": ms, "bf16_ms_graph": bf16_ms,
+                             "speedup": bf16_ms / ms, "bytes": nb, "bf16_bytes": bb,
+                             "gpu": torch.cuda.get_device_name(0)})
+                log(f"  b={b} ctx={ctx:6d} bits={bits} k_group={kg:3d} v_group={vg:3d} {path:11s}: "
+                    f"{1e3 * ms:7.1f} us (bf16 {1e3 * bf16_ms:.1f} us, {bf16_ms / ms:.2f}x)")
+                del inputs
+                torch.cuda.empty_cache()
+        _write_json(out / "decode_groups.json", {"rows": rows, "command": "python kernels/bench/bench_decode.py --mode groups"})
 
 
 # ---------------------------------------------------------------- end to end
@@ -1316,7 +1383,7 @@ def _pats_e2e_section(path: Path) -> list[str]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=("micro", "latency", "splits", "tune", "fitted", "e2e", "report"),
+    ap.add_argument("--mode", choices=("micro", "latency", "splits", "tune", "fitted", "groups", "e2e", "report"),
                     default="micro")
     ap.add_argument("--out", default="artifacts/bench")
     ap.add_argument("--quick", action="store_true", help="a few shapes only (smoke test)")
@@ -1333,7 +1400,7 @@ def main(argv=None) -> None:
                     help="e2e: eager steps only (no CUDA-graph runs of either cache)")
     args = ap.parse_args(argv)
     {"micro": main_micro, "latency": main_latency, "splits": main_splits, "tune": main_tune, "fitted": main_fitted,
-     "e2e": main_e2e, "report": main_report}[args.mode](args)
+     "groups": main_groups, "e2e": main_e2e, "report": main_report}[args.mode](args)
 
 
 if __name__ == "__main__":

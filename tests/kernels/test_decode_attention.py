@@ -189,10 +189,37 @@ def test_fully_masked_rows_are_zero():
     assert torch.equal(out[0], torch.zeros_like(out[0]))
 
 
-def test_small_value_groups_and_token_keys_dequantize_per_element():
-    """v_group smaller than a plane (and per-token keys) take the per-element path."""
-    args, kw = make_case(k_axis="token", k_group=16, k_bits=4, v_bits=4, v_group=16, n=40, d=64)
+@pytest.mark.parametrize("d,v_bits,v_group,chunks", [(64, 4, 16, 2), (64, 8, 16, 4), (128, 8, 64, 2), (128, 4, 16, 0)],
+                         ids=str)
+def test_small_value_groups_and_token_keys(d, v_bits, v_group, chunks):
+    """v_group smaller than a plane: at most 4 value groups per head fold per (plane, chunk of
+    v_group byte columns), one accumulator per group; more groups (and per-token keys) dequantize
+    per element."""
+    plan = da._plan(d, 4, 4, v_bits, 16, v_group, "token", torch.bfloat16, torch.bfloat16, "cpu", 0, SMALL, True)
+    assert (plan[5], plan[6]) == ((True, chunks) if chunks else (False, 1))  # v_fold, v_chunks
+    args, kw = make_case(k_axis="token", k_group=16, k_bits=4, v_bits=v_bits, v_group=v_group, n=40, d=d)
     check(args, kw)
+
+
+def test_benchmark_names_the_value_path_the_kernel_takes():
+    """``bench_decode.py --mode groups`` labels its rows with the kernel's value path (the launch
+    plan's rule restated for the table): they must agree on every layout."""
+    from kvcalib_kernels.bench.bench_decode import value_path
+
+    seen = set()
+    for d in (64, 128, 256):
+        for bits in (2, 4, 8):
+            for vg in (16, 32, 64, 128, 256):
+                for chunks in (True, False):
+                    if d % vg or da.supports(head_dim=d, k_bits=2, v_bits=bits, k_group=16, v_group=vg):
+                        continue
+                    plan = da._plan(d, 4, 2, bits, 16, vg, "channel", torch.float16, torch.float16, "cpu", 0,
+                                    da.DecodeConfig(value_chunks=chunks), True)
+                    v_fold, v_chunks = plan[5], plan[6]
+                    want = ("fold" if v_chunks == 1 else "group-fold") if v_fold else "per-element"
+                    assert value_path(d, bits, vg, chunks) == want, (d, bits, vg, chunks)
+                    seen.add(want)
+    assert seen == {"fold", "group-fold", "per-element"}
 
 
 def test_softcap():
@@ -350,6 +377,12 @@ def test_permuted_and_centred_unpack_modes_token_keys_and_padding(unpack):
     check(args, {**kw, "mask": mask.to(DEVICE), "packed_start": torch.tensor([0, 16], device=DEVICE)}, cfg)
     args, kw = make_case(k_axis="token", k_group=16, k_bits=4, v_bits=4, v_group=16, n=40, dtype=torch.float32)
     check(*with_perm_mean(args, kw, k_perm=True, v_perm=True, k_mean=8, v_mean=16), cfg)
+    # value-group accumulators (v_group 16 < a 32-byte plane) with a permutation and each mean kind
+    for v_perm, v_mean in ((True, 8), (False, 16)):
+        args, kw = make_case(b=2, n=48, k_bits=2, v_bits=4, v_group=16, dtype=torch.float16)
+        check(*with_perm_mean(args, kw, k_perm=True, v_perm=v_perm, k_mean=16, v_mean=v_mean), cfg)
+    args, kw = make_case(d=128, n=48, k_bits=2, v_bits=4, v_group=16, dtype=torch.float16)  # 8 groups: per element
+    check(*with_perm_mean(args, kw, v_perm=True, v_mean=8), cfg)
 
 
 def test_perm_and_mean_shapes_are_checked():

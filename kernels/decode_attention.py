@@ -54,8 +54,10 @@ Arithmetic (what keeps the per-code work small):
   value group (``v_group >= D * v_bits / 8``): ``sum_n p_n (c_n s_n + z_n) = (p * s) @ c + p @ z``;
   ``p * s`` is built once per value group, the zero term of all groups is one small extra
   product; with the lane unpack, ``sum_n p_n s_n`` per value group takes the 1024 back out.
-  Smaller value groups (and per-token keys) dequantize per element instead (general, about half
-  the speed; they take the byte unpack).
+  Value groups narrower than a plane (at most 4 per head; e.g. 4-bit, head_dim 128, group 32)
+  fold per (plane, chunk of ``v_group`` byte columns), one accumulator per value group
+  (``V_NCH`` chunks). Smaller value groups (and per-token keys) dequantize per element instead
+  (general, about half the speed; they take the byte unpack).
 - the online softmax rescales lazily (only when a row's running max grows by more than 2^8).
 - float32 queries run the products in IEEE float32 (no tf32), float16/bfloat16 queries in
   float16 with float32 accumulation.
@@ -63,11 +65,12 @@ Arithmetic (what keeps the per-code work small):
   split programs.
 
 Performance status (H200, ``artifacts/bench/decode_attention.md``, CUDA-graph time): Mistral-7B
-shape, 32k, batch 8: 2.02x over the fastest bf16 SDPA at 2 bits, 1.78x at 4 bits; batch 1 GPU
-time 1.13-1.63x at 4k-32k on the three benchmark shapes (``decode_latency.json``); OTT pools cost
-1.0-1.15x plain, TaDA means 2.5-3.2x (every kv head's program reads the shared mean and runs a
-full-width product with it; ``decode_fitted.json``); PATS tier stores
-(:func:`decode_attention_parts`, one split launch per store, one combine) 1.25x plain at batch 8 /
+shape, 32k, batch 8: 2.16x over the fastest bf16 SDPA at 2 bits, 1.83x at 4 bits, 1.11x at 4 bits
+group 32 (``decode_groups.json``); batch 1 GPU time 1.25-1.71x at 4k-32k on the three benchmark
+shapes (``decode_latency.json``); OTT pools cost 1.0-1.15x plain, TaDA means 2.5-3.3x (every kv
+head's program reads the shared mean and runs a full-width product with it;
+``decode_fitted.json``); PATS tier stores
+(:func:`decode_attention_parts`, one split launch per store, one combine) 1.27x plain at batch 8 /
 32k. The key products run transposed (the block's tokens are the MMA rows, the GQA group's query
 rows its N); the value products still pad the 4 query rows into 16-row MMA tiles and gather value
 codes along tokens (storing them 4 tokens per word was slower, ``probe_vlayout.json``): the kernel

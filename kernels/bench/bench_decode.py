@@ -1067,12 +1067,22 @@ NOTES = """
    134.2 us (4-bit). Tried with it in the probe (`probe_swap.py --sweep vlayout`,
    `probe_vlayout.json`): value codes stored 4 tokens of a byte column per 32-bit word (the value
    MMA's token pairs from one word, no byte gathers): slower (103.9 -> 113.4 us), not adopted.
+8. Value groups narrower than a plane of codes (4-bit, head_dim 128, group 32: the KIVI presets'
+   and `kvcalib export`'s default group) fold like whole planes: chunk c of a row's code bytes
+   holds, in plane s, channels of value group `s * chunks + c` only, so each (plane, chunk) tile
+   gets its group's `p * scale` and its own accumulator (at most 4 groups per head; more keep the
+   per-element path). The group's zero sum and lane 1024 are one reduction, and the key fold sums
+   the bias terms of all planes in one reduction (it runs every block with 32-token key groups).
+   Group-32 rows of the grid (CUDA-graph time): Mistral 4-bit batch 8 / 32k 378.6 -> 214.7 us
+   (0.63x -> 1.11x of bf16), batch 1 / 32k 58.6 -> 37.2 us (0.63x -> 1.00x); group-128 rows moved
+   4-7% with the key-fold change (2-bit batch 8 / 32k 117.7 -> 109.9 us). What each group costs:
+   `bench_decode.py --mode groups` (`decode_groups.json`, section below).
 
 ## Why the 5x / 3x targets are missed
 
-At 2.02x (graph time) the kernel moves ~1.31 TB/s, 0.31 of the 4.2 TB/s copy bandwidth: it is
+At 2.16x (graph time) the kernel moves ~1.41 TB/s, 0.33 of the 4.2 TB/s copy bandwidth: it is
 bound by instruction issue and latency, not memory. A 64-token block of one kv head costs one warp
-~1,490 instructions (`scripts/compile_sm90.py`): the unpack's 256 LOP3 (one per pair of codes,
+~1,460 instructions (`scripts/compile_sm90.py`): the unpack's 256 LOP3 (one per pair of codes,
 the floor with 16-bit lanes) and 64 PRMT, 96 HMMA (64 of them the value products, whose 4 query
 rows are padded to 16-row MMA tiles), 64 byte loads and ~110 permutes gathering each value code's
 consecutive tokens for the MMA operand, ~90 register moves, ~400 softmax and scale-sum
@@ -1087,8 +1097,10 @@ there.
 Small shapes (batch 1, short context, the small models) are additionally host-bound: ~150 us of
 Python + two Triton launches per call vs a GPU time of 6-25 us (see the latency table); CUDA-graph
 capture of the decode step removes that (`GraphDecoder`, `e2e.md`).
-Per-token value groups smaller than a plane (4-bit, group 32) take the per-element path and run
-at 0.5-0.7x of bf16.
+Group 32 (4-bit) costs 1.6x group 128 at batch 8 / 32k: 32-token key groups mean 32-token blocks
+(a key fold per block and the softmax bookkeeping twice as often), and four value groups per head
+four scaled-probability tiles and reductions per block instead of one; the grid's group-32 rows
+run at 0.84-1.15x of bf16 (Mistral, Qwen shapes), against a byte ratio of ~3.2x.
 """
 
 
@@ -1128,7 +1140,7 @@ def _targets_section(rows, meta, out: Path) -> list[str]:
             f"{len(b1g)} batch-1 rows slower"
             + ("; " + ", ".join(f"{r['model']} {r['context'] // 1024}k {r['bits']}b g{r['group']} "
                                 f"{r['speedup_graph']:.2f}x" for r in slow_g) if slow_g else "")
-            + "; the group-32 rows take the per-element value path).")
+            + "; see the group-32 note in 'Why the 5x / 3x targets are missed').")
     lat_path = out / "decode_latency.json"
     if lat_path.exists():  # the same target on GPU time (CUDA-graph replay), which the host does not mask
         lat = [r for r in json.loads(lat_path.read_text())["rows"] if r["batch"] == 1 and r.get("speedup_graph")]
@@ -1249,6 +1261,22 @@ def main_report(args) -> None:
             lines.append(f"| {r['batch']} | {r['context']} | {r['bits']} | {r['variant']} | {1e3 * r['ms_graph']:.1f} | "
                          f"{r['ms_graph'] / base:.2f}x | {1e3 * r['bf16_ms_graph']:.1f} | {r['speedup']:.2f} | "
                          f"{r['bytes'] / 1e6:.0f} |")
+    grp_path = out / "decode_groups.json"
+    if grp_path.exists():
+        grp = json.loads(grp_path.read_text())
+        lines += ["", "## Key and value groups of 32 (Mistral-7B shape)", "",
+                  "CUDA-graph time of the default config with key groups (`k_group` tokens per key scale) and value "
+                  "groups (`v_group` channels per value scale) of 128 or 32. `value path`: `fold` (a plane of codes "
+                  "lies in one value group: `p * scale` once per plane), `group-fold` (groups narrower than a plane: "
+                  "one accumulator per (plane, chunk) = value group), `per-element` (`DecodeConfig(value_chunks="
+                  "False)`: every code dequantized before the product, the path before). bf16: SDPA `enable_gqa`. "
+                  "Command: `" + grp.get("command", "?") + "`.", "",
+                  "| batch | context | bits | k_group | v_group | value path | us | bf16 us | speedup vs bf16 | MB read |",
+                  "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+        for r in grp["rows"]:
+            lines.append(f"| {r['batch']} | {r['context']} | {r['bits']} | {r['k_group']} | {r['v_group']} | "
+                         f"{r['value_path']} | {1e3 * r['ms_graph']:.1f} | {1e3 * r['bf16_ms_graph']:.1f} | "
+                         f"{r['speedup']:.2f} | {r['bytes'] / 1e6:.0f} |")
     if meta.get("sweep"):
         lines += ["", "## Config sweep (Mistral-7B shape, 32k context)", "",
                   "Median ms per config; `unpack`: 1 Triton-ops bytes, 2 PTX bytes, 3 PTX words, 4 Triton-ops words "

@@ -445,6 +445,43 @@ def _k_group_fold(q_t, ks_ptr, kz_ptr, offs_p, DOT_T: tl.constexpr, SHIFT: tl.co
 
 
 @triton.jit
+def _k_fold_planes(q0, q1, q2, q3, ks_ptr, kz_ptr, offs_p, PK: tl.constexpr, BITS: tl.constexpr, DOT_T: tl.constexpr,
+                   LANES: tl.constexpr):
+    """Every key plane of one key group folded (:func:`_k_group_fold`): ((q * s) per plane as DOT_T
+    (PK, R_PAD) x 4 (planes past 8 // BITS repeat plane 0), the bias (R_PAD,) of all planes in one
+    reduction). q0..q3 (PK, R_PAD) float32 query slices; ks_ptr/kz_ptr: the group's parameter row."""
+    PER: tl.constexpr = 8 // BITS
+    qp0, bt = _k_group_fold(q0, ks_ptr, kz_ptr, offs_p, DOT_T, 0, LANES)
+    qp1 = qp0
+    qp2 = qp0
+    qp3 = qp0
+    if PER > 1:
+        qp1, b1 = _k_group_fold(q1, ks_ptr + PK, kz_ptr + PK, offs_p, DOT_T, BITS, LANES)
+        bt += b1
+    if PER > 2:
+        qp2, b2 = _k_group_fold(q2, ks_ptr + 2 * PK, kz_ptr + 2 * PK, offs_p, DOT_T, 2 * BITS, LANES)
+        qp3, b3 = _k_group_fold(q3, ks_ptr + 3 * PK, kz_ptr + 3 * PK, offs_p, DOT_T, 3 * BITS, LANES)
+        bt += b2 + b3
+    return qp0, qp1, qp2, qp3, tl.sum(bt, axis=0)
+
+
+@triton.jit
+def _k_fold_scores(scores_t, kb, qp0, qp1, qp2, qp3, kbias, BITS: tl.constexpr, DOT_T: tl.constexpr,
+                   UNPACK: tl.constexpr, IEEE: tl.constexpr):
+    """Transposed scores (rows, R_PAD) + the folded key planes' products: the codes of byte tile
+    kb (rows, PK) @ each (q * s) plane, plus the bias."""
+    PER: tl.constexpr = 8 // BITS
+    c0, c1, c2, c3 = _code_planes(kb, BITS, DOT_T, UNPACK)  # (rows, PK) each
+    scores_t = _dot(c0, qp0, scores_t, IEEE)
+    if PER > 1:
+        scores_t = _dot(c1, qp1, scores_t, IEEE)
+    if PER > 2:
+        scores_t = _dot(c2, qp2, scores_t, IEEE)
+        scores_t = _dot(c3, qp3, scores_t, IEEE)
+    return scores_t + kbias[None, :]
+
+
+@triton.jit
 def _k_deq_plane(scores_t, q_t, kb, ks_rows, kz_rows, col0, offs_p, row_ok, GROUP: tl.constexpr,
                  SHIFT: tl.constexpr, BITS: tl.constexpr, DOT_T: tl.constexpr,
                  UNPACK: tl.constexpr, IEEE: tl.constexpr):
@@ -638,7 +675,7 @@ def _decode_split_kernel(
     K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr, BLOCK_N: tl.constexpr, FP_BLOCK: tl.constexpr,
     K_PERM: tl.constexpr = False, V_PERM: tl.constexpr = False, K_MEAN: tl.constexpr = 0,
     V_MEAN: tl.constexpr = 0, MASK_PACKED: tl.constexpr = True, HAS_KEEP: tl.constexpr = False,
-    KEEP_BLOCK: tl.constexpr = 8, RESCALE: tl.constexpr = 8.0, V_NCH: tl.constexpr = 1,
+    KEEP_BLOCK: tl.constexpr = 8, RESCALE: tl.constexpr = 8.0, V_NCH: tl.constexpr = 1, K_SUB: tl.constexpr = 1,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -775,29 +812,34 @@ def _decode_split_kernel(
             # ---- scores: all key planes from one (BLOCK_N, PK) byte tile
             kb = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_kw[None, :], mask=row_ok[:, None], other=0)
             scores = tl.zeros([BLOCK_N, R_PAD], tl.float32)  # transposed: token rows
-            if K_FOLD:
+            if K_FOLD & (K_SUB == 1):
                 if ((n0 % K_GROUP) == 0) | (n0 == start):  # a new key group (blocks never straddle one)
                     krow = (n0 // K_GROUP) * stride_ksn
-                    qp0, bt = _k_group_fold(q0, ks_base + krow, kz_base + krow, offs_pk, DOT_T, 0, K_LANES)
-                    if PER_K > 1:
-                        qp1, b1 = _k_group_fold(q1, ks_base + krow + PK, kz_base + krow + PK, offs_pk, DOT_T,
-                                                K_BITS, K_LANES)
-                        bt += b1
-                    if PER_K > 2:
-                        qp2, b2 = _k_group_fold(q2, ks_base + krow + 2 * PK, kz_base + krow + 2 * PK, offs_pk, DOT_T,
-                                                2 * K_BITS, K_LANES)
-                        qp3, b3 = _k_group_fold(q3, ks_base + krow + 3 * PK, kz_base + krow + 3 * PK, offs_pk, DOT_T,
-                                                3 * K_BITS, K_LANES)
-                        bt += b2 + b3
-                    kbias = tl.sum(bt, axis=0)  # (R_PAD,) q . zero of every plane, one reduction
-                kcode0, kcode1, kcode2, kcode3 = _code_planes(kb, K_BITS, DOT_T, K_UNPACK)  # (BLOCK_N, PK) each
-                scores = _dot(kcode0, qp0, scores, IEEE)
-                if PER_K > 1:
-                    scores = _dot(kcode1, qp1, scores, IEEE)
-                if PER_K > 2:
-                    scores = _dot(kcode2, qp2, scores, IEEE)
-                    scores = _dot(kcode3, qp3, scores, IEEE)
-                scores = scores + kbias[None, :]
+                    qp0, qp1, qp2, qp3, kbias = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
+                                                               PK, K_BITS, DOT_T, K_LANES)
+                scores = _k_fold_scores(scores, kb, qp0, qp1, qp2, qp3, kbias, K_BITS, DOT_T, K_UNPACK, IEEE)
+            elif K_FOLD:
+                # key groups of half a block: each half of the block's tokens is folded with its own
+                # group and the two (HALF, R_PAD) score tiles joined in token order, so the softmax
+                # and the value products still run once per BLOCK_N tokens (32-token blocks ran them
+                # twice as often)
+                HALF: tl.constexpr = BLOCK_N // 2
+                n_a = n0 + tl.arange(0, HALF)  # (HALF,) tokens of the first half
+                kb_a = tl.load(kc_base + n_a[:, None] * stride_kcn + offs_kw[None, :], mask=(n_a < end)[:, None],
+                               other=0)
+                kb_b = tl.load(kc_base + (n_a + HALF)[:, None] * stride_kcn + offs_kw[None, :],
+                               mask=((n_a + HALF) < end)[:, None], other=0)
+                krow = (n0 // K_GROUP) * stride_ksn
+                qp0, qp1, qp2, qp3, kbias = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
+                                                           PK, K_BITS, DOT_T, K_LANES)
+                s_a = _k_fold_scores(tl.zeros([HALF, R_PAD], tl.float32), kb_a, qp0, qp1, qp2, qp3, kbias, K_BITS,
+                                     DOT_T, K_UNPACK, IEEE)
+                krow = ((n0 + HALF) // K_GROUP) * stride_ksn
+                qp0, qp1, qp2, qp3, kbias = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
+                                                           PK, K_BITS, DOT_T, K_LANES)
+                s_b = _k_fold_scores(tl.zeros([HALF, R_PAD], tl.float32), kb_b, qp0, qp1, qp2, qp3, kbias, K_BITS,
+                                     DOT_T, K_UNPACK, IEEE)
+                scores = tl.reshape(tl.permute(tl.join(s_a, s_b), (2, 0, 1)), (BLOCK_N, R_PAD))
             else:
                 ks_rows = ks_base + offs_n * stride_ksn
                 kz_rows = kz_base + offs_n * stride_ksn
@@ -1103,8 +1145,8 @@ def _combine(m_part, l_part, o_part, s_tot: int, out: torch.Tensor, lse: torch.T
 class DecodeConfig:
     """Tuning knobs (results do not depend on them beyond float rounding).
 
-    - ``block_n``: packed tokens per loop step (clamped to a divisor of ``k_group`` for
-      per-channel keys: the key-scale fold needs a block inside one key group).
+    - ``block_n``: packed tokens per loop step (for per-channel keys clamped to one key group, or
+      two with ``key_group_pairs``: the key-scale fold needs each block half inside one group).
     - ``num_warps``, ``num_stages``: Triton launch options of the split kernel.
     - ``unpack``: how codes become float16: 0 ``.to`` conversion; 1 magic-number float16 in
       Triton ops; 2 inline PTX on bytes; 3 inline PTX on int32 words (4 bytes per element, the
@@ -1138,6 +1180,14 @@ class DecodeConfig:
       v_group 32) fold their scales per (plane, chunk of v_group byte columns) into one
       accumulator per group (at most 4 groups per head); off: they dequantize per element (the
       slower path, kept for comparison: ``bench_decode.py --mode groups``).
+    - ``key_group_pairs``: per-channel key groups shorter than ``block_n`` (e.g. 32 tokens) run in
+      blocks of two key groups, each half folded with its own group (the softmax and value
+      products once per block); off (default): blocks of one key group. Measured on an H200
+      (``decode_groups.json``, Mistral shape, CUDA-graph time): on helps 4-bit keys of group 32
+      with value groups of 128 (batch 8 / 32k 182 -> 159 us, batch 1 / 32k 33.8 -> 31.7 us) but
+      slows group-32 values (the KIVI layout: 212 -> 238 us; register pressure with four value
+      accumulators), 8-bit keys (223 -> 243 us) and batch 1 at 4k (half the blocks, fewer split
+      programs), so it is off.
     """
 
     block_n: int = 64
@@ -1154,6 +1204,7 @@ class DecodeConfig:
     min_rows: int = 4  # 16 before: 0.196 -> 0.159 ms at batch 8 / 32k, 2-bit, with unpack 5 (artifacts/bench/decode_tune.json)
     maxnreg: int | None = None
     value_chunks: bool = True
+    key_group_pairs: bool = False  # on: batch 8 / 32k 4-bit k_group 32 182 -> 159 us with v_group 128, 212 -> 238 with 32
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):
@@ -1401,7 +1452,10 @@ def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, d
         unpack = 2 if (cuda and fast_unpack_available(dev_index, "bytes")) else 6
     if unpack in (3, 4) and not words_ok:
         unpack = 1
-    block_n = _pow2_divisor(k_group, config.block_n) if k_axis == "channel" else config.block_n
+    block_n = config.block_n
+    if k_axis == "channel":  # blocks of one key group, or of two when key groups are shorter (key_group_pairs)
+        kgb = _pow2_divisor(k_group, config.block_n)
+        block_n = min(config.block_n, 2 * kgb) if config.key_group_pairs else kgb
     k_fold = k_axis == "channel"
     v_fold = v_group >= pv and v_group % pv == 0
     # value groups narrower than a plane: fold per (plane, chunk of v_group byte columns), one
@@ -1692,6 +1746,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 K_UNPACK=k_unpack, V_UNPACK=v_unpack, BLOCK_N=block_n, FP_BLOCK=fp_block,
                 K_PERM=kp is not dummy32, V_PERM=vp is not dummy32, K_MEAN=means[0][0], V_MEAN=means[1][0],
                 MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)), V_NCH=v_chunks,
+                K_SUB=block_n // _pow2_divisor(k_group, block_n) if k_fold else 1,
                 num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config))
     return _SplitCall(bsz * h, s_tot, args, meta)
 

@@ -184,7 +184,8 @@ def sweep_configs():
 
 def cfg_dict(c) -> dict:
     return {k: getattr(c, k) for k in ("block_n", "num_warps", "num_stages", "unpack", "programs_per_sm", "fp_block",
-                                       "min_split_blocks", "min_splits", "min_rows", "maxnreg", "value_chunks")}
+                                       "min_split_blocks", "min_splits", "min_rows", "maxnreg", "value_chunks",
+                                       "key_group_pairs")}
 
 
 def run_sweep(dev, meta, quick=False) -> dict:
@@ -739,8 +740,9 @@ def main_fitted(args) -> None:
                                                   "command": "python kernels/bench/bench_decode.py --mode fitted"})
 
 
-GROUP_VARIANTS = (  # (k_group, v_group, DecodeConfig.value_chunks)
-    (128, 128, True), (32, 128, True), (128, 32, False), (128, 32, True), (32, 32, False), (32, 32, True))
+GROUP_VARIANTS = (  # (k_group, v_group, DecodeConfig.value_chunks, DecodeConfig.key_group_pairs)
+    (128, 128, True, True), (32, 128, True, False), (32, 128, True, True), (128, 32, False, True),
+    (128, 32, True, True), (32, 32, False, False), (32, 32, True, False), (32, 32, True, True))
 
 
 def value_path(d, bits, v_group, chunks) -> str:
@@ -757,8 +759,9 @@ def value_path(d, bits, v_group, chunks) -> str:
 def main_groups(args) -> None:
     """What small groups cost the fused kernel: CUDA-graph time on the Mistral shape (batch 1 at
     4k / 32k, batch 8 at 32k; 4 and 8 bits) of each :data:`GROUP_VARIANTS` -- key groups of 32
-    tokens (32-token blocks, the key-scale fold redone every block), value groups of 32 channels
-    (per-element dequantization vs one accumulator per value group) -- against bf16 SDPA.
+    tokens (blocks of one key group, 32 tokens, vs 64-token blocks of two, each half folded with
+    its group), value groups of 32 channels (per-element dequantization vs one accumulator per
+    value group) -- against bf16 SDPA.
     Writes ``decode_groups.json``."""
     from kvcalib_kernels.decode_attention import DecodeConfig
 
@@ -773,8 +776,9 @@ def main_groups(args) -> None:
         bb = bf16_bytes(b, h, hq, ctx, d)
         bf16_ms = bf16_sdpa_graph_ms(b, h, hq, ctx, d, dev)
         for bits in (4, 8):
-            for kg, vg, chunks in GROUP_VARIANTS:
-                cfg = DecodeConfig(value_chunks=chunks)
+            for kg, vg, chunks, pairs in GROUP_VARIANTS:
+                cfg = DecodeConfig(value_chunks=chunks, key_group_pairs=pairs)
+                key_blocks = 2 if (pairs and kg < cfg.block_n) else 1  # key groups per block
                 nb = packed_bytes(b, h, hq, n, WINDOW, d, bits, kg, vg)["total"]
                 sets = max(1, min(32, math.ceil(256e6 / nb)))
                 inputs = [(torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16),
@@ -785,10 +789,10 @@ def main_groups(args) -> None:
                                        rep=30)
                 path = value_path(d, bits, vg, chunks)
                 rows.append({"model": "mistral-7b", "batch": b, "context": ctx, "bits": bits, "k_group": kg,
-                             "v_group": vg, "value_path": path, "ms_graph": ms, "bf16_ms_graph": bf16_ms,
+                             "v_group": vg, "key_groups_per_block": key_blocks, "value_path": path, "ms_graph": ms, "bf16_ms_graph": bf16_ms,
                              "speedup": bf16_ms / ms, "bytes": nb, "bf16_bytes": bb,
                              "gpu": torch.cuda.get_device_name(0)})
-                log(f"  b={b} ctx={ctx:6d} bits={bits} k_group={kg:3d} v_group={vg:3d} {path:11s}: "
+                log(f"  b={b} ctx={ctx:6d} bits={bits} k_group={kg:3d} x{key_blocks} v_group={vg:3d} {path:11s}: "
                     f"{1e3 * ms:7.1f} us (bf16 {1e3 * bf16_ms:.1f} us, {bf16_ms / ms:.2f}x)")
                 del inputs
                 torch.cuda.empty_cache()
@@ -1076,7 +1080,9 @@ NOTES = """
    Group-32 rows of the grid (CUDA-graph time): Mistral 4-bit batch 8 / 32k 378.6 -> 214.7 us
    (0.63x -> 1.11x of bf16), batch 1 / 32k 58.6 -> 37.2 us (0.63x -> 1.00x); group-128 rows moved
    4-7% with the key-fold change (2-bit batch 8 / 32k 117.7 -> 109.9 us). What each group costs:
-   `bench_decode.py --mode groups` (`decode_groups.json`, section below).
+   `bench_decode.py --mode groups` (`decode_groups.json`, section below). Tried there and left
+   off (`key_group_pairs`): 64-token blocks of two 32-token key groups, each half folded with its
+   group: 182 -> 159 us with group-128 values, but 212 -> 238 us with group-32 values (spills).
 
 ## Why the 5x / 3x targets are missed
 
@@ -1266,15 +1272,19 @@ def main_report(args) -> None:
         grp = json.loads(grp_path.read_text())
         lines += ["", "## Key and value groups of 32 (Mistral-7B shape)", "",
                   "CUDA-graph time of the default config with key groups (`k_group` tokens per key scale) and value "
-                  "groups (`v_group` channels per value scale) of 128 or 32. `value path`: `fold` (a plane of codes "
+                  "groups (`v_group` channels per value scale) of 128 or 32. `key groups per block`: 1 (blocks of "
+                  "one key group: 32 tokens for group 32) or 2 (`key_group_pairs`: 64-token blocks, each half folded "
+                  "with its own group). `value path`: `fold` (a plane of codes "
                   "lies in one value group: `p * scale` once per plane), `group-fold` (groups narrower than a plane: "
                   "one accumulator per (plane, chunk) = value group), `per-element` (`DecodeConfig(value_chunks="
                   "False)`: every code dequantized before the product, the path before). bf16: SDPA `enable_gqa`. "
                   "Command: `" + grp.get("command", "?") + "`.", "",
-                  "| batch | context | bits | k_group | v_group | value path | us | bf16 us | speedup vs bf16 | MB read |",
-                  "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+                  "| batch | context | bits | k_group | key groups per block | v_group | value path | us | bf16 us | "
+                  "speedup vs bf16 | MB read |",
+                  "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
         for r in grp["rows"]:
-            lines.append(f"| {r['batch']} | {r['context']} | {r['bits']} | {r['k_group']} | {r['v_group']} | "
+            lines.append(f"| {r['batch']} | {r['context']} | {r['bits']} | {r['k_group']} | "
+                         f"{r.get('key_groups_per_block', 1)} | {r['v_group']} | "
                          f"{r['value_path']} | {1e3 * r['ms_graph']:.1f} | {1e3 * r['bf16_ms_graph']:.1f} | "
                          f"{r['speedup']:.2f} | {r['bytes'] / 1e6:.0f} |")
     if meta.get("sweep"):

@@ -201,6 +201,28 @@ def test_small_value_groups_and_token_keys(d, v_bits, v_group, chunks):
     check(args, kw)
 
 
+@pytest.mark.parametrize("k_bits,v_bits", [(2, 2), (4, 4), (8, 2)], ids=lambda x: f"{x}b")
+def test_key_groups_shorter_than_a_block_run_in_pairs(k_bits, v_bits):
+    """Per-channel key groups of half a block run two per block (each half folded with its own
+    group, the two score tiles joined in token order): within the tolerance, and near blocks of one
+    group, on ragged ranges, a mask, and a length whose last block has an empty second half."""
+    from dataclasses import replace
+
+    cfg = da.DecodeConfig(block_n=32, fp_block=16, key_group_pairs=True)
+    plan = da._plan(64, 4, k_bits, v_bits, 16, 32, "channel", torch.float16, torch.float16, "cpu", 0, cfg, True)
+    assert plan[3] == 32  # block_n: two 16-token key groups per block
+    assert da._plan(64, 4, k_bits, v_bits, 16, 32, "channel", torch.float16, torch.float16, "cpu", 0,
+                    replace(cfg, key_group_pairs=False), True)[3] == 16
+    args, kw = make_case(k_bits=k_bits, v_bits=v_bits, k_group=16, n=80, dtype=torch.float16, f=(2, 5))
+    mask = torch.ones(2, 87, dtype=torch.bool)
+    mask[1, 30:41] = False
+    kw = {**kw, "packed_start": torch.tensor([0, 7], device=DEVICE), "packed_end": torch.tensor([80, 55], device=DEVICE),
+          "mask": mask.to(DEVICE)}
+    pairs = check(args, kw, cfg)
+    single = check(args, kw, replace(cfg, key_group_pairs=False))
+    assert float((pairs - single).abs().max()) < 5e-3
+
+
 def test_benchmark_names_the_value_path_the_kernel_takes():
     """``bench_decode.py --mode groups`` labels its rows with the kernel's value path (the launch
     plan's rule restated for the table): they must agree on every layout."""

@@ -826,7 +826,7 @@ def fill_compressed(cache, b, t, dev, slack_tokens=1024):
         k = torch.randn(b, kv_heads, t, d, device=dev, dtype=torch.bfloat16)
         v = torch.randn(b, kv_heads, t, d, device=dev, dtype=torch.bfloat16)
         layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
-        for store, lo, hi in _tier_ranges(layer, n, t):  # one store per PATS tier (one when untiered)
+        for store, lo, hi in tier_ranges(layer, 0, n, t):  # one store per PATS tier (one when untiered)
             qk = quantize_pack_keys(k[:, :, lo:hi], store.bits["k"], cfg.k_group, validate=False)
             qv = quantize_pack_values(v[:, :, lo:hi], store.bits["v"], cfg.v_group, validate=False)
             for side, qt in (("k", qk), ("v", qv)):
@@ -842,15 +842,23 @@ def fill_compressed(cache, b, t, dev, slack_tokens=1024):
         del k, v, qk, qv
 
 
-def _tier_ranges(layer, n: int, t: int) -> list:
-    """(store, first, end) of the packed tokens [0, n) of ``layer`` at context ``t``: each block
-    in the last stored tier whose age it has reached (:meth:`PackedTiers.advance`'s rule; quantized
-    straight at that tier's bits, not through the requantization chain: the same bytes to read)."""
-    tiers = layer.packed
+def tier_ranges(layer, start: int, n: int, t: int) -> list:
+    """(store, first, end) per stored tier of ``layer`` (youngest first) for packed tokens at
+    positions [start, start + n) at context ``t``: each flush block goes to the store of the tier
+    the layer's schedule gives it (``Schedule.block_tier``, where the runtime's flushes and
+    ``PackedTiers.advance`` put it; the fill quantizes it straight at that tier's bits instead of
+    through the requantization chain: the same bytes to read). Untiered: one store, everything."""
+    stores = layer.packed.stores
+    sched = layer.codec.schedule
     block = layer.cfg.flush_block
-    # tier j holds the blocks [s, e) with ages[j] <= t - e < ages[j + 1]: its tokens end at ends[j]
-    ends = [min(n, max(0, (t - age) // block * block)) for age in tiers.ages]
-    return [(store, ends[j + 1] if j + 1 < len(ends) else 0, ends[j]) for j, store in enumerate(tiers.stores)]
+    first = len(sched.tiers) - len(stores) if sched is not None else 0  # schedule index of stored tier 0
+    bounds: dict[int, tuple[int, int]] = {}
+    for a in range(start, start + n, block):
+        e = min(a + block, start + n)
+        u = sched.block_tier(e, t) - first if sched is not None else 0
+        lo, hi = bounds.get(u, (a, e))
+        bounds[u] = (min(lo, a), max(hi, e))
+    return [(store, *bounds.get(u, (start, start))) for u, store in enumerate(stores)]
 
 
 def fill_dynamic(cache, n_layers, b, kv_heads, t, d, dev):

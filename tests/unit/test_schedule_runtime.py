@@ -81,6 +81,29 @@ def test_blocks_sit_in_their_tier_and_hold_the_requantized_chain():
     assert got_k.codes.shape[-1] == 16 * 2 // 8, "2-bit codes: the storage really shrank"
 
 
+def test_benchmark_fill_puts_blocks_where_the_runtime_does():
+    """bench_decode's direct cache fill (no 32k prefill: each block quantized at its tier's bits)
+    gives every stored tier the tokens the runtime's flushes and tier moves give it."""
+    from kvcalib_kernels.bench.bench_decode import tier_ranges
+
+    sched = Schedule.from_tensor(torch.tensor(TIERS), sinks=CFG.sinks)
+    layer = CompressedLayer(CFG, LayerCodec(CFG, schedule=sched))
+    g = torch.Generator().manual_seed(0)
+    moved = False
+    for t_new in [13] + [1] * 70:
+        layer.update(torch.randn(1, 2, t_new, 16, generator=g), torch.randn(1, 2, t_new, 16, generator=g))
+        layer.flush()
+        got = [(s.start, s.start + s.n) for s in layer.packed.stores if s.n]
+        want = [(lo, hi) for _, lo, hi in tier_ranges(layer, CFG.sinks, layer.packed.n, layer.n_seen) if hi > lo]
+        assert got == want, f"context {layer.n_seen}"
+        moved |= len(got) > 2
+    assert moved, "blocks reached at least three tiers"
+    flat = CompressedLayer(CFG, LayerCodec(CFG))
+    flat.update(torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g))
+    flat.flush()
+    assert [(lo, hi) for _, lo, hi in tier_ranges(flat, CFG.sinks, flat.packed.n, 40)] == [(2, 2 + flat.packed.n)]
+
+
 def test_bytes_match_the_accounting_with_tiers_and_outliers():
     model = tiny_model("llama").to(torch.bfloat16)  # 16-bit storage, as accounted
     info = model_info(model.config, "tiny")

@@ -1031,7 +1031,8 @@ NOTES = """
 ## What ran where
 
 - CPU (this repo's dev machine, 2 cores, no GPU): `pytest tests/kernels` runs every kernel through
-  Triton's interpreter (`TRITON_INTERPRET=1`, set by the test modules) at small shapes, ~35 s;
+  Triton's interpreter (`TRITON_INTERPRET=1`, set by the test modules) at small shapes
+  (`test_decode_attention.py` ~65 s);
   the portable code paths (`unpack` 0, 1, 4, 6; 6 is the interpreter's default, so the folds of
   the lane unpack are checked on every CPU test) are checked there against the PyTorch references.
   Offline SASS: the split kernel compiled for sm_90 with the local Triton 3.9 (`triton.compile`

@@ -1421,6 +1421,20 @@ def _check_layout(d, rep, k_bits, v_bits, k_group, v_group, k_axis, block_n) -> 
         raise ValueError(f"decode_attention does not support this layout: {why}")
 
 
+def value_fold(head_dim: int, v_bits: int, v_group: int, chunks: bool = True) -> tuple[bool, int]:
+    """How the split kernel reads values of this layout: ``(fold, chunks)``. ``(True, 1)``: a plane
+    of codes lies in one value group, ``p * scale`` folds in once per plane; ``(True, c)``: value
+    groups narrower than a plane (at most 4 per head, ``chunks`` allowed) fold per (plane, chunk
+    of ``v_group`` byte columns), one accumulator per group; ``(False, 1)``: per-element
+    dequantization."""
+    pv = head_dim * v_bits // 8
+    if v_group >= pv and v_group % pv == 0:
+        return True, 1
+    if chunks and pv % v_group == 0 and head_dim // v_group <= 4 and v_group >= 16:
+        return True, pv // v_group
+    return False, 1
+
+
 @functools.lru_cache(maxsize=None)
 def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, dev_type, dev_index, config,
           interp):
@@ -1457,12 +1471,8 @@ def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, d
         kgb = _pow2_divisor(k_group, config.block_n)
         block_n = min(config.block_n, 2 * kgb) if config.key_group_pairs else kgb
     k_fold = k_axis == "channel"
-    v_fold = v_group >= pv and v_group % pv == 0
-    # value groups narrower than a plane: fold per (plane, chunk of v_group byte columns), one
-    # accumulator per value group (at most 4; not with the int32-word reads of unpack 3/4)
-    v_chunks = 1
-    if config.value_chunks and not v_fold and pv % v_group == 0 and d // v_group <= 4 and v_group >= 16 and unpack not in (3, 4):
-        v_fold, v_chunks = True, pv // v_group
+    # (not with the int32-word reads of unpack 3/4, whose columns come in words)
+    v_fold, v_chunks = value_fold(d, v_bits, v_group, config.value_chunks and unpack not in (3, 4))
     # the lane unpacks (5 PTX, 6 Triton ops) leave 1024 + c * 2**shift for the folds to remove; a
     # side that dequantizes per element (no fold) takes the byte unpack of the same kind instead
     plain = 2 if (unpack == 5 and cuda and fast_unpack_available(dev_index, "bytes")) else 1

@@ -746,14 +746,13 @@ GROUP_VARIANTS = (  # (k_group, v_group, DecodeConfig.value_chunks, DecodeConfig
 
 
 def value_path(d, bits, v_group, chunks) -> str:
-    """How the kernel reads values of this layout (``_plan``'s rule): one fold per plane, one
-    per value group (chunks of a plane), or per-element dequantization."""
-    pv = d * bits // 8
-    if v_group >= pv and v_group % pv == 0:
-        return "fold"
-    if chunks and pv % v_group == 0 and d // v_group <= 4 and v_group >= 16:
-        return "group-fold"
-    return "per-element"
+    """The groups table's label of how the kernel reads values of this layout
+    (:func:`decode_attention.value_fold`): one fold per plane, one per value group (chunks of a
+    plane), or per-element dequantization."""
+    from kvcalib_kernels.decode_attention import value_fold
+
+    fold, n_chunks = value_fold(d, bits, v_group, chunks)
+    return ("fold" if n_chunks == 1 else "group-fold") if fold else "per-element"
 
 
 def main_groups(args) -> None:

@@ -224,8 +224,8 @@ def test_key_groups_shorter_than_a_block_run_in_pairs(k_bits, v_bits):
 
 
 def test_benchmark_names_the_value_path_the_kernel_takes():
-    """``bench_decode.py --mode groups`` labels its rows with the kernel's value path (the launch
-    plan's rule restated for the table): they must agree on every layout."""
+    """``bench_decode.py --mode groups`` labels its rows with the kernel's value path (from
+    ``value_fold``, which the launch plan also calls): they must agree on every layout."""
     from kvcalib_kernels.bench.bench_decode import value_path
 
     seen = set()

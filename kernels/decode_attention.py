@@ -65,8 +65,9 @@ Arithmetic (what keeps the per-code work small):
   split programs.
 
 Performance status (H200, ``artifacts/bench/decode_attention.md``, CUDA-graph time): Mistral-7B
-shape, 32k, batch 8: 2.16x over the fastest bf16 SDPA at 2 bits, 1.83x at 4 bits, 1.11x at 4 bits
-group 32 (``decode_groups.json``); batch 1 GPU time 1.25-1.71x at 4k-32k on the three benchmark
+shape, 32k, batch 8: 2.23x over the fastest bf16 SDPA at 2 bits, 1.86x at 4 bits, 1.16x at 4 bits
+group 32 (``decode_groups.json``; SmolLM2 shape group 32 1.15x with two key groups per block,
+``decode_sweep_pairs-smol.json``); batch 1 GPU time 1.25-1.71x at 4k-32k on the three benchmark
 shapes (``decode_latency.json``); OTT pools cost 1.0-1.15x plain, TaDA means 2.5-3.3x (every kv
 head's program reads the shared mean and runs a full-width product with it;
 ``decode_fitted.json``); PATS tier stores
@@ -421,7 +422,8 @@ def _q_plane_t(q_rows, r_ok, offs_p, qk_scale):
 
 
 @triton.jit
-def _k_group_fold(q_t, ks_ptr, kz_ptr, offs_p, DOT_T: tl.constexpr, SHIFT: tl.constexpr, LANES: tl.constexpr):
+def _k_group_fold(q_t, ks_ptr, kz_ptr, offs_p, DOT_T: tl.constexpr, SHIFT: tl.constexpr, LANES: tl.constexpr,
+                  col_ok=None, SUB: tl.constexpr = 1):
     """Per-channel key parameters folded into one query plane for a whole key group:
     ``q . (c * s + z) = (q * s) . c + q . z``. Returns ((q * s) as DOT_T (P, R_PAD), the bias
     terms (P, R_PAD) float32 whose column sums are ``q . z``) -- the caller sums the terms of all
@@ -432,35 +434,46 @@ def _k_group_fold(q_t, ks_ptr, kz_ptr, offs_p, DOT_T: tl.constexpr, SHIFT: tl.co
     ``(q * s) * 2**-SHIFT`` (exact: a power of two) and the bias terms also take
     ``-1024 * plane``, from the rounded DOT_T values the product uses, so the 1024 cancels
     exactly. q_t (P, R_PAD) float32 (pre-scaled, :func:`_q_plane_t`); ks_ptr/kz_ptr: the plane's
-    P parameters.
+    P parameters (SUB > 1: see below).
     """
-    ks = tl.load(ks_ptr + offs_p).to(tl.float32)  # (P,)
-    kz = tl.load(kz_ptr + offs_p).to(tl.float32)  # (P,)
-    terms = q_t * kz[:, None]  # (P, R_PAD)
+    if SUB > 1:
+        # SUB key groups (ks_ptr/kz_ptr (SUB,) pointers to each group's row, read where col_ok):
+        # column v of q_t is query row v % (R_PAD / SUB) folded with group v // (R_PAD / SUB); each
+        # parameter is read once and broadcast over the group's rows
+        RS: tl.constexpr = q_t.shape[1] // SUB
+        ks = tl.load(ks_ptr[None, :, None] + offs_p[:, None, None], mask=col_ok[None, :, None], other=0.0)
+        kz = tl.load(kz_ptr[None, :, None] + offs_p[:, None, None], mask=col_ok[None, :, None], other=0.0)
+        q3 = tl.reshape(q_t, (q_t.shape[0], SUB, RS))  # (P, SUB, RS)
+        ks = tl.reshape(q3 * ks.to(tl.float32), q_t.shape)  # (P, R_PAD): q * s
+        terms = tl.reshape(q3 * kz.to(tl.float32), q_t.shape)  # (P, R_PAD)
+    else:
+        ks = q_t * tl.load(ks_ptr + offs_p).to(tl.float32)[:, None]  # (P, R_PAD): q * s
+        terms = q_t * tl.load(kz_ptr + offs_p).to(tl.float32)[:, None]  # (P, R_PAD)
     if LANES:
-        qp = (q_t * ks[:, None] * (1.0 / (1 << SHIFT))).to(DOT_T)  # (P, R_PAD)
+        qp = (ks * (1.0 / (1 << SHIFT))).to(DOT_T)  # (P, R_PAD)
         return qp, terms - 1024.0 * qp.to(tl.float32)
     else:
-        return (q_t * ks[:, None]).to(DOT_T), terms
+        return ks.to(DOT_T), terms
 
 
 @triton.jit
 def _k_fold_planes(q0, q1, q2, q3, ks_ptr, kz_ptr, offs_p, PK: tl.constexpr, BITS: tl.constexpr, DOT_T: tl.constexpr,
-                   LANES: tl.constexpr):
+                   LANES: tl.constexpr, col_ok=None, SUB: tl.constexpr = 1):
     """Every key plane of one key group folded (:func:`_k_group_fold`): ((q * s) per plane as DOT_T
     (PK, R_PAD) x 4 (planes past 8 // BITS repeat plane 0), the bias (R_PAD,) of all planes in one
-    reduction). q0..q3 (PK, R_PAD) float32 query slices; ks_ptr/kz_ptr: the group's parameter row."""
+    reduction). q0..q3 (PK, R_PAD) float32 query slices; ks_ptr/kz_ptr: the group's parameter row
+    (SUB > 1: one per key group, see :func:`_k_group_fold`)."""
     PER: tl.constexpr = 8 // BITS
-    qp0, bt = _k_group_fold(q0, ks_ptr, kz_ptr, offs_p, DOT_T, 0, LANES)
+    qp0, bt = _k_group_fold(q0, ks_ptr, kz_ptr, offs_p, DOT_T, 0, LANES, col_ok, SUB)
     qp1 = qp0
     qp2 = qp0
     qp3 = qp0
     if PER > 1:
-        qp1, b1 = _k_group_fold(q1, ks_ptr + PK, kz_ptr + PK, offs_p, DOT_T, BITS, LANES)
+        qp1, b1 = _k_group_fold(q1, ks_ptr + PK, kz_ptr + PK, offs_p, DOT_T, BITS, LANES, col_ok, SUB)
         bt += b1
     if PER > 2:
-        qp2, b2 = _k_group_fold(q2, ks_ptr + 2 * PK, kz_ptr + 2 * PK, offs_p, DOT_T, 2 * BITS, LANES)
-        qp3, b3 = _k_group_fold(q3, ks_ptr + 3 * PK, kz_ptr + 3 * PK, offs_p, DOT_T, 3 * BITS, LANES)
+        qp2, b2 = _k_group_fold(q2, ks_ptr + 2 * PK, kz_ptr + 2 * PK, offs_p, DOT_T, 2 * BITS, LANES, col_ok, SUB)
+        qp3, b3 = _k_group_fold(q3, ks_ptr + 3 * PK, kz_ptr + 3 * PK, offs_p, DOT_T, 3 * BITS, LANES, col_ok, SUB)
         bt += b2 + b3
     return qp0, qp1, qp2, qp3, tl.sum(bt, axis=0)
 
@@ -580,6 +593,13 @@ def _mean_tile(rows, cols, row_ok, MEAN: tl.constexpr, DOT_T: tl.constexpr):
 
 
 @triton.jit
+def _merge_virtual_rows(x, w, K_SUB: tl.constexpr, R_PAD: tl.constexpr, W: tl.constexpr):
+    """(K_SUB * R_PAD, W) rows of K_SUB virtual row sets -> (R_PAD, W): ``sum_g w[g] * x[g]``
+    with w (K_SUB, R_PAD) the log-sum-exp weights of each set."""
+    return tl.sum(tl.reshape(x, (K_SUB, R_PAD, W)) * w[:, :, None], axis=0)
+
+
+@triton.jit
 def _zero_column(zacc, offs_z, G: tl.constexpr):
     """Column G of zacc (R_PAD, ZP) as (R_PAD, 1)."""
     return tl.sum(tl.where(offs_z[None, :] == G, zacc, 0.0), axis=1)[:, None]
@@ -692,6 +712,14 @@ def _decode_split_kernel(
     # g = plane * V_NCH + chunk, each AW = PV / V_NCH channels wide
     NACC: tl.constexpr = PER_V * V_NCH
     AW: tl.constexpr = PV // V_NCH
+    # virtual rows of the packed loop: with K_SUB key groups per block (per-channel keys of groups
+    # shorter than a block), row v = g * R_PAD + r is query row r over the tokens of the block's key
+    # group g only -- its own online softmax and accumulators, merged into row r at the end like a
+    # split -- so one key product (its N = the virtual rows) covers the block's K_SUB groups
+    VR: tl.constexpr = R_PAD * K_SUB
+    offs_v = tl.arange(0, VR)
+    v_ok = (offs_v % R_PAD) < R
+    q_rows_v = Q + b.to(tl.int64) * stride_qb + (h * R + offs_v % R_PAD) * stride_qh  # (VR,) pointers
 
     if pid_s < num_splits:
         # ------------------------------------------------ packed split
@@ -727,21 +755,21 @@ def _decode_split_kernel(
         # query channel of each column of key plane s (stored channels [s*PK, (s+1)*PK)); with an
         # SKVQ permutation, stored channel j holds input channel perm[h, j]
         qc0, qc1, qc2, qc3 = _plane_channels(offs_pk, PK, PER_K, KP + h * D, K_PERM)
-        # the query, one transposed slice (PK, R_PAD) per key plane, pre-scaled, float32: the key
+        # the query, one transposed slice (PK, VR) per key plane, pre-scaled, float32: the key
         # products run transposed, scores^T = codes (BLOCK_N, PK) @ q^T, so the block's tokens fill
         # the MMA rows (the R query rows are only its small N; as M they were padded to 16 rows and
         # the kernel spent more on moving fragments than on unpacking: 1.4x slower at batch 8 /
         # 32k, kernels/bench/probe_swap.py). Per-token keys use the slices as is; per-channel keys
         # fold the scales in once per key group.
-        q0 = _q_plane_t(q_rows, r_ok, qc0, qk_scale)
+        q0 = _q_plane_t(q_rows_v, v_ok, qc0, qk_scale)
         q1 = q0
         q2 = q0
         q3 = q0
         if PER_K > 1:
-            q1 = _q_plane_t(q_rows, r_ok, qc1, qk_scale)
+            q1 = _q_plane_t(q_rows_v, v_ok, qc1, qk_scale)
         if PER_K > 2:
-            q2 = _q_plane_t(q_rows, r_ok, qc2, qk_scale)
-            q3 = _q_plane_t(q_rows, r_ok, qc3, qk_scale)
+            q2 = _q_plane_t(q_rows_v, v_ok, qc2, qk_scale)
+            q3 = _q_plane_t(q_rows_v, v_ok, qc3, qk_scale)
         # output channel of each column of value accumulator s (scattered back when V is permuted)
         offs_av = offs_pv  # (AW,) byte column of each accumulator column within its chunk
         if V_NCH > 1:
@@ -751,10 +779,10 @@ def _decode_split_kernel(
         # the key mean adds q . mean_n to each score; the value mean adds sum_n p_n mean_n into
         # each value plane's accumulator, read at the plane's output channels (vc*)
         offs_d = tl.arange(0, D)
-        qm = tl.zeros([D, R_PAD], DOT_T)
-        qm_sum = tl.zeros([R_PAD], tl.float32)
+        qm = tl.zeros([D, VR], DOT_T)
+        qm_sum = tl.zeros([VR], tl.float32)
         if K_MEAN != 0:
-            qm32 = _q_plane_t(q_rows, r_ok, offs_d, qk_scale)  # (D, R_PAD)
+            qm32 = _q_plane_t(q_rows_v, v_ok, offs_d, qk_scale)  # (D, VR)
             qm = qm32.to(DOT_T)
             qm_sum = tl.sum(qm32, axis=0)
         km_base = KM + b.to(tl.int64) * stride_kmb
@@ -763,12 +791,12 @@ def _decode_split_kernel(
         vm_base = VM + b.to(tl.int64) * stride_vmb
         vms_base = VMS + b.to(tl.int64) * stride_vmsb
         vmz_base = VMZ + b.to(tl.int64) * stride_vmsb
-        mzacc = tl.zeros([R_PAD], tl.float32)  # sum_n p_n * zero_n of 8-bit value means
+        mzacc = tl.zeros([VR], tl.float32)  # sum_n p_n * zero_n of 8-bit value means
         # with a permuted V, the value mean accumulates apart in input channel order (a mean tile
         # read at each plane's permuted channels is a byte gather: 7x slower at batch 8 / 32k);
         # so does it with value-group accumulators (V_NCH > 1)
         VM_APART: tl.constexpr = (V_PERM | (V_NCH > 1)) & (V_MEAN != 0)
-        macc = tl.zeros([R_PAD, D], tl.float32)  # sum_n p_n mean_n, used when VM_APART
+        macc = tl.zeros([VR, D], tl.float32)  # sum_n p_n mean_n, used when VM_APART
         kc_base = KC + b.to(tl.int64) * stride_kcb + h.to(tl.int64) * stride_kch
         ks_base = KS + b.to(tl.int64) * stride_ksb + h.to(tl.int64) * stride_ksh
         kz_base = KZ + b.to(tl.int64) * stride_ksb + h.to(tl.int64) * stride_ksh
@@ -777,26 +805,26 @@ def _decode_split_kernel(
         vz_base = VZ + b.to(tl.int64) * stride_vsb + h.to(tl.int64) * stride_vsh
         keep_base = KEEP + b.to(tl.int64) * stride_keepb + h.to(tl.int64) * stride_keeph
 
-        m_i = tl.full([R_PAD], -1.0e30, tl.float32)  # finite: a fully masked block keeps alpha = 1
-        l_i = tl.zeros([R_PAD], tl.float32)
-        acc0 = tl.zeros([R_PAD, AW], tl.float32)  # one accumulator per value plane (or group, NACC)
-        acc1 = tl.zeros([R_PAD, AW], tl.float32)
-        acc2 = tl.zeros([R_PAD, AW], tl.float32)
-        acc3 = tl.zeros([R_PAD, AW], tl.float32)
-        zsum0 = tl.zeros([R_PAD], tl.float32)  # sum_n p * zero of value accumulator s's group (fold path)
+        m_i = tl.full([VR], -1.0e30, tl.float32)  # finite: a fully masked block keeps alpha = 1
+        l_i = tl.zeros([VR], tl.float32)
+        acc0 = tl.zeros([VR, AW], tl.float32)  # one accumulator per value plane (or group, NACC)
+        acc1 = tl.zeros([VR, AW], tl.float32)
+        acc2 = tl.zeros([VR, AW], tl.float32)
+        acc3 = tl.zeros([VR, AW], tl.float32)
+        zsum0 = tl.zeros([VR], tl.float32)  # sum_n p * zero of value accumulator s's group (fold path)
         zsum1 = zsum0
         zsum2 = zsum0
         zsum3 = zsum0
-        asum0 = tl.zeros([R_PAD], tl.float32)  # sum_n (p * scale) per value plane (V_LANES: the 1024 to remove)
+        asum0 = tl.zeros([VR], tl.float32)  # sum_n (p * scale) per value plane (V_LANES: the 1024 to remove)
         asum1 = asum0
         asum2 = asum0
         asum3 = asum0
         # per-channel keys: (q * scale) per plane and q . zero, refreshed at each key group
-        qp0 = tl.zeros([PK, R_PAD], DOT_T)
+        qp0 = tl.zeros([PK, VR], DOT_T)
         qp1 = qp0
         qp2 = qp0
         qp3 = qp0
-        kbias = tl.zeros([R_PAD], tl.float32)
+        kbias = tl.zeros([VR], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             row_ok = offs_n < end
@@ -811,7 +839,8 @@ def _decode_split_kernel(
                 valid = valid & (((kbyte.to(tl.int32) >> (in_blk % 8)) & 1) != 0)
             # ---- scores: all key planes from one (BLOCK_N, PK) byte tile
             kb = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_kw[None, :], mask=row_ok[:, None], other=0)
-            scores = tl.zeros([BLOCK_N, R_PAD], tl.float32)  # transposed: token rows
+            scores = tl.zeros([BLOCK_N, VR], tl.float32)  # transposed: token rows
+            valid2 = valid[:, None]  # (BLOCK_N, 1 | VR) tokens each virtual row sees
             if K_FOLD & (K_SUB == 1):
                 if ((n0 % K_GROUP) == 0) | (n0 == start):  # a new key group (blocks never straddle one)
                     krow = (n0 // K_GROUP) * stride_ksn
@@ -819,27 +848,15 @@ def _decode_split_kernel(
                                                                PK, K_BITS, DOT_T, K_LANES)
                 scores = _k_fold_scores(scores, kb, qp0, qp1, qp2, qp3, kbias, K_BITS, DOT_T, K_UNPACK, IEEE)
             elif K_FOLD:
-                # key groups of half a block: each half of the block's tokens is folded with its own
-                # group and the two (HALF, R_PAD) score tiles joined in token order, so the softmax
-                # and the value products still run once per BLOCK_N tokens (32-token blocks ran them
-                # twice as often)
-                HALF: tl.constexpr = BLOCK_N // 2
-                n_a = n0 + tl.arange(0, HALF)  # (HALF,) tokens of the first half
-                kb_a = tl.load(kc_base + n_a[:, None] * stride_kcn + offs_kw[None, :], mask=(n_a < end)[:, None],
-                               other=0)
-                kb_b = tl.load(kc_base + (n_a + HALF)[:, None] * stride_kcn + offs_kw[None, :],
-                               mask=((n_a + HALF) < end)[:, None], other=0)
-                krow = (n0 // K_GROUP) * stride_ksn
+                # K_SUB key groups per block: virtual row v takes the scales of group g = v // R_PAD
+                offs_g = tl.arange(0, K_SUB)
+                krow = ((n0 // K_GROUP) + offs_g) * stride_ksn  # (K_SUB,) parameter row of each group
+                k_ok = n0 + offs_g * K_GROUP < end  # (K_SUB,) groups that hold tokens here
                 qp0, qp1, qp2, qp3, kbias = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
-                                                           PK, K_BITS, DOT_T, K_LANES)
-                s_a = _k_fold_scores(tl.zeros([HALF, R_PAD], tl.float32), kb_a, qp0, qp1, qp2, qp3, kbias, K_BITS,
-                                     DOT_T, K_UNPACK, IEEE)
-                krow = ((n0 + HALF) // K_GROUP) * stride_ksn
-                qp0, qp1, qp2, qp3, kbias = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
-                                                           PK, K_BITS, DOT_T, K_LANES)
-                s_b = _k_fold_scores(tl.zeros([HALF, R_PAD], tl.float32), kb_b, qp0, qp1, qp2, qp3, kbias, K_BITS,
-                                     DOT_T, K_UNPACK, IEEE)
-                scores = tl.reshape(tl.permute(tl.join(s_a, s_b), (2, 0, 1)), (BLOCK_N, R_PAD))
+                                                           PK, K_BITS, DOT_T, K_LANES, k_ok, K_SUB)
+                scores = _k_fold_scores(scores, kb, qp0, qp1, qp2, qp3, kbias, K_BITS, DOT_T, K_UNPACK, IEEE)
+                # a token counts only in the virtual rows of its key group
+                valid2 = valid2 & ((tl.arange(0, BLOCK_N) // K_GROUP)[:, None] == (offs_v // R_PAD)[None, :])
             else:
                 ks_rows = ks_base + offs_n * stride_ksn
                 kz_rows = kz_base + offs_n * stride_ksn
@@ -862,11 +879,11 @@ def _decode_split_kernel(
                                     other=0), 0, 8, DOT_T, 1)  # (BLOCK_N, D) codes, exact in float16
                 kms = tl.load(kms_base + offs_n * stride_kmsn, mask=row_ok, other=0.0).to(tl.float32)
                 kmz = tl.load(kmz_base + offs_n * stride_kmsn, mask=row_ok, other=0.0).to(tl.float32)
-                sm = _dot(km, qm, tl.zeros([BLOCK_N, R_PAD], tl.float32), IEEE)
+                sm = _dot(km, qm, tl.zeros([BLOCK_N, VR], tl.float32), IEEE)
                 scores = scores + sm * kms[:, None] + qm_sum[None, :] * kmz[:, None]
             if HAS_SOFTCAP:
                 scores = _softcap(scores, softcap) * 1.4426950408889634
-            scores = tl.where(valid[:, None], scores, float("-inf"))  # (BLOCK_N, R_PAD)
+            scores = tl.where(valid2, scores, float("-inf"))  # (BLOCK_N, VR)
             # ---- online softmax (log2 domain), lazily rescaled: the running max only moves (and
             # the accumulators are only rescaled) when a row's max grew by more than 2^RESCALE;
             # until then p <= 2^RESCALE, harmless in float32 sums and float16 products.
@@ -895,10 +912,10 @@ def _decode_split_kernel(
                 if VM_APART:
                     macc = macc * alpha[:, None]
                 m_i = m_new
-            pt = tl.exp2(scores - m_i[None, :])  # (BLOCK_N, R_PAD), transposed; masked -> 0
+            pt = tl.exp2(scores - m_i[None, :])  # (BLOCK_N, VR), transposed; masked -> 0
             l_i = l_i + tl.sum(pt, axis=0)
             # ---- values: all planes from one (BLOCK_N, PV) byte tile; the products take the
-            # transposed probabilities back as their (R_PAD, BLOCK_N) M operand
+            # transposed probabilities back as their (VR, BLOCK_N) M operand
             offs_nv = n0 + offs_bn  # (BLOCK_N,) token of each loaded value row (see offs_bn)
             vrows = offs_n * stride_vsn
             if V_NCH > 1:
@@ -936,7 +953,7 @@ def _decode_split_kernel(
                 # and so is sum_n p * zero (added to every channel of the plane at the end);
                 # V_LANES: the plane's codes are 1024 + c * 2**shift, sum(p * scale) takes the 1024 out
                 vcode0, vcode1, vcode2, vcode3 = _code_planes(vb, V_BITS, DOT_T, V_UNPACK)  # (BLOCK_N, PV) each
-                a0 = _scaled_pt(pt, vs_base + vrows, row_ok, DOT_T)  # (BLOCK_N, R_PAD)
+                a0 = _scaled_pt(pt, vs_base + vrows, row_ok, DOT_T)  # (BLOCK_N, VR)
                 zsum0 += tl.sum(pt * tl.load(vz_base + vrows, mask=row_ok, other=0.0).to(tl.float32)[:, None], axis=0)
                 acc0 = _dot(tl.trans(a0), vcode0, acc0, IEEE)
                 if V_LANES:
@@ -979,7 +996,7 @@ def _decode_split_kernel(
             else:
                 vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_vw[None, :],
                              mask=(offs_nv < end)[:, None], other=0)
-                p_dot = tl.trans(pt.to(DOT_T))  # (R_PAD, BLOCK_N)
+                p_dot = tl.trans(pt.to(DOT_T))  # (VR, BLOCK_N)
                 vs_rows = vs_base + vrows
                 vz_rows = vz_base + vrows
                 acc0 = _v_deq_plane(acc0, p_dot, vb, vs_rows, vz_rows, 0, offs_pv, row_ok, V_GROUP,
@@ -993,7 +1010,7 @@ def _decode_split_kernel(
                     acc3 = _v_deq_plane(acc3, p_dot, vb, vs_rows, vz_rows, 3 * PV, offs_pv, row_ok, V_GROUP,
                                         3 * V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE)
             if V_MEAN != 0:
-                pm = pt  # (BLOCK_N, R_PAD)
+                pm = pt  # (BLOCK_N, VR)
                 if V_MEAN == 8:  # sum_n p_n (c_n * s_n + z_n) = (p * s) @ c + sum_n p_n z_n
                     vms = tl.load(vms_base + offs_n * stride_vmsn, mask=row_ok, other=0.0).to(tl.float32)
                     vmz = tl.load(vmz_base + offs_n * stride_vmsn, mask=row_ok, other=0.0).to(tl.float32)
@@ -1044,6 +1061,19 @@ def _decode_split_kernel(
             if NACC > 2:
                 acc2 += zsum2[:, None]
                 acc3 += zsum3[:, None]
+        if K_SUB > 1:  # each query row's K_SUB virtual rows merged by log-sum-exp (as splits are)
+            m_sub = tl.reshape(m_i, (K_SUB, R_PAD))
+            m_i = tl.max(m_sub, axis=0)  # (R_PAD,)
+            w_sub = tl.exp2(m_sub - m_i[None, :])  # (K_SUB, R_PAD)
+            l_i = tl.sum(tl.reshape(l_i, (K_SUB, R_PAD)) * w_sub, axis=0)
+            acc0 = _merge_virtual_rows(acc0, w_sub, K_SUB, R_PAD, AW)
+            if NACC > 1:
+                acc1 = _merge_virtual_rows(acc1, w_sub, K_SUB, R_PAD, AW)
+            if NACC > 2:
+                acc2 = _merge_virtual_rows(acc2, w_sub, K_SUB, R_PAD, AW)
+                acc3 = _merge_virtual_rows(acc3, w_sub, K_SUB, R_PAD, AW)
+            if VM_APART:
+                macc = _merge_virtual_rows(macc, w_sub, K_SUB, R_PAD, D)
         tl.store(M_part + part_row, m_i, mask=r_ok)
         tl.store(L_part + part_row, l_i, mask=r_ok)
         o_rows = O_part + part_row * D  # (R_PAD,) pointers
@@ -1146,7 +1176,7 @@ class DecodeConfig:
     """Tuning knobs (results do not depend on them beyond float rounding).
 
     - ``block_n``: packed tokens per loop step (for per-channel keys clamped to one key group, or
-      two with ``key_group_pairs``: the key-scale fold needs each block half inside one group).
+      two with ``key_group_pairs``: each key group of a block has its own virtual query rows).
     - ``num_warps``, ``num_stages``: Triton launch options of the split kernel.
     - ``unpack``: how codes become float16: 0 ``.to`` conversion; 1 magic-number float16 in
       Triton ops; 2 inline PTX on bytes; 3 inline PTX on int32 words (4 bytes per element, the
@@ -1166,9 +1196,11 @@ class DecodeConfig:
     - ``min_split_blocks``: fewest blocks per split (bounds the partials written and merged),
       unless that leaves fewer than ``min_splits`` splits or fewer than ``min_programs`` split
       programs in all (batch x kv heads x splits): then down to one block per split.
-    - ``min_programs``: below this many packed split programs at ``block_n`` with one block
-      each, blocks of ``small_block_n`` tokens instead (more, shorter splits; few kv heads at
-      batch 1 and short contexts).
+    - ``min_programs``: below half this many packed split programs at ``block_n`` with one
+      block each (this many when a side has 8 bits, whose blocks cost more: Mistral shape, batch
+      1 / 4k, 8-bit 12.0 -> 10.6 us on an H200, ``decode_sweep_b1-8bit.json``), blocks of
+      ``small_block_n`` tokens instead (more, shorter splits; few kv heads at batch 1 and short
+      contexts).
     - ``num_splits``: force the number of packed splits (tests); None = from programs_per_sm.
     - ``fp_block``: tokens per full-precision chunk program.
     - ``min_rows``: fewest query rows of a tile (the GQA group padded up to it). 16 fills one
@@ -1181,13 +1213,18 @@ class DecodeConfig:
       accumulator per group (at most 4 groups per head); off: they dequantize per element (the
       slower path, kept for comparison: ``bench_decode.py --mode groups``).
     - ``key_group_pairs``: per-channel key groups shorter than ``block_n`` (e.g. 32 tokens) run in
-      blocks of two key groups, each half folded with its own group (the softmax and value
-      products once per block); off (default): blocks of one key group. Measured on an H200
-      (``decode_groups.json``, Mistral shape, CUDA-graph time): on helps 4-bit keys of group 32
-      with value groups of 128 (batch 8 / 32k 182 -> 159 us, batch 1 / 32k 33.8 -> 31.7 us) but
-      slows group-32 values (the KIVI layout: 212 -> 238 us; register pressure with four value
-      accumulators), 8-bit keys (223 -> 243 us) and batch 1 at 4k (half the blocks, fewer split
-      programs), so it is off.
+      blocks of two key groups: the query rows are doubled into virtual rows, one set per key
+      group (each folded with its group's scales, seeing only its group's tokens, with its own
+      online softmax and accumulators), so one key product and one softmax cover the block, and
+      the two sets merge by log-sum-exp at the end. False: blocks of one key group. None
+      (default): on for head_dim <= 64 with <= 4 padded query rows and <= 4 bits, where it
+      measured faster on an H200 (``decode_sweep_pairs-smol.json``, SmolLM2 shape, groups of 32,
+      CUDA-graph time: batch 8 / 32k 4-bit 64.8 -> 45.2 us, 2-bit 82.9 -> 41.9 us; batch 1 / 128k
+      37.0 -> 28.2 / 46.7 -> 26.2 us), off elsewhere: at head_dim 128 the doubled rows cost more
+      registers than the halved per-block work saves (``decode_groups.json``, Mistral shape,
+      batch 8 / 32k: 4-bit groups 32 / 32 211 -> 221 us, 8-bit 257 -> 285 us; only keys of 32
+      with values of 128 gain, 182 -> 161 us; ``decode_sweep_pairs-b1.json``: Qwen shape (8
+      padded rows) batch 1 / 128k 46 -> 57 us).
     """
 
     block_n: int = 64
@@ -1204,7 +1241,7 @@ class DecodeConfig:
     min_rows: int = 4  # 16 before: 0.196 -> 0.159 ms at batch 8 / 32k, 2-bit, with unpack 5 (artifacts/bench/decode_tune.json)
     maxnreg: int | None = None
     value_chunks: bool = True
-    key_group_pairs: bool = False  # on: batch 8 / 32k 4-bit k_group 32 182 -> 159 us with v_group 128, 212 -> 238 with 32
+    key_group_pairs: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):
@@ -1466,10 +1503,14 @@ def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, d
         unpack = 2 if (cuda and fast_unpack_available(dev_index, "bytes")) else 6
     if unpack in (3, 4) and not words_ok:
         unpack = 1
+    r_pad = max(config.min_rows, triton.next_power_of_2(rep))
     block_n = config.block_n
     if k_axis == "channel":  # blocks of one key group, or of two when key groups are shorter (key_group_pairs)
         kgb = _pow2_divisor(k_group, config.block_n)
-        block_n = min(config.block_n, 2 * kgb) if config.key_group_pairs else kgb
+        pairs = config.key_group_pairs
+        if pairs is None:  # where it measured faster (DecodeConfig.key_group_pairs)
+            pairs = d <= 64 and r_pad <= 4 and max(k_bits, v_bits) <= 4
+        block_n = min(config.block_n, 2 * kgb) if pairs else kgb
     k_fold = k_axis == "channel"
     # (not with the int32-word reads of unpack 3/4, whose columns come in words)
     v_fold, v_chunks = value_fold(d, v_bits, v_group, config.value_chunks and unpack not in (3, 4))
@@ -1478,7 +1519,6 @@ def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, d
     plain = 2 if (unpack == 5 and cuda and fast_unpack_available(dev_index, "bytes")) else 1
     k_unpack = plain if (unpack in (5, 6) and not k_fold) else unpack
     v_unpack = plain if (unpack in (5, 6) and not v_fold) else unpack
-    r_pad = max(config.min_rows, triton.next_power_of_2(rep))
     # the interpreter's tl.dot has no bfloat16 (stored as uint16 there): float32 products instead
     fp_t = tl.float32 if (fp_dtype == torch.float32 or interp) else _tl_dtype(fp_dtype)
     fp_ieee = fp_dtype == torch.float32 or interp
@@ -1663,9 +1703,17 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     # ---- work split
     f_lens = [s[0].shape[2] for s in fp_all]  # sinks, window, pool (those present)
     small = config.small_block_n
-    if (n and config.num_splits is None and small < block_n and bsz * h * _cdiv(n, block_n) < config.min_programs // 2
+    few = config.min_programs if max(k_bits, v_bits) == 8 else config.min_programs // 2
+    if (n and config.num_splits is None and small < block_n and bsz * h * _cdiv(n, block_n) < few
             and (k_axis != "channel" or k_group % small == 0)):
-        block_n = small  # few rows and a short cache: shorter blocks give more split programs
+        # few rows and a short cache: shorter blocks give more split programs; planned again, so
+        # the lane unpack is verified for the block in use (its register order depends on the
+        # tile: with two warps a 64-token check passed where 32-token blocks were wrong)
+        from dataclasses import replace
+
+        ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, v_chunks, r_pad, fp_t, fp_ieee,
+         fp_block) = _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q.dtype, fp_dtype, dev.type,
+                           dev.index or 0, replace(config, block_n=small), _interpreting())
     splits, split_size, chunks, s_tot = _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config)
     if s_tot == 0:
         return None

@@ -13,6 +13,8 @@
 #         latency     GPU time (CUDA-graph replay) vs host time per call, small shapes
 #         splits      split-K parallelism sweep at batch 1/8 (CUDA-graph time); $KV_MODEL: another shape
 #         tune        tile/unpack/register-cap sweep at batch 1/8 (CUDA-graph time)
+#         sweep       bench_decode.py --mode sweep with the arguments in $KV_SWEEP_ARGS; several sweeps
+#                     separated by ';' (e.g. "--name occ --layouts 2/128/128 --configs '[{}, {\"maxnreg\": 192}]'")
 #         fitted      cost of SKVQ permutations / TaDA means in the kernel (CUDA-graph time)
 #         groups      cost of key / value groups of 32 (value-group accumulators vs per element)
 #         huffman     kernels/bench/bench_huffman.py (entropy-coded decode and fused attention)
@@ -78,6 +80,14 @@ for st in $STAGES; do
     tune)
       timeout "${KV_TUNE_TIMEOUT:-240}" $PY kernels/bench/bench_decode.py --mode tune --out "$OUT" > "$OUT/tune.log" 2>&1
       echo "tune exit $?"; grep -E "^  b=|failed" "$OUT/tune.log" ;;
+    sweep)
+      IFS=';' read -ra SWEEPS <<< "${KV_SWEEP_ARGS:?KV_SWEEP_ARGS: the sweep arguments}"
+      for sw in "${SWEEPS[@]}"; do
+        eval "timeout \"\${KV_SWEEP_TIMEOUT:-200}\" $PY kernels/bench/bench_decode.py --mode sweep $sw --out \"\$OUT\"" \
+          >> "$OUT/sweep.log" 2>&1
+        echo "sweep exit $?"
+      done
+      grep -E "^  b=|failed" "$OUT/sweep.log" ;;
     fitted)
       timeout "${KV_FITTED_TIMEOUT:-200}" $PY kernels/bench/bench_decode.py --mode fitted --out "$OUT" > "$OUT/fitted.log" 2>&1
       echo "fitted exit $?"; grep -E "^  b=|Error" "$OUT/fitted.log" ;;

@@ -26,6 +26,8 @@ Modes (``--mode``):
 - ``splits`` / ``tune``: CUDA-graph time of config grids on the Mistral shape at batch 1 and 8
   (split-K parallelism; tile shape, unpack and register cap) with bf16 SDPA's graph time.
   Write ``decode_splits.json`` / ``decode_tune.json``.
+- ``sweep``: any DecodeConfig grid (``--configs``) on any shapes and layouts (``--shapes``,
+  ``--layouts``), CUDA-graph time. Writes ``decode_sweep_<--name>.json``.
 - ``fitted``: what SKVQ permutations, TaDA means (8/16-bit) and OTT pools cost the kernel (CUDA-graph time,
   Mistral shape, batch 1/8). Writes ``decode_fitted.json``.
 - ``groups``: what key groups / value groups of 32 cost the kernel (value groups narrower than a
@@ -484,10 +486,12 @@ def graph_ms_per_call(fns, rep: int) -> float:
     return float(triton.testing.do_bench_cudagraph(all_sets, rep=rep, return_mode="median")) / len(fns)
 
 
-def graph_sweep(out_file: Path, shapes, configs_for_bits, default_for_bits, model: str = "mistral-7b") -> list[dict]:
-    """CUDA-graph time of the kernel for each config of ``configs_for_bits(bits)`` (2 and 4 bits,
-    group 128) on ``model``'s shape at each (batch, context) of ``shapes``, with the bf16 SDPA
-    graph time of the same shape; rows written to ``out_file`` as they come."""
+def graph_sweep(out_file: Path, shapes, configs_for_bits, default_for_bits, model: str = "mistral-7b",
+                layouts=((2, 128, 128), (4, 128, 128))) -> list[dict]:
+    """CUDA-graph time of the kernel for each config of ``configs_for_bits(bits)`` at each
+    (bits, key group, value group) of ``layouts`` on ``model``'s shape at each (batch, context) of
+    ``shapes``, with the bf16 SDPA graph time of the same shape; rows written to ``out_file`` as
+    they come."""
     dev = torch.device("cuda")
     hq, h, d = MODELS[model]
     scale = d ** -0.5
@@ -512,31 +516,32 @@ def graph_sweep(out_file: Path, shapes, configs_for_bits, default_for_bits, mode
         del kvs
         torch.cuda.empty_cache()
         bf16_ms = min(bf.values()) if bf else float("nan")
-        for bits in (2, 4):
-            nb = packed_bytes(b, h, hq, n, WINDOW, d, bits, 128, 128)["total"]
+        for bits, kg, vg in layouts:
+            nb = packed_bytes(b, h, hq, n, WINDOW, d, bits, kg, vg)["total"]
             sets = max(1, min(32, math.ceil(256e6 / nb)))
             inputs = []
             for i in range(sets):
                 inputs.append((torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16),
-                               packed_inputs(b, h, n, d, bits, 128, 128, dev, seed=i),
+                               packed_inputs(b, h, n, d, bits, kg, vg, dev, seed=i),
                                (torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16),
                                 torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16))))
             best = None
             default = default_for_bits(bits)
             for cfg in configs_for_bits(bits):
                 try:
-                    ms = graph_ms([kernel_call(q, pk, w, bits, 128, 128, n, scale, cfg) for q, pk, w in inputs])
+                    ms = graph_ms([kernel_call(q, pk, w, bits, kg, vg, n, scale, cfg) for q, pk, w in inputs])
                 except Exception as err:  # noqa: BLE001
                     log(f"  config {cfg_dict(cfg)} failed: {type(err).__name__}: {str(err)[:160]}")
                     continue
-                rows.append({"model": model, "batch": b, "context": ctx, "bits": bits, **cfg_dict(cfg),
+                rows.append({"model": model, "batch": b, "context": ctx, "bits": bits, "k_group": kg, "v_group": vg,
+                             **cfg_dict(cfg),
                              "ms_graph": ms, "bf16_ms_graph": bf16_ms, "speedup": bf16_ms / ms,
                              "bytes": nb, "bf16_bytes": bb, "default": cfg == default})
                 if best is None or ms < best[0]:
                     best = (ms, cfg_dict(cfg))
             dms = [r["ms_graph"] for r in rows if r["default"] and r["batch"] == b and r["context"] == ctx
-                   and r["bits"] == bits]
-            log(f"  b={b} ctx={ctx:6d} bits={bits}: bf16 {bf16_ms:.4f} ms | default {dms[0] if dms else float('nan'):.4f} ms"
+                   and (r["bits"], r["k_group"], r["v_group"]) == (bits, kg, vg)]
+            log(f"  b={b} ctx={ctx:6d} bits={bits} groups {kg}/{vg}: bf16 {bf16_ms:.4f} ms | default {dms[0] if dms else float('nan'):.4f} ms"
                 f" | best {best[0] if best else float('nan'):.4f} ms {best[1] if best else ''}")
             del inputs
             torch.cuda.empty_cache()
@@ -591,6 +596,30 @@ def main_tune(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     graph_sweep(out / "decode_tune.json", ((1, 4096), (1, 32768), (8, 32768)), lambda bits: tune_configs(),
                 lambda bits: DecodeConfig())
+
+
+def main_sweep(args) -> None:
+    """Any config grid on any shapes and layouts, CUDA-graph time with bf16 SDPA beside (the
+    experiments behind a change of a default): ``--model``, ``--shapes 1x4096,8x32768`` (batch x
+    context), ``--layouts 2/128/128,4/32/32`` (bits / key group / value group), ``--configs
+    '[{}, {"maxnreg": 192}]'`` (DecodeConfig fields over the defaults; ``{}`` is the default).
+    Writes ``decode_sweep_<--name>.json``."""
+    from kvcalib_kernels.decode_attention import DecodeConfig
+
+    def pairs(text, sep):
+        return tuple(tuple(int(x) for x in item.split(sep)) for item in text.split(",") if item)
+
+    shapes, layouts = pairs(args.shapes, "x"), pairs(args.layouts, "/")
+    if any(len(s) != 2 for s in shapes) or any(len(lay) != 3 for lay in layouts):
+        raise SystemExit("--shapes wants BATCHxCONTEXT,... and --layouts BITS/KGROUP/VGROUP,...")
+    configs = [DecodeConfig(**c) for c in json.loads(args.configs)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = graph_sweep(out / f"decode_sweep_{args.name}.json", shapes, lambda bits: configs,
+                       lambda bits: DecodeConfig(), model=args.model, layouts=layouts)
+    _write_json(out / f"decode_sweep_{args.name}.json",
+                {"rows": rows, "command": "python kernels/bench/bench_decode.py --mode sweep " + " ".join(
+                    f"--{k} '{getattr(args, k)}'" for k in ("name", "model", "shapes", "layouts", "configs"))})
 
 
 FITTED_VARIANTS = {  # name: (K and V permuted, mean bits of K and V: 0 off, 8 or 16, OTT pool slots)
@@ -1088,13 +1117,22 @@ NOTES = """
    Group-32 rows of the grid (CUDA-graph time): Mistral 4-bit batch 8 / 32k 378.6 -> 214.7 us
    (0.63x -> 1.11x of bf16), batch 1 / 32k 58.6 -> 37.2 us (0.63x -> 1.00x); group-128 rows moved
    4-7% with the key-fold change (2-bit batch 8 / 32k 117.7 -> 109.9 us). What each group costs:
-   `bench_decode.py --mode groups` (`decode_groups.json`, section below). Tried there and left
-   off (`key_group_pairs`): 64-token blocks of two 32-token key groups, each half folded with its
-   group: 182 -> 159 us with group-128 values, but 212 -> 238 us with group-32 values (spills).
+   `bench_decode.py --mode groups` (`decode_groups.json`, section below).
+9. Two key groups per block (`key_group_pairs`, on by default at head_dim <= 64 with <= 4 padded
+   query rows and <= 4 bits): the query rows doubled into virtual rows, one set per 32-token key
+   group of a 64-token block (its own scales, tokens, online softmax and accumulators), merged
+   by log-sum-exp at the end; one key product and one softmax per 64 tokens. Offline 2,840 ->
+   2,369 SASS instructions per 64 tokens (4-bit, groups 32 / 32). SmolLM2 shape, group 32, batch
+   8 / 32k: 4-bit 64.8 -> 45.2 us, 2-bit 82.9 -> 41.9 us (`decode_sweep_pairs-smol.json`); at
+   head_dim 128 slower (Mistral 32 / 32 211 -> 221 us, `decode_groups.json`; Qwen batch 1 / 128k
+   46 -> 57 us, `decode_sweep_pairs-b1.json`), so off there. The `--mode sweep` files beside it:
+   register caps (more warps per SM) slower on every layout (`decode_sweep_occupancy.json`);
+   8-bit at batch 1 / 4k 12.0 -> 10.6 us with 32-token blocks below `min_programs`
+   (`decode_sweep_b1-8bit.json`, `decode_sweep_b1-8bit-after.json`).
 
 ## Why the 5x / 3x targets are missed
 
-At 2.16x (graph time) the kernel moves ~1.41 TB/s, 0.33 of the 4.2 TB/s copy bandwidth: it is
+At 2.23x (graph time) the kernel moves ~1.42 TB/s, 0.34 of the 4.2 TB/s copy bandwidth: it is
 bound by instruction issue and latency, not memory. A 64-token block of one kv head costs one warp
 ~1,460 instructions (`scripts/compile_sm90.py`): the unpack's 256 LOP3 (one per pair of codes,
 the floor with 16-bit lanes) and 64 PRMT, 96 HMMA (64 of them the value products, whose 4 query
@@ -1281,8 +1319,8 @@ def main_report(args) -> None:
         lines += ["", "## Key and value groups of 32 (Mistral-7B shape)", "",
                   "CUDA-graph time of the default config with key groups (`k_group` tokens per key scale) and value "
                   "groups (`v_group` channels per value scale) of 128 or 32. `key groups per block`: 1 (blocks of "
-                  "one key group: 32 tokens for group 32) or 2 (`key_group_pairs`: 64-token blocks, each half folded "
-                  "with its own group). `value path`: `fold` (a plane of codes "
+                  "one key group: 32 tokens for group 32) or 2 (`key_group_pairs`: 64-token blocks, one set of virtual "
+                  "query rows per key group). `value path`: `fold` (a plane of codes "
                   "lies in one value group: `p * scale` once per plane), `group-fold` (groups narrower than a plane: "
                   "one accumulator per (plane, chunk) = value group), `per-element` (`DecodeConfig(value_chunks="
                   "False)`: every code dequantized before the product, the path before). bf16: SDPA `enable_gqa`. "
@@ -1429,14 +1467,18 @@ def _pats_e2e_section(path: Path) -> list[str]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=("micro", "latency", "splits", "tune", "fitted", "groups", "e2e", "report"),
+    ap.add_argument("--mode", choices=("micro", "latency", "splits", "tune", "sweep", "fitted", "groups", "e2e", "report"),
                     default="micro")
     ap.add_argument("--out", default="artifacts/bench")
     ap.add_argument("--quick", action="store_true", help="a few shapes only (smoke test)")
     ap.add_argument("--no-sweep", action="store_true", help="default config, no sweep")
     ap.add_argument("--config", default=None, help='JSON {"2": {DecodeConfig fields}, "4": {...}}: skip the sweep')
     ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--model", choices=tuple(MODELS), default="mistral-7b", help="splits: the shape to sweep")
+    ap.add_argument("--model", choices=tuple(MODELS), default="mistral-7b", help="splits / sweep: the shape to sweep")
+    ap.add_argument("--shapes", default="1x32768,8x32768", help="sweep: BATCHxCONTEXT,...")
+    ap.add_argument("--layouts", default="2/128/128,4/128/128", help="sweep: BITS/KGROUP/VGROUP,...")
+    ap.add_argument("--configs", default="[{}]", help="sweep: JSON list of DecodeConfig fields ({} = defaults)")
+    ap.add_argument("--name", default="custom", help="sweep: writes decode_sweep_NAME.json")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batches-bf16", type=int, nargs="*", default=[8])
     ap.add_argument("--batches-packed", type=int, nargs="*", default=[8, 32])
@@ -1445,7 +1487,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-graphs", dest="graphs", action="store_false",
                     help="e2e: eager steps only (no CUDA-graph runs of either cache)")
     args = ap.parse_args(argv)
-    {"micro": main_micro, "latency": main_latency, "splits": main_splits, "tune": main_tune, "fitted": main_fitted,
+    {"micro": main_micro, "latency": main_latency, "splits": main_splits, "tune": main_tune, "sweep": main_sweep, "fitted": main_fitted,
      "groups": main_groups, "e2e": main_e2e, "report": main_report}[args.mode](args)
 
 

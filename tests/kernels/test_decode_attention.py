@@ -122,6 +122,14 @@ def test_few_rows_split_finer():
     assert da._split_plan(64 * 20, 64, [], 64, 8, 8, cpu, fine)[:2] == (1, 64 * 20)  # many rows: as before
     args, kw = make_case(b=1, h=2, n=96, k_group=32, v_group=32, k_bits=2, v_bits=4, f=(2, 5))
     check(args, kw, da.DecodeConfig(small_block_n=16, min_programs=10_000))  # 32-token blocks -> 16
+    # 8-bit blocks cost more: shorter blocks below min_programs programs, not half of it
+    cfg = da.DecodeConfig(small_block_n=16, min_programs=40, key_group_pairs=False)
+    for bits, want in ((2, 32), (8, 16)):  # 1 x 2 heads x 12 blocks of 32 tokens = 24 programs
+        args, kw = make_case(b=1, h=2, n=384, k_group=32, v_group=32, k_bits=bits, v_bits=bits, f=(2, 5))
+        call = da._prepare(da._check_q(args[0]), *args[1:], **kw, softcap=None, packed_start=None,
+                           packed_end=None, mask=None, config=cfg)
+        assert call.meta["BLOCK_N"] == want, bits
+        check(args, kw, cfg)
 
 
 @pytest.mark.parametrize("rep,min_rows", [(3, 4), (7, 1), (1, 1), (4, 8)], ids=str)
@@ -203,9 +211,9 @@ def test_small_value_groups_and_token_keys(d, v_bits, v_group, chunks):
 
 @pytest.mark.parametrize("k_bits,v_bits", [(2, 2), (4, 4), (8, 2)], ids=lambda x: f"{x}b")
 def test_key_groups_shorter_than_a_block_run_in_pairs(k_bits, v_bits):
-    """Per-channel key groups of half a block run two per block (each half folded with its own
-    group, the two score tiles joined in token order): within the tolerance, and near blocks of one
-    group, on ragged ranges, a mask, and a length whose last block has an empty second half."""
+    """Per-channel key groups of half a block run two per block (virtual query rows, one set per
+    key group, merged at the end): within the tolerance, and near blocks of one group, on ragged
+    ranges, a mask, and a length whose last block has an empty second half."""
     from dataclasses import replace
 
     cfg = da.DecodeConfig(block_n=32, fp_block=16, key_group_pairs=True)
@@ -221,6 +229,33 @@ def test_key_groups_shorter_than_a_block_run_in_pairs(k_bits, v_bits):
     pairs = check(args, kw, cfg)
     single = check(args, kw, replace(cfg, key_group_pairs=False))
     assert float((pairs - single).abs().max()) < 5e-3
+
+
+def test_key_group_pairs_default_rule():
+    """key_group_pairs=None (default) pairs 32-token key groups only where it measured faster:
+    head_dim <= 64, <= 4 padded query rows, <= 4 bits."""
+    cfg = da.DecodeConfig()
+
+    def block_n(d, rep, bits, k_group=32):
+        return da._plan(d, rep, bits, bits, k_group, 32, "channel", torch.float16, torch.float16, "cpu", 0, cfg,
+                        True)[3]
+    assert block_n(64, 3, 4) == 64 and block_n(64, 4, 2) == 64  # SmolLM2-like: two key groups per block
+    assert block_n(128, 4, 4) == 32 and block_n(64, 6, 4) == 32 and block_n(64, 3, 8) == 32
+    assert block_n(64, 3, 4, k_group=128) == 64 and block_n(64, 3, 4, k_group=16) == 32
+
+
+@pytest.mark.parametrize("unpack", [1, 6], ids=lambda u: f"unpack{u}")
+def test_key_group_pairs_with_value_groups_means_and_odd_gqa(unpack):
+    """Two key groups per block beside value-group accumulators (v_group 16 < a 32-byte plane),
+    permutations and each mean kind (the value mean accumulated apart), and 3 query heads per kv
+    head (a padded row in each virtual row set)."""
+    cfg = da.DecodeConfig(block_n=32, fp_block=16, key_group_pairs=True, unpack=unpack, num_splits=2)
+    for rep, v_bits, v_group, k_mean, v_mean in ((4, 4, 16, 16, 8), (3, 8, 16, 8, 16), (3, 2, 32, 0, 0)):
+        args, kw = make_case(rep=rep, n=80, k_bits=4, v_bits=v_bits, k_group=16, v_group=v_group,
+                             dtype=torch.float16)
+        args, kw = with_perm_mean(args, kw, k_perm=True, v_perm=True, k_mean=k_mean, v_mean=v_mean)
+        kw = {**kw, "packed_start": torch.tensor([3, 0], device=DEVICE), "packed_end": torch.tensor([80, 49], device=DEVICE)}
+        check(args, kw, cfg)
 
 
 def test_benchmark_names_the_value_path_the_kernel_takes():

@@ -434,7 +434,8 @@ def _k_group_fold(q_t, ks_ptr, kz_ptr, offs_p, DOT_T: tl.constexpr, SHIFT: tl.co
     ``(q * s) * 2**-SHIFT`` (exact: a power of two) and the bias terms also take
     ``-1024 * plane``, from the rounded DOT_T values the product uses, so the 1024 cancels
     exactly. q_t (P, R_PAD) float32 (pre-scaled, :func:`_q_plane_t`); ks_ptr/kz_ptr: the plane's
-    P parameters (SUB > 1: see below).
+    P parameters, or with SUB > 1 key groups (virtual rows, ``DecodeConfig.key_group_pairs``)
+    (SUB,) pointers, one per group.
     """
     if SUB > 1:
         # SUB key groups (ks_ptr/kz_ptr (SUB,) pointers to each group's row, read where col_ok):
@@ -444,16 +445,16 @@ def _k_group_fold(q_t, ks_ptr, kz_ptr, offs_p, DOT_T: tl.constexpr, SHIFT: tl.co
         ks = tl.load(ks_ptr[None, :, None] + offs_p[:, None, None], mask=col_ok[None, :, None], other=0.0)
         kz = tl.load(kz_ptr[None, :, None] + offs_p[:, None, None], mask=col_ok[None, :, None], other=0.0)
         q3 = tl.reshape(q_t, (q_t.shape[0], SUB, RS))  # (P, SUB, RS)
-        ks = tl.reshape(q3 * ks.to(tl.float32), q_t.shape)  # (P, R_PAD): q * s
+        qs = tl.reshape(q3 * ks.to(tl.float32), q_t.shape)  # (P, R_PAD): q * s
         terms = tl.reshape(q3 * kz.to(tl.float32), q_t.shape)  # (P, R_PAD)
     else:
-        ks = q_t * tl.load(ks_ptr + offs_p).to(tl.float32)[:, None]  # (P, R_PAD): q * s
+        qs = q_t * tl.load(ks_ptr + offs_p).to(tl.float32)[:, None]  # (P, R_PAD): q * s
         terms = q_t * tl.load(kz_ptr + offs_p).to(tl.float32)[:, None]  # (P, R_PAD)
     if LANES:
-        qp = (ks * (1.0 / (1 << SHIFT))).to(DOT_T)  # (P, R_PAD)
+        qp = (qs * (1.0 / (1 << SHIFT))).to(DOT_T)  # (P, R_PAD)
         return qp, terms - 1024.0 * qp.to(tl.float32)
     else:
-        return ks.to(DOT_T), terms
+        return qs.to(DOT_T), terms
 
 
 @triton.jit

@@ -85,7 +85,7 @@ import inspect
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -1343,7 +1343,6 @@ def _lanes_mismatch(dev: torch.device, d: int, rep: int, k_bits: int, v_bits: in
     with one block per split (what the plan gives so short a cache) two warps' lanes agreed here
     and were wrong across blocks (error 2.0 on the GPU grid case d=64, GQA 3, K8V2)."""
     global _PROBING_LANES
-    from dataclasses import replace
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     h = 2
@@ -1710,8 +1709,6 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
         # few rows and a short cache: shorter blocks give more split programs; planned again, so
         # the lane unpack is verified for the block in use (its register order depends on the
         # tile: with two warps a 64-token check passed where 32-token blocks were wrong)
-        from dataclasses import replace
-
         ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, v_chunks, r_pad, fp_t, fp_ieee,
          fp_block) = _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q.dtype, fp_dtype, dev.type,
                            dev.index or 0, replace(config, block_n=small), _interpreting())

@@ -15,6 +15,9 @@ twin of the same signature in :mod:`kvcalib_kernels.reference` that it is tested
 - :mod:`kvcalib_kernels.decode_attention_huffman`: decode attention with the Huffman decode fused
   into the loop (decoded codes never written to memory); same result as ``decode_attention``.
 
+:mod:`kvcalib_kernels.launch` (no kernel of its own) launches a compiled kernel again without
+Triton's per-call argument binding, for the decode kernels' eager host time.
+
 Importing this package (or :mod:`kvcalib_kernels.reference`) imports no triton and initialises
 no CUDA: the kernel modules import triton themselves, on first import. On a machine without a
 GPU, set ``TRITON_INTERPRET=1`` *before* importing a kernel module to run it in Triton's

@@ -92,6 +92,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcalib_kernels.launch import FastLauncher
+
 __all__ = ["DecodeConfig", "decode_attention", "decode_attention_parts", "supports", "fast_unpack_available"]
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the kernels use exp2
@@ -1165,8 +1167,11 @@ def _combine(m_part, l_part, o_part, s_tot: int, out: torch.Tensor, lse: torch.T
     rows, d = out.shape[0] * out.shape[1], out.shape[2]
     s_block = min(1024, max(16, triton.next_power_of_2(max(s_tot, 1))))
     db = max(2, min(d, 2048 // s_block))
-    _combine_kernel[(rows, d // db)](m_part, l_part, o_part, max(s_tot, 1), out, out if lse is None else lse,
-                                     D=d, DB=db, S_BLOCK=s_block, STORE_LSE=lse is not None, num_warps=4)
+    _COMBINE((rows, d // db), (m_part, l_part, o_part, max(s_tot, 1), out, out if lse is None else lse),
+             {"D": d, "DB": db, "S_BLOCK": s_block, "STORE_LSE": lse is not None, "num_warps": 4})
+
+
+_COMBINE = FastLauncher(_combine_kernel)
 
 
 # ---------------------------------------------------------------- launcher
@@ -1526,6 +1531,12 @@ def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, d
     return (k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, v_chunks, r_pad, fp_t, fp_ieee, fp_block
 
 
+@functools.lru_cache(maxsize=None)
+def _with_block_n(config: DecodeConfig, block_n: int) -> DecodeConfig:
+    """``config`` with another ``block_n`` (one object per pair: the plan cache keys on it)."""
+    return replace(config, block_n=block_n)
+
+
 def _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config):
     """Split-K plan shared by the fixed-width and Huffman kernels: ``n`` packed tokens in splits of
     whole ``block_n`` blocks (about ``programs_per_sm`` programs per SM, at least
@@ -1696,9 +1707,10 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     fp_dtype = fp_all[0][0].dtype if fp_all else q.dtype
     if fp_all and any(s[0].dtype != fp_dtype for s in fp_all):
         raise ValueError("the full-precision segments (and the outlier pool) must share a dtype")
+    interp = _interpreting()
     ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, v_chunks, r_pad, fp_t, fp_ieee, fp_block) = _plan(
         d, rep, k_bits, v_bits, k_group, v_group, k_axis, q.dtype, fp_dtype, dev.type, dev.index or 0,
-        config, _interpreting())
+        config, interp)
 
     # ---- work split
     f_lens = [s[0].shape[2] for s in fp_all]  # sinks, window, pool (those present)
@@ -1711,7 +1723,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
         # tile: with two warps a 64-token check passed where 32-token blocks were wrong)
         ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, v_chunks, r_pad, fp_t, fp_ieee,
          fp_block) = _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q.dtype, fp_dtype, dev.type,
-                           dev.index or 0, replace(config, block_n=small), _interpreting())
+                           dev.index or 0, _with_block_n(config, small), interp)
     splits, split_size, chunks, s_tot = _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config)
     if s_tot == 0:
         return None
@@ -1821,12 +1833,14 @@ def _run(q: torch.Tensor, calls: list[_SplitCall | None], return_lse: bool):
         return (out, torch.full((bsz, hq), float("-inf"), device=q.device)) if return_lse else out
     s_off = 0
     for c in calls:
-        _decode_split_kernel[(c.bh, c.s_tot)](q, q.stride(0), q.stride(1), m_part, l_part, o_part, s_all, s_off,
-                                               *c.args, **c.meta)
+        _SPLIT((c.bh, c.s_tot), (q, q.stride(0), q.stride(1), m_part, l_part, o_part, s_all, s_off, *c.args), c.meta)
         s_off += c.s_tot
     lse = torch.empty((bsz, hq), dtype=torch.float32, device=q.device) if return_lse else None  # (B, Hq)
     _combine(m_part, l_part, o_part, s_all, out, lse)
     return (out, lse) if return_lse else out
+
+
+_SPLIT = FastLauncher(_decode_split_kernel)
 
 
 def _check_q(q) -> torch.Tensor:
@@ -1912,22 +1926,21 @@ def decode_attention_parts(
     cfg = config or DEFAULT_CONFIG
     calls = []
     for i, part in enumerate(parts):
-        unknown = set(part) - set(_PART_PARAMS)
+        unknown = part.keys() - _PART_DEFAULTS.keys() - _PART_REQUIRED
         if unknown:
             raise ValueError(f"part {i}: unknown arguments {sorted(unknown)}")
-        kw = {}
-        for name, param in _PART_PARAMS.items():  # decode_attention's own defaults; packed tensors: None
-            if name in part:
-                kw[name] = part[name]
-            elif param.default is not param.empty or name in _PACKED_NAMES:
-                kw[name] = None if param.default is param.empty else param.default
-            else:
-                raise ValueError(f"part {i}: missing {name}")
-        calls.append(_prepare(q, **kw, config=cfg))
+        missing = _PART_REQUIRED - part.keys()
+        if missing:
+            raise ValueError(f"part {i}: missing {', '.join(sorted(missing))}")
+        calls.append(_prepare(q, **{**_PART_DEFAULTS, **part}, config=cfg))
     return _run(q, calls, return_lse)
 
 
 _PACKED_NAMES = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
-# what a part may name: decode_attention's arguments after q, less the per-call ones
+# what a part may name: decode_attention's arguments after q, less the per-call ones; those with
+# a default (the packed tensors: None, a part without packed tokens) and those it must give
 _PART_PARAMS = {name: param for name, param in inspect.signature(decode_attention).parameters.items()
                 if name not in ("q", "config", "return_lse")}
+_PART_DEFAULTS = {name: None if param.default is param.empty else param.default
+                  for name, param in _PART_PARAMS.items() if param.default is not param.empty or name in _PACKED_NAMES}
+_PART_REQUIRED = frozenset(_PART_PARAMS) - _PART_DEFAULTS.keys()

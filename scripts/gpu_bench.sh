@@ -18,6 +18,8 @@
 #         fitted      cost of SKVQ permutations / TaDA means in the kernel (CUDA-graph time)
 #         groups      cost of key / value groups of 32 (value-group accumulators vs per element)
 #         huffman     kernels/bench/bench_huffman.py (entropy-coded decode and fused attention)
+#         host        kernels/bench/bench_host.py: host time per attention call and eager vs graph decode
+#                     steps at batch 1 (random-weight models of the three shapes)
 #         e2e-smoke   end-to-end on a small random model (checks the path, seconds)
 #         e2e         end-to-end, random-weight Mistral-7B shape at 32k context
 #         e2e-pats    the same, CUDA-graph decoding of a PATS middle-heavy cache beside plain 2-bit
@@ -101,6 +103,10 @@ for st in $STAGES; do
       timeout "${KV_E2E_TIMEOUT:-90}" $PY kernels/bench/bench_decode.py --mode e2e --quick --steps 6 --batches-bf16 2 \
         --batches-packed 2 --out "$OUT/smoke" > "$OUT/e2e_smoke.log" 2>&1
       echo "e2e-smoke exit $?"; tail -n 12 "$OUT/e2e_smoke.log" ;;
+    host)
+      timeout "${KV_HOST_TIMEOUT:-300}" $PY kernels/bench/bench_host.py --out "$OUT" --steps "${KV_HOST_STEPS:-30}" \
+        > "$OUT/host.log" 2>&1
+      echo "host exit $?"; tail -n 12 "$OUT/host.log" ;;
     e2e)
       timeout "${KV_E2E_TIMEOUT:-300}" $PY kernels/bench/bench_decode.py --mode e2e --steps "${KV_E2E_STEPS:-140}" \
         --batches-bf16 8 --batches-packed 8 32 ${KV_E2E_ARGS:-} --out "$OUT" > "$OUT/e2e.log" 2>&1

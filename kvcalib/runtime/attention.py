@@ -27,7 +27,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _visible_mask(attention_mask: torch.Tensor | None, layer, q_len: int, device) -> torch.Tensor:
+def visible_mask(attention_mask: torch.Tensor | None, layer, q_len: int, device) -> torch.Tensor:
     """(B|1, Tq, KV) bool, True where query t may attend key position j."""
     kv = layer.n_seen
     if attention_mask is not None:
@@ -116,14 +116,17 @@ def kvcalib_attention(module, query, key, value, attention_mask, scaling=None, d
         from kvcalib.runtime.triton_path import static_decode_attention
 
         return static_decode_attention(query, layer, scale, softcap).to(query.dtype), None
-    visible = _visible_mask(attention_mask, layer, query.shape[-2], query.device)  # (B|1, Tq, KV)
-    if attention_mask is not None:  # no mask: nothing is padding (and no host sync per layer)
-        layer.mark_padding(visible.any(dim=1).expand(layer.sink_k.shape[0], -1))
     from kvcalib.runtime.backend import decode_attention
 
     # no mask and no padding seen: a decode step's query sees every cached token (the kernel then
-    # reads no mask at all)
-    all_visible = attention_mask is None and layer.valid is None and not layer.is_sliding
+    # reads no mask at all, and none is built unless the reference path runs)
+    all_visible = attention_mask is None and layer.valid is None and not layer.is_sliding and query.shape[-2] == 1
+    if all_visible:
+        visible = None
+    else:
+        visible = visible_mask(attention_mask, layer, query.shape[-2], query.device)  # (B|1, Tq, KV)
+        if attention_mask is not None:  # no mask: nothing is padding (and no host sync per layer)
+            layer.mark_padding(visible.any(dim=1).expand(layer.sink_k.shape[0], -1))
     out = decode_attention(query, layer, visible, scale, softcap, all_visible=all_visible)
     layer.flush()
     return out.to(query.dtype), None

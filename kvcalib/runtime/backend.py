@@ -59,8 +59,9 @@ def use_triton_for(query: torch.Tensor) -> bool:
 def decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, scaling: float,
                      softcap: float | None = None, all_visible: bool = False) -> torch.Tensor:
     """Attention of ``query`` (B, Hq, Tq, D) over ``layer``; returns (B, Tq, Hq, D) float32.
-    ``all_visible``: ``visible`` is True everywhere (the kernel may skip reading it)."""
-    from kvcalib.runtime.attention import attend_compressed
+    ``visible`` (B|1, Tq, KV) bool; ``all_visible``: it is True everywhere (the kernel skips
+    reading it), and ``visible`` may then be None (built here only if the reference runs)."""
+    from kvcalib.runtime.attention import visible_mask, attend_compressed
 
     if use_triton_for(query):
         from kvcalib.runtime.triton_path import triton_decode_attention
@@ -68,4 +69,6 @@ def decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, scaling:
         out = triton_decode_attention(query, layer, visible, scaling, softcap, all_visible=all_visible)
         if out is not None:
             return out
+    if visible is None:
+        visible = visible_mask(None, layer, query.shape[-2], query.device)  # (1, Tq, KV)
     return attend_compressed(query, layer, visible, scaling, softcap)

@@ -97,10 +97,13 @@ class PackedStore:
                       ("k_codes", "k_scale", "k_zero", "k_raw", "v_codes", "v_scale", "v_zero", "v_raw",
                        "k_mean", "v_mean", "k_mean_codes", "k_mean_scale", "k_mean_zero",
                        "v_mean_codes", "v_mean_scale", "v_mean_zero", "keep")}
+        self._view: PackedView | None = None  # view() of the current contents (decode steps reuse it)
+        self.kernel_part: tuple | None = None  # the Triton path's arguments built from that view
 
     def append(self, start: int, k: PackedBlock, v: PackedBlock, n: int, keep: torch.Tensor | None = None) -> None:
         """Append ``n`` tokens at absolute ``start`` (right after the live ones); ``keep`` = their
         packed quant masks, uint8 ``(B, H, blocks * ceil(G / 8))`` (OTT), or None."""
+        self._view = None
         if self.n == 0:
             self.start = start
         for side, blk in (("k", k), ("v", v)):
@@ -133,6 +136,7 @@ class PackedStore:
 
     def drop_front(self, tokens: int) -> None:
         """Forget the oldest ``tokens`` packed tokens (a multiple of the flush block)."""
+        self._view = None
         tokens = min(tokens, self.n)
         for side in ("k", "v"):
             for name in ("codes", "raw", "mean", "mean_codes", "mean_scale", "mean_zero"):
@@ -145,13 +149,20 @@ class PackedStore:
         self.n -= tokens
 
     def view(self) -> PackedView:
+        """Views of the live contents; the same object until the next append or drop (a decode
+        step between two flushes slices nothing). Code that sets ``start``/``n`` and the buffers
+        directly (restoring a saved cache) changes ``start`` or ``n``, which also renews it."""
+        cached = self._view
+        if cached is not None and cached.start == self.start and cached.n == self.n:
+            return cached
         p = {k: b.view() for k, b in self.parts.items() if "mean" not in k and k != "keep"}
         for side in ("k", "v"):
             mean = self.parts[f"{side}_mean"].view()
             if mean is None and self.parts[f"{side}_mean_codes"].view() is not None:
                 mean = tuple(self.parts[f"{side}_mean_{n}"].view() for n in ("codes", "scale", "zero"))
             p[f"{side}_mean"] = mean
-        return PackedView(self.cfg, self.start, self.n, **p, keep=self.parts["keep"].view())
+        self._view = PackedView(self.cfg, self.start, self.n, **p, keep=self.parts["keep"].view())
+        return self._view
 
     def centred(self) -> bool:
         return any(self.parts[n].buf is not None for n in ("k_mean", "v_mean", "k_mean_codes", "v_mean_codes"))

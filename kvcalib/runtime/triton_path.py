@@ -84,7 +84,7 @@ def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, s
     """Fused attention of ``query`` (B, Hq, 1, D) over ``layer``; (B, 1, Hq, D) float32 or None.
 
     ``visible`` (B|1, 1, KV) bool over absolute positions ``0..n_seen-1`` (False = padding);
-    ``all_visible``: it is True everywhere, so no mask is passed to the kernel.
+    ``all_visible``: it is True everywhere (and may be None), so no mask is passed to the kernel.
     Returns None (use the reference) when the step or the layer is not covered (module doc).
     """
     if _reason_unsupported(query, layer) is not None:
@@ -133,20 +133,36 @@ def _launch_layer(query, layer, pending, mask, mask_packed, scaling, softcap) ->
     stores = [store for store in layer.packed.stores if store.n] or layer.packed.stores[:1]  # oldest tier last
     parts = []
     for i, store in enumerate(stores):
-        view = store.view()
-        packed = dict(k_codes=view.k_codes, k_scale=view.k_scale, k_zero=view.k_zero, v_codes=view.v_codes,
-                      v_scale=view.v_scale, v_zero=view.v_zero)
-        if view.n == 0 or any(t is None for t in packed.values()):
-            if view.n:
-                return None  # a 16-bit side stored raw: not this kernel's layout
-            packed = {}
+        base = _store_part(store, cfg, codec, query.device)
+        if base is None:
+            return None  # a 16-bit side stored raw: not this kernel's layout
         first = i == 0  # the full-precision parts join the first part only
         parts.append(dict(
-            packed, k_bits=store.bits["k"], v_bits=store.bits["v"], k_group=cfg.k_group, v_group=cfg.v_group,
-            k_axis=cfg.k_axis, scaling=scaling, softcap=softcap, packed_position=view.start,
-            fp_segments=segments if first else (), fp_positions=positions if first else (), mask=mask,
-            mask_packed=mask_packed, keep=view.keep, keep_block=cfg.flush_block, pool=pool if first else None,
-            k_perm=codec.device_perm("k", query.device), v_perm=codec.device_perm("v", query.device),
-            k_mean=view.k_mean, v_mean=view.v_mean))  # means of an empty store are ignored
+            base, scaling=scaling, softcap=softcap, fp_segments=segments if first else (),
+            fp_positions=positions if first else (), mask=mask, mask_packed=mask_packed,
+            pool=pool if first else None))
     # one split launch per store into one partial buffer, one combine: (B, Hq, D) float32
     return decode_attention_parts(query[:, :, 0, :], parts)[:, None]
+
+
+def _store_part(store, cfg, codec, device) -> dict | None:
+    """The kernel arguments of one packed store that change only when it does (a flush): its
+    tensors, bits, layout, permutations, means and OTT masks; None when a side is stored raw.
+    Kept on the store beside the view they come from, so a decode step rebuilds nothing."""
+    view = store.view()  # the same object until the store changes
+    cached = store.kernel_part
+    if cached is not None and cached[0] is view and cached[1] == device:
+        return cached[2]
+    packed = dict(k_codes=view.k_codes, k_scale=view.k_scale, k_zero=view.k_zero, v_codes=view.v_codes,
+                  v_scale=view.v_scale, v_zero=view.v_zero)
+    if view.n == 0 or any(t is None for t in packed.values()):
+        if view.n:
+            return None
+        packed = {}
+    part = dict(packed, k_bits=store.bits["k"], v_bits=store.bits["v"], k_group=cfg.k_group,
+                v_group=cfg.v_group, k_axis=cfg.k_axis, packed_position=view.start, keep=view.keep,
+                keep_block=cfg.flush_block, k_perm=codec.device_perm("k", device),
+                v_perm=codec.device_perm("v", device),
+                k_mean=view.k_mean, v_mean=view.v_mean)  # means of an empty store are ignored
+    store.kernel_part = (view, device, part)
+    return part

@@ -1222,6 +1222,15 @@ def _targets_section(rows, meta, out: Path) -> list[str]:
     return out_lines
 
 
+def _json_section(path: Path, title: str, intro, header: str, rule: str, row) -> list[str]:
+    """A report section from one benchmark JSON with a ``rows`` list (nothing if the file is
+    absent): ``## title``, ``intro(doc)``, a table of ``header`` / ``rule`` and ``row(doc, r)`` per row."""
+    if not path.exists():
+        return []
+    doc = json.loads(path.read_text())
+    return ["", f"## {title}", "", intro(doc), "", header, rule] + [row(doc, r) for r in doc["rows"]]
+
+
 def main_report(args) -> None:
     out = Path(args.out)
     rows = json.loads((out / "decode_attention.json").read_text())
@@ -1281,68 +1290,63 @@ def main_report(args) -> None:
                              f"path takes {q[f'quant_pack_{bits}b_torch_reference_ms']:.3f} ms).")
     lines += _targets_section(rows, meta, out)
     lines += NOTES.splitlines()
-    lat_path = out / "decode_latency.json"
-    if lat_path.exists():
-        lat = json.loads(lat_path.read_text())
-        lines += ["", "## GPU time vs host time (2-bit, group 128)", "",
-                  "`do_bench` times include whatever host time the L2 flush between calls does not hide; "
-                  "`graph`: median CUDA-graph replay over enough rotating input sets (>= 256 MB) that L2 cannot "
-                  "hold them, i.e. GPU time only; `host us`: Python + launch time per call (200 calls, no sync). "
-                  "bf16 graph = the faster of SDPA `enable_gqa` and SDPA grouped rows on the flash backend, timed "
-                  "the same way. Config: `" + json.dumps(lat.get("config")) + "`.", "",
-                  "| model | batch | context | ours do_bench ms | ours graph ms | ours host us | bf16 graph ms | "
-                  "bf16 host us | speedup (graph) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in lat["rows"]:
-            bh = r.get("bf16_sdpa_enable_gqa_host_us")
-            lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['ms_do_bench']:.4f} | {r['ms_graph']:.4f} | "
-                         f"{r['host_us']:.0f} | {r['bf16_best_ms_graph']:.4f} | {bh:.0f} | {r['speedup_graph']:.2f} |")
-    fit_path = out / "decode_fitted.json"
-    if fit_path.exists():
-        fit = json.loads(fit_path.read_text())
-        lines += ["", "## SKVQ permutations, TaDA means and OTT pools in the kernel (Mistral-7B shape, group 128)", "",
-                  "CUDA-graph time (median replay over rotating input sets, GPU time only) of the default config "
-                  "on packed K/V plus: `perm` a channel permutation of K and of V per kv head (the query is read at "
-                  "the permuted channels, values written back to theirs); `mean8`/`mean16` TaDA per-token means of "
-                  "K and V over the kv heads at 8 bits (codes + per-token scale/zero) or 16 bits, added in the same "
-                  "pass (`q . mean` per score, `sum p * mean` per output); `ott` OTT quant masks (one bit per "
-                  "packed token and kv head, read in the loop) and a 35-slot outlier pool per kv head (OTT's 3 + 32 "
-                  "extra, bf16, at their own positions) as one more segment; `pats` PATS middle-heavy tiers (8 bits "
-                  "to age 1024, 4 bits to 4096, then 2 bits) as the runtime runs them: one split launch per tier "
-                  "store (the first with the window) into one buffer of partials, one combine "
-                  "(`decode_attention_parts`); `perm+mean8` accumulates the value mean apart in input channel "
-                  "order. `bytes` counts the means "
-                  "(one (N, D) tensor per sequence and side, shared by the 8 kv heads), the OTT parts and the "
-                  "tiers' extra bits. bf16: SDPA "
-                  "`enable_gqa`, same timing. "
-                  "Command: `" + fit.get("command", "?") + "`.", "",
-                  "| batch | context | bits | variant | us | vs plain | bf16 us | speedup vs bf16 | MB read |",
-                  "|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
-        plain = {(r["batch"], r["context"], r["bits"]): r["ms_graph"] for r in fit["rows"] if r["variant"] == "plain"}
-        for r in fit["rows"]:
-            base = plain.get((r["batch"], r["context"], r["bits"]), float("nan"))
-            lines.append(f"| {r['batch']} | {r['context']} | {r['bits']} | {r['variant']} | {1e3 * r['ms_graph']:.1f} | "
-                         f"{r['ms_graph'] / base:.2f}x | {1e3 * r['bf16_ms_graph']:.1f} | {r['speedup']:.2f} | "
-                         f"{r['bytes'] / 1e6:.0f} |")
-    grp_path = out / "decode_groups.json"
-    if grp_path.exists():
-        grp = json.loads(grp_path.read_text())
-        lines += ["", "## Key and value groups of 32 (Mistral-7B shape)", "",
-                  "CUDA-graph time of the default config with key groups (`k_group` tokens per key scale) and value "
-                  "groups (`v_group` channels per value scale) of 128 or 32. `key groups per block`: 1 (blocks of "
-                  "one key group: 32 tokens for group 32) or 2 (`key_group_pairs`: 64-token blocks, one set of virtual "
-                  "query rows per key group). `value path`: `fold` (a plane of codes "
-                  "lies in one value group: `p * scale` once per plane), `group-fold` (groups narrower than a plane: "
-                  "one accumulator per (plane, chunk) = value group), `per-element` (`DecodeConfig(value_chunks="
-                  "False)`: every code dequantized before the product, the path before). bf16: SDPA `enable_gqa`. "
-                  "Command: `" + grp.get("command", "?") + "`.", "",
-                  "| batch | context | bits | k_group | key groups per block | v_group | value path | us | bf16 us | "
-                  "speedup vs bf16 | MB read |",
-                  "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
-        for r in grp["rows"]:
-            lines.append(f"| {r['batch']} | {r['context']} | {r['bits']} | {r['k_group']} | "
-                         f"{r.get('key_groups_per_block', 1)} | {r['v_group']} | "
-                         f"{r['value_path']} | {1e3 * r['ms_graph']:.1f} | {1e3 * r['bf16_ms_graph']:.1f} | "
-                         f"{r['speedup']:.2f} | {r['bytes'] / 1e6:.0f} |")
+    lines += _json_section(
+        out / "decode_latency.json", "GPU time vs host time (2-bit, group 128)",
+        lambda lat: "`do_bench` times include whatever host time the L2 flush between calls does not hide; "
+        "`graph`: median CUDA-graph replay over enough rotating input sets (>= 256 MB) that L2 cannot "
+        "hold them, i.e. GPU time only; `host us`: Python + launch time per call (200 calls, no sync). "
+        "bf16 graph = the faster of SDPA `enable_gqa` and SDPA grouped rows on the flash backend, timed "
+        "the same way. Config: `" + json.dumps(lat.get("config")) + "`.",
+        "| model | batch | context | ours do_bench ms | ours graph ms | ours host us | bf16 graph ms | "
+        "bf16 host us | speedup (graph) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        lambda lat, r: f"| {r['model']} | {r['batch']} | {r['context']} | {r['ms_do_bench']:.4f} | "
+        f"{r['ms_graph']:.4f} | {r['host_us']:.0f} | {r['bf16_best_ms_graph']:.4f} | "
+        f"{r.get('bf16_sdpa_enable_gqa_host_us'):.0f} | {r['speedup_graph']:.2f} |")
+
+    def fitted_row(fit, r):  # each variant against the plain row of its shape
+        base = next((x["ms_graph"] for x in fit["rows"] if x["variant"] == "plain" and
+                     (x["batch"], x["context"], x["bits"]) == (r["batch"], r["context"], r["bits"])), float("nan"))
+        return (f"| {r['batch']} | {r['context']} | {r['bits']} | {r['variant']} | {1e3 * r['ms_graph']:.1f} | "
+                f"{r['ms_graph'] / base:.2f}x | {1e3 * r['bf16_ms_graph']:.1f} | {r['speedup']:.2f} | "
+                f"{r['bytes'] / 1e6:.0f} |")
+
+    lines += _json_section(
+        out / "decode_fitted.json",
+        "SKVQ permutations, TaDA means and OTT pools in the kernel (Mistral-7B shape, group 128)",
+        lambda fit: "CUDA-graph time (median replay over rotating input sets, GPU time only) of the default config "
+        "on packed K/V plus: `perm` a channel permutation of K and of V per kv head (the query is read at "
+        "the permuted channels, values written back to theirs); `mean8`/`mean16` TaDA per-token means of "
+        "K and V over the kv heads at 8 bits (codes + per-token scale/zero) or 16 bits, added in the same "
+        "pass (`q . mean` per score, `sum p * mean` per output); `ott` OTT quant masks (one bit per "
+        "packed token and kv head, read in the loop) and a 35-slot outlier pool per kv head (OTT's 3 + 32 "
+        "extra, bf16, at their own positions) as one more segment; `pats` PATS middle-heavy tiers (8 bits "
+        "to age 1024, 4 bits to 4096, then 2 bits) as the runtime runs them: one split launch per tier "
+        "store (the first with the window) into one buffer of partials, one combine "
+        "(`decode_attention_parts`); `perm+mean8` accumulates the value mean apart in input channel "
+        "order. `bytes` counts the means "
+        "(one (N, D) tensor per sequence and side, shared by the 8 kv heads), the OTT parts and the "
+        "tiers' extra bits. bf16: SDPA "
+        "`enable_gqa`, same timing. "
+        "Command: `" + fit.get("command", "?") + "`.",
+        "| batch | context | bits | variant | us | vs plain | bf16 us | speedup vs bf16 | MB read |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|", fitted_row)
+    lines += _json_section(
+        out / "decode_groups.json", "Key and value groups of 32 (Mistral-7B shape)",
+        lambda grp: "CUDA-graph time of the default config with key groups (`k_group` tokens per key scale) and value "
+        "groups (`v_group` channels per value scale) of 128 or 32. `key groups per block`: 1 (blocks of "
+        "one key group: 32 tokens for group 32) or 2 (`key_group_pairs`: 64-token blocks, one set of virtual "
+        "query rows per key group). `value path`: `fold` (a plane of codes "
+        "lies in one value group: `p * scale` once per plane), `group-fold` (groups narrower than a plane: "
+        "one accumulator per (plane, chunk) = value group), `per-element` (`DecodeConfig(value_chunks="
+        "False)`: every code dequantized before the product, the path before). bf16: SDPA `enable_gqa`. "
+        "Command: `" + grp.get("command", "?") + "`.",
+        "| batch | context | bits | k_group | key groups per block | v_group | value path | us | bf16 us | "
+        "speedup vs bf16 | MB read |",
+        "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+        lambda grp, r: f"| {r['batch']} | {r['context']} | {r['bits']} | {r['k_group']} | "
+        f"{r.get('key_groups_per_block', 1)} | {r['v_group']} | "
+        f"{r['value_path']} | {1e3 * r['ms_graph']:.1f} | {1e3 * r['bf16_ms_graph']:.1f} | "
+        f"{r['speedup']:.2f} | {r['bytes'] / 1e6:.0f} |")
     if meta.get("sweep"):
         lines += ["", "## Config sweep (Mistral-7B shape, 32k context)", "",
                   "Median ms per config; `unpack`: 1 Triton-ops bytes, 2 PTX bytes, 3 PTX words, 4 Triton-ops words "

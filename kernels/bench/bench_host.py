@@ -89,16 +89,15 @@ def per_call(dev) -> list[dict]:
         fn = kernel_call(q, packed, window, 2, 128, min(128, d), n, d ** -0.5, None)
         row = {"model": model, "batch": 1, "context": ctx, "bits": 2, "group": 128}
         launchers = _launchers()
-        for lf in launchers:
-            lf.enabled_default = lf.enabled
+        enabled = [lf.enabled for lf in launchers]
         row["fast_launch_available"] = bool(launchers) and all(lf.enabled for lf in launchers)
         row["kvcalib_us"] = host_us(fn, CALLS)
         if launchers:
             for lf in launchers:
                 lf.enabled = False
             row["kvcalib_us_without_fast_launch"] = host_us(fn, CALLS)
-            for lf in launchers:
-                lf.enabled = lf.enabled_default
+            for lf, on in zip(launchers, enabled):
+                lf.enabled = on
         row["stages_us"] = stages(q, packed, window, n, d)
         k = torch.randn(1, h, ctx, d, device=dev, dtype=torch.bfloat16)
         v = torch.randn_like(k)

@@ -3,9 +3,9 @@
 ``kernel[grid](*args, **meta)`` binds every argument again at each call: it specializes each of
 them (type, 16-byte alignment, ints equal to 1 or divisible by 16), builds a cache key from the
 list and looks the compiled kernel up. For the decode kernel (~90 arguments, ~35 constexprs) that
-is most of a call's host time (on an H200 host, triton 3.6: 59 us per launch, of which 11 us is
-the launch itself), and a decode step's attention is host-bound whenever the GPU work is short:
-batch 1, short contexts, every eager ``model.generate`` step.
+is most of a launch's host time (``kernels/bench/bench_host.py`` measures calls with and without
+this module), and a decode step's attention is host-bound whenever the GPU work is short: batch 1,
+short contexts, every eager ``model.generate`` step.
 
 :class:`FastLauncher` keeps the compiled kernel per *key* and launches it directly
 (``CompiledKernel.run``, what the JIT calls last). The key holds, for every argument, what

@@ -1134,8 +1134,9 @@ NOTES = """
    (`decode_sweep_b1-8bit.json`, `decode_sweep_b1-8bit-after.json`).
 10. Host side (GPU time unchanged: this grid's CUDA-graph columns repeat the previous run's within
    a few percent): launches through `kvcalib_kernels.launch.FastLauncher` (the compiled kernel kept
-   per specialization key, launched without Triton re-binding ~90 arguments: 59 -> ~37 us per
-   split launch on the H200's host) and less Python per step in the runtime. The `ms` / `speedup`
+   per specialization key, launched without Triton re-binding ~90 arguments: a call at batch 1 /
+   4k 296-302 -> 220-227 us of host time in one process, `host.md`) and less Python per step in the
+   runtime. The `ms` / `speedup`
    (do_bench) columns are host-bound wherever the kernel is short and move with the shared host:
    the same code gave 1.26x and 1.99x at batch 8 / 32k 2-bit in two runs an hour apart (the other
    rows within 0.01x). Eager host time per call and whole eager steps: `bench_host.py`, `host.md`.

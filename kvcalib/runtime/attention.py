@@ -9,8 +9,8 @@ their own positions, so every token is seen exactly once. After attending it tel
 over full-precision prompt K/V, and only then is the prompt compressed.
 
 On CUDA with the Triton runtime available (``KVCALIB_BACKEND=triton`` or auto), decode steps go
-to the fused kernels; the reference path here is their specification. Layers with OTT pools or
-PATS tiers always run here (the kernels know neither; :mod:`kvcalib.runtime.triton_path`).
+to the fused kernels; the reference path here is their specification. Layers the kernel does not
+cover (a 16-bit side, :mod:`kvcalib.runtime.triton_path`) run here on every device.
 """
 
 from __future__ import annotations
@@ -126,7 +126,10 @@ def kvcalib_attention(module, query, key, value, attention_mask, scaling=None, d
     else:
         visible = visible_mask(attention_mask, layer, query.shape[-2], query.device)  # (B|1, Tq, KV)
         if attention_mask is not None:  # no mask: nothing is padding (and no host sync per layer)
-            layer.mark_padding(visible.any(dim=1).expand(layer.sink_k.shape[0], -1))
+            seen = visible.any(dim=1)  # (B|1, KV): visible to some query of this step
+            if layer.is_sliding:  # what the window hides from every query is not padding: judge the rest only
+                seen = seen[:, max(0, seen.shape[1] - layer.sliding_window - query.shape[-2] + 1):]
+            layer.mark_padding(seen.expand(layer.sink_k.shape[0], -1))
     out = decode_attention(query, layer, visible, scale, softcap, all_visible=all_visible)
     layer.flush()
     return out.to(query.dtype), None

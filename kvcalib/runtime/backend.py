@@ -1,8 +1,8 @@
 """Which attention implementation runs over a compressed layer: the PyTorch reference or the
 fused Triton kernels. ``KVCALIB_BACKEND=reference|triton`` forces one; the default picks Triton
 for single-token decode steps on CUDA when it is importable, the reference otherwise. Even when
-Triton is chosen, a layer the kernel does not cover (PATS tiers, sliding windows, 16-bit
-sides: :mod:`kvcalib.runtime.triton_path`) runs the reference, layer by layer.
+Triton is chosen, a layer the kernel does not cover (a 16-bit side, a layout it refuses:
+:mod:`kvcalib.runtime.triton_path`) runs the reference, layer by layer.
 
 One seam for the optional GPU dependency: nothing here imports triton at module import.
 """

@@ -165,8 +165,9 @@ class CompressedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ attention side
     def mark_padding(self, key_visible: torch.Tensor) -> None:
-        """Record which positions are real tokens: ``key_visible`` (B, n_seen) bool is True where
-        any query of this step may attend to the key. Padding is never visible."""
+        """Record which positions are real tokens: ``key_visible`` (B, m) bool over the last m
+        positions (all ``n_seen``, or those a sliding window still shows) is True where any query
+        of this step may attend to the key. Padding is never visible."""
         if self.valid is None:
             if bool(key_visible.all()):
                 return
@@ -271,8 +272,6 @@ class CompressedLayer(CacheLayerMixin):
             return "the layer holds nothing yet (run the prompt first)"
         if not self.cfg.compressed:
             return "the layer keeps full precision (its window grows without bound)"
-        if self.is_sliding:
-            return "sliding-window layer"
         if self.n_seen < self.cfg.sinks:
             return f"only {self.n_seen} of the {self.cfg.sinks} sink tokens seen"
         if self.pend_k.shape[-2] >= self.static_capacity:
@@ -291,6 +290,8 @@ class CompressedLayer(CacheLayerMixin):
             self.pend_buf_k[:, :, :u] = self.pend_k
             self.pend_buf_v[:, :, :u] = self.pend_v
             self.pend_k, self.pend_v = self.pend_buf_k[:, :, :u], self.pend_buf_v[:, :, :u]
+        if self.is_sliding:
+            state.window_visible(self.sliding_window)  # its mask exists before any capture
         self.static = state
         self.awaiting_attention = False
 

@@ -8,9 +8,13 @@ the caller (:func:`kvcalib.runtime.backend.decode_attention`) then runs the PyTo
 - CUDA tensors (or any device under ``TRITON_INTERPRET=1``, for the CPU tests);
 - a compressed layer with both K and V at 2, 4 or 8 bits (a 16-bit side returns None), keys per
   channel or per token, the group sizes :func:`kvcalib_kernels.decode_attention.supports` takes;
-- global-attention layers: padding comes from ``visible`` (its last query row, over absolute
-  positions), so left padding, holes, and ragged batches all work. Sliding-window layers return
-  None (their window limit would need a per-step lower bound; the reference handles them).
+- global and sliding-window layers: what the query may see comes from ``visible`` (its last
+  query row, over absolute positions), so left padding, holes, ragged batches and a sliding
+  window's lower bound all work; a sliding layer has already dropped its packed blocks older than
+  the window at the last flush (:meth:`~kvcalib.runtime.cache.CompressedLayer.flush`), so the
+  kernel reads at most the window plus one flush block, the mask hiding the stale rest. In static
+  (CUDA-graph) mode the visibility lives on the device (:mod:`kvcalib.runtime.static`: one mask
+  per window size, refreshed inside the captured step).
 
 - SKVQ channel permutations (``{k|v}.perm``: the kernel reads the query at each stored key
   channel's input channel and writes value channels back to their input positions) and TaDA
@@ -25,8 +29,8 @@ the caller (:func:`kvcalib.runtime.backend.decode_attention`) then runs the PyTo
   writing one partial buffer that a single combine merges
   (:func:`kvcalib_kernels.decode_attention.decode_attention_parts`; exact: the parts are disjoint).
 
-Not covered (the reference runs that layer; other layers still use the kernel): sliding-window
-layers, 16-bit sides, layouts :func:`kvcalib_kernels.decode_attention.supports` refuses.
+Not covered (the reference runs that layer; other layers still use the kernel): 16-bit sides,
+layouts :func:`kvcalib_kernels.decode_attention.supports` refuses.
 
 Segments passed to the kernel, by absolute position: sinks ``[0, S)`` (unless dropped), packed
 tokens ``[view.start, view.start + n)``, pending full-precision tokens ``[pend_start, n_seen)``,
@@ -59,8 +63,6 @@ def _reason_unsupported(query: torch.Tensor, layer) -> str | None:
     cfg = layer.cfg
     if not cfg.compressed or cfg.k_bits not in _PACKED_BITS or cfg.v_bits not in _PACKED_BITS:
         return "layer is not packed on both K and V"
-    if layer.is_sliding:
-        return "sliding-window layer"
     h = layer.sink_k.shape[1]
     for side, perm in layer.codec.perm.items():
         if perm is not None and tuple(perm.shape) != (h, d):
@@ -108,7 +110,10 @@ def static_decode_attention(query: torch.Tensor, layer, scaling: float,
                            "decode without CUDA graphs")
     state = layer.static
     pending = (layer.pend_buf_k, layer.pend_buf_v)  # (B, H, window + block, D) x 2
-    out = _launch_layer(query, layer, pending, state.visible, state.mask_packed, scaling, softcap)
+    if layer.is_sliding:  # its own device mask (the window's lower bound), read for every segment
+        out = _launch_layer(query, layer, pending, state.window_visible(layer.sliding_window), True, scaling, softcap)
+    else:
+        out = _launch_layer(query, layer, pending, state.visible, state.mask_packed, scaling, softcap)
     if out is None:
         raise KvcalibError(f"layer {layer.layer_idx} stores a 16-bit side raw: static (CUDA-graph) mode needs "
                            "packed K and V")

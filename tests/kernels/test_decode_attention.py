@@ -474,16 +474,19 @@ def test_reference_matches_attend_compressed_on_a_real_layer():
 
 
 def _filled_layer(cfg, b=2, h=2, rep=3, d=64, prompt=75, steps=3, pad=(0, 9), dtype=torch.float32, seed=1,
-                  codec=None):
-    """A CompressedLayer after a prompt and a few decode steps; (layer, query (B,Hq,1,D), visible)."""
+                  codec=None, sliding_window=None):
+    """A CompressedLayer after a prompt and a few decode steps; (layer, query (B,Hq,1,D), visible)
+    (``visible`` also hides what a ``sliding_window`` no longer shows the last query)."""
     from kvcalib.runtime.cache import CompressedLayer
 
     g = torch.Generator().manual_seed(seed)
-    layer = CompressedLayer(cfg, codec)
+    layer = CompressedLayer(cfg, codec, sliding_window=sliding_window)
     total = prompt + steps + 1
     vis = torch.ones(b, 1, total, dtype=torch.bool)
     for i, p in enumerate(pad):
         vis[i, :, :p] = False
+    if sliding_window is not None:
+        vis[:, :, :total - sliding_window] = False
     for t_new in [prompt] + [1] * (steps + 1):
         k = (torch.randn(b, h, t_new, d, generator=g) * 2).to(dtype).to(DEVICE)
         v = torch.randn(b, h, t_new, d, generator=g).to(dtype).to(DEVICE)
@@ -702,9 +705,43 @@ def test_triton_path_runs_tiered_layers_with_mixed_bits():
     assert out is not None and float((out - ref).abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("window,cfg", [
+    (40, dict(k_bits=2, v_bits=2, k_group=16, v_group=32, window=16, sinks=2)),
+    (12, dict(k_bits=4, v_bits=8, k_group=16, v_group=64, window=16, sinks=0)),
+    (34, dict(k_bits=4, v_bits=2, k_axis="token", k_group=16, v_group=16, window=0, sinks=3)),
+], ids=["kivi2-sinks", "window-shorter-than-block", "token-keys"])
+def test_triton_path_runs_sliding_window_layers(window, cfg):
+    """A sliding-window layer (stale packed blocks dropped at its flushes, sinks gone once out of
+    the window, the rest hidden by the window's bound in ``visible``; a window shorter than the
+    pending full-precision one leaves no packed tokens) through the kernel gives the reference's
+    answer, padding included."""
+    from kvcalib.recipe import LayerConfig
+    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
+
+    layer, q, vis = _filled_layer(LayerConfig(**cfg), sliding_window=window)
+    assert layer.is_sliding and _reason_unsupported(q, layer) is None
+    first_visible = layer.n_seen - window  # of the last query (at n_seen - 1)
+    held_from = layer.packed.start if layer.n_packed else layer.pend_start  # the oldest token held
+    if layer.n_packed:  # the flushes dropped every packed block but the one the window's bound cuts
+        assert held_from <= first_visible < held_from + layer.cfg.flush_block
+    else:  # a window shorter than the pending full-precision one: the bound cuts into that
+        assert window < layer.pend_k.shape[2] and held_from < first_visible
+    assert layer.sinks_dropped == bool(cfg["sinks"])
+    out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
+    ref = attend_compressed(q, layer, vis, 64 ** -0.5)
+    assert out is not None and float((out - ref).abs().max()) < 1e-4
+    if held_from == first_visible:  # nothing stale (token keys flush one token at a time)
+        return
+    # the window's bound matters: the same query over everything the layer still holds differs
+    unbounded = vis.clone()
+    unbounded[:, :, :first_visible] = True
+    unbounded[1, :, :9] = False  # the second row's padding (_filled_layer)
+    assert float((attend_compressed(q, layer, unbounded, 64 ** -0.5) - ref).abs().max()) > 1e-2
+
+
 def test_triton_path_declines_what_it_does_not_cover():
     from kvcalib.recipe import LayerConfig
-    from kvcalib.runtime.cache import CompressedLayer
     from kvcalib.runtime.triton_path import triton_decode_attention
 
     layer, q, vis = _filled_layer(LayerConfig(k_bits=2, v_bits=2, k_group=16, v_group=32, window=16))
@@ -712,17 +749,16 @@ def test_triton_path_declines_what_it_does_not_cover():
     assert triton_decode_attention(q2, layer, vis.expand(-1, 2, -1), 0.1) is None
     raw, q, vis = _filled_layer(LayerConfig(k_bits=16, v_bits=2, k_group=16, v_group=32, window=16))
     assert triton_decode_attention(q, raw, vis, 0.1) is None  # a 16-bit side
-    sliding = CompressedLayer(LayerConfig(k_bits=2, v_bits=2, k_group=16, v_group=32, window=16), sliding_window=8)
-    sliding.update(torch.randn(1, 2, 20, 64, device=DEVICE), torch.randn(1, 2, 20, 64, device=DEVICE))
-    assert triton_decode_attention(torch.randn(1, 2, 1, 64, device=DEVICE), sliding,
-                                   torch.ones(1, 1, 20, dtype=torch.bool, device=DEVICE), 0.1) is None
 
 
-@pytest.mark.parametrize("fitted", [False, True, "ott", "pats"], ids=["plain", "centred-permuted", "ott", "pats"])
+@pytest.mark.parametrize("fitted", [False, True, "ott", "pats", "sliding"],
+                         ids=["plain", "centred-permuted", "ott", "pats", "gemma3-sliding"])
 def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch, fitted):
     """A tiny model decodes through the kernel (counted) with the reference backend's logits;
     ``fitted``: every layer also has TaDA means (16-bit keys, 8-bit values) and SKVQ permutations;
-    ``ott``: every layer has a 4-slot OTT outlier pool; ``pats``: 4-bit blocks become 2-bit at age 28."""
+    ``ott``: every layer has a 4-slot OTT outlier pool; ``pats``: 4-bit blocks become 2-bit at age 28;
+    ``sliding``: a Gemma 3 model, its first layer a 28-token sliding window (blocks dropped, sinks
+    gone, the window's bound from transformers' mask), its second global."""
     from kvcalib.recipe import LayerConfig, Recipe
     from kvcalib.runtime import triton_path
     from kvcalib.runtime.attention import use_kvcalib_attention
@@ -730,9 +766,13 @@ def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch, 
     from kvcalib.runtime.codec import LayerCodec
     from tests.conftest import tiny_model
 
-    model = tiny_model("llama", head_dim=64, heads=4, kv_heads=2).to(DEVICE)
+    if fitted == "sliding":
+        model = tiny_model("gemma3", head_dim=64, heads=4, kv_heads=2, sliding_window=28).to(DEVICE)
+    else:
+        model = tiny_model("llama", head_dim=64, heads=4, kv_heads=2).to(DEVICE)
     rec = Recipe(name="t", default_layer=LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2))
-    length = 52 if fitted == "pats" else 44  # pats: the last steps hold a 4-bit and a 2-bit block
+    # pats: the last steps hold a 4-bit and a 2-bit block; sliding: the first block is dropped
+    length = 52 if fitted in ("pats", "sliding") else 44
     ids = torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     calls = []
     real = triton_path.triton_decode_attention
@@ -756,7 +796,7 @@ def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch, 
             cfgs = [cfg4] * model.config.num_hidden_layers
             cache = CompressedCache(cfgs, [LayerCodec(c, schedule=Schedule.from_layer(c, (28,))) for c in cfgs])
             use_kvcalib_attention(model)
-        elif fitted:
+        elif fitted is True:
             g = torch.Generator().manual_seed(4)
             cfgs = rec.layer_configs(model.config.num_hidden_layers)
             perm = [torch.stack([torch.randperm(64, generator=g) for _ in range(2)]) for _ in range(2 * len(cfgs))]
@@ -772,6 +812,10 @@ def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch, 
                 outs.append(model(input_ids=ids[:, i:i + 1], past_key_values=cache).logits[:, -1].float())
         if fitted == "pats":  # the last steps read two tier stores (4-bit and 2-bit blocks)
             assert all(sum(1 for st in layer.packed.stores if st.n) == 2 for layer in cache.layers)
+        if fitted == "sliding":  # the sliding layer dropped its sinks and old blocks, the global one did not
+            sliding, full = cache.layers
+            assert sliding.is_sliding and sliding.sinks_dropped and sliding.packed.start > 2
+            assert not full.is_sliding and full.packed.start == 2
         return torch.stack(outs)
 
     ref = run("reference")

@@ -48,7 +48,10 @@ def _stored_views(layer):
     return [store.view() for store in layer.packed.stores]
 
 
-def _model():
+def _model(sliding: bool = False):
+    """The tiny test model: Llama, or Gemma 3 with a 28-token sliding window on its first layer."""
+    if sliding:
+        return tiny_model("gemma3", head_dim=64, heads=4, kv_heads=2, sliding_window=28).to(DEVICE)
     return tiny_model("llama", head_dim=64, heads=4, kv_heads=2).to(DEVICE)
 
 
@@ -75,13 +78,14 @@ def _dynamic_logits(model, recipe, ids, mask, tokens):
 
 
 @pytest.mark.parametrize("case", ["plain", "left-padding", "short-prompt", "ott-left-padding",
-                                  "pats-left-padding"])
+                                  "pats-left-padding", "sliding-left-padding"])
 def test_static_steps_match_dynamic_decoding(monkeypatch, case):
     """Static steps (fixed buffers, device position and mask, flushes between steps) give the
     dynamic cache's logits at every step, across several flushes; padding, a prompt shorter
-    than the sinks (whose first steps run dynamically), OTT outlier pools and PATS tiers (blocks
-    moving down a tier between two flushes) included."""
-    model = _model()
+    than the sinks (whose first steps run dynamically), OTT outlier pools, PATS tiers (blocks
+    moving down a tier between two flushes) and a sliding-window layer (its own device mask, old
+    blocks and sinks dropped at flushes) included."""
+    model = _model(sliding=case.startswith("sliding"))
     assert model.config.num_hidden_layers == LAYERS
     recipe = _ott_recipe() if case.startswith("ott") else _pats_recipe() if case.startswith("pats") else RECIPE
     g = torch.Generator().manual_seed(5)
@@ -102,7 +106,9 @@ def test_static_steps_match_dynamic_decoding(monkeypatch, case):
     res = GraphDecoder(model, cache, capture=False, keep_logits=True).generate(ids, mask, max_new_tokens=steps)
     assert res.tokens.shape == (ids.shape[0], steps)
     assert cache.layers[0].static is None and cache.layers[0].n_seen == ids.shape[1] + steps - 1
-    assert cache.layers[0].n_packed == (16 if case == "short-prompt" else 48 if case.startswith("pats") else 32)
+    assert cache.layers[1].n_packed == (16 if case == "short-prompt" else 48 if case.startswith("pats") else 32)
+    if case.startswith("sliding"):  # 56 tokens seen through a 28-token window: one block and the sinks gone
+        assert cache.layers[0].sinks_dropped and cache.layers[0].packed.start == 18
     if case.startswith("pats"):  # two blocks moved down to 2 bits, one still at 4
         assert [store.n for store in cache.layers[0].packed.stores] == [16, 32]
     # the dynamic run on the reference backend; PATS on the kernel too: its 4-bit layer-0 attention
@@ -161,14 +167,16 @@ def test_static_buffer_is_counted_whole():
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("padded,variant", [(False, ""), (True, ""), (True, "ott"), (True, "pats")],
-                         ids=["plain", "left-padding", "ott-left-padding", "pats-left-padding"])
+@pytest.mark.parametrize("padded,variant", [(False, ""), (True, ""), (True, "ott"), (True, "pats"),
+                                            (True, "sliding")],
+                         ids=["plain", "left-padding", "ott-left-padding", "pats-left-padding", "sliding-left-padding"])
 def test_captured_steps_equal_eager_static_steps(padded, variant):
     """Replayed graphs (one capture per flush period) give exactly the eager static steps, OTT
-    outlier pools (they change at flushes, which start a new period) and PATS tiers (a tier move
-    starts one too) included."""
+    outlier pools (they change at flushes, which start a new period), PATS tiers (a tier move
+    starts one too) and a Gemma 3 sliding-window layer (its window mask refreshed inside the graph)
+    included."""
     recipe = {"ott": _ott_recipe(), "pats": _pats_recipe()}.get(variant, RECIPE)
-    model = _model().to(torch.bfloat16)
+    model = _model(sliding=variant == "sliding").to(torch.bfloat16)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 128, (3, 40), generator=g).to(DEVICE)
     mask = None

@@ -117,6 +117,24 @@ def test_sliding_layer_keeps_only_its_window():
     assert sliding.is_sliding and not full.is_sliding
     assert sliding.n_packed <= 16 and full.n_packed == (70 - 1 - 2 - 8) // 8 * 8
     assert sliding.nbytes()["k_packed"] < full.nbytes()["k_packed"]
+    assert sliding.valid is None  # what the window hides is not padding (it would skew the block stats)
+
+
+def test_sliding_layer_marks_only_real_padding():
+    """transformers' mask of a sliding layer hides the positions out of its window: only those a
+    query could see through the window tell padding apart, so the packed blocks of a padded and
+    an unpadded row are quantized alike (as the decode-faithful simulation does)."""
+    model = tiny_model("gemma3", sliding_window=8)
+    cache = CompressedCache.from_recipe(model, recipe(SMALL))
+    ids = torch.randint(0, 128, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    model.generate(ids, attention_mask=mask, max_new_tokens=30, min_new_tokens=30, do_sample=False,
+                   past_key_values=cache)
+    for layer in cache.layers:
+        expected = torch.ones((2, layer.n_seen), dtype=torch.bool)
+        expected[1, :3] = False
+        assert torch.equal(layer.valid, expected), layer.layer_idx
 
 
 def test_bytes_match_the_accounting():

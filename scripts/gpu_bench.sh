@@ -23,6 +23,8 @@
 #         e2e-smoke   end-to-end on a small random model (checks the path, seconds)
 #         e2e         end-to-end, random-weight Mistral-7B shape at 32k context
 #         e2e-pats    the same, CUDA-graph decoding of a PATS middle-heavy cache beside plain 2-bit
+#         e2e-sliding random-weight Gemma-3-1B shape (sliding-window layers) at 32k: bf16, kvcalib with its
+#                     sliding layers on the reference vs on the kernel, CUDA graphs (batches $KV_E2E_BATCHES)
 #         probe-swap  kernels/bench/probe_swap.py at 2 bits, batch 8 and 1 (transposed-products probe)
 #         probe-vlayout   its second sweep: all-plane unpack, token-word value layout (2/4 bits, batch 8/1)
 # Everything is written under $OUT (the device tool returns it); each stage has a time limit so
@@ -115,6 +117,10 @@ for st in $STAGES; do
       timeout "${KV_E2E_TIMEOUT:-300}" $PY kernels/bench/bench_decode.py --mode e2e --pats --steps "${KV_E2E_STEPS:-140}" \
         --batches-bf16 --batches-packed ${KV_E2E_BATCHES:-8} --out "$OUT" > "$OUT/e2e_pats.log" 2>&1
       echo "e2e-pats exit $?"; tail -n 8 "$OUT/e2e_pats.log" ;;
+    e2e-sliding)
+      timeout "${KV_E2E_TIMEOUT:-300}" $PY kernels/bench/bench_decode.py --mode e2e --sliding --steps "${KV_E2E_STEPS:-40}" \
+        --batches-packed ${KV_E2E_BATCHES:-1 8} --out "$OUT" > "$OUT/e2e_sliding.log" 2>&1
+      echo "e2e-sliding exit $?"; tail -n 10 "$OUT/e2e_sliding.log" ;;
     probe-swap)
       timeout "${KV_PROBE_TIMEOUT:-300}" $PY kernels/bench/probe_swap.py --bits 2 --batches 8 1 --out "$OUT" \
         > "$OUT/probe_swap.log" 2>&1

@@ -854,10 +854,13 @@ def fill_compressed(cache, b, t, dev, slack_tokens=1024):
         cfg = layer.cfg
         kv_heads, d = layer._e2e_shape
         n = (t - cfg.window) // cfg.flush_block * cfg.flush_block
+        # a sliding-window layer has dropped the blocks its next query cannot see (CompressedLayer.flush)
+        first = 0 if layer.sliding_window is None else min(n, max(0, t - layer.sliding_window + 1)
+                                                             // cfg.flush_block * cfg.flush_block)
         k = torch.randn(b, kv_heads, t, d, device=dev, dtype=torch.bfloat16)
         v = torch.randn(b, kv_heads, t, d, device=dev, dtype=torch.bfloat16)
         layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
-        for store, lo, hi in tier_ranges(layer, 0, n, t):  # one store per PATS tier (one when untiered)
+        for store, lo, hi in tier_ranges(layer, first, n - first, t):  # one store per PATS tier (one when untiered)
             qk = quantize_pack_keys(k[:, :, lo:hi], store.bits["k"], cfg.k_group, validate=False)
             qv = quantize_pack_values(v[:, :, lo:hi], store.bits["v"], cfg.v_group, validate=False)
             for side, qt in (("k", qk), ("v", qv)):
@@ -917,6 +920,20 @@ def decode_steps(model, cache, b, steps, vocab, dev):
     return times
 
 
+def random_model(cls, conf, dev):
+    """``cls(conf)`` with seeded random bf16 weights made on ``dev``, SDPA attention, eval mode."""
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(dev):
+            model = cls(conf)
+    finally:
+        torch.set_default_dtype(prev)
+    model.set_attn_implementation("sdpa")
+    return model.eval()
+
+
 def build_model(dev, layers=32, hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128, vocab=32000,
                 max_pos=140000):
     from transformers import MistralConfig, MistralForCausalLM
@@ -924,16 +941,20 @@ def build_model(dev, layers=32, hidden=4096, inter=14336, heads=32, kv_heads=8, 
     conf = MistralConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                          vocab_size=vocab, max_position_embeddings=max_pos, sliding_window=None)
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(dev):
-            model = MistralForCausalLM(conf)
-    finally:
-        torch.set_default_dtype(prev)
-    model.set_attn_implementation("sdpa")
-    return model.eval()
+    return random_model(MistralForCausalLM, conf, dev)
+
+
+def build_gemma3_model(dev, max_pos=140000):
+    """A random-weight Gemma-3-1B shape (26 layers, hidden 1152, 4 heads / 1 kv head, head_dim 256, a
+    512-token sliding window on 5 of every 6 layers, vocab 262144), bf16, SDPA."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    layers = 26
+    conf = Gemma3TextConfig(hidden_size=1152, intermediate_size=6912, num_hidden_layers=layers,
+                            num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                            sliding_window=512, query_pre_attn_scalar=256, max_position_embeddings=max_pos,
+                            layer_types=["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)])
+    return random_model(Gemma3ForCausalLM, conf, dev)
 
 
 def main_e2e(args) -> None:
@@ -949,12 +970,17 @@ def main_e2e(args) -> None:
     dims = dict(layers=2, hidden=1024, inter=2048, heads=8, kv_heads=2, head_dim=128, vocab=1000) if small else {}
     t = 4096 if small else args.context
     steps = args.steps
-    model = build_model(dev, **dims, max_pos=t + steps + 64)
+    if args.sliding:
+        model = build_gemma3_model(dev, max_pos=t + steps + 64)
+        name = "random-weight Gemma-3-1B shape"
+    else:
+        model = build_model(dev, **dims, max_pos=t + steps + 64)
+        name = "random-weight Mistral-7B shape" if not small else "small smoke model"
     c = model.config
     n_layers, kv_heads, d = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
     weights = torch.cuda.memory_allocated()
     total_mem = torch.cuda.get_device_properties(0).total_memory
-    res = {"gpu": device_info()["gpu"], "model": "random-weight Mistral-7B shape" if not small else "small smoke model",
+    res = {"gpu": device_info()["gpu"], "model": name,
            "config": {"layers": n_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
                       "kv_heads": kv_heads, "head_dim": d, "vocab": c.vocab_size},
            "context": t, "steps": steps, "weights_bytes": weights, "gpu_memory_bytes": total_mem, "runs": [],
@@ -962,7 +988,10 @@ def main_e2e(args) -> None:
     rec = Recipe(name="kivi2-g128-w128", default_layer=LayerConfig(k_bits=2, v_bits=2, k_group=128, v_group=128,
                                                                    window=128))
     res["recipe"] = rec.default_layer.to_dict()
-    e2e_file = "e2e_pats.json" if args.pats else "e2e.json"
+    e2e_file = "e2e_pats.json" if args.pats else "e2e_sliding.json" if args.sliding else "e2e.json"
+    if args.sliding:
+        res["sliding_window"] = c.sliding_window
+        res["sliding_layers"] = sum(1 for w in c.layer_types if w == "sliding_attention")
     if args.pats:  # PATS middle-heavy: 8 bits from the window to age 1024, 4 to 4096, then 2 (no sinks)
         from kvcalib.calibrate.schedule import preset_schedule
 
@@ -1033,6 +1062,27 @@ def main_e2e(args) -> None:
     def eager(cache, b):
         return decode_steps(model, cache, b, steps, c.vocab_size, dev)
 
+    def eager_sliding_reference(cache, b):
+        """Eager steps with the sliding-window layers on the PyTorch reference (where they ran
+        before the kernel took them); the global layers on the kernel."""
+        from kvcalib.runtime import triton_path
+
+        real = triton_path._reason_unsupported
+        triton_path._reason_unsupported = lambda q, layer: "sliding-window layer" if layer.is_sliding else real(q, layer)
+        try:
+            return eager(cache, b)
+        finally:
+            triton_path._reason_unsupported = real
+
+    if args.sliding:  # per batch: bf16, kvcalib before (sliding layers on the reference), now, graphs
+        for b in args.batches_packed:
+            run("bf16_dynamic", b, make_dynamic, eager)
+            run("kvcalib_2bit_sliding_reference", b, make_packed, eager_sliding_reference)
+            run("kvcalib_2bit", b, make_packed, eager)
+            if args.graphs:
+                run("kvcalib_2bit_graph", b, make_packed, graph_decode)
+        _write_json(out / e2e_file, res)
+        return
     for b in args.batches_bf16:
         run("bf16_dynamic", b, make_dynamic, eager)
         if args.graphs:
@@ -1408,13 +1458,9 @@ def main_report(args) -> None:
               "flush period, both inside the timed steps).", "",
               "| cache | batch | tokens/s | median step ms | max step ms | peak GiB | cache GiB | est. max batch at this context |",
               "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in e["runs"]:
-            if r.get("oom"):
-                el.append(f"| {r['cache']} | {r['batch']} | out of memory | | | | | |")
-                continue
-            el.append(f"| {r['cache']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['median_step_ms']:.2f} | "
-                      f"{r['max_step_ms']:.2f} | {r['peak_memory_bytes'] / 2**30:.1f} | {r['cache_bytes'] / 2**30:.2f} | "
-                      f"{r['est_max_batch_at_context']} |")
+        el += _run_rows(e["runs"], 8, lambda r: (
+            f"{r['tokens_per_s']:.1f}", f"{r['median_step_ms']:.2f}", f"{r['max_step_ms']:.2f}",
+            f"{r['peak_memory_bytes'] / 2**30:.1f}", f"{r['cache_bytes'] / 2**30:.2f}", f"{r['est_max_batch_at_context']}"))
         by = {(r["cache"], r["batch"]): r for r in e["runs"] if not r.get("oom")}
         ratios = []
         for ours, base in (("kvcalib_2bit", "bf16_dynamic"), ("kvcalib_2bit_graph", "bf16_dynamic"),
@@ -1451,7 +1497,15 @@ def main_report(args) -> None:
                "i.e. assuming everything beyond the weights grows linearly with the batch; not verified by a run at "
                "that batch.", "", "Command: `" + e.get("command", "?") + "`"]
         el += _pats_e2e_section(out / "e2e_pats.json")
+        el += _sliding_e2e_section(out / "e2e_sliding.json")
         (out / "e2e.md").write_text("\n".join(el) + "\n")
+
+
+def _run_rows(runs, width: int, cells) -> list[str]:
+    """Markdown rows of e2e runs, ``width`` columns: cache, batch, then ``cells(run)``; a run that
+    ran out of memory says so."""
+    return [f"| {r['cache']} | {r['batch']} | out of memory |" + " |" * (width - 3) if r.get("oom")
+            else "| " + " | ".join((r["cache"], str(r["batch"]), *cells(r))) + " |" for r in runs]
 
 
 def _pats_e2e_section(path: Path) -> list[str]:
@@ -1470,13 +1524,35 @@ def _pats_e2e_section(path: Path) -> list[str]:
              "plain: only the eager + capture step, its flush is one kernel launch per side).", "",
              "| cache | batch | tokens/s | median step ms | slow steps ms | cache GiB | est. max batch |",
              "|---|---:|---:|---:|---|---:|---:|"]
-    for r in e["runs"]:
-        if r.get("oom"):
-            lines.append(f"| {r['cache']} | {r['batch']} | out of memory | | | | |")
-            continue
-        slow = ", ".join(f"{x:.0f}" for x in r["step_ms"][1:] if x > 3 * r["median_step_ms"])
-        lines.append(f"| {r['cache']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['median_step_ms']:.2f} | {slow} | "
-                     f"{r['cache_bytes'] / 2**30:.2f} | {r['est_max_batch_at_context']} |")
+    lines += _run_rows(e["runs"], 7, lambda r: (
+        f"{r['tokens_per_s']:.1f}", f"{r['median_step_ms']:.2f}",
+        ", ".join(f"{x:.0f}" for x in r["step_ms"][1:] if x > 3 * r["median_step_ms"]),
+        f"{r['cache_bytes'] / 2**30:.2f}", f"{r['est_max_batch_at_context']}"))
+    return lines + ["", "Command: `" + e.get("command", "?") + "`"]
+
+
+def _sliding_e2e_section(path: Path) -> list[str]:
+    """The e2e.md section of ``e2e_sliding.json`` (``--mode e2e --sliding``), if it exists."""
+    if not path.exists():
+        return []
+    e = json.loads(path.read_text())
+    cfg = e["config"]
+    lines = ["", "## Sliding-window layers (Gemma 3 shape)", "",
+             f"GPU: **{e['gpu']}**. Model: {e['model']} ({cfg['layers']} layers, {e.get('sliding_layers', '?')} of "
+             f"them with a {e.get('sliding_window', '?')}-token sliding window, {cfg['heads']} heads / "
+             f"{cfg['kv_heads']} kv head, head_dim {cfg['head_dim']}, vocab {cfg['vocab']}), context "
+             f"{e['context']}, {e['steps']} greedy steps each, one process. `bf16_dynamic`: transformers' "
+             "`DynamicCache` (its sliding layers keep only their window). kvcalib caches: recipe "
+             + json.dumps(e.get("recipe", {})) + "; a sliding layer holds the blocks its window still reaches "
+             "(older ones are dropped at flushes). `kvcalib_2bit_sliding_reference`: eager steps with the "
+             "sliding layers on the PyTorch reference path, where they ran before the kernel covered them (the "
+             "benchmark forces it); `kvcalib_2bit`: every layer on the kernel; `kvcalib_2bit_graph`: CUDA-graph "
+             "steps, which refused models with sliding layers before.", "",
+             "| cache | batch | tokens/s | median step ms | peak GiB | cache GiB |",
+             "|---|---:|---:|---:|---:|---:|"]
+    lines += _run_rows(e["runs"], 6, lambda r: (
+        f"{r['tokens_per_s']:.1f}", f"{r['median_step_ms']:.2f}", f"{r['peak_memory_bytes'] / 2**30:.1f}",
+        f"{r['cache_bytes'] / 2**30:.3f}"))
     return lines + ["", "Command: `" + e.get("command", "?") + "`"]
 
 
@@ -1497,6 +1573,9 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batches-bf16", type=int, nargs="*", default=[8])
     ap.add_argument("--batches-packed", type=int, nargs="*", default=[8, 32])
+    ap.add_argument("--sliding", action="store_true",
+                    help="e2e: a Gemma-3-1B shape (sliding-window layers): bf16, kvcalib with its sliding layers on "
+                         "the reference and on the kernel, CUDA graphs; writes e2e_sliding.json")
     ap.add_argument("--pats", action="store_true",
                     help="e2e: CUDA-graph decoding of a PATS middle-heavy cache beside plain 2-bit (e2e_pats.json)")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false",

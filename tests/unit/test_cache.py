@@ -57,6 +57,20 @@ def test_simulation_matches_token_by_token_decode(arch, cfg, prompt_len):
     assert float((sim - dec).abs().max()) < 1e-3 * max(1.0, float(effect)), "simulation == real decode"
 
 
+@pytest.mark.parametrize("prompt_len", [1, 30])
+def test_simulation_matches_decode_when_the_window_cuts_a_block(prompt_len):
+    """A sliding window (12 tokens) shorter than the pending window plus a block (8 + 8): a block
+    is flushed when part of it has left the window and the rest is still visible, so how its
+    scales are fitted shows in the logits; the runtime must fit them over the whole block, as the
+    simulation does (the window-hidden tokens are not padding)."""
+    model = tiny_model("gemma3", sliding_window=12)
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(2))
+    dec, cache = decode_logits(model, ids, recipe(SMALL), prompt_len)
+    assert cache.layers[0].is_sliding and cache.layers[0].sinks_dropped
+    sim = simulated_logits(model, ids, [SMALL] * 2, prompt_len=prompt_len)
+    assert float((sim - dec).abs().max()) < 1e-3 * max(1.0, float(sim.abs().max())), "simulation == real decode"
+
+
 def test_prompt_attention_is_full_precision():
     """The prompt's own logits must not see any quantization (HF QuantizedCache's bug)."""
     model = tiny_model("llama")

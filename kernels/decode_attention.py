@@ -65,7 +65,7 @@ Arithmetic (what keeps the per-code work small):
   split programs.
 
 Performance status (H200, ``artifacts/bench/decode_attention.md``, CUDA-graph time): Mistral-7B
-shape, 32k, batch 8: 2.23x over the fastest bf16 SDPA at 2 bits, 1.86x at 4 bits, 1.16x at 4 bits
+shape, 32k, batch 8: 2.28x over the fastest bf16 SDPA at 2 bits, 1.90x at 4 bits, 1.14x at 4 bits
 group 32 (``decode_groups.json``; SmolLM2 shape group 32 1.15x with two key groups per block,
 ``decode_sweep_pairs-smol.json``); batch 1 GPU time 1.25-1.71x at 4k-32k on the three benchmark
 shapes (``decode_latency.json``); OTT pools cost 1.0-1.15x plain, TaDA means 2.5-3.3x (every kv
@@ -1195,7 +1195,15 @@ class DecodeConfig:
       on GPU (probes in order), 6 elsewhere.
     Defaults: the best of the sweep in ``kernels/bench/bench_decode.py`` on an H200 (Mistral-7B
     shape, 32k context, batch 1 and 8).
-    - ``programs_per_sm``: target number of split programs per SM (split-K parallelism).
+    - ``programs_per_sm``: target number of split programs per SM (split-K parallelism). 8: one
+      wave of the loop's one-warp programs at ~255 registers (8 fit on an SM); 16 before, two
+      waves: one is faster wherever the splits stay long (Qwen shape batch 1 / 128k 4-bit group
+      32 46.0 -> 40.1 us, Mistral batch 1 / 32k 2-bit 22.8 -> 19.9 us; ``decode_sweep_ppsm8-*.json``).
+    - ``whole_waves``: the packed split programs of all (batch, kv head) rows stay within
+      ``programs_per_sm`` x SMs (splits per row rounded down, not up): a few programs past a
+      whole wave run as a wave of their own (Mistral shape batch 8 / 128k at 8 per SM: 17 splits
+      per row, 1088 programs, 1.6x slower than 16; batch 32 / 32k at 16 per SM: 9 -> 8 splits,
+      0.481 -> 0.398 ms; ``decode_sweep_waves-mistral.json``).
       Why one warp per program by default: with 16 query rows (tl.dot's minimum M) Triton gives
       each warp whole rows of chained dots, so extra warps only repeat the same products and
       softmax; parallelism comes from more programs instead.
@@ -1237,7 +1245,8 @@ class DecodeConfig:
     num_warps: int = 1
     num_stages: int = 2
     unpack: int | None = None
-    programs_per_sm: float = 16.0
+    programs_per_sm: float = 8.0
+    whole_waves: bool = True
     num_splits: int | None = None
     fp_block: int = 64
     min_split_blocks: int = 2  # 4 before: at batch 1 / 4k it halved the splits (0.031 -> 0.015 ms, artifacts/bench/decode_splits.json)
@@ -1553,7 +1562,8 @@ def _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config):
                 cap = min(n_blocks, config.min_splits)
             if bsz * h * cap < config.min_programs:  # few (batch, kv head) rows: one block per split
                 cap = n_blocks
-            splits = max(1, min(cap, math.ceil(config.programs_per_sm * sms / (bsz * h))))
+            per_row = config.programs_per_sm * sms / (bsz * h)  # split programs per (batch, kv head) row
+            splits = max(1, min(cap, math.floor(per_row) if config.whole_waves else math.ceil(per_row)))
         split_size = _cdiv(n_blocks, splits) * block_n
         splits = _cdiv(n, split_size)
     else:

@@ -343,7 +343,7 @@ class HuffmanAttentionConfig:
       key-scale fold needs a block inside one key group), at least 32. ``num_warps`` is clamped to
       ``block_n / 32``: each thread decodes one key and one value stream per step (or several).
     - ``num_warps``, ``num_stages``: launch options of the split kernel.
-    - ``programs_per_sm``, ``min_split_blocks``, ``min_splits``, ``min_programs``, ``num_splits``, ``fp_block``: the split-K work
+    - ``programs_per_sm``, ``whole_waves``, ``min_split_blocks``, ``min_splits``, ``min_programs``, ``num_splits``, ``fp_block``: the split-K work
       division, as in :class:`kvcalib_kernels.decode_attention.DecodeConfig` (the fp chunks run
       as a second launch of the same kernel, with 4 warps: see the launcher).
     - ``max_index_bits``: decode 4 or 2 symbols per table lookup when that table has at most
@@ -357,6 +357,7 @@ class HuffmanAttentionConfig:
     num_warps: int = 2
     num_stages: int = 1
     programs_per_sm: float = 16.0
+    whole_waves: bool = False  # not re-tuned for this kernel (two warps per program): the rule it was measured with
     num_splits: int | None = None
     fp_block: int = 64
     min_split_blocks: int = 4

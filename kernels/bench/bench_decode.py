@@ -185,9 +185,9 @@ def sweep_configs():
 
 
 def cfg_dict(c) -> dict:
-    return {k: getattr(c, k) for k in ("block_n", "num_warps", "num_stages", "unpack", "programs_per_sm", "fp_block",
-                                       "min_split_blocks", "min_splits", "min_rows", "maxnreg", "value_chunks",
-                                       "key_group_pairs")}
+    return {k: getattr(c, k) for k in ("block_n", "num_warps", "num_stages", "unpack", "programs_per_sm", "whole_waves",
+                                       "num_splits", "fp_block", "min_split_blocks", "min_splits", "min_rows", "maxnreg",
+                                       "value_chunks", "key_group_pairs")}
 
 
 def run_sweep(dev, meta, quick=False) -> dict:
@@ -1190,10 +1190,17 @@ NOTES = """
    (do_bench) columns are host-bound wherever the kernel is short and move with the shared host:
    the same code gave 1.26x and 1.99x at batch 8 / 32k 2-bit in two runs an hour apart (the other
    rows within 0.01x). Eager host time per call and whole eager steps: `bench_host.py`, `host.md`.
+11. Whole waves of split programs: the plan aimed at 16 one-warp programs per SM (two waves at
+   the 8 that fit at ~255 registers), rounding each row's splits up, so rows that did not divide
+   the target spilled a few programs into a wave of their own. Now 8 per SM, rounded down
+   (`programs_per_sm`, `whole_waves`): Mistral batch 32 / 32k 0.476 -> 0.397 ms (2-bit), batch 1
+   / 32k 2-bit 19.6 -> 16.4 us, Qwen batch 1 / 128k group 32 44.6 -> 35.3 us; median of the grid
+   1.04x faster, rows below bf16 13 -> 5 (`decode_sweep_waves-mistral.json`,
+   `decode_sweep_ppsm8-*.json`, `decode_sweep_qwen-g32-b1-splits.json`).
 
 ## Why the 5x / 3x targets are missed
 
-At 2.26x (graph time) the kernel moves ~1.4 TB/s, 0.34 of the 4.2 TB/s copy bandwidth: it is
+At 2.28x (graph time) the kernel moves ~1.4 TB/s, 0.34 of the 4.3 TB/s copy bandwidth: it is
 bound by instruction issue and latency, not memory. A 64-token block of one kv head costs one warp
 ~1,460 instructions (`scripts/compile_sm90.py`): the unpack's 256 LOP3 (one per pair of codes,
 the floor with 16-bit lanes) and 64 PRMT, 96 HMMA (64 of them the value products, whose 4 query

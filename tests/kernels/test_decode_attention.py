@@ -115,8 +115,8 @@ def test_few_rows_split_finer():
     """Few (batch, kv head) rows: one block per split (below ``min_programs`` programs), and
     shorter blocks (``small_block_n``) when even that leaves few programs; results unchanged."""
     cpu = torch.device("cpu")  # 4 "SMs" off CUDA: 64 programs per row pair at most
-    coarse = da.DecodeConfig(min_splits=1, min_programs=0)
-    fine = da.DecodeConfig(min_splits=1)
+    coarse = da.DecodeConfig(min_splits=1, min_programs=0, programs_per_sm=16)
+    fine = da.DecodeConfig(min_splits=1, programs_per_sm=16)
     assert da._split_plan(64 * 20, 64, [], 64, 1, 2, cpu, coarse)[:2] == (10, 128)  # 2 blocks per split
     assert da._split_plan(64 * 20, 64, [], 64, 1, 2, cpu, fine)[:2] == (20, 64)  # 1 block per split
     assert da._split_plan(64 * 20, 64, [], 64, 8, 8, cpu, fine)[:2] == (1, 64 * 20)  # many rows: as before
@@ -130,6 +130,17 @@ def test_few_rows_split_finer():
                            packed_end=None, mask=None, config=cfg)
         assert call.meta["BLOCK_N"] == want, bits
         check(args, kw, cfg)
+
+
+def test_splits_fill_whole_waves():
+    """The packed split programs of all rows stay within programs_per_sm x SMs (rounded down per
+    row): 3 rows over 4 "SMs" at 8 per SM get 10 splits each (30 programs), not 11 (33, a
+    program past the wave)."""
+    cpu = torch.device("cpu")
+    n = 64 * 110  # 110 blocks: room for either count
+    assert da._split_plan(n, 64, [], 64, 1, 3, cpu, da.DecodeConfig())[0] == 10
+    assert da._split_plan(n, 64, [], 64, 1, 3, cpu, da.DecodeConfig(whole_waves=False))[0] == 11
+    assert da._split_plan(n, 64, [], 64, 1, 64, cpu, da.DecodeConfig())[0] == 1  # never below one
 
 
 @pytest.mark.parametrize("rep,min_rows", [(3, 4), (7, 1), (1, 1), (4, 8)], ids=str)

@@ -67,11 +67,11 @@ Arithmetic (what keeps the per-code work small):
 Performance status (H200, ``artifacts/bench/decode_attention.md``, CUDA-graph time): Mistral-7B
 shape, 32k, batch 8: 2.28x over the fastest bf16 SDPA at 2 bits, 1.90x at 4 bits, 1.14x at 4 bits
 group 32 (``decode_groups.json``; SmolLM2 shape group 32 1.15x with two key groups per block,
-``decode_sweep_pairs-smol.json``); batch 1 GPU time 1.25-1.71x at 4k-32k on the three benchmark
+``decode_sweep_pairs-smol.json``); batch 1 GPU time 1.22-1.89x at 4k-32k on the three benchmark
 shapes (``decode_latency.json``); OTT pools cost 1.0-1.15x plain, TaDA means 2.5-3.3x (every kv
 head's program reads the shared mean and runs a full-width product with it;
 ``decode_fitted.json``); PATS tier stores
-(:func:`decode_attention_parts`, one split launch per store, one combine) 1.27x plain at batch 8 /
+(:func:`decode_attention_parts`, one split launch per store, one combine) 1.21x plain at batch 8 /
 32k. The key products run transposed (the block's tokens are the MMA rows, the GQA group's query
 rows its N); the value products still pad the 4 query rows into 16-row MMA tiles and gather value
 codes along tokens (storing them 4 tokens per word was slower, ``probe_vlayout.json``): the kernel

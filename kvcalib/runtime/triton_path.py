@@ -12,7 +12,8 @@ the caller (:func:`kvcalib.runtime.backend.decode_attention`) then runs the PyTo
   query row, over absolute positions), so left padding, holes, ragged batches and a sliding
   window's lower bound all work; a sliding layer has already dropped its packed blocks older than
   the window at the last flush (:meth:`~kvcalib.runtime.cache.CompressedLayer.flush`), so the
-  kernel reads at most the window plus one flush block, the mask hiding the stale rest. In static
+  packed tokens the kernel reads span at most the window plus one flush block, the mask hiding
+  the stale rest (and any pending or sink tokens the window no longer shows). In static
   (CUDA-graph) mode the visibility lives on the device (:mod:`kvcalib.runtime.static`: one mask
   per window size, refreshed inside the captured step).
 

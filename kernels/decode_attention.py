@@ -699,7 +699,10 @@ def _decode_split_kernel(
     K_PERM: tl.constexpr = False, V_PERM: tl.constexpr = False, K_MEAN: tl.constexpr = 0,
     V_MEAN: tl.constexpr = 0, MASK_PACKED: tl.constexpr = True, HAS_KEEP: tl.constexpr = False,
     KEEP_BLOCK: tl.constexpr = 8, RESCALE: tl.constexpr = 8.0, V_NCH: tl.constexpr = 1, K_SUB: tl.constexpr = 1,
+    GDC: tl.constexpr = False,
 ):
+    if GDC:  # programmatic dependent launch: the combine kernel may be launched now (it waits for this grid)
+        tl.extra.cuda.gdc_launch_dependents()
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = pid_bh // H
@@ -1120,13 +1123,17 @@ def _decode_split_kernel(
 @triton.jit(do_not_specialize=["S_TOT"])
 def _combine_kernel(
     M_part, L_part, O_part, S_TOT,  # (ROWS, S_TOT), (ROWS, S_TOT), (ROWS, S_TOT, D) float32
-    Out,  # (ROWS, D) float32, ROWS = B * Hq
+    Out,  # (ROWS, D) float32 / float16 / bfloat16 (cast at the store), ROWS = B * Hq
     Lse,  # (ROWS,) float32, written when STORE_LSE
     D: tl.constexpr, DB: tl.constexpr, S_BLOCK: tl.constexpr, STORE_LSE: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s; 0 where nothing was visible.
     STORE_LSE: also the row's log-sum-exp of the scores in natural-log units (-inf: nothing
     visible), written by the programs of the first channel block.
+
+    GDC: launched with programmatic dependent launch (``launch_pdl``) after the split kernel: wait
+    until that grid has finished and its partials are visible before reading them.
 
     Program ``(row, c)`` merges channels ``[c * DB, (c + 1) * DB)`` of one row, S_BLOCK partials
     at a time with a running max (one pass; usually one step: the launcher sizes S_BLOCK to the
@@ -1134,6 +1141,8 @@ def _combine_kernel(
     rows and many partials (batch 1: 32 rows x 256 splits), where one program per row was most of
     the call's time.
     """
+    if GDC:
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * DB + tl.arange(0, DB)
     offs_s = tl.arange(0, S_BLOCK)
@@ -1153,22 +1162,29 @@ def _combine_kernel(
         acc = acc * alpha + tl.sum(o * w[:, None], axis=0)
         m_run = m_new
     out = acc / tl.where(l_run > 0, l_run, 1.0)
-    tl.store(Out + row * D + offs_d, out)
+    if Out.dtype.element_ty == tl.float32:
+        tl.store(Out + row * D + offs_d, out)
+    else:  # round to nearest even (what torch's .to does; the interpreter's implicit store cast truncates)
+        tl.store(Out + row * D + offs_d, out.to(Out.dtype.element_ty, fp_downcast_rounding="rtne"))
     if STORE_LSE:
         lse = tl.where(l_run > 0, (m_run + tl.log2(tl.where(l_run > 0, l_run, 1.0))) * 0.6931471805599453,
                        float("-inf"))
         tl.store(Lse + row, lse, mask=tl.program_id(1) == 0)
 
 
-def _combine(m_part, l_part, o_part, s_tot: int, out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
-    """Launch :func:`_combine_kernel` over ``out`` (B, Hq, D) float32 from ``s_tot`` partials per
-    row: all partials in one step (up to 1024), channels split so a program holds <= 2048 values.
-    ``lse`` (B, Hq) float32, when given, receives each row's log-sum-exp."""
+def _combine(m_part, l_part, o_part, s_tot: int, out: torch.Tensor, lse: torch.Tensor | None = None,
+             pdl: bool = False) -> None:
+    """Launch :func:`_combine_kernel` over ``out`` (B, Hq, D) (float32, or the caller's 16-bit dtype:
+    the merge runs in float32 and rounds once at the store) from ``s_tot`` partials per row: all
+    partials in one step (up to 1024), channels split so a program holds <= 2048 values.
+    ``lse`` (B, Hq) float32, when given, receives each row's log-sum-exp. ``pdl``: launched as the
+    split kernel's programmatic dependent (that kernel was launched with ``GDC``)."""
     rows, d = out.shape[0] * out.shape[1], out.shape[2]
     s_block = min(1024, max(16, triton.next_power_of_2(max(s_tot, 1))))
     db = max(2, min(d, 2048 // s_block))
     _COMBINE((rows, d // db), (m_part, l_part, o_part, max(s_tot, 1), out, out if lse is None else lse),
-             {"D": d, "DB": db, "S_BLOCK": s_block, "STORE_LSE": lse is not None, "num_warps": 4})
+             {"D": d, "DB": db, "S_BLOCK": s_block, "STORE_LSE": lse is not None, "GDC": pdl, "num_warps": 4,
+              **({"launch_pdl": True} if pdl else {})})
 
 
 _COMBINE = FastLauncher(_combine_kernel)
@@ -1239,6 +1255,13 @@ class DecodeConfig:
       batch 8 / 32k: 4-bit groups 32 / 32 211 -> 221 us, 8-bit 257 -> 285 us; only keys of 32
       with values of 128 gain, 182 -> 161 us; ``decode_sweep_pairs-b1.json``: Qwen shape (8
       padded rows) batch 1 / 128k 46 -> 57 us).
+    - ``pdl``: launch the combine kernel as the split kernel's programmatic dependent (Hopper and
+      later, triton with ``launch_pdl``; ignored elsewhere): each split program lets it launch at
+      once and the combine waits on the device for the split grid, so its launch overlaps the
+      split's tail instead of following it. Off by default: on an H200 it took 0.5-0.7 us off the
+      shortest calls (batch 1 / 4k: Qwen shape 4-bit group 32 8.2 -> 7.5 us, 2-bit 6.5 -> 6.0 us;
+      ``decode_sweep_pdl-*.json``), nothing at 16k and beyond or at batch 8, and whole CUDA-graph
+      decode steps were no faster (``profile_step.json``, within the runs' noise).
     """
 
     block_n: int = 64
@@ -1257,6 +1280,7 @@ class DecodeConfig:
     maxnreg: int | None = None
     value_chunks: bool = True
     key_group_pairs: bool | None = None
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):
@@ -1572,14 +1596,14 @@ def _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config):
     return splits, split_size, chunks, splits + sum(chunks)
 
 
-def _partials(bsz, hq, d, s_tot, dev):
+def _partials(bsz, hq, d, s_tot, dev, out_dtype=torch.float32):
     """Buffers of ``s_tot`` partials per row: m/l (B*Hq, S) float32, acc (B*Hq, S, D) float32, and
-    the output (B, Hq, D) float32."""
+    the output (B, Hq, D) ``out_dtype``."""
     rows = bsz * hq
     m_part = torch.empty((rows, max(s_tot, 1)), dtype=torch.float32, device=dev)  # (B*Hq, S)
     l_part = torch.empty_like(m_part)
     o_part = torch.empty((rows, max(s_tot, 1), d), dtype=torch.float32, device=dev)  # (B*Hq, S, D)
-    out = torch.empty((bsz, hq, d), dtype=torch.float32, device=dev)  # (B, Hq, D)
+    out = torch.empty((bsz, hq, d), dtype=out_dtype, device=dev)  # (B, Hq, D)
     return m_part, l_part, o_part, out
 
 
@@ -1588,6 +1612,19 @@ def _work_split(n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config):
     segment, total partials, (m, l, acc, out))."""
     splits, split_size, chunks, s_tot = _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config)
     return splits, split_size, chunks, s_tot, _partials(bsz, hq, d, s_tot, dev)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_available(dev: torch.device) -> bool:
+    """Programmatic dependent launch: a CUDA device of compute capability >= 9 (Hopper) and a
+    triton with ``tl.extra.cuda.gdc_wait`` and the ``launch_pdl`` option (not the interpreter)."""
+    if dev.type != "cuda" or _interpreting():
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.get_device_capability(dev)[0] >= 9
 
 
 def _reg_cap(config: DecodeConfig) -> dict:
@@ -1825,19 +1862,20 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 K_PERM=kp is not dummy32, V_PERM=vp is not dummy32, K_MEAN=means[0][0], V_MEAN=means[1][0],
                 MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)), V_NCH=v_chunks,
                 K_SUB=block_n // _pow2_divisor(k_group, block_n) if k_fold else 1,
+                GDC=config.pdl and _pdl_available(dev),
                 num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config))
     return _SplitCall(bsz * h, s_tot, args, meta)
 
 
-def _run(q: torch.Tensor, calls: list[_SplitCall | None], return_lse: bool):
+def _run(q: torch.Tensor, calls: list[_SplitCall | None], return_lse: bool, out_dtype=torch.float32):
     """Launch the planned split kernels into one partial buffer (each call its own columns),
     then one combine over all of them: the calls must cover disjoint tokens of one cache.
-    Returns float32 (B, Hq, D) (0 where nothing is visible), with ``return_lse`` also the rows'
-    log-sum-exp (B, Hq) float32 (-inf there)."""
+    Returns (B, Hq, D) ``out_dtype`` (0 where nothing is visible), with ``return_lse`` also the
+    rows' log-sum-exp (B, Hq) float32 (-inf there)."""
     bsz, hq, d = q.shape
     calls = [c for c in calls if c is not None]
     s_all = sum(c.s_tot for c in calls)
-    m_part, l_part, o_part, out = _partials(bsz, hq, d, s_all, q.device)
+    m_part, l_part, o_part, out = _partials(bsz, hq, d, s_all, q.device, _check_out_dtype(out_dtype))
     if s_all == 0:
         out.zero_()
         return (out, torch.full((bsz, hq), float("-inf"), device=q.device)) if return_lse else out
@@ -1846,7 +1884,8 @@ def _run(q: torch.Tensor, calls: list[_SplitCall | None], return_lse: bool):
         _SPLIT((c.bh, c.s_tot), (q, q.stride(0), q.stride(1), m_part, l_part, o_part, s_all, s_off, *c.args), c.meta)
         s_off += c.s_tot
     lse = torch.empty((bsz, hq), dtype=torch.float32, device=q.device) if return_lse else None  # (B, Hq)
-    _combine(m_part, l_part, o_part, s_all, out, lse)
+    # the combine waits on the last split launch only: the ones before it completed before it began
+    _combine(m_part, l_part, o_part, s_all, out, lse, pdl=calls[-1].meta["GDC"])
     return (out, lse) if return_lse else out
 
 
@@ -1861,10 +1900,16 @@ def _check_q(q) -> torch.Tensor:
     return q if q.stride(2) == 1 else q.contiguous()
 
 
-def _launch(q, *args, return_lse: bool = False, **kwargs):
+def _check_out_dtype(dtype) -> torch.dtype:
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"out_dtype must be torch.float32, float16 or bfloat16, got {dtype!r}")
+    return dtype
+
+
+def _launch(q, *args, return_lse: bool = False, out_dtype=torch.float32, **kwargs):
     """One call: :func:`_prepare` then :func:`_run` (split + combine kernels)."""
     q = _check_q(q)
-    return _run(q, [_prepare(q, *args, **kwargs)], return_lse)
+    return _run(q, [_prepare(q, *args, **kwargs)], return_lse, out_dtype)
 
 
 # ---------------------------------------------------------------- public function
@@ -1902,11 +1947,14 @@ def decode_attention(
     v_mean: torch.Tensor | tuple | None = None,
     config: DecodeConfig | None = None,
     return_lse: bool = False,
+    out_dtype: torch.dtype = torch.float32,
 ):
     """Attention of one query token per sequence over a packed + full-precision KV cache.
 
     Same arguments and result as :func:`kvcalib_kernels.reference.decode_attention_reference`
-    (float32 ``(B, Hq, D)``), plus ``config`` (:class:`DecodeConfig`, tuning only). Runs on CUDA
+    (float32 ``(B, Hq, D)``), plus ``config`` (:class:`DecodeConfig`, tuning only) and
+    ``out_dtype`` (float16 / bfloat16: the float32 result rounded once by the combine kernel's
+    store, so a caller needs no cast kernel of its own). Runs on CUDA
     tensors, or on CPU tensors under ``TRITON_INTERPRET=1``. Raises ValueError on shapes, dtypes
     or layouts it does not handle (:func:`supports` says which, without raising).
     """
@@ -1914,7 +1962,8 @@ def decode_attention(
                    k_group=k_group, v_group=v_group, k_axis=k_axis, scaling=scaling, softcap=softcap,
                    packed_start=packed_start, packed_end=packed_end, packed_position=packed_position,
                    fp_segments=fp_segments, fp_positions=fp_positions, mask=mask, mask_packed=mask_packed,
-                   keep=keep, keep_block=keep_block, pool=pool, return_lse=return_lse, config=config or DEFAULT_CONFIG, k_perm=k_perm, v_perm=v_perm, k_mean=k_mean, v_mean=v_mean)
+                   keep=keep, keep_block=keep_block, pool=pool, return_lse=return_lse, out_dtype=out_dtype,
+                   config=config or DEFAULT_CONFIG, k_perm=k_perm, v_perm=v_perm, k_mean=k_mean, v_mean=v_mean)
 
 
 def decode_attention_parts(
@@ -1923,6 +1972,7 @@ def decode_attention_parts(
     *,
     config: DecodeConfig | None = None,
     return_lse: bool = False,
+    out_dtype: torch.dtype = torch.float32,
 ):
     """Attention over a cache stored as disjoint parts, e.g. PATS tier stores (each its own bits):
     one split launch per part, all writing one partial buffer, and one combine over all partials
@@ -1930,7 +1980,8 @@ def decode_attention_parts(
 
     ``parts``: one mapping per part with :func:`decode_attention`'s arguments after ``q`` by
     name (``k_codes`` ... ``v_zero`` may be None or absent for a part with no packed tokens).
-    Same result as :func:`kvcalib_kernels.reference.decode_attention_parts_reference`.
+    Same result as :func:`kvcalib_kernels.reference.decode_attention_parts_reference`
+    (``out_dtype`` as in :func:`decode_attention`).
     """
     q = _check_q(q)
     cfg = config or DEFAULT_CONFIG
@@ -1943,14 +1994,14 @@ def decode_attention_parts(
         if missing:
             raise ValueError(f"part {i}: missing {', '.join(sorted(missing))}")
         calls.append(_prepare(q, **{**_PART_DEFAULTS, **part}, config=cfg))
-    return _run(q, calls, return_lse)
+    return _run(q, calls, return_lse, out_dtype)
 
 
 _PACKED_NAMES = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
 # what a part may name: decode_attention's arguments after q, less the per-call ones; those with
 # a default (the packed tensors: None, a part without packed tokens) and those it must give
 _PART_PARAMS = {name: param for name, param in inspect.signature(decode_attention).parameters.items()
-                if name not in ("q", "config", "return_lse")}
+                if name not in ("q", "config", "return_lse", "out_dtype")}
 _PART_DEFAULTS = {name: None if param.default is param.empty else param.default
                   for name, param in _PART_PARAMS.items() if param.default is not param.empty or name in _PACKED_NAMES}
 _PART_REQUIRED = frozenset(_PART_PARAMS) - _PART_DEFAULTS.keys()

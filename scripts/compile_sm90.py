@@ -6,8 +6,9 @@ memory, register use and the SASS instruction mix of the main (packed) loop. Cos
     KV_FITTED=perm,mean8 python scripts/compile_sm90.py ...   (with SKVQ permutations / TaDA means)
     KV_GROUPS=32,32 python scripts/compile_sm90.py 4 64 1 5 2 4   (key group, value group; default 128,128)
     KV_PAIRS=1 ...   (DecodeConfig.key_group_pairs: two key groups per block)
+    KV_SHAPE=3,3,64 ...   (kv heads, query heads per kv head, head_dim; default Mistral's 8,4,128)
 
-Shapes: Mistral-7B (8 kv heads, 4 query heads each, head_dim 128), key/value group 128 (or
+Shapes: Mistral-7B (8 kv heads, 4 query heads each, head_dim 128) or $KV_SHAPE, key/value group 128 (or
 $KV_GROUPS), batch 8.
 The launcher is run on CPU tensors with the kernel replaced by a recorder; the recorded arguments
 are bound with triton's own binder for a CUDA sm_90 target (same specialization as a real launch).
@@ -29,16 +30,22 @@ class Rec:
         def call(*args, **kw):
             if "args" not in rec: rec["args"], rec["kw"] = args, kw
         return call
+class RecLaunch:  # stands in for kvcalib_kernels.launch.FastLauncher: launcher(grid, args, meta)
+    def __init__(self, record): self.record = record
+    def __call__(self, grid, args, meta):
+        if self.record and "args" not in rec: rec["args"], rec["kw"] = args, meta
 real = da._decode_split_kernel
 da._decode_split_kernel = Rec()
 da._combine_kernel = Rec().__class__()  # ignore
+da._SPLIT, da._COMBINE = RecLaunch(True), RecLaunch(False)
 da.fast_unpack_available = lambda *a, **k: True
 da._lanes_verified = lambda *a, **k: True  # no GPU here to check the lane order on
 _orig_plan = da._plan.__wrapped__
 def _plan(d, rep, kb, vb, kg, vg, ax, qd, fd, dev_type, idx, cfg, interp):
     return _orig_plan(d, rep, kb, vb, kg, vg, ax, qd, fd, "cuda", idx, cfg, interp)
 da._plan = _plan
-b, h, rep, n, d = 8, 8, 4, 4096, 128
+b, n = 8, 4096
+h, rep, d = (int(x) for x in os.environ.get("KV_SHAPE", "8,4,128").split(","))  # kv heads, GQA, head_dim
 kg, vg = (int(x) for x in os.environ.get("KV_GROUPS", "128,128").split(","))
 q = torch.randn(b, h * rep, d, dtype=torch.float16)
 kc = torch.zeros(b, h, n, d * bits // 8, dtype=torch.uint8); vc = kc.clone()

@@ -20,6 +20,8 @@
 #         huffman     kernels/bench/bench_huffman.py (entropy-coded decode and fused attention)
 #         host        kernels/bench/bench_host.py: host time per attention call and eager vs graph decode
 #                     steps at batch 1 (random-weight models of the three shapes)
+#         profile     kernels/bench/profile_step.py: the kernels of a CUDA-graph decode step (Mistral-7B and
+#                     Gemma-3-1B shapes, 32k, batch 1/8) and an A/B of the combine's output dtype and PDL
 #         e2e-smoke   end-to-end on a small random model (checks the path, seconds)
 #         e2e         end-to-end, random-weight Mistral-7B shape at 32k context
 #         e2e-pats    the same, CUDA-graph decoding of a PATS middle-heavy cache beside plain 2-bit
@@ -84,6 +86,9 @@ for st in $STAGES; do
     tune)
       timeout "${KV_TUNE_TIMEOUT:-240}" $PY kernels/bench/bench_decode.py --mode tune --out "$OUT" > "$OUT/tune.log" 2>&1
       echo "tune exit $?"; grep -E "^  b=|failed" "$OUT/tune.log" ;;
+    profile)
+      OUT="$OUT" timeout "${KV_PROFILE_TIMEOUT:-560}" $PY kernels/bench/profile_step.py > "$OUT/profile.log" 2>&1
+      echo "profile exit $?"; grep -v Warning "$OUT/profile.log" | tail -n 30 ;;
     sweep)
       IFS=';' read -ra SWEEPS <<< "${KV_SWEEP_ARGS:?KV_SWEEP_ARGS: the sweep arguments}"
       for sw in "${SWEEPS[@]}"; do

@@ -187,7 +187,7 @@ def sweep_configs():
 def cfg_dict(c) -> dict:
     return {k: getattr(c, k) for k in ("block_n", "num_warps", "num_stages", "unpack", "programs_per_sm", "whole_waves",
                                        "num_splits", "fp_block", "min_split_blocks", "min_splits", "min_rows", "maxnreg",
-                                       "value_chunks", "key_group_pairs")}
+                                       "value_chunks", "key_group_pairs", "pdl")}
 
 
 def run_sweep(dev, meta, quick=False) -> dict:

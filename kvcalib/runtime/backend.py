@@ -58,7 +58,8 @@ def use_triton_for(query: torch.Tensor) -> bool:
 
 def decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, scaling: float,
                      softcap: float | None = None, all_visible: bool = False) -> torch.Tensor:
-    """Attention of ``query`` (B, Hq, Tq, D) over ``layer``; returns (B, Tq, Hq, D) float32.
+    """Attention of ``query`` (B, Hq, Tq, D) over ``layer``; returns (B, Tq, Hq, D): the kernel's in
+    the query's dtype, the reference's in :func:`~kvcalib.runtime.attention.compute_dtype`.
     ``visible`` (B|1, Tq, KV) bool; ``all_visible``: it is True everywhere (the kernel skips
     reading it), and ``visible`` may then be None (built here only if the reference runs)."""
     from kvcalib.runtime.attention import visible_mask, attend_compressed

@@ -84,7 +84,8 @@ def _reason_unsupported(query: torch.Tensor, layer) -> str | None:
 
 def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, scaling: float,
                             softcap: float | None = None, all_visible: bool = False) -> torch.Tensor | None:
-    """Fused attention of ``query`` (B, Hq, 1, D) over ``layer``; (B, 1, Hq, D) float32 or None.
+    """Fused attention of ``query`` (B, Hq, 1, D) over ``layer``; (B, 1, Hq, D) in the query's dtype
+    (the combine kernel rounds its float32 merge once at the store: no cast kernel), or None.
 
     ``visible`` (B|1, 1, KV) bool over absolute positions ``0..n_seen-1`` (False = padding);
     ``all_visible``: it is True everywhere (and may be None), so no mask is passed to the kernel.
@@ -147,8 +148,8 @@ def _launch_layer(query, layer, pending, mask, mask_packed, scaling, softcap) ->
             base, scaling=scaling, softcap=softcap, fp_segments=segments if first else (),
             fp_positions=positions if first else (), mask=mask, mask_packed=mask_packed,
             pool=pool if first else None))
-    # one split launch per store into one partial buffer, one combine: (B, Hq, D) float32
-    return decode_attention_parts(query[:, :, 0, :], parts)[:, None]
+    # one split launch per store into one partial buffer, one combine: (B, Hq, D) in the query's dtype
+    return decode_attention_parts(query[:, :, 0, :], parts, out_dtype=query.dtype)[:, None]
 
 
 def _store_part(store, cfg, codec, device) -> dict | None:

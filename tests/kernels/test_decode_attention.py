@@ -10,6 +10,8 @@ query's dtype.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -667,6 +669,31 @@ def test_parts_argument_errors():
     del bad["scaling"]
     with pytest.raises(ValueError, match="part 0: missing scaling"):
         da.decode_attention_parts(q, [bad], config=SMALL)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_out_dtype_is_the_float32_result_rounded_once(out_dtype):
+    """``out_dtype``: the combine kernel stores the float32 merge rounded to the caller's dtype
+    (what a model's attention needs, with no cast kernel after it); with ``pdl`` (programmatic
+    dependent launch of the combine, on Hopper) the result is the same; bad dtypes are refused."""
+    def rounded_once(got, want32):  # == torch's round-to-nearest-even of the float32 result
+        want = want32.to(out_dtype)
+        if INTERPRET and out_dtype == torch.bfloat16:  # the interpreter's float32 -> bfloat16 truncates
+            ulp = (want.float().abs() * 2.0 ** -7).clamp_min(2.0 ** -126)
+            return bool(((got.float() - want32).abs() <= ulp).all())
+        return torch.equal(got, want)
+
+    q, parts = _store_parts()
+    ref32 = da.decode_attention_parts(q, parts, config=SMALL)
+    out = da.decode_attention_parts(q, parts, config=SMALL, out_dtype=out_dtype)
+    assert out.dtype == out_dtype and rounded_once(out, ref32)
+    pdl = da.decode_attention_parts(q, parts, config=replace(SMALL, pdl=True), out_dtype=out_dtype)
+    assert torch.equal(pdl, out)
+    args, kw = make_case(b=2, n=48, f=(3, 5))
+    single = da.decode_attention(*args, **kw, config=SMALL, out_dtype=out_dtype)
+    assert rounded_once(single, da.decode_attention(*args, **kw, config=SMALL))
+    with pytest.raises(ValueError, match="out_dtype"):
+        da.decode_attention_parts(q, parts, config=SMALL, out_dtype=torch.int8)
 
 
 def _tiered_layer(tiers=(48,), bits=4, ott=0, **kw):

@@ -318,6 +318,47 @@ _LANES_ALL_8 = tl.constexpr(_lanes_all_asm(8))
 
 
 @triton.jit
+def _unit_lanes(u, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """uint16 units -> float16 ``1024 + (byte & (mask << SHIFT))`` of the low and of the high byte."""
+    M: tl.constexpr = ((1 << BITS) - 1) << SHIFT
+    return (((u & 0xFF) & M) | 0x6400).to(tl.float16, bitcast=True), (((u >> 8) & M) | 0x6400).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _unit_planes(x, BITS: tl.constexpr, UNPACK: tl.constexpr):
+    """All planes of an int16 tile of code units (N, P / 2), unit u = bytes 2u (low) and 2u + 1
+    (high) of a token's code row, as float16 lanes ``1024 + (byte & (mask << s * BITS))``: 8 tiles
+    (lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3), plane s of the low and of the high byte (tiles past
+    8 // BITS repeat plane 0). Unlike the byte tiles of :func:`_code_planes`, this is elementwise
+    (one unit in, one code of each plane out), so no register order is assumed: the value tile
+    reaches the MMA through ``ldmatrix.trans`` of 16-bit units instead of byte loads and permutes.
+    UNPACK 5: the PTX block of :func:`_lanes_all_asm` on 2 units per 32-bit register (its byte
+    pairs (0, 2) and (1, 3) are then the low and the high bytes of the two units); 6: Triton ops."""
+    if UNPACK == 5:
+        if BITS == 2:
+            l0, h0, l1, h1, l2, h2, l3, h3 = tl.inline_asm_elementwise(
+                _LANES_ALL_2, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+        elif BITS == 4:
+            l0, h0, l1, h1 = tl.inline_asm_elementwise(_LANES_ALL_4, "=r,=r,=r,=r,r", [x], dtype=(tl.float16,) * 4,
+                                                       is_pure=True, pack=2)
+            l2, h2, l3, h3 = l0, h0, l0, h0
+        else:
+            l0, h0 = tl.inline_asm_elementwise(_LANES_ALL_8, "=r,=r,r", [x], dtype=(tl.float16,) * 2, is_pure=True,
+                                               pack=2)
+            l1, h1, l2, h2, l3, h3 = l0, h0, l0, h0, l0, h0
+    else:
+        u = x.to(tl.uint16, bitcast=True)
+        l0, h0 = _unit_lanes(u, 0, BITS)
+        l1, h1, l2, h2, l3, h3 = l0, h0, l0, h0, l0, h0
+        if BITS < 8:
+            l1, h1 = _unit_lanes(u, BITS, BITS)
+        if BITS < 4:
+            l2, h2 = _unit_lanes(u, 2 * BITS, BITS)
+            l3, h3 = _unit_lanes(u, 3 * BITS, BITS)
+    return l0, h0, l1, h1, l2, h2, l3, h3
+
+
+@triton.jit
 def _code_planes(x, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexpr, ONE_BLOCK: tl.constexpr = True):
     """All planes of a uint8 byte tile (N, P): 4 tiles, plane s = :func:`_codes` (x, s * BITS)
     (tiles past 8 // BITS repeat plane 0). UNPACK 5 takes one PTX block for every plane (values
@@ -699,7 +740,7 @@ def _decode_split_kernel(
     K_PERM: tl.constexpr = False, V_PERM: tl.constexpr = False, K_MEAN: tl.constexpr = 0,
     V_MEAN: tl.constexpr = 0, MASK_PACKED: tl.constexpr = True, HAS_KEEP: tl.constexpr = False,
     KEEP_BLOCK: tl.constexpr = 8, RESCALE: tl.constexpr = 8.0, V_NCH: tl.constexpr = 1, K_SUB: tl.constexpr = 1,
-    GDC: tl.constexpr = False,
+    GDC: tl.constexpr = False, V_UNITS: tl.constexpr = False,
 ):
     if GDC:  # programmatic dependent launch: the combine kernel may be launched now (it waits for this grid)
         tl.extra.cuda.gdc_launch_dependents()
@@ -715,9 +756,11 @@ def _decode_split_kernel(
     PER_V: tl.constexpr = 8 // V_BITS
     # value accumulators: one per plane (V_NCH 1), or, with value groups narrower than a plane
     # (fold path, V_NCH = PV / V_GROUP chunks of V_GROUP byte columns), one per value group
-    # g = plane * V_NCH + chunk, each AW = PV / V_NCH channels wide
+    # g = plane * V_NCH + chunk, each AW = PV / V_NCH channels wide; V_UNITS (values read as int16
+    # units of two code bytes): acc s the low bytes of plane s, acc 4 + s the high ones, PV / 2 wide
     NACC: tl.constexpr = PER_V * V_NCH
-    AW: tl.constexpr = PV // V_NCH
+    AW: tl.constexpr = PV // 2 if V_UNITS else PV // V_NCH
+    tl.static_assert(not (V_UNITS and ((V_NCH > 1) or (K_SUB > 1))), "value units: one value group per plane, one key group per block")
     # virtual rows of the packed loop: with K_SUB key groups per block (per-channel keys of groups
     # shorter than a block), row v = g * R_PAD + r is query row r over the tokens of the block's key
     # group g only -- its own online softmax and accumulators, merged into row r at the end like a
@@ -780,7 +823,15 @@ def _decode_split_kernel(
         offs_av = offs_pv  # (AW,) byte column of each accumulator column within its chunk
         if V_NCH > 1:
             offs_av = tl.arange(0, AW)
+        if V_UNITS:  # column u of acc s: the low byte of unit u (byte column 2u); of acc 4 + s: 2u + 1
+            offs_av = 2 * tl.arange(0, AW)
         vc0, vc1, vc2, vc3 = _plane_channels(offs_av, PV, PER_V, VP + h * D, V_PERM, V_NCH)
+        vh0 = vc0
+        vh1 = vc1
+        vh2 = vc2
+        vh3 = vc3
+        if V_UNITS:
+            vh0, vh1, vh2, vh3 = _plane_channels(offs_av + 1, PV, PER_V, VP + h * D, V_PERM, 1)
         # TaDA means (input channel order, one (N, D) mean per sequence shared by the kv heads):
         # the key mean adds q . mean_n to each score; the value mean adds sum_n p_n mean_n into
         # each value plane's accumulator, read at the plane's output channels (vc*)
@@ -801,7 +852,7 @@ def _decode_split_kernel(
         # with a permuted V, the value mean accumulates apart in input channel order (a mean tile
         # read at each plane's permuted channels is a byte gather: 7x slower at batch 8 / 32k);
         # so does it with value-group accumulators (V_NCH > 1)
-        VM_APART: tl.constexpr = (V_PERM | (V_NCH > 1)) & (V_MEAN != 0)
+        VM_APART: tl.constexpr = (V_PERM | (V_NCH > 1) | V_UNITS) & (V_MEAN != 0)
         macc = tl.zeros([VR, D], tl.float32)  # sum_n p_n mean_n, used when VM_APART
         kc_base = KC + b.to(tl.int64) * stride_kcb + h.to(tl.int64) * stride_kch
         ks_base = KS + b.to(tl.int64) * stride_ksb + h.to(tl.int64) * stride_ksh
@@ -817,6 +868,10 @@ def _decode_split_kernel(
         acc1 = tl.zeros([VR, AW], tl.float32)
         acc2 = tl.zeros([VR, AW], tl.float32)
         acc3 = tl.zeros([VR, AW], tl.float32)
+        acc4 = tl.zeros([VR, AW], tl.float32)  # V_UNITS: the high bytes' halves of planes 0..3
+        acc5 = tl.zeros([VR, AW], tl.float32)
+        acc6 = tl.zeros([VR, AW], tl.float32)
+        acc7 = tl.zeros([VR, AW], tl.float32)
         zsum0 = tl.zeros([VR], tl.float32)  # sum_n p * zero of value accumulator s's group (fold path)
         zsum1 = zsum0
         zsum2 = zsum0
@@ -903,6 +958,13 @@ def _decode_split_kernel(
                 if NACC > 2:
                     acc2 = acc2 * alpha[:, None]
                     acc3 = acc3 * alpha[:, None]
+                if V_UNITS:
+                    acc4 = acc4 * alpha[:, None]
+                    if NACC > 1:
+                        acc5 = acc5 * alpha[:, None]
+                    if NACC > 2:
+                        acc6 = acc6 * alpha[:, None]
+                        acc7 = acc7 * alpha[:, None]
                 if V_FOLD:
                     zsum0 = zsum0 * alpha
                     zsum1 = zsum1 * alpha
@@ -953,15 +1015,23 @@ def _decode_split_kernel(
                     acc3, zsum3 = _v_group_product(acc3, zsum3, pt, u30, vs_base + vrows + 3, vz_base + vrows + 3,
                                                    row_ok, DOT_T, IEEE, V_LANES, 0)
             elif V_FOLD:
-                vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_vw[None, :],
-                             mask=(offs_nv < end)[:, None], other=0)
+                if V_UNITS:  # (BLOCK_N, PV / 2) int16 units (the launcher passes an int16 view), tokens in order
+                    offs_u = tl.arange(0, PV // 2)
+                    vu = tl.load(vc_base + offs_n[:, None] * stride_vcn + offs_u[None, :], mask=row_ok[:, None],
+                                 other=0)
+                    vcode0, vhi0, vcode1, vhi1, vcode2, vhi2, vcode3, vhi3 = _unit_planes(vu, V_BITS, V_UNPACK)
+                else:
+                    vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_vw[None, :],
+                                 mask=(offs_nv < end)[:, None], other=0)
+                    vcode0, vcode1, vcode2, vcode3 = _code_planes(vb, V_BITS, DOT_T, V_UNPACK)  # (BLOCK_N, PV) each
                 # plane s lies in value group (s * PV) // V_GROUP: (p * scale) is built once per group,
                 # and so is sum_n p * zero (added to every channel of the plane at the end);
                 # V_LANES: the plane's codes are 1024 + c * 2**shift, sum(p * scale) takes the 1024 out
-                vcode0, vcode1, vcode2, vcode3 = _code_planes(vb, V_BITS, DOT_T, V_UNPACK)  # (BLOCK_N, PV) each
                 a0 = _scaled_pt(pt, vs_base + vrows, row_ok, DOT_T)  # (BLOCK_N, VR)
                 zsum0 += tl.sum(pt * tl.load(vz_base + vrows, mask=row_ok, other=0.0).to(tl.float32)[:, None], axis=0)
                 acc0 = _dot(tl.trans(a0), vcode0, acc0, IEEE)
+                if V_UNITS:
+                    acc4 = _dot(tl.trans(a0), vhi0, acc4, IEEE)
                 if V_LANES:
                     sa0 = tl.sum(a0.to(tl.float32), axis=0)
                     asum0 += sa0
@@ -972,6 +1042,8 @@ def _decode_split_kernel(
                         zsum1 += tl.sum(pt * tl.load(vz_base + vrows + G1, mask=row_ok, other=0.0).to(tl.float32)[:, None],
                                         axis=0)
                     acc1 = _dot(tl.trans(a1), vcode1, acc1, IEEE)
+                    if V_UNITS:
+                        acc5 = _dot(tl.trans(a1), vhi1, acc5, IEEE)
                     if V_LANES:
                         sa1 = sa0
                         if G1 != 0:
@@ -984,12 +1056,16 @@ def _decode_split_kernel(
                         zsum2 += tl.sum(pt * tl.load(vz_base + vrows + G2, mask=row_ok, other=0.0).to(tl.float32)[:, None],
                                         axis=0)
                     acc2 = _dot(tl.trans(a2), vcode2, acc2, IEEE)
+                    if V_UNITS:
+                        acc6 = _dot(tl.trans(a2), vhi2, acc6, IEEE)
                     a3 = a2
                     if G3 != G2:
                         a3 = _scaled_pt(pt, vs_base + vrows + G3, row_ok, DOT_T)
                         zsum3 += tl.sum(pt * tl.load(vz_base + vrows + G3, mask=row_ok, other=0.0).to(tl.float32)[:, None],
                                         axis=0)
                     acc3 = _dot(tl.trans(a3), vcode3, acc3, IEEE)
+                    if V_UNITS:
+                        acc7 = _dot(tl.trans(a3), vhi3, acc7, IEEE)
                     if V_LANES:
                         sa2 = sa1
                         if G2 != G1:
@@ -1044,6 +1120,13 @@ def _decode_split_kernel(
             if NACC > 2:
                 acc2 = (acc2 - 1024.0 * asum2[:, None]) * (1.0 / (1 << ((2 // V_NCH) * V_BITS)))
                 acc3 = (acc3 - 1024.0 * asum3[:, None]) * (1.0 / (1 << ((3 // V_NCH) * V_BITS)))
+            if V_UNITS:  # (V_NCH == 1) the high bytes' planes, scaled as the low bytes' are
+                acc4 = acc4 - 1024.0 * asum0[:, None]
+                if NACC > 1:
+                    acc5 = (acc5 - 1024.0 * asum1[:, None]) * (1.0 / (1 << V_BITS))
+                if NACC > 2:
+                    acc6 = (acc6 - 1024.0 * asum2[:, None]) * (1.0 / (1 << (2 * V_BITS)))
+                    acc7 = (acc7 - 1024.0 * asum3[:, None]) * (1.0 / (1 << (3 * V_BITS)))
         if VM_APART:
             macc += mzacc[:, None]
         elif V_MEAN == 8:  # the 8-bit means' zero points, one per token, on every channel
@@ -1067,6 +1150,13 @@ def _decode_split_kernel(
             if NACC > 2:
                 acc2 += zsum2[:, None]
                 acc3 += zsum3[:, None]
+            if V_UNITS:
+                acc4 += zsum0[:, None]
+                if NACC > 1:
+                    acc5 += zsum1[:, None]
+                if NACC > 2:
+                    acc6 += zsum2[:, None]
+                    acc7 += zsum3[:, None]
         if K_SUB > 1:  # each query row's K_SUB virtual rows merged by log-sum-exp (as splits are)
             m_sub = tl.reshape(m_i, (K_SUB, R_PAD))
             m_i = tl.max(m_sub, axis=0)  # (R_PAD,)
@@ -1089,6 +1179,13 @@ def _decode_split_kernel(
         if NACC > 2:
             tl.store(o_rows[:, None] + vc2[None, :], acc2, mask=r_ok[:, None])
             tl.store(o_rows[:, None] + vc3[None, :], acc3, mask=r_ok[:, None])
+        if V_UNITS:
+            tl.store(o_rows[:, None] + vh0[None, :], acc4, mask=r_ok[:, None])
+            if NACC > 1:
+                tl.store(o_rows[:, None] + vh1[None, :], acc5, mask=r_ok[:, None])
+            if NACC > 2:
+                tl.store(o_rows[:, None] + vh2[None, :], acc6, mask=r_ok[:, None])
+                tl.store(o_rows[:, None] + vh3[None, :], acc7, mask=r_ok[:, None])
         if VM_APART:  # add the value mean (input channel order) onto the planes just stored
             tl.debug_barrier()  # other threads of the program stored them
             o_nat = o_rows[:, None] + offs_d[None, :]  # (R_PAD, D) pointers
@@ -1255,6 +1352,13 @@ class DecodeConfig:
       batch 8 / 32k: 4-bit groups 32 / 32 211 -> 221 us, 8-bit 257 -> 285 us; only keys of 32
       with values of 128 gain, 182 -> 161 us; ``decode_sweep_pairs-b1.json``: Qwen shape (8
       padded rows) batch 1 / 128k 46 -> 57 us).
+    - ``value_units``: the lane unpack (5, 6) reads the value codes of a folded layout (one value
+      group per plane) as int16 units of two bytes, each unpacked elementwise into the codes of
+      every plane of its low and its high byte (:func:`_unit_planes`), two accumulators per plane.
+      A 16-bit tile reaches the value MMA's operand by ``ldmatrix.trans``; a byte tile took one
+      shared-memory load per byte and permutes to pair consecutive tokens (loop body of the
+      Mistral-7B shape, 2-bit: 1,456 -> 1,265 SASS instructions per 64 tokens,
+      ``scripts/compile_sm90.py``). Needs value rows of >= 32 bytes (head_dim 128 at 2 bits, 64 at 4).
     - ``pdl``: launch the combine kernel as the split kernel's programmatic dependent (Hopper and
       later, triton with ``launch_pdl``; ignored elsewhere): each split program lets it launch at
       once and the combine waits on the device for the split grid, so its launch overlaps the
@@ -1281,6 +1385,7 @@ class DecodeConfig:
     value_chunks: bool = True
     key_group_pairs: bool | None = None
     pdl: bool = False
+    value_units: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):
@@ -1782,11 +1887,20 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
         kc, ks, kz, vc, vs, vz = k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
         if k_unpack in (3, 4):  # read the code rows as int32 words: 4 packed bytes per load element
             kc, vc = kc.view(torch.int32), vc.view(torch.int32)
+        # (not with two key groups per block, nor a value mean without a permutation: both measured
+        # slower with units on an H200, DecodeConfig.value_units)
+        k_sub = block_n // _pow2_divisor(k_group, block_n) if k_fold else 1
+        v_units = (config.value_units and v_fold and v_chunks == 1 and v_unpack in (5, 6) and d * v_bits // 8 >= 32
+                   and k_sub == 1 and (v_mean is None or v_perm is not None)
+                   and vc.stride(3) == 1 and vc.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in vc.stride()[:3]))
+        if v_units:  # value code rows as int16 units of two bytes (DecodeConfig.value_units)
+            vc = vc.view(torch.int16)
         kcs, kss, vcs, vss = kc.stride()[:3], ks.stride()[:3], vc.stride()[:3], vs.stride()[:3]
     else:
         kc = vc = dummy8
         ks = kz = vs = vz = dummy16
         kcs = kss = vcs = vss = (0, 0, 0)
+        v_units = False
     # SKVQ permutations and TaDA means of the packed tokens (absent: dummies, code not compiled)
     dummy32 = _dummy(dev, torch.int32)
     kp = _check_perm("k_perm", k_perm, h, d, dev) if (n and k_perm is not None) else dummy32
@@ -1862,7 +1976,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 K_PERM=kp is not dummy32, V_PERM=vp is not dummy32, K_MEAN=means[0][0], V_MEAN=means[1][0],
                 MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)), V_NCH=v_chunks,
                 K_SUB=block_n // _pow2_divisor(k_group, block_n) if k_fold else 1,
-                GDC=config.pdl and _pdl_available(dev),
+                GDC=config.pdl and _pdl_available(dev), V_UNITS=v_units,
                 num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config))
     return _SplitCall(bsz * h, s_tot, args, meta)
 

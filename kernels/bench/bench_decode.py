@@ -187,7 +187,7 @@ def sweep_configs():
 def cfg_dict(c) -> dict:
     return {k: getattr(c, k) for k in ("block_n", "num_warps", "num_stages", "unpack", "programs_per_sm", "whole_waves",
                                        "num_splits", "fp_block", "min_split_blocks", "min_splits", "min_rows", "maxnreg",
-                                       "value_chunks", "key_group_pairs", "pdl")}
+                                       "value_chunks", "key_group_pairs", "pdl", "value_units")}
 
 
 def run_sweep(dev, meta, quick=False) -> dict:
@@ -1197,19 +1197,31 @@ NOTES = """
    / 32k 2-bit 19.6 -> 16.4 us, Qwen batch 1 / 128k group 32 44.6 -> 35.3 us; median of the grid
    1.04x faster, rows below bf16 13 -> 5 (`decode_sweep_waves-mistral.json`,
    `decode_sweep_ppsm8-*.json`, `decode_sweep_qwen-g32-b1-splits.json`).
+12. Value codes read as int16 units (`value_units`): a byte tile reached the value MMA's operand
+   by one shared-memory load per byte plus permutes pairing consecutive tokens (64 LDS.U8 and ~40
+   PRMT per 64 tokens); a tile of 16-bit units (two code bytes) gets there by `ldmatrix.trans`, and
+   each unit unpacks elementwise into every plane of its low and its high byte (the same PTX
+   block, two accumulators per plane). Loop body 1,456 -> 1,281 SASS instructions (2-bit), 1,768
+   -> 1,414 (4-bit), 2,270 -> 1,662 (8-bit). Same-run A/B (`decode_sweep_units-*.json`, CUDA-graph
+   time): Mistral batch 8 / 32k 107.8 -> 99.6 us (2-bit, 2.26x -> 2.45x of bf16), 128.3 -> 113.0
+   us (4-bit, 1.90x -> 2.15x), 180.0 -> 158.2 us (8-bit); batch 32 and 128k 8-15% faster; SmolLM2
+   4-bit 5-9%. Slower: the Qwen shape at batch 1 (11.8 -> 12.4 us at 32k 2-bit, 2-5%) and
+   batch 8 / 4k 4-bit (10.3 -> 11.0 us in the grid). Off where units measured slower: two key
+   groups per block (SmolLM2 group 32: 0.93x, `decode_units_everywhere.json`) and a TaDA value
+   mean without a permutation (mean8 302 -> 355 us, `decode_fitted_units_everywhere.json`).
 
 ## Why the 5x / 3x targets are missed
 
-At 2.28x (graph time) the kernel moves ~1.4 TB/s, 0.34 of the 4.3 TB/s copy bandwidth: it is
+At 2.46x (graph time) the kernel moves ~1.56 TB/s, 0.37 of the 4.3 TB/s copy bandwidth: it is
 bound by instruction issue and latency, not memory. A 64-token block of one kv head costs one warp
-~1,460 instructions (`scripts/compile_sm90.py`): the unpack's 256 LOP3 (one per pair of codes,
-the floor with 16-bit lanes) and 64 PRMT, 96 HMMA (64 of them the value products, whose 4 query
-rows are padded to 16-row MMA tiles), 64 byte loads and ~110 permutes gathering each value code's
-consecutive tokens for the MMA operand, ~90 register moves, ~400 softmax and scale-sum
+~1,280 instructions (`scripts/compile_sm90.py`): the unpack's 256 LOP3 (one per pair of codes,
+the floor with 16-bit lanes) and ~130 PRMT, 96 HMMA (64 of them the value products, whose 4 query
+rows are padded to 16-row MMA tiles), ~110 register moves, ~400 softmax and scale-sum
 instructions, at 255 registers, so only 8 warps fit on an SM and their stalls are not hidden.
-Transposing the key side removed the key half of the padding moves (step 6); the value side's
+Transposing the key side removed the key half of the padding moves (step 6); reading the values
+as 16-bit units removed the byte gathers (step 12: ~8% at batch 8); the value side's
 transposed form (codes^T as the M side) was slower, and so was a value layout stored for the MMA
-(step 7), which removes the byte gathers but not the time. Multi-warp tiles, 128-token blocks
+(step 7). Multi-warp tiles, 128-token blocks
 and register caps (`decode_tune.json`, `probe_vlayout.json`) traded the moves for shared-memory
 traffic or spills and were slower at batch 8. The 5x would need fewer instructions per code
 than one LOP3 per pair and more warps in flight per SM; no single change measured here gets

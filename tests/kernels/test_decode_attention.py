@@ -113,6 +113,60 @@ def test_unpack_modes(unpack):
     check(args, kw, da.DecodeConfig(block_n=16, fp_block=16, unpack=unpack))
 
 
+def _v_units_chosen(args, kw, config) -> bool:
+    """Whether the kernel reads this case's value codes as int16 units (DecodeConfig.value_units)."""
+    part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
+    return da._prepare(args[0], **part, config=config).meta["V_UNITS"]
+
+
+@pytest.mark.parametrize("case", [
+    dict(d=128, v_bits=2, v_group=128), dict(d=128, v_bits=4, v_group=128), dict(d=128, v_bits=8, v_group=128),
+    dict(d=64, v_bits=4, v_group=64), dict(d=64, v_bits=8, v_group=64, spare=3),
+    dict(d=128, v_bits=2, v_group=128, perm=True), dict(d=128, v_bits=4, v_group=128, perm=True, mean=8),
+], ids=["d128-2b", "d128-4b", "d128-8b", "d64-4b", "d64-8b-views", "d128-2b-perm", "d128-4b-perm-mean8"])
+def test_value_units_match_byte_tiles(case):
+    """Value codes read as int16 units (two bytes each, unpacked elementwise into both bytes'
+    planes, two accumulators per plane) give the byte-tile result and pass the tolerance rule;
+    with SKVQ permutations (and TaDA means beside them) and strided views too."""
+    case = dict(case)
+    perm, mean = case.pop("perm", False), case.pop("mean", 0)
+    args, kw = make_case(k_bits=2, dtype=torch.float16, b=2, h=2, rep=3, n=80, **case)
+    d = case["d"]
+    g = torch.Generator().manual_seed(5)
+    if perm:
+        kw["v_perm"] = torch.stack([torch.randperm(d, generator=g) for _ in range(2)]).to(DEVICE)
+    if mean:
+        vm = torch.randn(2, 1, 80, d, generator=g)
+        lo, hi = vm.amin(-1, keepdim=True), vm.amax(-1, keepdim=True)
+        scale = ((hi - lo) / 255).half()
+        codes = ((vm - lo) / scale.float()).round().clamp(0, 255).to(torch.uint8)
+        kw["v_mean"] = (codes.to(DEVICE), scale.to(DEVICE), lo.half().to(DEVICE))
+    units = replace(SMALL, unpack=6)
+    bytes_ = replace(units, value_units=False)
+    assert _v_units_chosen(args, kw, units) and not _v_units_chosen(args, kw, bytes_)
+    out = check(args, kw, units)
+    assert float((out - da.decode_attention(*args, **kw, config=bytes_)).abs().max()) < 2e-3
+
+
+def test_value_units_where_they_apply():
+    """Byte tiles stay for rows of fewer than 32 code bytes (2-bit head_dim 64), value groups
+    narrower than a plane, two key groups per block, and a value mean without a permutation
+    (the last two measured slower with units); the launcher never combines what the kernel refuses."""
+    cfg = replace(SMALL, unpack=6)
+    args, kw = make_case(d=64, v_bits=2, v_group=64, dtype=torch.float16)
+    assert not _v_units_chosen(args, kw, cfg)
+    args, kw = make_case(d=128, v_bits=4, v_group=32, dtype=torch.float16)
+    assert not _v_units_chosen(args, kw, cfg)
+    args, kw = make_case(d=64, v_bits=4, v_group=64, dtype=torch.float16)
+    assert _v_units_chosen(args, kw, cfg)
+    pairs = replace(cfg, block_n=32, key_group_pairs=True)  # two key groups of 16 per block
+    assert not _v_units_chosen(args, kw, pairs)
+    check(args, kw, pairs)
+    mean = torch.randn(2, 1, 48, 64).half().to(DEVICE)
+    assert not _v_units_chosen(args, {**kw, "v_mean": mean}, cfg)
+    check(args, {**kw, "v_mean": mean}, cfg)
+
+
 def test_few_rows_split_finer():
     """Few (batch, kv head) rows: one block per split (below ``min_programs`` programs), and
     shorter blocks (``small_block_n``) when even that leaves few programs; results unchanged."""

@@ -1357,8 +1357,13 @@ class DecodeConfig:
       every plane of its low and its high byte (:func:`_unit_planes`), two accumulators per plane.
       A 16-bit tile reaches the value MMA's operand by ``ldmatrix.trans``; a byte tile took one
       shared-memory load per byte and permutes to pair consecutive tokens (loop body of the
-      Mistral-7B shape, 2-bit: 1,456 -> 1,265 SASS instructions per 64 tokens,
+      Mistral-7B shape, 2-bit: 1,456 -> 1,281 SASS instructions per 64 tokens,
       ``scripts/compile_sm90.py``). Needs value rows of >= 32 bytes (head_dim 128 at 2 bits, 64 at 4).
+      On an H200 (``decode_sweep_units-*.json``): Mistral shape batch 8 / 32k 107.8 -> 99.6 us
+      (2-bit), 128.3 -> 113.0 us (4-bit); the Qwen shape at batch 1 2-5% slower. Not used (the
+      launcher keeps byte tiles) with two key groups per block (SmolLM2 group 32: 0.93x,
+      ``decode_units_everywhere.json``) nor with a TaDA value mean and no permutation (the mean
+      would accumulate apart: 1.18x, ``decode_fitted_units_everywhere.json``).
     - ``pdl``: launch the combine kernel as the split kernel's programmatic dependent (Hopper and
       later, triton with ``launch_pdl``; ignored elsewhere): each split program lets it launch at
       once and the combine waits on the device for the split grid, so its launch overlaps the

@@ -1888,13 +1888,13 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     # ---- arguments (dummies where a part is absent; their code is never reached)
     dummy8 = _dummy(dev, torch.uint8)
     dummy16 = _dummy(dev, torch.float16)
+    k_sub = block_n // _pow2_divisor(k_group, block_n) if k_fold else 1  # key groups per block
     if n:
         kc, ks, kz, vc, vs, vz = k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
         if k_unpack in (3, 4):  # read the code rows as int32 words: 4 packed bytes per load element
             kc, vc = kc.view(torch.int32), vc.view(torch.int32)
         # (not with two key groups per block, nor a value mean without a permutation: both measured
         # slower with units on an H200, DecodeConfig.value_units)
-        k_sub = block_n // _pow2_divisor(k_group, block_n) if k_fold else 1
         v_units = (config.value_units and v_fold and v_chunks == 1 and v_unpack in (5, 6) and d * v_bits // 8 >= 32
                    and k_sub == 1 and (v_mean is None or v_perm is not None)
                    and vc.stride(3) == 1 and vc.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in vc.stride()[:3]))
@@ -1980,7 +1980,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 K_UNPACK=k_unpack, V_UNPACK=v_unpack, BLOCK_N=block_n, FP_BLOCK=fp_block,
                 K_PERM=kp is not dummy32, V_PERM=vp is not dummy32, K_MEAN=means[0][0], V_MEAN=means[1][0],
                 MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)), V_NCH=v_chunks,
-                K_SUB=block_n // _pow2_divisor(k_group, block_n) if k_fold else 1,
+                K_SUB=k_sub,
                 GDC=config.pdl and _pdl_available(dev), V_UNITS=v_units,
                 num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config))
     return _SplitCall(bsz * h, s_tot, args, meta)

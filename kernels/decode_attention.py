@@ -65,17 +65,16 @@ Arithmetic (what keeps the per-code work small):
   split programs.
 
 Performance status (H200, ``artifacts/bench/decode_attention.md``, CUDA-graph time): Mistral-7B
-shape, 32k, batch 8: 2.28x over the fastest bf16 SDPA at 2 bits, 1.90x at 4 bits, 1.14x at 4 bits
-group 32 (``decode_groups.json``; SmolLM2 shape group 32 1.15x with two key groups per block,
-``decode_sweep_pairs-smol.json``); batch 1 GPU time 1.22-1.89x at 4k-32k on the three benchmark
-shapes (``decode_latency.json``); OTT pools cost 1.0-1.15x plain, TaDA means 2.5-3.3x (every kv
-head's program reads the shared mean and runs a full-width product with it;
-``decode_fitted.json``); PATS tier stores
-(:func:`decode_attention_parts`, one split launch per store, one combine) 1.21x plain at batch 8 /
-32k. The key products run transposed (the block's tokens are the MMA rows, the GQA group's query
-rows its N); the value products still pad the 4 query rows into 16-row MMA tiles and gather value
-codes along tokens (storing them 4 tokens per word was slower, ``probe_vlayout.json``): the kernel
-is bound by instruction issue, not by memory.
+shape, 32k, batch 8: 2.4-2.5x over the fastest bf16 SDPA at 2 bits, 2.1x at 4 bits, 1.5x at 4 bits
+group 32 (values in per-group accumulators, two key groups per block in halves); batch 1 GPU time
+1.2-2.0x at 4k-32k on the three benchmark shapes (``decode_latency.json``; the Qwen shape at 4-bit
+group 32 stays 0.85-0.98x in the grid); OTT pools cost 1.0-1.15x plain, TaDA means 2.5-3.3x
+(every kv head's program reads the shared mean and runs a full-width product with it;
+``decode_fitted.json``); PATS tier stores (:func:`decode_attention_parts`, one split launch per
+store, one combine) 1.2x plain at batch 8 / 32k. The key products run transposed (the block's
+tokens are the MMA rows, the GQA group's query rows its N); the value products take the
+transposed probabilities back as their M operand and read value codes as int16 units
+(``ldmatrix.trans``); the kernel is bound by instruction issue, not by memory.
 """
 
 from __future__ import annotations
@@ -572,21 +571,26 @@ def _scaled_pt(p_t, vs_rows, row_ok, DOT_T: tl.constexpr):
 
 
 @triton.jit
-def _v_group_product(acc, corr, pt, codes, vs_rows, vz_rows, row_ok, DOT_T: tl.constexpr, IEEE: tl.constexpr,
-                     LANES: tl.constexpr, SHIFT: tl.constexpr):
-    """One value group's codes (BLOCK_N, W) (a chunk of a plane lying in that group) into its
-    accumulator (R_PAD, W): ``acc + (p * scale)^T @ codes``, and the group's per-row correction
-    (R_PAD,) ``corr + sum_n p * zero``; LANES (codes ``1024 + c * 2**SHIFT``, the accumulator is
-    scaled by ``2**-SHIFT`` at the end) also ``- 1024 * 2**-SHIFT * sum_n (p * scale)``, from the
-    rounded ``p * scale`` the product used (one reduction per group instead of two).
-    pt (BLOCK_N, R_PAD) float32 transposed probabilities; vs_rows/vz_rows (BLOCK_N,) pointers to
-    each token's scale / zero of the group."""
-    a = _scaled_pt(pt, vs_rows, row_ok, DOT_T)  # (BLOCK_N, R_PAD)
-    t = pt * tl.load(vz_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]  # (BLOCK_N, R_PAD)
+def _v_group_product(acc, acc_hi, zacc, p_t, codes, codes_hi, vs_rows, row_ok, offs_z, G: tl.constexpr,
+                     SHIFT: tl.constexpr, DOT_T: tl.constexpr, IEEE: tl.constexpr, LANES: tl.constexpr,
+                     HI: tl.constexpr):
+    """Value group G's codes (BLOCK_N, W) (a chunk of a plane lying in that group) into its
+    accumulator (VR, W): ``acc + (p * scale) @ codes``, the scaled probabilities built from p_t
+    (VR, BLOCK_N), the products' operand already (one layout change per block, not per group);
+    HI (value units): the group's high-byte codes ``codes_hi`` into ``acc_hi`` too. LANES (codes
+    ``1024 + c * 2**SHIFT``; the accumulators are scaled by ``2**-SHIFT`` at the end): column G of
+    zacc (VR, ZW) gets ``-1024 * 2**-SHIFT * sum_n (p * scale)`` from a product of the same rounded
+    operand with a constant tile (exact), not from a reduction across the warp. vs_rows (BLOCK_N,)
+    pointers to each token's scale of the group. Returns (acc, acc_hi, zacc)."""
+    vs = tl.load(vs_rows, mask=row_ok, other=0.0).to(DOT_T)  # (BLOCK_N,)
+    a = p_t * vs[None, :]  # (VR, BLOCK_N)
+    acc = _dot(a, codes, acc, IEEE)
+    if HI:
+        acc_hi = _dot(a, codes_hi, acc_hi, IEEE)
     if LANES:
-        t = t - (1024.0 / (1 << SHIFT)) * a.to(tl.float32)
-    acc = _dot(tl.trans(a), codes, acc, IEEE)
-    return acc, corr + tl.sum(t, axis=0)
+        e = tl.where(offs_z == G, -1024.0 / (1 << SHIFT), 0.0).to(DOT_T)  # (ZW,)
+        zacc = _dot(a, tl.broadcast_to(e[None, :], (codes.shape[0], offs_z.shape[0])), zacc, IEEE)
+    return acc, acc_hi, zacc
 
 
 @triton.jit
@@ -645,8 +649,8 @@ def _merge_virtual_rows(x, w, K_SUB: tl.constexpr, R_PAD: tl.constexpr, W: tl.co
 
 @triton.jit
 def _zero_column(zacc, offs_z, G: tl.constexpr):
-    """Column G of zacc (R_PAD, ZP) as (R_PAD, 1)."""
-    return tl.sum(tl.where(offs_z[None, :] == G, zacc, 0.0), axis=1)[:, None]
+    """Column G of zacc (VR, ZW) as (VR,)."""
+    return tl.sum(tl.where(offs_z[None, :] == G, zacc, 0.0), axis=1)
 
 
 @triton.jit
@@ -740,7 +744,7 @@ def _decode_split_kernel(
     K_PERM: tl.constexpr = False, V_PERM: tl.constexpr = False, K_MEAN: tl.constexpr = 0,
     V_MEAN: tl.constexpr = 0, MASK_PACKED: tl.constexpr = True, HAS_KEEP: tl.constexpr = False,
     KEEP_BLOCK: tl.constexpr = 8, RESCALE: tl.constexpr = 8.0, V_NCH: tl.constexpr = 1, K_SUB: tl.constexpr = 1,
-    GDC: tl.constexpr = False, V_UNITS: tl.constexpr = False,
+    GDC: tl.constexpr = False, V_UNITS: tl.constexpr = False, K_HALVES: tl.constexpr = False,
 ):
     if GDC:  # programmatic dependent launch: the combine kernel may be launched now (it waits for this grid)
         tl.extra.cuda.gdc_launch_dependents()
@@ -757,10 +761,12 @@ def _decode_split_kernel(
     # value accumulators: one per plane (V_NCH 1), or, with value groups narrower than a plane
     # (fold path, V_NCH = PV / V_GROUP chunks of V_GROUP byte columns), one per value group
     # g = plane * V_NCH + chunk, each AW = PV / V_NCH channels wide; V_UNITS (values read as int16
-    # units of two code bytes): acc s the low bytes of plane s, acc 4 + s the high ones, PV / 2 wide
+    # units of two code bytes): acc g the low bytes of plane (or group) g, acc 4 + g the high ones,
+    # AW = PV / (2 V_NCH) wide
     NACC: tl.constexpr = PER_V * V_NCH
-    AW: tl.constexpr = PV // 2 if V_UNITS else PV // V_NCH
-    tl.static_assert(not (V_UNITS and ((V_NCH > 1) or (K_SUB > 1))), "value units: one value group per plane, one key group per block")
+    AW: tl.constexpr = PV // (2 * V_NCH) if V_UNITS else PV // V_NCH
+    tl.static_assert(not (V_UNITS and (K_SUB > 1)), "value units: one key group per block")
+    tl.static_assert((not V_UNITS) or (AW >= 16), "value units: >= 16 units per accumulator (tl.dot's N)")
     # virtual rows of the packed loop: with K_SUB key groups per block (per-channel keys of groups
     # shorter than a block), row v = g * R_PAD + r is query row r over the tokens of the block's key
     # group g only -- its own online softmax and accumulators, merged into row r at the end like a
@@ -823,7 +829,7 @@ def _decode_split_kernel(
         offs_av = offs_pv  # (AW,) byte column of each accumulator column within its chunk
         if V_NCH > 1:
             offs_av = tl.arange(0, AW)
-        if V_UNITS:  # column u of acc s: the low byte of unit u (byte column 2u); of acc 4 + s: 2u + 1
+        if V_UNITS:  # column u of acc g: the low byte of unit u of its chunk (byte column 2u); of acc 4 + g: 2u + 1
             offs_av = 2 * tl.arange(0, AW)
         vc0, vc1, vc2, vc3 = _plane_channels(offs_av, PV, PER_V, VP + h * D, V_PERM, V_NCH)
         vh0 = vc0
@@ -831,7 +837,7 @@ def _decode_split_kernel(
         vh2 = vc2
         vh3 = vc3
         if V_UNITS:
-            vh0, vh1, vh2, vh3 = _plane_channels(offs_av + 1, PV, PER_V, VP + h * D, V_PERM, 1)
+            vh0, vh1, vh2, vh3 = _plane_channels(offs_av + 1, PV, PER_V, VP + h * D, V_PERM, V_NCH)
         # TaDA means (input channel order, one (N, D) mean per sequence shared by the kv heads):
         # the key mean adds q . mean_n to each score; the value mean adds sum_n p_n mean_n into
         # each value plane's accumulator, read at the plane's output channels (vc*)
@@ -872,6 +878,11 @@ def _decode_split_kernel(
         acc5 = tl.zeros([VR, AW], tl.float32)
         acc6 = tl.zeros([VR, AW], tl.float32)
         acc7 = tl.zeros([VR, AW], tl.float32)
+        # value groups narrower than a plane (V_NCH > 1): column g = group g's sum_n p * zero (and,
+        # V_LANES, its 1024 term), accumulated by products (ZW: tl.dot's smallest N)
+        ZW: tl.constexpr = 16
+        offs_z = tl.arange(0, ZW)
+        zacc = tl.zeros([VR, ZW], tl.float32)
         zsum0 = tl.zeros([VR], tl.float32)  # sum_n p * zero of value accumulator s's group (fold path)
         zsum1 = zsum0
         zsum2 = zsum0
@@ -902,7 +913,28 @@ def _decode_split_kernel(
             kb = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_kw[None, :], mask=row_ok[:, None], other=0)
             scores = tl.zeros([BLOCK_N, VR], tl.float32)  # transposed: token rows
             valid2 = valid[:, None]  # (BLOCK_N, 1 | VR) tokens each virtual row sees
-            if K_FOLD & (K_SUB == 1):
+            if K_HALVES:
+                # two key groups per block, one per half: each half's codes times its own folded
+                # planes (every block starts a group), the two (HB, VR) score tiles stacked into
+                # the block's (a layout change of the small score tile, not of the codes)
+                HB: tl.constexpr = BLOCK_N // 2
+                offs_h = n0 + tl.arange(0, HB)
+                krow = (n0 // K_GROUP) * stride_ksn
+                krow_b = tl.minimum(n0 // K_GROUP + 1, (end - 1) // K_GROUP) * stride_ksn  # (past the end: masked)
+                qa0, qa1, qa2, qa3, kbias_a = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
+                                                             PK, K_BITS, DOT_T, K_LANES)
+                qb0, qb1, qb2, qb3, kbias_b = _k_fold_planes(q0, q1, q2, q3, ks_base + krow_b, kz_base + krow_b,
+                                                             offs_pk, PK, K_BITS, DOT_T, K_LANES)
+                ka = tl.load(kc_base + offs_h[:, None] * stride_kcn + offs_kw[None, :], mask=(offs_h < end)[:, None],
+                             other=0)  # (HB, PK)
+                kbb = tl.load(kc_base + (offs_h + HB)[:, None] * stride_kcn + offs_kw[None, :],
+                              mask=(offs_h + HB < end)[:, None], other=0)
+                sa = _k_fold_scores(tl.zeros([HB, VR], tl.float32), ka, qa0, qa1, qa2, qa3, kbias_a, K_BITS, DOT_T,
+                                    K_UNPACK, IEEE)
+                sb = _k_fold_scores(tl.zeros([HB, VR], tl.float32), kbb, qb0, qb1, qb2, qb3, kbias_b, K_BITS, DOT_T,
+                                    K_UNPACK, IEEE)
+                scores = tl.reshape(tl.permute(tl.join(sa, sb), (2, 0, 1)), (BLOCK_N, VR))
+            elif K_FOLD & (K_SUB == 1):
                 if ((n0 % K_GROUP) == 0) | (n0 == start):  # a new key group (blocks never straddle one)
                     krow = (n0 // K_GROUP) * stride_ksn
                     qp0, qp1, qp2, qp3, kbias = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
@@ -965,6 +997,8 @@ def _decode_split_kernel(
                     if NACC > 2:
                         acc6 = acc6 * alpha[:, None]
                         acc7 = acc7 * alpha[:, None]
+                if V_NCH > 1:
+                    zacc = zacc * alpha[:, None]
                 if V_FOLD:
                     zsum0 = zsum0 * alpha
                     zsum1 = zsum1 * alpha
@@ -990,30 +1024,57 @@ def _decode_split_kernel(
                 # value groups narrower than a plane: chunk c of the byte columns holds, in plane s,
                 # channels of group s * V_NCH + c only, so each (plane, chunk) tile folds its
                 # group's (p * scale) like a whole plane does below (4-bit: groups 0, 1 from the
-                # low nibbles, 2, 3 from the high ones; 8-bit: one group per chunk)
-                nv_ok = (offs_nv < end)[:, None]
-                vrow_ptr = vc_base + offs_nv[:, None] * stride_vcn + offs_av[None, :]  # (BLOCK_N, AW)
-                u00, u01, _, _ = _code_planes(tl.load(vrow_ptr, mask=nv_ok, other=0), V_BITS, DOT_T, V_UNPACK)
-                u10, u11, _, _ = _code_planes(tl.load(vrow_ptr + AW, mask=nv_ok, other=0), V_BITS, DOT_T, V_UNPACK)
-                # (zsum g: the group's zero term and, V_LANES, its 1024 -- asum stays 0 on this path)
-                acc0, zsum0 = _v_group_product(acc0, zsum0, pt, u00, vs_base + vrows, vz_base + vrows, row_ok, DOT_T,
-                                               IEEE, V_LANES, 0)
-                acc1, zsum1 = _v_group_product(acc1, zsum1, pt, u10, vs_base + vrows + 1, vz_base + vrows + 1, row_ok,
-                                               DOT_T, IEEE, V_LANES, (1 // V_NCH) * V_BITS)
+                # low nibbles, 2, 3 from the high ones; 8-bit: one group per chunk); V_UNITS: a chunk
+                # is AW int16 units, its low and high bytes' tiles share the group's (p * scale)
+                if V_UNITS:
+                    nv_ok = row_ok[:, None]
+                    vrow_ptr = vc_base + offs_n[:, None] * stride_vcn + tl.arange(0, AW)[None, :]  # (BLOCK_N, AW)
+                    u00, w00, u01, w01, _, _, _, _ = _unit_planes(tl.load(vrow_ptr, mask=nv_ok, other=0), V_BITS,
+                                                                  V_UNPACK)
+                    u10, w10, u11, w11, _, _, _, _ = _unit_planes(tl.load(vrow_ptr + AW, mask=nv_ok, other=0),
+                                                                  V_BITS, V_UNPACK)
+                else:
+                    nv_ok = (offs_nv < end)[:, None]
+                    vrow_ptr = vc_base + offs_nv[:, None] * stride_vcn + offs_av[None, :]  # (BLOCK_N, AW)
+                    u00, u01, _, _ = _code_planes(tl.load(vrow_ptr, mask=nv_ok, other=0), V_BITS, DOT_T, V_UNPACK)
+                    u10, u11, _, _ = _code_planes(tl.load(vrow_ptr + AW, mask=nv_ok, other=0), V_BITS, DOT_T,
+                                                  V_UNPACK)
+                    w00 = u00  # (high-byte tiles: value units only)
+                    w01 = u01
+                    w10 = u10
+                    w11 = u11
+                # the probabilities, unscaled, as the products' operand (VR, BLOCK_N); the zero points
+                # of all groups in one product: column g of zacc += sum_n p * zero_g (asum stays 0)
+                p_t = tl.trans(pt.to(DOT_T))
+                z_ok = row_ok[:, None] & (offs_z < NACC)[None, :]
+                zt = tl.load(vz_base + vrows[:, None] + offs_z[None, :], mask=z_ok, other=0.0).to(DOT_T)  # (BLOCK_N, ZW)
+                zacc = _dot(p_t, zt, zacc, IEEE)
+                acc0, acc4, zacc = _v_group_product(acc0, acc4, zacc, p_t, u00, w00, vs_base + vrows, row_ok, offs_z,
+                                                    0, 0, DOT_T, IEEE, V_LANES, V_UNITS)
+                acc1, acc5, zacc = _v_group_product(acc1, acc5, zacc, p_t, u10, w10, vs_base + vrows + 1, row_ok,
+                                                    offs_z, 1, (1 // V_NCH) * V_BITS, DOT_T, IEEE, V_LANES, V_UNITS)
                 if PER_V > 1:  # (then V_NCH == 2)
-                    acc2, zsum2 = _v_group_product(acc2, zsum2, pt, u01, vs_base + vrows + 2, vz_base + vrows + 2,
-                                                   row_ok, DOT_T, IEEE, V_LANES, V_BITS)
-                    acc3, zsum3 = _v_group_product(acc3, zsum3, pt, u11, vs_base + vrows + 3, vz_base + vrows + 3,
-                                                   row_ok, DOT_T, IEEE, V_LANES, V_BITS)
+                    acc2, acc6, zacc = _v_group_product(acc2, acc6, zacc, p_t, u01, w01, vs_base + vrows + 2, row_ok,
+                                                        offs_z, 2, V_BITS, DOT_T, IEEE, V_LANES, V_UNITS)
+                    acc3, acc7, zacc = _v_group_product(acc3, acc7, zacc, p_t, u11, w11, vs_base + vrows + 3, row_ok,
+                                                        offs_z, 3, V_BITS, DOT_T, IEEE, V_LANES, V_UNITS)
                 elif V_NCH > 2:
-                    u20, _, _, _ = _code_planes(tl.load(vrow_ptr + 2 * AW, mask=nv_ok, other=0), V_BITS, DOT_T,
-                                                V_UNPACK)
-                    u30, _, _, _ = _code_planes(tl.load(vrow_ptr + 3 * AW, mask=nv_ok, other=0), V_BITS, DOT_T,
-                                                V_UNPACK)
-                    acc2, zsum2 = _v_group_product(acc2, zsum2, pt, u20, vs_base + vrows + 2, vz_base + vrows + 2,
-                                                   row_ok, DOT_T, IEEE, V_LANES, 0)
-                    acc3, zsum3 = _v_group_product(acc3, zsum3, pt, u30, vs_base + vrows + 3, vz_base + vrows + 3,
-                                                   row_ok, DOT_T, IEEE, V_LANES, 0)
+                    if V_UNITS:
+                        u20, w20, _, _, _, _, _, _ = _unit_planes(tl.load(vrow_ptr + 2 * AW, mask=nv_ok, other=0),
+                                                                  V_BITS, V_UNPACK)
+                        u30, w30, _, _, _, _, _, _ = _unit_planes(tl.load(vrow_ptr + 3 * AW, mask=nv_ok, other=0),
+                                                                  V_BITS, V_UNPACK)
+                    else:
+                        u20, _, _, _ = _code_planes(tl.load(vrow_ptr + 2 * AW, mask=nv_ok, other=0), V_BITS, DOT_T,
+                                                    V_UNPACK)
+                        u30, _, _, _ = _code_planes(tl.load(vrow_ptr + 3 * AW, mask=nv_ok, other=0), V_BITS, DOT_T,
+                                                    V_UNPACK)
+                        w20 = u20
+                        w30 = u30
+                    acc2, acc6, zacc = _v_group_product(acc2, acc6, zacc, p_t, u20, w20, vs_base + vrows + 2, row_ok,
+                                                        offs_z, 2, 0, DOT_T, IEEE, V_LANES, V_UNITS)
+                    acc3, acc7, zacc = _v_group_product(acc3, acc7, zacc, p_t, u30, w30, vs_base + vrows + 3, row_ok,
+                                                        offs_z, 3, 0, DOT_T, IEEE, V_LANES, V_UNITS)
             elif V_FOLD:
                 if V_UNITS:  # (BLOCK_N, PV / 2) int16 units (the launcher passes an int16 view), tokens in order
                     offs_u = tl.arange(0, PV // 2)
@@ -1120,13 +1181,13 @@ def _decode_split_kernel(
             if NACC > 2:
                 acc2 = (acc2 - 1024.0 * asum2[:, None]) * (1.0 / (1 << ((2 // V_NCH) * V_BITS)))
                 acc3 = (acc3 - 1024.0 * asum3[:, None]) * (1.0 / (1 << ((3 // V_NCH) * V_BITS)))
-            if V_UNITS:  # (V_NCH == 1) the high bytes' planes, scaled as the low bytes' are
+            if V_UNITS:  # the high bytes' planes (groups), scaled as the low bytes' are
                 acc4 = acc4 - 1024.0 * asum0[:, None]
                 if NACC > 1:
-                    acc5 = (acc5 - 1024.0 * asum1[:, None]) * (1.0 / (1 << V_BITS))
+                    acc5 = (acc5 - 1024.0 * asum1[:, None]) * (1.0 / (1 << ((1 // V_NCH) * V_BITS)))
                 if NACC > 2:
-                    acc6 = (acc6 - 1024.0 * asum2[:, None]) * (1.0 / (1 << (2 * V_BITS)))
-                    acc7 = (acc7 - 1024.0 * asum3[:, None]) * (1.0 / (1 << (3 * V_BITS)))
+                    acc6 = (acc6 - 1024.0 * asum2[:, None]) * (1.0 / (1 << ((2 // V_NCH) * V_BITS)))
+                    acc7 = (acc7 - 1024.0 * asum3[:, None]) * (1.0 / (1 << ((3 // V_NCH) * V_BITS)))
         if VM_APART:
             macc += mzacc[:, None]
         elif V_MEAN == 8:  # the 8-bit means' zero points, one per token, on every channel
@@ -1137,7 +1198,12 @@ def _decode_split_kernel(
                 acc2 += mzacc[:, None]
                 acc3 += mzacc[:, None]
         if V_FOLD:  # planes of one value group share its zero sum
-            if V_NCH == 1:
+            if V_NCH > 1:
+                zsum0 = _zero_column(zacc, offs_z, 0)
+                zsum1 = _zero_column(zacc, offs_z, 1)
+                zsum2 = _zero_column(zacc, offs_z, 2)
+                zsum3 = _zero_column(zacc, offs_z, 3)
+            else:
                 if G1 == 0:
                     zsum1 = zsum0
                 if G2 == G1:
@@ -1337,8 +1403,12 @@ class DecodeConfig:
       per program it takes all 255, which caps occupancy at 8 warps per SM).
     - ``value_chunks``: value groups narrower than a plane of codes (e.g. 4-bit, head_dim 128,
       v_group 32) fold their scales per (plane, chunk of v_group byte columns) into one
-      accumulator per group (at most 4 groups per head); off: they dequantize per element (the
-      slower path, kept for comparison: ``bench_decode.py --mode groups``).
+      accumulator per group (at most 4 groups per head): the probabilities change layout once
+      per block and are scaled per group in the products' operand; each group's zero sum (and
+      lane 1024) accumulate by small products into one (rows, 16) tile, not by reductions across
+      the warp (Mistral shape, keys 128 / values 32: 2,392 -> 1,605 SASS instructions per 64
+      tokens; batch 8 / 32k 173.8 -> 130.7 us, ``decode_sweep_vg32-*-mistral.json``). Off: they
+      dequantize per element (the slower path, kept for comparison: ``bench_decode.py --mode groups``).
     - ``key_group_pairs``: per-channel key groups shorter than ``block_n`` (e.g. 32 tokens) run in
       blocks of two key groups: the query rows are doubled into virtual rows, one set per key
       group (each folded with its group's scales, seeing only its group's tokens, with its own
@@ -1352,9 +1422,10 @@ class DecodeConfig:
       batch 8 / 32k: 4-bit groups 32 / 32 211 -> 221 us, 8-bit 257 -> 285 us; only keys of 32
       with values of 128 gain, 182 -> 161 us; ``decode_sweep_pairs-b1.json``: Qwen shape (8
       padded rows) batch 1 / 128k 46 -> 57 us).
-    - ``value_units``: the lane unpack (5, 6) reads the value codes of a folded layout (one value
-      group per plane) as int16 units of two bytes, each unpacked elementwise into the codes of
-      every plane of its low and its high byte (:func:`_unit_planes`), two accumulators per plane.
+    - ``value_units``: the lane unpack (5, 6) reads the value codes of a folded layout (a plane in
+      one value group, or value groups of >= 32 channels per chunk) as int16 units of two bytes,
+      each unpacked elementwise into the codes of every plane of its low and its high byte
+      (:func:`_unit_planes`), two accumulators per plane (or value group).
       A 16-bit tile reaches the value MMA's operand by ``ldmatrix.trans``; a byte tile took one
       shared-memory load per byte and permutes to pair consecutive tokens (loop body of the
       Mistral-7B shape, 2-bit: 1,456 -> 1,281 SASS instructions per 64 tokens,
@@ -1364,6 +1435,13 @@ class DecodeConfig:
       launcher keeps byte tiles) with two key groups per block (SmolLM2 group 32: 0.93x,
       ``decode_units_everywhere.json``) nor with a TaDA value mean and no permutation (the mean
       would accumulate apart: 1.18x, ``decode_fitted_units_everywhere.json``).
+    - ``key_group_halves``: per-channel key groups of half a block (32 tokens in 64-token blocks)
+      where ``key_group_pairs`` is off: each half of a block is one key group, its codes times its
+      own folded query planes, the two score tiles stacked, so the softmax, value products and
+      loop overhead run per 64 tokens instead of per 32 (Mistral shape, groups 32 / 32: 2 x 994
+      -> 1,903 SASS instructions per 64 tokens; H200 batch 8 / 32k 194.8 -> 159.0 us, batch 1 /
+      32k 32.5 -> 28.0 us, ``decode_sweep_halves-mistral.json``). Not where a split would run one
+      block (measured slower: Mistral batch 1 / 4k 10.1 -> 11.2 us): one group per block then.
     - ``pdl``: launch the combine kernel as the split kernel's programmatic dependent (Hopper and
       later, triton with ``launch_pdl``; ignored elsewhere): each split program lets it launch at
       once and the combine waits on the device for the split grid, so its launch overlaps the
@@ -1391,6 +1469,7 @@ class DecodeConfig:
     key_group_pairs: bool | None = None
     pdl: bool = False
     value_units: bool = True
+    key_group_halves: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):
@@ -1658,7 +1737,11 @@ def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, d
         pairs = config.key_group_pairs
         if pairs is None:  # where it measured faster (DecodeConfig.key_group_pairs)
             pairs = d <= 64 and r_pad <= 4 and max(k_bits, v_bits) <= 4
-        block_n = min(config.block_n, 2 * kgb) if pairs else kgb
+        # key_group_halves: two groups per block without virtual rows, one per half of the block
+        k_halves = (not pairs) and config.key_group_halves and 2 * kgb == config.block_n
+        block_n = min(config.block_n, 2 * kgb) if (pairs or k_halves) else kgb
+    else:
+        k_halves = False
     k_fold = k_axis == "channel"
     # (not with the int32-word reads of unpack 3/4, whose columns come in words)
     v_fold, v_chunks = value_fold(d, v_bits, v_group, config.value_chunks and unpack not in (3, 4))
@@ -1671,13 +1754,19 @@ def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, d
     fp_t = tl.float32 if (fp_dtype == torch.float32 or interp) else _tl_dtype(fp_dtype)
     fp_ieee = fp_dtype == torch.float32 or interp
     fp_block = max(16, min(config.fp_block, 8192 // d))  # (FP_BLOCK, D) K and V tiles: keep them <= 8K elements
-    return (k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, v_chunks, r_pad, fp_t, fp_ieee, fp_block
+    return (k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, v_chunks, r_pad, fp_t, fp_ieee, fp_block, k_halves
 
 
 @functools.lru_cache(maxsize=None)
 def _with_block_n(config: DecodeConfig, block_n: int) -> DecodeConfig:
     """``config`` with another ``block_n`` (one object per pair: the plan cache keys on it)."""
     return replace(config, block_n=block_n)
+
+
+@functools.lru_cache(maxsize=None)
+def _without_halves(config: DecodeConfig) -> DecodeConfig:
+    """``config`` with ``key_group_halves`` off (one object per config: the plan cache keys on it)."""
+    return replace(config, key_group_halves=False)
 
 
 def _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config):
@@ -1865,7 +1954,8 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     if fp_all and any(s[0].dtype != fp_dtype for s in fp_all):
         raise ValueError("the full-precision segments (and the outlier pool) must share a dtype")
     interp = _interpreting()
-    ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, v_chunks, r_pad, fp_t, fp_ieee, fp_block) = _plan(
+    ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, v_chunks, r_pad, fp_t, fp_ieee, fp_block,
+     k_halves) = _plan(
         d, rep, k_bits, v_bits, k_group, v_group, k_axis, q.dtype, fp_dtype, dev.type, dev.index or 0,
         config, interp)
 
@@ -1879,24 +1969,33 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
         # the lane unpack is verified for the block in use (its register order depends on the
         # tile: with two warps a 64-token check passed where 32-token blocks were wrong)
         ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, v_chunks, r_pad, fp_t, fp_ieee,
-         fp_block) = _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q.dtype, fp_dtype, dev.type,
+         fp_block, k_halves) = _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q.dtype, fp_dtype, dev.type,
                            dev.index or 0, _with_block_n(config, small), interp)
     splits, split_size, chunks, s_tot = _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config)
+    if k_halves and splits and split_size <= block_n:
+        # one block per split: two key groups per block only halve the blocks a split pipelines
+        # (Mistral shape batch 1 / 4k 10.1 -> 11.2 us on an H200): one group per block then
+        ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, v_chunks, r_pad, fp_t, fp_ieee,
+         fp_block, k_halves) = _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q.dtype, fp_dtype, dev.type,
+                                     dev.index or 0, _without_halves(config), interp)
+        splits, split_size, chunks, s_tot = _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config)
     if s_tot == 0:
         return None
 
     # ---- arguments (dummies where a part is absent; their code is never reached)
     dummy8 = _dummy(dev, torch.uint8)
     dummy16 = _dummy(dev, torch.float16)
-    k_sub = block_n // _pow2_divisor(k_group, block_n) if k_fold else 1  # key groups per block
+    # key groups per block as virtual row sets (1 with key_group_halves: two groups, one per half)
+    k_sub = block_n // _pow2_divisor(k_group, block_n) if (k_fold and not k_halves) else 1
     if n:
         kc, ks, kz, vc, vs, vz = k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
         if k_unpack in (3, 4):  # read the code rows as int32 words: 4 packed bytes per load element
             kc, vc = kc.view(torch.int32), vc.view(torch.int32)
         # (not with two key groups per block, nor a value mean without a permutation: both measured
         # slower with units on an H200, DecodeConfig.value_units)
-        v_units = (config.value_units and v_fold and v_chunks == 1 and v_unpack in (5, 6) and d * v_bits // 8 >= 32
-                   and k_sub == 1 and (v_mean is None or v_perm is not None)
+        # (>= 16 units per value group's tile: tl.dot's N; a value mean with chunks accumulates apart anyway)
+        v_units = (config.value_units and v_fold and v_unpack in (5, 6) and d * v_bits // 8 >= 32 * v_chunks
+                   and k_sub == 1 and (v_mean is None or v_perm is not None or v_chunks > 1)
                    and vc.stride(3) == 1 and vc.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in vc.stride()[:3]))
         if v_units:  # value code rows as int16 units of two bytes (DecodeConfig.value_units)
             vc = vc.view(torch.int16)
@@ -1981,7 +2080,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 K_PERM=kp is not dummy32, V_PERM=vp is not dummy32, K_MEAN=means[0][0], V_MEAN=means[1][0],
                 MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)), V_NCH=v_chunks,
                 K_SUB=k_sub,
-                GDC=config.pdl and _pdl_available(dev), V_UNITS=v_units,
+                GDC=config.pdl and _pdl_available(dev), V_UNITS=v_units, K_HALVES=k_halves,
                 num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config))
     return _SplitCall(bsz * h, s_tot, args, meta)
 

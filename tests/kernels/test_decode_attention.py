@@ -123,7 +123,10 @@ def _v_units_chosen(args, kw, config) -> bool:
     dict(d=128, v_bits=2, v_group=128), dict(d=128, v_bits=4, v_group=128), dict(d=128, v_bits=8, v_group=128),
     dict(d=64, v_bits=4, v_group=64), dict(d=64, v_bits=8, v_group=64, spare=3),
     dict(d=128, v_bits=2, v_group=128, perm=True), dict(d=128, v_bits=4, v_group=128, perm=True, mean=8),
-], ids=["d128-2b", "d128-4b", "d128-8b", "d64-4b", "d64-8b-views", "d128-2b-perm", "d128-4b-perm-mean8"])
+    dict(d=128, v_bits=4, v_group=32), dict(d=128, v_bits=8, v_group=32), dict(d=128, v_bits=8, v_group=64),
+    dict(d=128, v_bits=4, v_group=32, perm=True, mean=8), dict(d=128, v_bits=4, v_group=32, mean=16, spare=2),
+], ids=["d128-2b", "d128-4b", "d128-8b", "d64-4b", "d64-8b-views", "d128-2b-perm", "d128-4b-perm-mean8",
+        "d128-4b-g32", "d128-8b-g32", "d128-8b-g64", "d128-4b-g32-perm-mean8", "d128-4b-g32-mean16-views"])
 def test_value_units_match_byte_tiles(case):
     """Value codes read as int16 units (two bytes each, unpacked elementwise into both bytes'
     planes, two accumulators per plane) give the byte-tile result and pass the tolerance rule;
@@ -135,7 +138,9 @@ def test_value_units_match_byte_tiles(case):
     g = torch.Generator().manual_seed(5)
     if perm:
         kw["v_perm"] = torch.stack([torch.randperm(d, generator=g) for _ in range(2)]).to(DEVICE)
-    if mean:
+    if mean == 16:
+        kw["v_mean"] = torch.randn(2, 1, 80, d, generator=g).half().to(DEVICE)
+    elif mean:
         vm = torch.randn(2, 1, 80, d, generator=g)
         lo, hi = vm.amin(-1, keepdim=True), vm.amax(-1, keepdim=True)
         scale = ((hi - lo) / 255).half()
@@ -149,14 +154,18 @@ def test_value_units_match_byte_tiles(case):
 
 
 def test_value_units_where_they_apply():
-    """Byte tiles stay for rows of fewer than 32 code bytes (2-bit head_dim 64), value groups
-    narrower than a plane, two key groups per block, and a value mean without a permutation
-    (the last two measured slower with units); the launcher never combines what the kernel refuses."""
+    """Byte tiles stay for rows of fewer than 32 code bytes (2-bit head_dim 64), value groups of
+    fewer than 32 channels (16 units: tl.dot's smallest N), two key groups per block, and a value
+    mean without a permutation on a whole-plane layout (the last two measured slower with units);
+    the launcher never combines what the kernel refuses."""
     cfg = replace(SMALL, unpack=6)
     args, kw = make_case(d=64, v_bits=2, v_group=64, dtype=torch.float16)
     assert not _v_units_chosen(args, kw, cfg)
     args, kw = make_case(d=128, v_bits=4, v_group=32, dtype=torch.float16)
-    assert not _v_units_chosen(args, kw, cfg)
+    assert _v_units_chosen(args, kw, cfg)  # value groups narrower than a plane: units per group
+    args, kw = make_case(d=64, v_bits=4, v_group=16, dtype=torch.float16)
+    assert not _v_units_chosen(args, kw, cfg)  # 8 units per group
+    check(args, kw, cfg)
     args, kw = make_case(d=64, v_bits=4, v_group=64, dtype=torch.float16)
     assert _v_units_chosen(args, kw, cfg)
     pairs = replace(cfg, block_n=32, key_group_pairs=True)  # two key groups of 16 per block
@@ -179,7 +188,7 @@ def test_few_rows_split_finer():
     args, kw = make_case(b=1, h=2, n=96, k_group=32, v_group=32, k_bits=2, v_bits=4, f=(2, 5))
     check(args, kw, da.DecodeConfig(small_block_n=16, min_programs=10_000))  # 32-token blocks -> 16
     # 8-bit blocks cost more: shorter blocks below min_programs programs, not half of it
-    cfg = da.DecodeConfig(small_block_n=16, min_programs=40, key_group_pairs=False)
+    cfg = da.DecodeConfig(small_block_n=16, min_programs=40, key_group_pairs=False, key_group_halves=False)
     for bits, want in ((2, 32), (8, 16)):  # 1 x 2 heads x 12 blocks of 32 tokens = 24 programs
         args, kw = make_case(b=1, h=2, n=384, k_group=32, v_group=32, k_bits=bits, v_bits=bits, f=(2, 5))
         call = da._prepare(da._check_q(args[0]), *args[1:], **kw, softcap=None, packed_start=None,
@@ -287,21 +296,50 @@ def test_key_groups_shorter_than_a_block_run_in_pairs(k_bits, v_bits):
     plan = da._plan(64, 4, k_bits, v_bits, 16, 32, "channel", torch.float16, torch.float16, "cpu", 0, cfg, True)
     assert plan[3] == 32  # block_n: two 16-token key groups per block
     assert da._plan(64, 4, k_bits, v_bits, 16, 32, "channel", torch.float16, torch.float16, "cpu", 0,
-                    replace(cfg, key_group_pairs=False), True)[3] == 16
+                    replace(cfg, key_group_pairs=False, key_group_halves=False), True)[3] == 16
     args, kw = make_case(k_bits=k_bits, v_bits=v_bits, k_group=16, n=80, dtype=torch.float16, f=(2, 5))
     mask = torch.ones(2, 87, dtype=torch.bool)
     mask[1, 30:41] = False
     kw = {**kw, "packed_start": torch.tensor([0, 7], device=DEVICE), "packed_end": torch.tensor([80, 55], device=DEVICE),
           "mask": mask.to(DEVICE)}
     pairs = check(args, kw, cfg)
-    single = check(args, kw, replace(cfg, key_group_pairs=False))
+    single = check(args, kw, replace(cfg, key_group_pairs=False, key_group_halves=False))
     assert float((pairs - single).abs().max()) < 5e-3
+
+
+@pytest.mark.parametrize("k_bits,v_bits,v_group", [(2, 2, 32), (4, 4, 16), (8, 4, 64)], ids=str)
+def test_key_groups_shorter_than_a_block_run_in_halves(k_bits, v_bits, v_group):
+    """key_group_halves: two per-channel key groups per block, one per half, each half's codes
+    times its own folded query planes (no virtual rows): within the tolerance and near blocks of
+    one group, on ragged ranges, a mask, splits, and a length whose last block has an empty
+    second half (its parameter row is past the end: clamped, the half masked)."""
+    cfg = da.DecodeConfig(block_n=32, fp_block=16, key_group_pairs=False, num_splits=3)
+    plan = da._plan(64, 4, k_bits, v_bits, 16, v_group, "channel", torch.float16, torch.float16, "cpu", 0, cfg, True)
+    assert plan[3] == 32 and plan[-1]  # block_n, k_halves
+    single_cfg = replace(cfg, key_group_halves=False)
+    assert da._plan(64, 4, k_bits, v_bits, 16, v_group, "channel", torch.float16, torch.float16, "cpu", 0,
+                    single_cfg, True)[3] == 16
+    args, kw = make_case(k_bits=k_bits, v_bits=v_bits, k_group=16, v_group=v_group, n=80, dtype=torch.float16)
+    mask = torch.ones(2, 87, dtype=torch.bool)
+    mask[1, 30:41] = False
+    kw = {**kw, "packed_start": torch.tensor([0, 7], device=DEVICE), "packed_end": torch.tensor([80, 55], device=DEVICE),
+          "mask": mask.to(DEVICE)}
+    halves = check(args, kw, cfg)
+    single = check(args, kw, single_cfg)
+    assert float((halves - single).abs().max()) < 5e-3
+    args, kw = make_case(k_bits=k_bits, v_bits=v_bits, k_group=16, v_group=v_group, n=48, dtype=torch.float16,
+                         rep=3)  # 1.5 blocks: the last block's second half is past the end
+    check(args, kw, replace(cfg, num_splits=1))
+    part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
+    assert da._prepare(args[0], **part, config=replace(cfg, num_splits=1)).meta["K_HALVES"]
+    # one block per split: one key group per block (halves only cut the blocks a split pipelines)
+    assert not da._prepare(args[0], **part, config=replace(cfg, num_splits=2)).meta["K_HALVES"]
 
 
 def test_key_group_pairs_default_rule():
     """key_group_pairs=None (default) pairs 32-token key groups only where it measured faster:
     head_dim <= 64, <= 4 padded query rows, <= 4 bits."""
-    cfg = da.DecodeConfig()
+    cfg = da.DecodeConfig(key_group_halves=False)
 
     def block_n(d, rep, bits, k_group=32):
         return da._plan(d, rep, bits, bits, k_group, 32, "channel", torch.float16, torch.float16, "cpu", 0, cfg,
@@ -309,6 +347,11 @@ def test_key_group_pairs_default_rule():
     assert block_n(64, 3, 4) == 64 and block_n(64, 4, 2) == 64  # SmolLM2-like: two key groups per block
     assert block_n(128, 4, 4) == 32 and block_n(64, 6, 4) == 32 and block_n(64, 3, 8) == 32
     assert block_n(64, 3, 4, k_group=128) == 64 and block_n(64, 3, 4, k_group=16) == 32
+    cfg = da.DecodeConfig()  # elsewhere two groups run in the halves of a block (key_group_halves)
+    plan = da._plan(128, 4, 4, 4, 32, 32, "channel", torch.float16, torch.float16, "cpu", 0, cfg, True)
+    assert plan[3] == 64 and plan[-1]
+    assert block_n(64, 3, 4) == 64 and not da._plan(64, 3, 4, 4, 32, 32, "channel", torch.float16, torch.float16,
+                                                    "cpu", 0, cfg, True)[-1]  # pairs where they apply
 
 
 @pytest.mark.parametrize("unpack", [1, 6], ids=lambda u: f"unpack{u}")

@@ -1209,10 +1209,29 @@ NOTES = """
    batch 8 / 4k 4-bit (10.3 -> 11.0 us in the grid). Off where units measured slower: two key
    groups per block (SmolLM2 group 32: 0.93x, `decode_units_everywhere.json`) and a TaDA value
    mean without a permutation (mean8 302 -> 355 us, `decode_fitted_units_everywhere.json`).
+13. Group 32 at head_dim 128 (4-bit, the KIVI presets' and `kvcalib export`'s default group).
+   Values: the group accumulators read int16 units too (a chunk of a row is whole units), the
+   probabilities take their one layout change per block (not one per group) and are scaled per
+   group in the products' operand (float16), and each group's zero sum and lane 1024 come from
+   small products (a zero-point tile, a constant tile) into one accumulator instead of two
+   reductions across the warp per group: loop body (Mistral shape, keys 128 / values 32, 64
+   tokens) 2,392 -> 1,605 SASS instructions. Keys (`key_group_halves`): a 64-token block holds
+   two 32-token key groups, one per half, each half's codes times its own folded query planes,
+   the two score tiles stacked (instead of 32-token blocks): 2 x 994 -> 1,903 per 64 tokens;
+   off where a split would run a single block (Mistral batch 1 / 4k 10.1 -> 11.2 us with it).
+   CUDA-graph time, old code vs new in one run (`decode_sweep_vg32-old-*.json` ran the previous
+   commit's kernels, `decode_sweep_vg32-new-*.json` this value path, `decode_sweep_halves-*.json`
+   the key halves on and off): Mistral batch 8 / 32k groups 32 / 32 216.7 -> 197.7 (values) ->
+   159.0 us (keys; 194.8 without), keys 128 / values 32 173.8 -> 130.7 us, batch 1 / 32k 35.4 ->
+   28.0 us. In the grid: Mistral group 32 1.14x -> 1.50x of bf16 at batch 8 / 32k, 1.16x -> 1.53x at
+   batch 32 / 128k; Qwen batch 8 and 32 at >= 16k 1.04-1.10x -> 1.29-1.40x. Not helped: the Qwen
+   shape at batch 1 (2 kv heads, a few blocks per program: 4k 0.98x unchanged, 16k 0.93x -> 0.85x,
+   32k 0.93x -> 0.90x in the grid; the A/B sweeps put those within +-0.6 us either way) and
+   SmolLM2 (pairs, value planes of one group: unchanged).
 
 ## Why the 5x / 3x targets are missed
 
-At 2.46x (graph time) the kernel moves ~1.56 TB/s, 0.37 of the 4.3 TB/s copy bandwidth: it is
+At 2.38x (graph time, this grid; 2.46x in the previous run of the same code path) the kernel moves ~1.56 TB/s, 0.37 of the 4.3 TB/s copy bandwidth: it is
 bound by instruction issue and latency, not memory. A 64-token block of one kv head costs one warp
 ~1,280 instructions (`scripts/compile_sm90.py`): the unpack's 256 LOP3 (one per pair of codes,
 the floor with 16-bit lanes) and ~130 PRMT, 96 HMMA (64 of them the value products, whose 4 query
@@ -1229,10 +1248,10 @@ there.
 Small shapes (batch 1, short context, the small models) are additionally host-bound: ~150 us of
 Python + two Triton launches per call vs a GPU time of 6-25 us (see the latency table); CUDA-graph
 capture of the decode step removes that (`GraphDecoder`, `e2e.md`).
-Group 32 (4-bit) costs 1.6x group 128 at batch 8 / 32k: 32-token key groups mean 32-token blocks
-(a key fold per block and the softmax bookkeeping twice as often), and four value groups per head
-four scaled-probability tiles and reductions per block instead of one; the grid's group-32 rows
-run at 0.84-1.15x of bf16 (Mistral, Qwen shapes), against a byte ratio of ~3.2x.
+Group 32 (4-bit) costs 1.4x group 128 at batch 8 / 32k (step 13): two key folds per 64-token
+block instead of one every other block, and four value groups per head four scaled operands and
+accumulators per block instead of one; the grid's group-32 rows run at 0.85-1.53x of bf16
+(Mistral, Qwen shapes; the low end Qwen at batch 1), against a byte ratio of ~3.2x.
 """
 
 

@@ -648,9 +648,15 @@ def _merge_virtual_rows(x, w, K_SUB: tl.constexpr, R_PAD: tl.constexpr, W: tl.co
 
 
 @triton.jit
+def _column(x, offs_z, G: tl.constexpr):
+    """Column G of x (rows, ZW) as (rows,)."""
+    return tl.sum(tl.where(offs_z[None, :] == G, x, 0.0), axis=1)
+
+
+@triton.jit
 def _zero_column(zacc, offs_z, G: tl.constexpr):
-    """Column G of zacc (VR, ZW) as (VR,)."""
-    return tl.sum(tl.where(offs_z[None, :] == G, zacc, 0.0), axis=1)
+    """Column G of zacc (R_PAD, ZP) as (R_PAD, 1)."""
+    return _column(zacc, offs_z, G)[:, None]
 
 
 @triton.jit
@@ -1199,10 +1205,10 @@ def _decode_split_kernel(
                 acc3 += mzacc[:, None]
         if V_FOLD:  # planes of one value group share its zero sum
             if V_NCH > 1:
-                zsum0 = _zero_column(zacc, offs_z, 0)
-                zsum1 = _zero_column(zacc, offs_z, 1)
-                zsum2 = _zero_column(zacc, offs_z, 2)
-                zsum3 = _zero_column(zacc, offs_z, 3)
+                zsum0 = _column(zacc, offs_z, 0)
+                zsum1 = _column(zacc, offs_z, 1)
+                zsum2 = _column(zacc, offs_z, 2)
+                zsum3 = _column(zacc, offs_z, 3)
             else:
                 if G1 == 0:
                     zsum1 = zsum0

@@ -916,7 +916,8 @@ def _decode_split_kernel(
                 kbyte = tl.load(keep_base + (offs_n // KEEP_BLOCK) * KEEP_BYTES + in_blk // 8, mask=row_ok, other=0)
                 valid = valid & (((kbyte.to(tl.int32) >> (in_blk % 8)) & 1) != 0)
             # ---- scores: all key planes from one (BLOCK_N, PK) byte tile
-            kb = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_kw[None, :], mask=row_ok[:, None], other=0)
+            if not K_HALVES:  # (halves load their own (BLOCK_N / 2, PK) tiles below)
+                kb = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_kw[None, :], mask=row_ok[:, None], other=0)
             scores = tl.zeros([BLOCK_N, VR], tl.float32)  # transposed: token rows
             valid2 = valid[:, None]  # (BLOCK_N, 1 | VR) tokens each virtual row sees
             if K_HALVES:

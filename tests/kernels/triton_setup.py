@@ -16,6 +16,41 @@ def _jit_types(module) -> set[str]:
     return {type(v).__name__ for v in vars(module).values() if type(v).__name__ in ("JITFunction", "InterpretedFunction")}
 
 
+# CPython (3.11+) keeps frames on a per-thread "data stack" of 16 KiB chunks, mmapping a chunk when
+# a call does not fit and unmapping it as soon as that call returns. The interpreter runs a kernel
+# as one Python call with a deep tree of short calls under it (each tl op); where that tree sits
+# across a chunk boundary, every op maps and unmaps a chunk. Which side it lands on depends on the
+# caller's stack depth, so it came and went with unrelated edits (session 15: a kernel that gained
+# a few locals took test_graph_decode.py from 200 s to 519 s, 38 s of it in mmap/munmap).
+# Launching each grid from a frame larger than a chunk puts it at the start of a fresh 128 KiB
+# chunk (sizes double from 16 KiB), with the op tree always inside it.
+_FRAME_LOCALS = 9000  # x 8 bytes = 72 KiB: the chunk rounds up to 128 KiB, ~56 KiB left for the kernel
+_WIDE_FRAME_SRC = (
+    "def _call_in_wide_frame(call, args, kwargs):\n"
+    "    if call is None:  # never true: the names below only size the frame\n"
+    "        " + " = ".join(f"_{i}" for i in range(_FRAME_LOCALS)) + " = None\n"
+    "    return call(*args, **kwargs)\n")
+
+
+def _launch_grids_in_fresh_stack_chunks() -> None:
+    """Wrap the interpreter's grid launch (``GridExecutor.__call__``) in a frame wider than a
+    data-stack chunk (see above); once per process, and not where triton lacks that class."""
+    interpreter = importlib.import_module("triton.runtime.interpreter")
+    executor = getattr(interpreter, "GridExecutor", None)
+    if executor is None or getattr(executor.__call__, "_kvcalib_wide_frame", False):
+        return
+    namespace: dict = {}
+    exec(compile(_WIDE_FRAME_SRC, "<kvcalib wide frame>", "exec"), namespace)
+    call_in_wide_frame = namespace["_call_in_wide_frame"]
+    launch = executor.__call__
+
+    def launch_in_wide_frame(self, *args, **kwargs):
+        return call_in_wide_frame(launch, (self, *args), kwargs)
+
+    launch_in_wide_frame._kvcalib_wide_frame = True
+    executor.__call__ = launch_in_wide_frame
+
+
 def kernel_modules(*names: str):
     """``(device, interpreting, modules)``: "cuda" or "cpu", whether the interpreter runs the
     kernels, and the modules ``names`` (in dependency order), reloaded under the interpreter when
@@ -28,6 +63,8 @@ def kernel_modules(*names: str):
     pytest.importorskip("triton")
     if not has_cuda and not interpreting:
         pytest.skip("no CUDA and TRITON_INTERPRET=0: Triton kernels cannot run here", allow_module_level=True)
+    if interpreting:
+        _launch_grids_in_fresh_stack_chunks()
     modules = [importlib.import_module(n) for n in names]
     if interpreting and any("JITFunction" in _jit_types(m) for m in modules):
         modules = [importlib.reload(m) for m in modules]  # imported earlier without the interpreter

@@ -582,15 +582,61 @@ def _v_group_product(acc, acc_hi, zacc, p_t, codes, codes_hi, vs_rows, row_ok, o
     zacc (VR, ZW) gets ``-1024 * 2**-SHIFT * sum_n (p * scale)`` from a product of the same rounded
     operand with a constant tile (exact), not from a reduction across the warp. vs_rows (BLOCK_N,)
     pointers to each token's scale of the group. Returns (acc, acc_hi, zacc)."""
+    return _v_scaled_product(acc, acc_hi, zacc, _p_times_scale(p_t, vs_rows, row_ok, DOT_T), codes, codes_hi,
+                             offs_z, G, SHIFT, DOT_T, IEEE, LANES, HI)
+
+
+@triton.jit
+def _p_times_scale(p_t, vs_rows, row_ok, DOT_T: tl.constexpr):
+    """``p * scale`` (VR, BLOCK_N) of one value group in the products' operand type, scaled there:
+    p_t (VR, BLOCK_N) DOT_T, vs_rows (BLOCK_N,) pointers to each token's scale of the group."""
     vs = tl.load(vs_rows, mask=row_ok, other=0.0).to(DOT_T)  # (BLOCK_N,)
-    a = p_t * vs[None, :]  # (VR, BLOCK_N)
+    return p_t * vs[None, :]
+
+
+@triton.jit
+def _v_scaled_product(acc, acc_hi, zacc, a, codes, codes_hi, offs_z, COL: tl.constexpr, SHIFT: tl.constexpr,
+                      DOT_T: tl.constexpr, IEEE: tl.constexpr, LANES: tl.constexpr, HI: tl.constexpr):
+    """``acc + a @ codes`` for a (VR, BLOCK_N) = p * scale (see :func:`_v_group_product`), HI:
+    ``acc_hi + a @ codes_hi``; LANES: column COL of zacc (VR, ZW) += ``-1024 * 2**-SHIFT * sum_n a``
+    by a product with a constant tile. Returns (acc, acc_hi, zacc)."""
     acc = _dot(a, codes, acc, IEEE)
     if HI:
         acc_hi = _dot(a, codes_hi, acc_hi, IEEE)
     if LANES:
-        e = tl.where(offs_z == G, -1024.0 / (1 << SHIFT), 0.0).to(DOT_T)  # (ZW,)
+        e = tl.where(offs_z == COL, -1024.0 / (1 << SHIFT), 0.0).to(DOT_T)  # (ZW,)
         zacc = _dot(a, tl.broadcast_to(e[None, :], (codes.shape[0], offs_z.shape[0])), zacc, IEEE)
     return acc, acc_hi, zacc
+
+
+@triton.jit
+def _lane_tile(offs_z, G: tl.constexpr, PV: tl.constexpr, V_GROUP: tl.constexpr, V_BITS: tl.constexpr,
+               PLANES: tl.constexpr, BLOCK_N: tl.constexpr, DOT_T: tl.constexpr):
+    """The constant (BLOCK_N, ZW) tile whose product with value group G's ``p * scale`` puts each
+    of its planes' 1024 terms into zacc: column 4 + s holds ``-1024 * 2**-(s * V_BITS)`` for the
+    planes s (< PLANES) lying in group G (``(s * PV) // V_GROUP == G``), 0 elsewhere."""
+    s = offs_z - 4  # (ZW,) plane of each column
+    on = (s >= 0) & (s < PLANES) & ((s * PV) // V_GROUP == G)
+    e = tl.where(on, -1024.0 * tl.exp2(-(s * V_BITS).to(tl.float32)), 0.0).to(DOT_T)  # (ZW,)
+    return tl.broadcast_to(e[None, :], (BLOCK_N, offs_z.shape[0]))
+
+
+@triton.jit
+def _group_operand(prev, p_t, zsum, zacc, pt, vs_rows, vz_rows, row_ok, offs_z, G: tl.constexpr, G_PREV: tl.constexpr,
+                   PV: tl.constexpr, V_GROUP: tl.constexpr, V_BITS: tl.constexpr, PLANES: tl.constexpr,
+                   DOT_T: tl.constexpr, IEEE: tl.constexpr, LANES: tl.constexpr):
+    """A folded value plane's ``p * scale`` operand (VR, BLOCK_N): the previous plane's ``prev``
+    where both lie in group G, else built from p_t (VR, BLOCK_N) with group G's scales, its zero
+    sum ``zsum + sum_n p * zero`` (a reduction of pt (BLOCK_N, VR)) and, LANES, its planes' 1024
+    terms into zacc by one product with :func:`_lane_tile`. vs_rows, vz_rows (BLOCK_N,) pointers
+    to each token's scale and zero of group G. Returns (operand, zsum, zacc)."""
+    b = prev
+    if G != G_PREV:
+        b = _p_times_scale(p_t, vs_rows, row_ok, DOT_T)
+        zsum += tl.sum(pt * tl.load(vz_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None], axis=0)
+        if LANES:
+            zacc = _dot(b, _lane_tile(offs_z, G, PV, V_GROUP, V_BITS, PLANES, pt.shape[0], DOT_T), zacc, IEEE)
+    return b, zsum, zacc
 
 
 @triton.jit
@@ -751,6 +797,7 @@ def _decode_split_kernel(
     V_MEAN: tl.constexpr = 0, MASK_PACKED: tl.constexpr = True, HAS_KEEP: tl.constexpr = False,
     KEEP_BLOCK: tl.constexpr = 8, RESCALE: tl.constexpr = 8.0, V_NCH: tl.constexpr = 1, K_SUB: tl.constexpr = 1,
     GDC: tl.constexpr = False, V_UNITS: tl.constexpr = False, K_HALVES: tl.constexpr = False,
+    V_SUM_DOTS: tl.constexpr = False,
 ):
     if GDC:  # programmatic dependent launch: the combine kernel may be launched now (it waits for this grid)
         tl.extra.cuda.gdc_launch_dependents()
@@ -805,6 +852,10 @@ def _decode_split_kernel(
         G1: tl.constexpr = PV // V_GROUP  # value group of plane 1, 2, 3 (fold path: a plane lies in one)
         G2: tl.constexpr = (2 * PV) // V_GROUP
         G3: tl.constexpr = (3 * PV) // V_GROUP
+        # zacc (below) holds per-group sums: value-group accumulators, or the planes' lane terms
+        # (V_SUM_DOTS) of a folded layout
+        V_PLANE_LANES: tl.constexpr = V_FOLD & V_SUM_DOTS & V_LANES & (V_NCH == 1)
+        V_ZACC: tl.constexpr = (V_NCH > 1) | V_PLANE_LANES
         lo = 0
         hi = N
         if HAS_RANGE:
@@ -1004,7 +1055,7 @@ def _decode_split_kernel(
                     if NACC > 2:
                         acc6 = acc6 * alpha[:, None]
                         acc7 = acc7 * alpha[:, None]
-                if V_NCH > 1:
+                if V_ZACC:
                     zacc = zacc * alpha[:, None]
                 if V_FOLD:
                     zsum0 = zsum0 * alpha
@@ -1092,57 +1143,93 @@ def _decode_split_kernel(
                     vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_vw[None, :],
                                  mask=(offs_nv < end)[:, None], other=0)
                     vcode0, vcode1, vcode2, vcode3 = _code_planes(vb, V_BITS, DOT_T, V_UNPACK)  # (BLOCK_N, PV) each
-                # plane s lies in value group (s * PV) // V_GROUP: (p * scale) is built once per group,
-                # and so is sum_n p * zero (added to every channel of the plane at the end);
-                # V_LANES: the plane's codes are 1024 + c * 2**shift, sum(p * scale) takes the 1024 out
-                a0 = _scaled_pt(pt, vs_base + vrows, row_ok, DOT_T)  # (BLOCK_N, VR)
-                zsum0 += tl.sum(pt * tl.load(vz_base + vrows, mask=row_ok, other=0.0).to(tl.float32)[:, None], axis=0)
-                acc0 = _dot(tl.trans(a0), vcode0, acc0, IEEE)
-                if V_UNITS:
-                    acc4 = _dot(tl.trans(a0), vhi0, acc4, IEEE)
-                if V_LANES:
-                    sa0 = tl.sum(a0.to(tl.float32), axis=0)
-                    asum0 += sa0
-                if PER_V > 1:
-                    a1 = a0
-                    if G1 != 0:
-                        a1 = _scaled_pt(pt, vs_base + vrows + G1, row_ok, DOT_T)
-                        zsum1 += tl.sum(pt * tl.load(vz_base + vrows + G1, mask=row_ok, other=0.0).to(tl.float32)[:, None],
-                                        axis=0)
-                    acc1 = _dot(tl.trans(a1), vcode1, acc1, IEEE)
+                    vhi0 = vcode0  # (high-byte tiles: value units only)
+                    vhi1 = vcode1
+                    vhi2 = vcode2
+                    vhi3 = vcode3
+                if V_SUM_DOTS:
+                    # plane s lies in value group Gs = (s * PV) // V_GROUP: the probabilities change
+                    # layout once and (p * scale) is built once per group, in the products' operand;
+                    # V_LANES: column 4 + s of zacc gets plane s's 1024 term from one product per
+                    # group with a constant tile (_lane_tile), not from a reduction of p * scale.
+                    # Each group's sum_n p * zero stays a reduction of p (one per group): as a
+                    # product with a (BLOCK_N, 16) zero-point tile it took as many instructions
+                    # (Mistral shape, groups 128: 2-bit 1,231 vs 1,227, 4-bit 1,352 vs 1,339 per 64 tokens)
+                    p_t = tl.trans(pt.to(DOT_T))  # (VR, BLOCK_N)
+                    b0, zsum0, zacc = _group_operand(p_t, p_t, zsum0, zacc, pt, vs_base + vrows, vz_base + vrows,
+                                                     row_ok, offs_z, 0, -1, PV, V_GROUP, V_BITS, PER_V, DOT_T, IEEE,
+                                                     V_LANES)  # (VR, BLOCK_N)
+                    acc0, acc4, zacc = _v_scaled_product(acc0, acc4, zacc, b0, vcode0, vhi0, offs_z, 4, 0, DOT_T, IEEE,
+                                                         False, V_UNITS)
+                    if PER_V > 1:
+                        b1, zsum1, zacc = _group_operand(b0, p_t, zsum1, zacc, pt, vs_base + vrows + G1,
+                                                         vz_base + vrows + G1, row_ok, offs_z, G1, 0, PV, V_GROUP,
+                                                         V_BITS, PER_V, DOT_T, IEEE, V_LANES)
+                        acc1, acc5, zacc = _v_scaled_product(acc1, acc5, zacc, b1, vcode1, vhi1, offs_z, 5, V_BITS,
+                                                             DOT_T, IEEE, False, V_UNITS)
+                    if PER_V > 2:
+                        b2, zsum2, zacc = _group_operand(b1, p_t, zsum2, zacc, pt, vs_base + vrows + G2,
+                                                         vz_base + vrows + G2, row_ok, offs_z, G2, G1, PV, V_GROUP,
+                                                         V_BITS, PER_V, DOT_T, IEEE, V_LANES)
+                        acc2, acc6, zacc = _v_scaled_product(acc2, acc6, zacc, b2, vcode2, vhi2, offs_z, 6, 2 * V_BITS,
+                                                             DOT_T, IEEE, False, V_UNITS)
+                        b3, zsum3, zacc = _group_operand(b2, p_t, zsum3, zacc, pt, vs_base + vrows + G3,
+                                                         vz_base + vrows + G3, row_ok, offs_z, G3, G2, PV, V_GROUP,
+                                                         V_BITS, PER_V, DOT_T, IEEE, V_LANES)
+                        acc3, acc7, zacc = _v_scaled_product(acc3, acc7, zacc, b3, vcode3, vhi3, offs_z, 7, 3 * V_BITS,
+                                                             DOT_T, IEEE, False, V_UNITS)
+                else:
+                    # plane s lies in value group (s * PV) // V_GROUP: (p * scale) is built once per group,
+                    # and so is sum_n p * zero (added to every channel of the plane at the end);
+                    # V_LANES: the plane's codes are 1024 + c * 2**shift, sum(p * scale) takes the 1024 out
+                    a0 = _scaled_pt(pt, vs_base + vrows, row_ok, DOT_T)  # (BLOCK_N, VR)
+                    zsum0 += tl.sum(pt * tl.load(vz_base + vrows, mask=row_ok, other=0.0).to(tl.float32)[:, None], axis=0)
+                    acc0 = _dot(tl.trans(a0), vcode0, acc0, IEEE)
                     if V_UNITS:
-                        acc5 = _dot(tl.trans(a1), vhi1, acc5, IEEE)
+                        acc4 = _dot(tl.trans(a0), vhi0, acc4, IEEE)
                     if V_LANES:
-                        sa1 = sa0
+                        sa0 = tl.sum(a0.to(tl.float32), axis=0)
+                        asum0 += sa0
+                    if PER_V > 1:
+                        a1 = a0
                         if G1 != 0:
-                            sa1 = tl.sum(a1.to(tl.float32), axis=0)
-                        asum1 += sa1
-                if PER_V > 2:
-                    a2 = a1
-                    if G2 != G1:
-                        a2 = _scaled_pt(pt, vs_base + vrows + G2, row_ok, DOT_T)
-                        zsum2 += tl.sum(pt * tl.load(vz_base + vrows + G2, mask=row_ok, other=0.0).to(tl.float32)[:, None],
-                                        axis=0)
-                    acc2 = _dot(tl.trans(a2), vcode2, acc2, IEEE)
-                    if V_UNITS:
-                        acc6 = _dot(tl.trans(a2), vhi2, acc6, IEEE)
-                    a3 = a2
-                    if G3 != G2:
-                        a3 = _scaled_pt(pt, vs_base + vrows + G3, row_ok, DOT_T)
-                        zsum3 += tl.sum(pt * tl.load(vz_base + vrows + G3, mask=row_ok, other=0.0).to(tl.float32)[:, None],
-                                        axis=0)
-                    acc3 = _dot(tl.trans(a3), vcode3, acc3, IEEE)
-                    if V_UNITS:
-                        acc7 = _dot(tl.trans(a3), vhi3, acc7, IEEE)
-                    if V_LANES:
-                        sa2 = sa1
+                            a1 = _scaled_pt(pt, vs_base + vrows + G1, row_ok, DOT_T)
+                            zsum1 += tl.sum(pt * tl.load(vz_base + vrows + G1, mask=row_ok, other=0.0).to(tl.float32)[:, None],
+                                            axis=0)
+                        acc1 = _dot(tl.trans(a1), vcode1, acc1, IEEE)
+                        if V_UNITS:
+                            acc5 = _dot(tl.trans(a1), vhi1, acc5, IEEE)
+                        if V_LANES:
+                            sa1 = sa0
+                            if G1 != 0:
+                                sa1 = tl.sum(a1.to(tl.float32), axis=0)
+                            asum1 += sa1
+                    if PER_V > 2:
+                        a2 = a1
                         if G2 != G1:
-                            sa2 = tl.sum(a2.to(tl.float32), axis=0)
-                        sa3 = sa2
+                            a2 = _scaled_pt(pt, vs_base + vrows + G2, row_ok, DOT_T)
+                            zsum2 += tl.sum(pt * tl.load(vz_base + vrows + G2, mask=row_ok, other=0.0).to(tl.float32)[:, None],
+                                            axis=0)
+                        acc2 = _dot(tl.trans(a2), vcode2, acc2, IEEE)
+                        if V_UNITS:
+                            acc6 = _dot(tl.trans(a2), vhi2, acc6, IEEE)
+                        a3 = a2
                         if G3 != G2:
-                            sa3 = tl.sum(a3.to(tl.float32), axis=0)
-                        asum2 += sa2
-                        asum3 += sa3
+                            a3 = _scaled_pt(pt, vs_base + vrows + G3, row_ok, DOT_T)
+                            zsum3 += tl.sum(pt * tl.load(vz_base + vrows + G3, mask=row_ok, other=0.0).to(tl.float32)[:, None],
+                                            axis=0)
+                        acc3 = _dot(tl.trans(a3), vcode3, acc3, IEEE)
+                        if V_UNITS:
+                            acc7 = _dot(tl.trans(a3), vhi3, acc7, IEEE)
+                        if V_LANES:
+                            sa2 = sa1
+                            if G2 != G1:
+                                sa2 = tl.sum(a2.to(tl.float32), axis=0)
+                            sa3 = sa2
+                            if G3 != G2:
+                                sa3 = tl.sum(a3.to(tl.float32), axis=0)
+                            asum2 += sa2
+                            asum3 += sa3
             else:
                 vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_vw[None, :],
                              mask=(offs_nv < end)[:, None], other=0)
@@ -1217,6 +1304,11 @@ def _decode_split_kernel(
                     zsum2 = zsum1
                 if G3 == G2:
                     zsum3 = zsum2
+                if V_PLANE_LANES:  # plane s's 1024 term, column 4 + s (scaled by 2**-shift already)
+                    zsum0 = zsum0 + _column(zacc, offs_z, 4)
+                    zsum1 = zsum1 + _column(zacc, offs_z, 5)
+                    zsum2 = zsum2 + _column(zacc, offs_z, 6)
+                    zsum3 = zsum3 + _column(zacc, offs_z, 7)
             acc0 += zsum0[:, None]
             if NACC > 1:
                 acc1 += zsum1[:, None]
@@ -1449,6 +1541,18 @@ class DecodeConfig:
       -> 1,903 SASS instructions per 64 tokens; H200 batch 8 / 32k 194.8 -> 159.0 us, batch 1 /
       32k 32.5 -> 28.0 us, ``decode_sweep_halves-mistral.json``). Not where a split would run one
       block (measured slower: Mistral batch 1 / 4k 10.1 -> 11.2 us): one group per block then.
+    - ``value_sum_products``: folded value planes (a plane in one value group) build ``p * scale``
+      in the products' float16 operand (the probabilities change layout once per block, as with
+      value-group accumulators) and take each plane's lane 1024 term from one small product per
+      group with a constant tile (:func:`_lane_tile`) instead of a float32 ``p * scale`` tile and
+      its reduction across the warp; the zero sums stay reductions of p. Fewer instructions
+      (offline SASS per 64 tokens, ``KV_SUMDOTS=0/1 scripts/compile_sm90.py B 64 1 5 2 4``:
+      Mistral shape 2-bit 1,281 -> 1,227, 4-bit 1,414 -> 1,339, 8-bit 1,662 -> 1,604; Qwen shape
+      2-bit 1,398 -> 1,327; SmolLM2 groups 64 964 -> 905, groups 32 1,590 -> 1,488) but slower on
+      an H200 nearly everywhere (``decode_sweep_sums-*.json``, CUDA-graph time, off -> on:
+      Mistral batch 8 / 32k 2-bit 99.5 -> 102.5 us, 4-bit 113.4 -> 119.1 us, 8-bit 157.0 -> 157.3;
+      Qwen batch 8 / 32k 32.6 -> 33.6 / 38.1 -> 39.7 us; batch 1 1-3% slower; only SmolLM2 groups
+      64 gained, 38.5 -> 36.9 us at batch 8, while its groups of 32 lost 4-5%). Off by default.
     - ``pdl``: launch the combine kernel as the split kernel's programmatic dependent (Hopper and
       later, triton with ``launch_pdl``; ignored elsewhere): each split program lets it launch at
       once and the combine waits on the device for the split grid, so its launch overlaps the
@@ -1477,6 +1581,7 @@ class DecodeConfig:
     pdl: bool = False
     value_units: bool = True
     key_group_halves: bool = True
+    value_sum_products: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):
@@ -2088,6 +2193,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)), V_NCH=v_chunks,
                 K_SUB=k_sub,
                 GDC=config.pdl and _pdl_available(dev), V_UNITS=v_units, K_HALVES=k_halves,
+                V_SUM_DOTS=bool(config.value_sum_products),
                 num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config))
     return _SplitCall(bsz * h, s_tot, args, meta)
 

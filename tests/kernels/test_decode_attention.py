@@ -153,6 +153,37 @@ def test_value_units_match_byte_tiles(case):
     assert float((out - da.decode_attention(*args, **kw, config=bytes_)).abs().max()) < 2e-3
 
 
+@pytest.mark.parametrize("case", [
+    dict(d=128, v_bits=2, v_group=128), dict(d=128, v_bits=4, v_group=64), dict(d=128, v_bits=8, v_group=128),
+    dict(d=128, v_bits=2, v_group=64, perm=True), dict(d=64, v_bits=2, v_group=32, unpack=6),
+    dict(d=64, v_bits=4, v_group=64, pairs=True), dict(d=128, v_bits=4, v_group=128, unpack=1),
+    dict(d=128, v_bits=2, v_group=128, mean=True),
+], ids=["d128-2b", "d128-4b-g64", "d128-8b", "d128-2b-g64-perm", "d64-2b-g32-bytes", "d64-4b-pairs",
+        "d128-4b-no-lanes", "d128-2b-mean"])
+def test_value_sum_products_match_reductions(case):
+    """Folded value planes with their lane terms taken by products (DecodeConfig.value_sum_products,
+    off by default: measured slower) give the reductions' result and pass the tolerance rule: one group per head, a group per plane,
+    planes sharing a group with others apart (2-bit g64 / g32), 8 bits, byte tiles, two key groups
+    per block, no lanes, a permutation, a TaDA value mean."""
+    case = dict(case)
+    perm, mean, pairs = case.pop("perm", False), case.pop("mean", False), case.pop("pairs", False)
+    cfg = replace(SMALL, unpack=case.pop("unpack", 6))
+    if pairs:
+        cfg = replace(cfg, block_n=32, key_group_pairs=True)
+    args, kw = make_case(k_bits=2, dtype=torch.float16, b=2, h=2, rep=3, n=80, **case)
+    g = torch.Generator().manual_seed(6)
+    if perm:
+        kw["v_perm"] = torch.stack([torch.randperm(case["d"], generator=g) for _ in range(2)]).to(DEVICE)
+    if mean:
+        kw["v_mean"] = torch.randn(2, 1, 80, case["d"], generator=g).half().to(DEVICE)
+    products = replace(cfg, value_sum_products=True)
+    part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
+    meta = da._prepare(args[0], **part, config=products).meta
+    assert meta["V_FOLD"] and meta["V_NCH"] == 1 and meta["V_SUM_DOTS"]
+    out = check(args, kw, products)
+    assert float((out - check(args, kw, cfg)).abs().max()) < 2e-3
+
+
 def test_value_units_where_they_apply():
     """Byte tiles stay for rows of fewer than 32 code bytes (2-bit head_dim 64), value groups of
     fewer than 32 channels (16 units: tl.dot's smallest N), two key groups per block, and a value

@@ -1545,14 +1545,17 @@ class DecodeConfig:
       in the products' float16 operand (the probabilities change layout once per block, as with
       value-group accumulators) and take each plane's lane 1024 term from one small product per
       group with a constant tile (:func:`_lane_tile`) instead of a float32 ``p * scale`` tile and
-      its reduction across the warp; the zero sums stay reductions of p. Fewer instructions
-      (offline SASS per 64 tokens, ``KV_SUMDOTS=0/1 scripts/compile_sm90.py B 64 1 5 2 4``:
-      Mistral shape 2-bit 1,281 -> 1,227, 4-bit 1,414 -> 1,339, 8-bit 1,662 -> 1,604; Qwen shape
-      2-bit 1,398 -> 1,327; SmolLM2 groups 64 964 -> 905, groups 32 1,590 -> 1,488) but slower on
-      an H200 nearly everywhere (``decode_sweep_sums-*.json``, CUDA-graph time, off -> on:
-      Mistral batch 8 / 32k 2-bit 99.5 -> 102.5 us, 4-bit 113.4 -> 119.1 us, 8-bit 157.0 -> 157.3;
-      Qwen batch 8 / 32k 32.6 -> 33.6 / 38.1 -> 39.7 us; batch 1 1-3% slower; only SmolLM2 groups
-      64 gained, 38.5 -> 36.9 us at batch 8, while its groups of 32 lost 4-5%). Off by default.
+      its reduction across the warp; the zero sums stay reductions of p. Offline SASS per 64
+      tokens (``KV_SUMDOTS=0/1 scripts/compile_sm90.py B 64 1 5 2 4``): Mistral shape 2-bit
+      1,281 -> 1,198. On an H200 it pays at 2 bits only (``decode_sweep_sums3-*.json``, off -> on
+      in one run, CUDA-graph time): Mistral batch 8 / 32k 99.5 -> 96.6 us (again 99.3 -> 96.1 in
+      ``decode_sweep_sums2-mistral.json``), batch 1 / 32k 19.3 -> 18.6 us, SmolLM2 groups 64 batch 8
+      39.0 -> 37.1 us, Qwen within +-1% (batch 1 / 4k 6.3 -> 6.6 us); 4-bit within +-1%, 8-bit 1-2%
+      slower, SmolLM2 groups 32 (two key groups per block) 3-4% slower. An earlier form of the
+      same computation (the group helper inlined: 1,227 instructions) measured slower even at 2
+      bits (``decode_sweep_sums-*.json``: 99.5 -> 102.5 us): the gain is the compiler's schedule
+      more than the work removed, and small.
+      None (default): on for 2-bit values with one key group per block; True / False force it.
     - ``pdl``: launch the combine kernel as the split kernel's programmatic dependent (Hopper and
       later, triton with ``launch_pdl``; ignored elsewhere): each split program lets it launch at
       once and the combine waits on the device for the split grid, so its launch overlaps the
@@ -1581,7 +1584,7 @@ class DecodeConfig:
     pdl: bool = False
     value_units: bool = True
     key_group_halves: bool = True
-    value_sum_products: bool = False
+    value_sum_products: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):
@@ -2099,6 +2102,11 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     dummy16 = _dummy(dev, torch.float16)
     # key groups per block as virtual row sets (1 with key_group_halves: two groups, one per half)
     k_sub = block_n // _pow2_divisor(k_group, block_n) if (k_fold and not k_halves) else 1
+    # folded value planes' lane terms by products (DecodeConfig.value_sum_products): by default at
+    # 2 bits with one key group per block, where it measured faster
+    v_sum_dots = config.value_sum_products
+    if v_sum_dots is None:
+        v_sum_dots = v_bits == 2 and k_sub == 1
     if n:
         kc, ks, kz, vc, vs, vz = k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
         if k_unpack in (3, 4):  # read the code rows as int32 words: 4 packed bytes per load element
@@ -2193,7 +2201,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)), V_NCH=v_chunks,
                 K_SUB=k_sub,
                 GDC=config.pdl and _pdl_available(dev), V_UNITS=v_units, K_HALVES=k_halves,
-                V_SUM_DOTS=bool(config.value_sum_products),
+                V_SUM_DOTS=bool(v_sum_dots),
                 num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config))
     return _SplitCall(bsz * h, s_tot, args, meta)
 

@@ -1228,16 +1228,16 @@ NOTES = """
    shape at batch 1 (2 kv heads, a few blocks per program: 4k 0.98x unchanged, 16k 0.93x -> 0.85x,
    32k 0.93x -> 0.90x in the grid; the A/B sweeps put those within +-0.6 us either way) and
    SmolLM2 (pairs, value planes of one group: unchanged).
-14. Tried, off by default: the same operand-side scaling for value planes of one group (group 128
-   at head_dim 128; `DecodeConfig.value_sum_products`): `p * scale` built in the float16 operand
-   after the one layout change, each plane's lane 1024 term from one small product with a
-   constant tile instead of a float32 tile and its reduction. Fewer instructions (Mistral shape
-   2-bit 1,281 -> 1,227 per 64 tokens, 4-bit 1,414 -> 1,339) but slower on the H200
-   (`decode_sweep_sums-*.json`, on vs off in one run): Mistral batch 8 / 32k 2-bit 99.5 -> 102.5
-   us, 4-bit 113.4 -> 119.1 us, Qwen batch 8 / 32k 32.6 -> 33.6 / 38.1 -> 39.7 us, batch 1 1-3%
-   slower; only SmolLM2 groups 64 gained (38.5 -> 36.9 us at batch 8). So instruction count is
-   not the whole cost here; not profiled further (a guess: the scales, loaded and multiplied in
-   the operand's layout, now sit between the layout change and the products).
+14. Value planes of one group (group 128 at head_dim 128, `DecodeConfig.value_sum_products`):
+   `p * scale` built in the float16 operand after the one layout change, each plane's lane 1024
+   term from one small product with a constant tile instead of a float32 tile and its reduction
+   (SASS per 64 tokens, Mistral shape 2-bit: 1,281 -> 1,198). On by default at 2 bits with one
+   key group per block only: on vs off in one run (`decode_sweep_sums3-*.json`) Mistral batch 8 /
+   32k 99.5 -> 96.6 us (99.3 -> 96.1 in `decode_sweep_sums2-mistral.json`), batch 1 / 32k 19.3 ->
+   18.6 us, SmolLM2 groups 64 batch 8 39.0 -> 37.1 us, Qwen within +-1%; 4-bit within +-1%, 8-bit
+   1-2% slower, SmolLM2 groups 32 (key pairs) 3-4% slower. An earlier form of the same
+   computation (1,227 instructions) was slower even at 2 bits (`decode_sweep_sums-*.json`: 99.5
+   -> 102.5 us): the gain follows the compiler's schedule more than the instructions removed.
 
 ## Why the 5x / 3x targets are missed
 

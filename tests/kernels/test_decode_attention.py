@@ -161,8 +161,8 @@ def test_value_units_match_byte_tiles(case):
 ], ids=["d128-2b", "d128-4b-g64", "d128-8b", "d128-2b-g64-perm", "d64-2b-g32-bytes", "d64-4b-pairs",
         "d128-4b-no-lanes", "d128-2b-mean"])
 def test_value_sum_products_match_reductions(case):
-    """Folded value planes with their lane terms taken by products (DecodeConfig.value_sum_products,
-    off by default: measured slower) give the reductions' result and pass the tolerance rule: one group per head, a group per plane,
+    """Folded value planes with their lane terms taken by products (DecodeConfig.value_sum_products)
+    give the reductions' result and pass the tolerance rule: one group per head, a group per plane,
     planes sharing a group with others apart (2-bit g64 / g32), 8 bits, byte tiles, two key groups
     per block, no lanes, a permutation, a TaDA value mean."""
     case = dict(case)
@@ -176,12 +176,30 @@ def test_value_sum_products_match_reductions(case):
         kw["v_perm"] = torch.stack([torch.randperm(case["d"], generator=g) for _ in range(2)]).to(DEVICE)
     if mean:
         kw["v_mean"] = torch.randn(2, 1, 80, case["d"], generator=g).half().to(DEVICE)
-    products = replace(cfg, value_sum_products=True)
+    products, cfg = replace(cfg, value_sum_products=True), replace(cfg, value_sum_products=False)
     part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
     meta = da._prepare(args[0], **part, config=products).meta
     assert meta["V_FOLD"] and meta["V_NCH"] == 1 and meta["V_SUM_DOTS"]
     out = check(args, kw, products)
     assert float((out - check(args, kw, cfg)).abs().max()) < 2e-3
+
+
+def test_value_sum_products_default_rule():
+    """By default the products take the lane terms of 2-bit folded values with one key group per
+    block only (where they measured faster); not at 4 / 8 bits nor with two key groups per block."""
+    def chosen(config, **case):
+        args, kw = make_case(k_bits=2, dtype=torch.float16, **case)
+        part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
+        return da._prepare(args[0], **part, config=config).meta["V_SUM_DOTS"]
+
+    cfg = replace(SMALL, unpack=6)
+    assert chosen(cfg, d=128, v_bits=2, v_group=128, k_group=16)
+    assert not chosen(cfg, d=128, v_bits=4, v_group=128, k_group=16)
+    assert not chosen(cfg, d=128, v_bits=8, v_group=128, k_group=16)
+    pairs = replace(cfg, block_n=32, key_group_pairs=True)
+    assert not chosen(pairs, d=64, v_bits=2, v_group=64, k_group=16)
+    assert chosen(replace(cfg, value_sum_products=True), d=128, v_bits=4, v_group=128, k_group=16)
+    assert not chosen(replace(cfg, value_sum_products=False), d=128, v_bits=2, v_group=128, k_group=16)
 
 
 def test_value_units_where_they_apply():

@@ -65,7 +65,7 @@ Arithmetic (what keeps the per-code work small):
   split programs.
 
 Performance status (H200, ``artifacts/bench/decode_attention.md``, CUDA-graph time): Mistral-7B
-shape, 32k, batch 8: 2.4-2.5x over the fastest bf16 SDPA at 2 bits, 2.1x at 4 bits, 1.5x at 4 bits
+shape, 32k, batch 8: 2.5x over the fastest bf16 SDPA at 2 bits, 2.2x at 4 bits, 1.5x at 4 bits
 group 32 (values in per-group accumulators, two key groups per block in halves); batch 1 GPU time
 1.2-2.0x at 4k-32k on the three benchmark shapes (``decode_latency.json``; the Qwen shape at 4-bit
 group 32 stays 0.85-0.98x in the grid); OTT pools cost 1.0-1.15x plain, TaDA means 2.5-3.3x

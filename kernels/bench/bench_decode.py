@@ -1241,11 +1241,11 @@ NOTES = """
 
 ## Why the 5x / 3x targets are missed
 
-At 2.38x (graph time, this grid; 2.46x in the previous run of the same code path) the kernel moves ~1.56 TB/s, 0.37 of the 4.3 TB/s copy bandwidth: it is
+At 2.54x (graph time, this grid: 96.2 us at 2 bits) the kernel moves ~1.6 TB/s, 0.38 of the 4.3 TB/s copy bandwidth: it is
 bound by instruction issue and latency, not memory. A 64-token block of one kv head costs one warp
-~1,280 instructions (`scripts/compile_sm90.py`): the unpack's 256 LOP3 (one per pair of codes,
-the floor with 16-bit lanes) and ~130 PRMT, 96 HMMA (64 of them the value products, whose 4 query
-rows are padded to 16-row MMA tiles), ~110 register moves, ~400 softmax and scale-sum
+~1,200 instructions (`scripts/compile_sm90.py`): the unpack's 256 LOP3 (one per pair of codes,
+the floor with 16-bit lanes) and ~125 PRMT, ~100 HMMA (64 of them the value products, whose 4 query
+rows are padded to 16-row MMA tiles), ~90 register moves, ~350 softmax and scale-sum
 instructions, at 255 registers, so only 8 warps fit on an SM and their stalls are not hidden.
 Transposing the key side removed the key half of the padding moves (step 6); reading the values
 as 16-bit units removed the byte gathers (step 12: ~8% at batch 8); the value side's

@@ -11,7 +11,9 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 from pathlib import Path
 
 import pytest
@@ -217,9 +219,18 @@ def test_hub_unreachable_is_fast_offline_error(monkeypatch):
 
 def test_probe_is_bounded(monkeypatch):
     """A hub that never answers (blackholed) cannot hold the probe past its timeout."""
-    monkeypatch.setattr(data.urllib.request, "urlopen", lambda *a, **k: time.sleep(30))
+    released = threading.Event()
+
+    def blackhole(*a, **k):  # answers nothing until the test ends, then fails like a dropped link
+        released.wait(30)
+        raise urllib.error.URLError("released")
+
+    monkeypatch.setattr(data.urllib.request, "urlopen", blackhole)
     t0 = time.monotonic()
-    reason = data._probe("https://example.invalid", timeout=0.2)
+    try:
+        reason = data._probe("https://example.invalid", timeout=0.2)
+    finally:
+        released.set()  # the abandoned probe thread ends now, not inside a later test
     assert reason is not None and "no answer" in reason
     assert time.monotonic() - t0 < 3
 

@@ -936,7 +936,8 @@ def _decode_split_kernel(
         acc6 = tl.zeros([VR, AW], tl.float32)
         acc7 = tl.zeros([VR, AW], tl.float32)
         # value groups narrower than a plane (V_NCH > 1): column g = group g's sum_n p * zero (and,
-        # V_LANES, its 1024 term), accumulated by products (ZW: tl.dot's smallest N)
+        # V_LANES, its 1024 term), accumulated by products (ZW: tl.dot's smallest N); folded planes
+        # with V_PLANE_LANES: column 4 + s = plane s's 1024 term (see _lane_tile)
         ZW: tl.constexpr = 16
         offs_z = tl.arange(0, ZW)
         zacc = tl.zeros([VR, ZW], tl.float32)

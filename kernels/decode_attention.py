@@ -1399,8 +1399,7 @@ def _combine_kernel(
     until that grid has finished and its partials are visible before reading them.
 
     Program ``(row, c)`` merges channels ``[c * DB, (c + 1) * DB)`` of one row, S_BLOCK partials
-    at a time with a running max (one pass; usually one step: the launcher sizes S_BLOCK to the
-    partials). Splitting the channels over programs keeps the merge parallel when there are few
+    at a time with a running max (one pass; :func:`_combine` picks the sizes). Splitting the channels over programs keeps the merge parallel when there are few
     rows and many partials (batch 1: 32 rows x 256 splits), where one program per row was most of
     the call's time.
     """
@@ -1438,15 +1437,22 @@ def _combine_kernel(
 def _combine(m_part, l_part, o_part, s_tot: int, out: torch.Tensor, lse: torch.Tensor | None = None,
              pdl: bool = False) -> None:
     """Launch :func:`_combine_kernel` over ``out`` (B, Hq, D) (float32, or the caller's 16-bit dtype:
-    the merge runs in float32 and rounds once at the store) from ``s_tot`` partials per row: all
-    partials in one step (up to 1024), channels split so a program holds <= 2048 values.
+    the merge runs in float32 and rounds once at the store) from ``s_tot`` partials per row.
     ``lse`` (B, Hq) float32, when given, receives each row's log-sum-exp. ``pdl``: launched as the
-    split kernel's programmatic dependent (that kernel was launched with ``GDC``)."""
+    split kernel's programmatic dependent (that kernel was launched with ``GDC``).
+
+    One warp per program, up to 128 partials a step, 16 channels a program (32 with <= 64
+    partials): the best of 27 (step, channels, warps) choices within 1% at every (rows, partials)
+    of the benchmark grid's shapes on an H200 (``artifacts/bench/combine_sweep.json``). The earlier
+    rule (all partials in one step, <= 2048 values a program, 4 warps) read 8- or 16-byte pieces
+    at the stride of a partial's row when partials were many: batch 1, Qwen2.5-1.5B shape (12 rows
+    x 530 partials) 5.2 -> 3.4 us, Mistral-7B shape (32 x 258) 4.5 -> 2.8 us, batch 8 / 4k (96 x
+    130) 5.4 -> 3.0 us (CUDA-graph time of the combine alone)."""
     rows, d = out.shape[0] * out.shape[1], out.shape[2]
-    s_block = min(1024, max(16, triton.next_power_of_2(max(s_tot, 1))))
-    db = max(2, min(d, 2048 // s_block))
+    s_block = min(128, max(16, triton.next_power_of_2(max(s_tot, 1))))  # partials per step
+    db = min(d, 16 if s_tot > 64 else 32)  # channels per program (head_dim is a power of two >= 16)
     _COMBINE((rows, d // db), (m_part, l_part, o_part, max(s_tot, 1), out, out if lse is None else lse),
-             {"D": d, "DB": db, "S_BLOCK": s_block, "STORE_LSE": lse is not None, "GDC": pdl, "num_warps": 4,
+             {"D": d, "DB": db, "S_BLOCK": s_block, "STORE_LSE": lse is not None, "GDC": pdl, "num_warps": 1,
               **({"launch_pdl": True} if pdl else {})})
 
 

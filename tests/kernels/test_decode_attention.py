@@ -778,6 +778,34 @@ def _store_parts(bits_of_parts=((8, 8), (4, 4), (2, 2)), sizes=(16, 32, 48), see
     return q, parts
 
 
+@pytest.mark.parametrize("s_tot,d", [(1, 16), (5, 64), (64, 32), (65, 64), (300, 128)], ids=str)
+def test_combine_matches_a_float64_merge(s_tot, d):
+    """The split merge alone (any number of partials: one step, several steps of the running
+    max, channel blocks of 16 or 32) == sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s in
+    float64; partials that saw nothing (m = -1e30, l = 0) add nothing; a row where nothing was
+    visible is 0 with log-sum-exp -inf."""
+    g = torch.Generator().manual_seed(s_tot)
+    rows = 3
+    m = torch.randn(rows, s_tot, generator=g) * 4  # (ROWS, S) log2 domain
+    l = torch.rand(rows, s_tot, generator=g) + 0.5  # (ROWS, S)
+    acc = torch.randn(rows, s_tot, d, generator=g)  # (ROWS, S, D)
+    m[0, 1::2], l[0, 1::2], acc[0, 1::2] = -1.0e30, 0.0, 0.0  # empty partials
+    m[2], l[2], acc[2] = -1.0e30, 0.0, 0.0  # a row with nothing visible
+    out = torch.empty(rows, 1, d, device=DEVICE)  # (B=rows, Hq=1, D)
+    lse = torch.empty(rows, 1, device=DEVICE)
+    da._combine(m.to(DEVICE), l.to(DEVICE), acc.to(DEVICE), s_tot, out, lse)
+    m64, l64, a64 = m.double(), l.double(), acc.double()
+    w = torch.exp2(m64 - m64.amax(dim=1, keepdim=True)) * (l64 > 0)  # (ROWS, S)
+    den = (w * l64).sum(dim=1)  # (ROWS,)
+    want = (w[:, :, None] * a64).sum(dim=1) / den.clamp_min(1e-300)[:, None]  # (ROWS, D)
+    got = out[:, 0].double().cpu()
+    assert float((got[:2] - want[:2]).abs().max()) < 1e-5 * float(want[:2].abs().max())
+    assert not got[2].any()
+    want_lse = (m64.amax(dim=1)[:2] + torch.log2(den[:2])) * 0.6931471805599453
+    assert float((lse[:2, 0].double().cpu() - want_lse).abs().max()) < 1e-4
+    assert torch.isinf(lse[2, 0]) and lse[2, 0] < 0
+
+
 def test_parts_one_combine_matches_reference():
     """Several disjoint stores at different bits in one buffer of partials with one combine ==
     the reference (each part with its log-sum-exp, merged exactly), under the tolerance rule, and

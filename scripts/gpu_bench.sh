@@ -10,6 +10,9 @@
 #         micro-nosweep   the grid with configs from $KV_CONFIG (JSON), no sweep
 #         micro-default   the grid with DecodeConfig's defaults, no sweep
 #         tests-gpu   only the `gpu`-marked tests
+#         combine     the split merge alone: the launcher's choice vs 27 others (combine_sweep.json)
+#         profile-calls  kernels/bench/profile_calls.py: per-kernel GPU time of one call at batch 1 (split,
+#                     merge) beside bf16 SDPA's kernels ($MODELS, $CTXS, $CFGS)
 #         latency     GPU time (CUDA-graph replay) vs host time per call, small shapes
 #         splits      split-K parallelism sweep at batch 1/8 (CUDA-graph time); $KV_MODEL: another shape
 #         tune        tile/unpack/register-cap sweep at batch 1/8 (CUDA-graph time)
@@ -75,6 +78,13 @@ for st in $STAGES; do
       timeout "${KV_TESTS_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider $XDIST --maxfail=30 -rfE -m gpu tests/kernels \
         > "$OUT/tests.log" 2>&1
       echo "tests exit $?"; tail -n 5 "$OUT/tests.log" ;;
+    combine)
+      timeout "${KV_COMBINE_TIMEOUT:-200}" $PY kernels/bench/bench_decode.py --mode combine --out "$OUT" \
+        > "$OUT/combine.log" 2>&1
+      echo "combine exit $?"; tail -n 17 "$OUT/combine.log" ;;
+    profile-calls)
+      OUT="$OUT" timeout "${KV_PROFILE_TIMEOUT:-200}" $PY kernels/bench/profile_calls.py > "$OUT/profile_calls.log" 2>&1
+      echo "profile-calls exit $?"; grep -v -i warn "$OUT/profile_calls.log" | tail -n 12 ;;
     latency)
       timeout "${KV_LAT_TIMEOUT:-150}" $PY kernels/bench/bench_decode.py --mode latency ${KV_CONFIG:+--config "$KV_CONFIG"} \
         --out "$OUT" >> "$OUT/bench.log" 2>&1

@@ -33,6 +33,10 @@ Modes (``--mode``):
 - ``groups``: what key groups / value groups of 32 cost the kernel (value groups narrower than a
   plane: one accumulator per group vs per-element dequantization), CUDA-graph time, Mistral
   shape. Writes ``decode_groups.json``.
+- ``combine``: the split merge alone (``_combine``: what the launcher picks, beside 27 choices of
+  partials per step, channels per program and warps) at the (rows, partials, head_dim) the grid's
+  shapes produce, CUDA-graph time with the partials in L2 (as after the split kernel). Writes
+  ``combine_sweep.json``.
 - ``report``: from the JSON files, write ``decode_attention.md``, ``e2e.md`` and the plot
   ``decode_attention.png`` (runs anywhere; matplotlib).
 
@@ -1238,10 +1242,18 @@ NOTES = """
    1-2% slower, SmolLM2 groups 32 (key pairs) 3-4% slower. An earlier form of the same
    computation (1,227 instructions) was slower even at 2 bits (`decode_sweep_sums-*.json`: 99.5
    -> 102.5 us): the gain follows the compiler's schedule more than the instructions removed.
+15. The merge of the split partials: one warp per program, up to 128 partials a step, 16 channels
+   a program (32 with <= 64 partials) instead of 4 warps, all partials in one step and <= 2,048
+   values a program (2-4 channels with many partials: 8-16-byte reads at a partial row's stride).
+   The merge alone (`combine_sweep.json`, 27 choices per shape, the new rule within 1% of the best
+   at each): batch 1 Qwen shape 12 rows x 530 partials 5.2 -> 3.4 us, Mistral 32 x 258 4.5 -> 2.8
+   us, batch 8 / 4k Qwen 96 x 130 5.4 -> 3.0 us. Whole calls in the grid: median 1.1% faster,
+   batch 1 up to 9%; rows below bf16 5 -> 3 (Qwen batch 1 / 4k group 32 0.97x -> 1.00x, SmolLM2
+   batch 8 / 4k group 32 0.98x -> 1.03x).
 
 ## Why the 5x / 3x targets are missed
 
-At 2.54x (graph time, this grid: 96.2 us at 2 bits) the kernel moves ~1.6 TB/s, 0.38 of the 4.3 TB/s copy bandwidth: it is
+At 2.49x (graph time, this grid: 95.9 us at 2 bits against bf16's 239 us) the kernel moves ~1.6 TB/s, 0.38 of the 4.2 TB/s copy bandwidth: it is
 bound by instruction issue and latency, not memory. A 64-token block of one kv head costs one warp
 ~1,200 instructions (`scripts/compile_sm90.py`): the unpack's 256 LOP3 (one per pair of codes,
 the floor with 16-bit lanes) and ~125 PRMT, ~100 HMMA (64 of them the value products, whose 4 query
@@ -1260,7 +1272,7 @@ Python + two Triton launches per call vs a GPU time of 6-25 us (see the latency 
 capture of the decode step removes that (`GraphDecoder`, `e2e.md`).
 Group 32 (4-bit) costs 1.4x group 128 at batch 8 / 32k (step 13): two key folds per 64-token
 block instead of one every other block, and four value groups per head four scaled operands and
-accumulators per block instead of one; the grid's group-32 rows run at 0.85-1.53x of bf16
+accumulators per block instead of one; the grid's group-32 rows run at 0.88-1.54x of bf16
 (Mistral, Qwen shapes; the low end Qwen at batch 1), against a byte ratio of ~3.2x.
 """
 
@@ -1604,9 +1616,60 @@ def _sliding_e2e_section(path: Path) -> list[str]:
     return lines + ["", "Command: `" + e.get("command", "?") + "`"]
 
 
+# (rows = batch x query heads, partials per row, head_dim) of the grid's calls: batch 1 Qwen2.5-1.5B
+# (12 rows; 130-1026 partials from 4k to 128k with 32-token blocks), Mistral-7B (32 rows), SmolLM2
+# (9 rows, head_dim 64), batch 8 (72-256 rows, 10-130 partials), batch 32 (288-1024 rows)
+COMBINE_SHAPES = ((12, 130, 128), (12, 258, 128), (12, 530, 128), (12, 1026, 128), (32, 132, 128), (32, 258, 128),
+                  (32, 530, 128), (9, 354, 64), (72, 46, 64), (96, 130, 128), (96, 34, 128), (256, 18, 128),
+                  (256, 10, 128), (288, 14, 64), (1024, 6, 128), (384, 44, 128))
+
+
+def main_combine(args) -> None:
+    """CUDA-graph time of the split merge per (rows, partials, head_dim) of ``COMBINE_SHAPES``:
+    the launcher's choice (``_combine``) and each (partials per step cap, channels per program,
+    warps) of a 3 x 3 x 3 grid, checked against the launcher's output. Writes ``combine_sweep.json``."""
+    import itertools
+
+    import triton
+
+    from kvcalib_kernels.decode_attention import _combine, _combine_kernel
+
+    dev = torch.device("cuda")
+    rows_out = []
+    for rows, s_tot, d in COMBINE_SHAPES:
+        m = torch.randn(rows, s_tot, device=dev)  # (ROWS, S)
+        l = torch.rand(rows, s_tot, device=dev) + 0.5  # (ROWS, S)
+        o = torch.randn(rows, s_tot, d, device=dev)  # (ROWS, S, D)
+        out = torch.empty(rows, 1, d, device=dev, dtype=torch.bfloat16)  # (ROWS, 1, D)
+        _combine(m, l, o, s_tot, out)
+        ref = out.float().clone()
+        row = {"rows": rows, "partials": s_tot, "head_dim": d,
+               "launcher_us": 1e3 * graph_ms_per_call([lambda: _combine(m, l, o, s_tot, out)] * 20, rep=30), "us": {}}
+        for cap, db, warps in itertools.product((64, 128, 256), (8, 16, 32), (1, 2, 4)):
+            sb = min(cap, max(16, triton.next_power_of_2(s_tot)))
+
+            def fn(sb=sb, db=db, warps=warps):
+                _combine_kernel[(rows, d // db)](m, l, o, s_tot, out, out, D=d, DB=db, S_BLOCK=sb, num_warps=warps)
+            fn()
+            torch.cuda.synchronize()
+            if float((out.float() - ref).abs().max()) > 1e-2:
+                raise RuntimeError(f"combine {cap}/{db}/{warps} disagrees with the launcher's at {rows} x {s_tot}")
+            row["us"][f"{cap}/{db}/{warps}"] = 1e3 * graph_ms_per_call([fn] * 20, rep=30)
+        best = min(row["us"], key=row["us"].get)
+        log(f"  rows {rows:5d} partials {s_tot:5d} d {d}: launcher {row['launcher_us']:.2f} us, "
+            f"best {row['us'][best]:.2f} us ({best}: step cap / channels / warps)")
+        rows_out.append(row)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(out_dir / "combine_sweep.json", {
+        "rows": rows_out, "gpu": device_info(),
+        "command": "python kernels/bench/bench_decode.py --mode combine --out artifacts/bench"})
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=("micro", "latency", "splits", "tune", "sweep", "fitted", "groups", "e2e", "report"),
+    ap.add_argument("--mode", choices=("micro", "latency", "splits", "tune", "sweep", "fitted", "groups", "e2e", "combine",
+                                       "report"),
                     default="micro")
     ap.add_argument("--out", default="artifacts/bench")
     ap.add_argument("--quick", action="store_true", help="a few shapes only (smoke test)")
@@ -1630,7 +1693,7 @@ def main(argv=None) -> None:
                     help="e2e: eager steps only (no CUDA-graph runs of either cache)")
     args = ap.parse_args(argv)
     {"micro": main_micro, "latency": main_latency, "splits": main_splits, "tune": main_tune, "sweep": main_sweep, "fitted": main_fitted,
-     "groups": main_groups, "e2e": main_e2e, "report": main_report}[args.mode](args)
+     "groups": main_groups, "e2e": main_e2e, "combine": main_combine, "report": main_report}[args.mode](args)
 
 
 if __name__ == "__main__":

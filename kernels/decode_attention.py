@@ -1546,8 +1546,14 @@ class DecodeConfig:
       own folded query planes, the two score tiles stacked, so the softmax, value products and
       loop overhead run per 64 tokens instead of per 32 (Mistral shape, groups 32 / 32: 2 x 994
       -> 1,903 SASS instructions per 64 tokens; H200 batch 8 / 32k 194.8 -> 159.0 us, batch 1 /
-      32k 32.5 -> 28.0 us, ``decode_sweep_halves-mistral.json``). Not where a split would run one
-      block (measured slower: Mistral batch 1 / 4k 10.1 -> 11.2 us): one group per block then.
+      32k 32.5 -> 28.0 us, ``decode_sweep_halves-mistral.json``). Where a split would run a
+      single block, one group per block instead if that gives at least ``halves_split_gain``
+      times the splits and at most ``halves_max_splits`` splits per (batch, kv head) row (more
+      parallelism, but not so many partials that their merge costs more): Mistral shape batch 1
+      / 4k 10.8 -> 9.9 us without halves (62 -> 124 splits), while the Qwen shape kept them faster:
+      batch 1 / 16k 12.7 -> 11.8 us (without them 512 splits a row to merge), 32k 15.8 -> 15.0 us
+      and batch 8 / 4k 14.1 -> 13.7 us (without them no more splits), on an H200
+      (``decode_sweep_halves-gain-*.json``).
     - ``value_sum_products``: folded value planes (a plane in one value group) build ``p * scale``
       in the products' float16 operand (the probabilities change layout once per block, as with
       value-group accumulators) and take each plane's lane 1024 term from one small product per
@@ -1592,6 +1598,8 @@ class DecodeConfig:
     value_units: bool = True
     key_group_halves: bool = True
     value_sum_products: bool | None = None
+    halves_split_gain: float = 1.5
+    halves_max_splits: int = 256
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):
@@ -1618,6 +1626,10 @@ class DecodeConfig:
             raise ValueError(f"min_rows must be 1, 2, 4, 8 or 16, got {self.min_rows!r}")
         if self.maxnreg is not None and (not isinstance(self.maxnreg, int) or not 24 <= self.maxnreg <= 255):
             raise ValueError(f"maxnreg must be None or an int in [24, 255], got {self.maxnreg!r}")
+        if not self.halves_split_gain > 0:
+            raise ValueError(f"halves_split_gain must be > 0, got {self.halves_split_gain!r}")
+        if not isinstance(self.halves_max_splits, int) or self.halves_max_splits < 1:
+            raise ValueError(f"halves_max_splits must be a positive int, got {self.halves_max_splits!r}")
         if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
             raise ValueError(f"num_splits must be None or a positive int, got {self.num_splits!r}")
 
@@ -2095,12 +2107,15 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                            dev.index or 0, _with_block_n(config, small), interp)
     splits, split_size, chunks, s_tot = _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config)
     if k_halves and splits and split_size <= block_n:
-        # one block per split: two key groups per block only halve the blocks a split pipelines
-        # (Mistral shape batch 1 / 4k 10.1 -> 11.2 us on an H200): one group per block then
-        ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, v_chunks, r_pad, fp_t, fp_ieee,
-         fp_block, k_halves) = _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q.dtype, fp_dtype, dev.type,
-                                     dev.index or 0, _without_halves(config), interp)
-        splits, split_size, chunks, s_tot = _split_plan(n, block_n, f_lens, fp_block, bsz, h, dev, config)
+        # one block per split: one group per block where that gives the splits more programs and
+        # leaves few enough partials to merge (DecodeConfig.halves_split_gain, halves_max_splits)
+        plan = _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q.dtype, fp_dtype, dev.type, dev.index or 0,
+                     _without_halves(config), interp)
+        split = _split_plan(n, plan[3], f_lens, plan[10], bsz, h, dev, config)
+        if split[0] >= config.halves_split_gain * splits and split[0] <= config.halves_max_splits:
+            ((k_unpack, v_unpack), dot_t, ieee, block_n, k_fold, v_fold, v_chunks, r_pad, fp_t, fp_ieee, fp_block,
+             k_halves) = plan
+            splits, split_size, chunks, s_tot = split
     if s_tot == 0:
         return None
 

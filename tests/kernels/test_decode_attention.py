@@ -269,6 +269,10 @@ def test_config_rejects_bad_rows_and_register_caps():
         da.DecodeConfig(min_rows=3)
     with pytest.raises(ValueError, match="maxnreg"):
         da.DecodeConfig(maxnreg=300)
+    with pytest.raises(ValueError, match="halves_split_gain"):
+        da.DecodeConfig(halves_split_gain=0)
+    with pytest.raises(ValueError, match="halves_max_splits"):
+        da.DecodeConfig(halves_max_splits=0)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3], ids=lambda s: f"splits{s}")
@@ -381,8 +385,13 @@ def test_key_groups_shorter_than_a_block_run_in_halves(k_bits, v_bits, v_group):
     check(args, kw, replace(cfg, num_splits=1))
     part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
     assert da._prepare(args[0], **part, config=replace(cfg, num_splits=1)).meta["K_HALVES"]
-    # one block per split: one key group per block (halves only cut the blocks a split pipelines)
-    assert not da._prepare(args[0], **part, config=replace(cfg, num_splits=2)).meta["K_HALVES"]
+    # one block per split: one key group per block where that gives >= 1.5x the splits (2 -> 3
+    # here), and no more than halves_max_splits of them; halves where it gives no more (2 -> 2)
+    auto = replace(cfg, num_splits=None)
+    assert not da._prepare(args[0], **part, config=auto).meta["K_HALVES"]
+    assert da._prepare(args[0], **part, config=replace(auto, halves_max_splits=2)).meta["K_HALVES"]
+    assert da._prepare(args[0], **part, config=replace(auto, halves_split_gain=2.0)).meta["K_HALVES"]
+    assert da._prepare(args[0], **part, config=replace(cfg, num_splits=2)).meta["K_HALVES"]
 
 
 def test_key_group_pairs_default_rule():

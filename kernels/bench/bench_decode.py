@@ -1250,10 +1250,14 @@ NOTES = """
    us, batch 8 / 4k Qwen 96 x 130 5.4 -> 3.0 us. Whole calls in the grid: median 1.1% faster,
    batch 1 up to 9%; rows below bf16 5 -> 3 (Qwen batch 1 / 4k group 32 0.97x -> 1.00x, SmolLM2
    batch 8 / 4k group 32 0.98x -> 1.03x).
+16. Key-group halves kept where a split runs one block unless one group per block gives >= 1.5x
+   the splits and <= 256 a row (`halves_split_gain`, `halves_max_splits`): old vs new rule in one
+   run (`decode_sweep_halves-rule-*.json`) Qwen batch 1 / 16k 12.58 -> 11.82 us, 32k 15.74 ->
+   15.06 us, batch 8 / 4k 14.09 -> 13.59 us, the Mistral rows within 0.1 us.
 
 ## Why the 5x / 3x targets are missed
 
-At 2.49x (graph time, this grid: 95.9 us at 2 bits against bf16's 239 us) the kernel moves ~1.6 TB/s, 0.38 of the 4.2 TB/s copy bandwidth: it is
+At 2.47x (graph time, this grid: 96.1 us at 2 bits against bf16's 238 us) the kernel moves ~1.6 TB/s, 0.38 of the 4.2 TB/s copy bandwidth: it is
 bound by instruction issue and latency, not memory. A 64-token block of one kv head costs one warp
 ~1,200 instructions (`scripts/compile_sm90.py`): the unpack's 256 LOP3 (one per pair of codes,
 the floor with 16-bit lanes) and ~125 PRMT, ~100 HMMA (64 of them the value products, whose 4 query
@@ -1272,7 +1276,7 @@ Python + two Triton launches per call vs a GPU time of 6-25 us (see the latency 
 capture of the decode step removes that (`GraphDecoder`, `e2e.md`).
 Group 32 (4-bit) costs 1.4x group 128 at batch 8 / 32k (step 13): two key folds per 64-token
 block instead of one every other block, and four value groups per head four scaled operands and
-accumulators per block instead of one; the grid's group-32 rows run at 0.88-1.54x of bf16
+accumulators per block instead of one; the grid's group-32 rows run at 0.92-1.56x of bf16
 (Mistral, Qwen shapes; the low end Qwen at batch 1), against a byte ratio of ~3.2x.
 """
 

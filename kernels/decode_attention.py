@@ -1399,9 +1399,9 @@ def _combine_kernel(
     until that grid has finished and its partials are visible before reading them.
 
     Program ``(row, c)`` merges channels ``[c * DB, (c + 1) * DB)`` of one row, S_BLOCK partials
-    at a time with a running max (one pass; :func:`_combine` picks the sizes). Splitting the channels over programs keeps the merge parallel when there are few
-    rows and many partials (batch 1: 32 rows x 256 splits), where one program per row was most of
-    the call's time.
+    at a time with a running max (one pass; :func:`_combine` picks the sizes). Splitting the
+    channels over programs keeps the merge parallel when there are few rows and many partials
+    (batch 1: 32 rows x 256 splits), where one program per row was most of the call's time.
     """
     if GDC:
         tl.extra.cuda.gdc_wait()

@@ -1435,7 +1435,7 @@ def _combine_kernel(
 
 
 def _combine(m_part, l_part, o_part, s_tot: int, out: torch.Tensor, lse: torch.Tensor | None = None,
-             pdl: bool = False) -> None:
+             pdl: bool = False, channels: int | None = None) -> None:
     """Launch :func:`_combine_kernel` over ``out`` (B, Hq, D) (float32, or the caller's 16-bit dtype:
     the merge runs in float32 and rounds once at the store) from ``s_tot`` partials per row.
     ``lse`` (B, Hq) float32, when given, receives each row's log-sum-exp. ``pdl``: launched as the
@@ -1447,10 +1447,13 @@ def _combine(m_part, l_part, o_part, s_tot: int, out: torch.Tensor, lse: torch.T
     rule (all partials in one step, <= 2048 values a program, 4 warps) read 8- or 16-byte pieces
     at the stride of a partial's row when partials were many: batch 1, Qwen2.5-1.5B shape (12 rows
     x 530 partials) 5.2 -> 3.4 us, Mistral-7B shape (32 x 258) 4.5 -> 2.8 us, batch 8 / 4k (96 x
-    130) 5.4 -> 3.0 us (CUDA-graph time of the combine alone)."""
+    130) 5.4 -> 3.0 us (CUDA-graph time of the combine alone). Under Triton's interpreter a
+    program takes all channels (its cost is per program and op, not per byte); ``channels``
+    forces the channels per program (tests)."""
     rows, d = out.shape[0] * out.shape[1], out.shape[2]
     s_block = min(128, max(16, triton.next_power_of_2(max(s_tot, 1))))  # partials per step
-    db = min(d, 16 if s_tot > 64 else 32)  # channels per program (head_dim is a power of two >= 16)
+    # channels per program (head_dim is a power of two >= 16)
+    db = channels or (d if _interpreting() else min(d, 16 if s_tot > 64 else 32))
     _COMBINE((rows, d // db), (m_part, l_part, o_part, max(s_tot, 1), out, out if lse is None else lse),
              {"D": d, "DB": db, "S_BLOCK": s_block, "STORE_LSE": lse is not None, "GDC": pdl, "num_warps": 1,
               **({"launch_pdl": True} if pdl else {})})

@@ -787,10 +787,11 @@ def _store_parts(bits_of_parts=((8, 8), (4, 4), (2, 2)), sizes=(16, 32, 48), see
     return q, parts
 
 
+@pytest.mark.parametrize("channels", [None, 16], ids=lambda c: f"channels{c}")
 @pytest.mark.parametrize("s_tot,d", [(1, 16), (5, 64), (64, 32), (65, 64), (300, 128)], ids=str)
-def test_combine_matches_a_float64_merge(s_tot, d):
+def test_combine_matches_a_float64_merge(s_tot, d, channels):
     """The split merge alone (any number of partials: one step, several steps of the running
-    max, channel blocks of 16 or 32) == sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s in
+    max; the launcher's channels per program, or 16) == sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s in
     float64; partials that saw nothing (m = -1e30, l = 0) add nothing; a row where nothing was
     visible is 0 with log-sum-exp -inf."""
     g = torch.Generator().manual_seed(s_tot)
@@ -802,7 +803,7 @@ def test_combine_matches_a_float64_merge(s_tot, d):
     m[2], l[2], acc[2] = -1.0e30, 0.0, 0.0  # a row with nothing visible
     out = torch.empty(rows, 1, d, device=DEVICE)  # (B=rows, Hq=1, D)
     lse = torch.empty(rows, 1, device=DEVICE)
-    da._combine(m.to(DEVICE), l.to(DEVICE), acc.to(DEVICE), s_tot, out, lse)
+    da._combine(m.to(DEVICE), l.to(DEVICE), acc.to(DEVICE), s_tot, out, lse, channels=channels)
     m64, l64, a64 = m.double(), l.double(), acc.double()
     w = torch.exp2(m64 - m64.amax(dim=1, keepdim=True)) * (l64 > 0)  # (ROWS, S)
     den = (w * l64).sum(dim=1)  # (ROWS,)

@@ -13,6 +13,8 @@
 #         combine     the split merge alone: the launcher's choice vs 27 others (combine_sweep.json)
 #         profile-calls  kernels/bench/profile_calls.py: per-kernel GPU time of one call at batch 1 (split,
 #                     merge) beside bf16 SDPA's kernels ($MODELS, $CTXS, $CFGS)
+#         ncu         kernels/bench/profile_ncu.py under Nsight Compute: the split kernel's sections and
+#                     SASS-level stall counters ($NCU_CASES; ncu_split.json; KV_NCU_KEEP=1: the report too)
 #         latency     GPU time (CUDA-graph replay) vs host time per call, small shapes
 #         splits      split-K parallelism sweep at batch 1/8 (CUDA-graph time); $KV_MODEL: another shape
 #         tune        tile/unpack/register-cap sweep at batch 1/8 (CUDA-graph time)
@@ -85,6 +87,19 @@ for st in $STAGES; do
     profile-calls)
       OUT="$OUT" timeout "${KV_PROFILE_TIMEOUT:-200}" $PY kernels/bench/profile_calls.py > "$OUT/profile_calls.log" 2>&1
       echo "profile-calls exit $?"; grep -v -i warn "$OUT/profile_calls.log" | tail -n 12 ;;
+    ncu)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+      timeout "${KV_NCU_TIMEOUT:-300}" "$NCU" --profile-from-start off -k regex:_decode_split_kernel --set full \
+        --import-source no --clock-control none -f -o "$OUT/ncu_split" $PY kernels/bench/profile_ncu.py \
+        > "$OUT/ncu.log" 2>&1
+      echo "ncu exit $?"; tail -n 5 "$OUT/ncu.log"
+      "$NCU" -i "$OUT/ncu_split.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
+      "$NCU" -i "$OUT/ncu_split.ncu-rep" --page raw --csv > "$OUT/ncu_raw.csv" 2>&1
+      "$NCU" -i "$OUT/ncu_split.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_source.csv" 2>&1
+      $PY kernels/bench/profile_ncu.py --summarize "$OUT" | tail -n 4
+      # the report and its exports are large: kept only with KV_NCU_KEEP=1 (ncu_split.json summarizes them)
+      [ "${KV_NCU_KEEP:-0}" = 1 ] || rm -f "$OUT/ncu_split.ncu-rep" "$OUT/ncu_raw.csv" "$OUT/ncu_source.csv" \
+        "$OUT/ncu_details.txt" "$OUT/ncu.log" ;;
     latency)
       timeout "${KV_LAT_TIMEOUT:-150}" $PY kernels/bench/bench_decode.py --mode latency ${KV_CONFIG:+--config "$KV_CONFIG"} \
         --out "$OUT" >> "$OUT/bench.log" 2>&1

@@ -564,14 +564,14 @@ def _scaled_p(p, vs_rows, row_ok, DOT_T: tl.constexpr):
 
 
 @triton.jit
-def _scaled_pt(p_t, vs_rows, row_ok, DOT_T: tl.constexpr):
-    """:func:`_scaled_p` on transposed probabilities: ``p * scale`` as DOT_T (BLOCK_N, R_PAD)."""
-    vs = tl.load(vs_rows, mask=row_ok, other=0.0).to(tl.float32)  # (BLOCK_N,)
-    return (p_t * vs[:, None]).to(DOT_T)
+def _scaled_pt(p_t, vs, DOT_T: tl.constexpr):
+    """:func:`_scaled_p` on transposed probabilities, scales loaded: ``p * scale`` as DOT_T
+    (BLOCK_N, R_PAD); vs (BLOCK_N,) each token's scale of the group (float16)."""
+    return (p_t * vs.to(tl.float32)[:, None]).to(DOT_T)
 
 
 @triton.jit
-def _v_group_product(acc, acc_hi, zacc, p_t, codes, codes_hi, vs_rows, row_ok, offs_z, G: tl.constexpr,
+def _v_group_product(acc, acc_hi, zacc, p_t, codes, codes_hi, vs, offs_z, G: tl.constexpr,
                      SHIFT: tl.constexpr, DOT_T: tl.constexpr, IEEE: tl.constexpr, LANES: tl.constexpr,
                      HI: tl.constexpr):
     """Value group G's codes (BLOCK_N, W) (a chunk of a plane lying in that group) into its
@@ -580,18 +580,17 @@ def _v_group_product(acc, acc_hi, zacc, p_t, codes, codes_hi, vs_rows, row_ok, o
     HI (value units): the group's high-byte codes ``codes_hi`` into ``acc_hi`` too. LANES (codes
     ``1024 + c * 2**SHIFT``; the accumulators are scaled by ``2**-SHIFT`` at the end): column G of
     zacc (VR, ZW) gets ``-1024 * 2**-SHIFT * sum_n (p * scale)`` from a product of the same rounded
-    operand with a constant tile (exact), not from a reduction across the warp. vs_rows (BLOCK_N,)
-    pointers to each token's scale of the group. Returns (acc, acc_hi, zacc)."""
-    return _v_scaled_product(acc, acc_hi, zacc, _p_times_scale(p_t, vs_rows, row_ok, DOT_T), codes, codes_hi,
+    operand with a constant tile (exact), not from a reduction across the warp. vs (BLOCK_N,) each
+    token's scale of the group (float16, loaded). Returns (acc, acc_hi, zacc)."""
+    return _v_scaled_product(acc, acc_hi, zacc, _p_times_scale(p_t, vs, DOT_T), codes, codes_hi,
                              offs_z, G, SHIFT, DOT_T, IEEE, LANES, HI)
 
 
 @triton.jit
-def _p_times_scale(p_t, vs_rows, row_ok, DOT_T: tl.constexpr):
+def _p_times_scale(p_t, vs, DOT_T: tl.constexpr):
     """``p * scale`` (VR, BLOCK_N) of one value group in the products' operand type, scaled there:
-    p_t (VR, BLOCK_N) DOT_T, vs_rows (BLOCK_N,) pointers to each token's scale of the group."""
-    vs = tl.load(vs_rows, mask=row_ok, other=0.0).to(DOT_T)  # (BLOCK_N,)
-    return p_t * vs[None, :]
+    p_t (VR, BLOCK_N) DOT_T, vs (BLOCK_N,) each token's scale of the group (float16, loaded)."""
+    return p_t * vs.to(DOT_T)[None, :]
 
 
 @triton.jit
@@ -622,21 +621,65 @@ def _lane_tile(offs_z, G: tl.constexpr, PV: tl.constexpr, V_GROUP: tl.constexpr,
 
 
 @triton.jit
-def _group_operand(prev, p_t, zsum, zacc, pt, vs_rows, vz_rows, row_ok, offs_z, G: tl.constexpr, G_PREV: tl.constexpr,
+def _group_operand(prev, p_t, zsum, zacc, pt, vs, vz, offs_z, G: tl.constexpr, G_PREV: tl.constexpr,
                    PV: tl.constexpr, V_GROUP: tl.constexpr, V_BITS: tl.constexpr, PLANES: tl.constexpr,
                    DOT_T: tl.constexpr, IEEE: tl.constexpr, LANES: tl.constexpr):
     """A folded value plane's ``p * scale`` operand (VR, BLOCK_N): the previous plane's ``prev``
     where both lie in group G, else built from p_t (VR, BLOCK_N) with group G's scales, its zero
     sum ``zsum + sum_n p * zero`` (a reduction of pt (BLOCK_N, VR)) and, LANES, its planes' 1024
-    terms into zacc by one product with :func:`_lane_tile`. vs_rows, vz_rows (BLOCK_N,) pointers
-    to each token's scale and zero of group G. Returns (operand, zsum, zacc)."""
+    terms into zacc by one product with :func:`_lane_tile`. vs, vz (BLOCK_N,) each token's scale
+    and zero of group G (float16, loaded). Returns (operand, zsum, zacc)."""
     b = prev
     if G != G_PREV:
-        b = _p_times_scale(p_t, vs_rows, row_ok, DOT_T)
-        zsum += tl.sum(pt * tl.load(vz_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None], axis=0)
+        b = _p_times_scale(p_t, vs, DOT_T)
+        zsum += tl.sum(pt * vz.to(tl.float32)[:, None], axis=0)
         if LANES:
             zacc = _dot(b, _lane_tile(offs_z, G, PV, V_GROUP, V_BITS, PLANES, pt.shape[0], DOT_T), zacc, IEEE)
     return b, zsum, zacc
+
+
+@triton.jit
+def _value_scales(vs_base, vz_base, vrows, row_ok, offs_z, G1: tl.constexpr, G2: tl.constexpr, G3: tl.constexpr,
+                  NACC: tl.constexpr, V_NCH: tl.constexpr):
+    """A block's per-token value scales and zeros (float16), loaded where the caller wants their
+    latency to start: (vs0, vz0, .., vs3, vz3, zt). Value-group accumulators (V_NCH > 1): vs g is
+    group g's scale (g < NACC) and zt (BLOCK_N, 16) every group's zero (column g); a folded layout:
+    vs s / vz s are plane s's group's (G1, G2, G3: groups of planes 1-3; one load per distinct
+    group). vrows (BLOCK_N,) each token's row offset, row_ok (BLOCK_N,) its mask."""
+    vs0 = tl.load(vs_base + vrows, mask=row_ok, other=0.0)  # (BLOCK_N,)
+    vz0 = tl.zeros_like(vs0)
+    vs1 = vs0
+    vz1 = vz0
+    vs2 = vs0
+    vz2 = vz0
+    vs3 = vs0
+    vz3 = vz0
+    zt = tl.zeros([vrows.shape[0], offs_z.shape[0]], vs0.dtype)  # (BLOCK_N, ZW)
+    if V_NCH > 1:
+        z_ok = row_ok[:, None] & (offs_z < NACC)[None, :]
+        zt = tl.load(vz_base + vrows[:, None] + offs_z[None, :], mask=z_ok, other=0.0)
+        vs1 = tl.load(vs_base + vrows + 1, mask=row_ok, other=0.0)
+        if NACC > 2:
+            vs2 = tl.load(vs_base + vrows + 2, mask=row_ok, other=0.0)
+            vs3 = tl.load(vs_base + vrows + 3, mask=row_ok, other=0.0)
+    else:
+        vz0 = tl.load(vz_base + vrows, mask=row_ok, other=0.0)
+        if G1 != 0:
+            vs1 = tl.load(vs_base + vrows + G1, mask=row_ok, other=0.0)
+            vz1 = tl.load(vz_base + vrows + G1, mask=row_ok, other=0.0)
+        else:
+            vz1 = vz0
+        vs2 = vs1
+        vz2 = vz1
+        if G2 != G1:
+            vs2 = tl.load(vs_base + vrows + G2, mask=row_ok, other=0.0)
+            vz2 = tl.load(vz_base + vrows + G2, mask=row_ok, other=0.0)
+        vs3 = vs2
+        vz3 = vz2
+        if G3 != G2:
+            vs3 = tl.load(vs_base + vrows + G3, mask=row_ok, other=0.0)
+            vz3 = tl.load(vz_base + vrows + G3, mask=row_ok, other=0.0)
+    return vs0, vz0, vs1, vz1, vs2, vz2, vs3, vz3, zt
 
 
 @triton.jit
@@ -797,7 +840,7 @@ def _decode_split_kernel(
     V_MEAN: tl.constexpr = 0, MASK_PACKED: tl.constexpr = True, HAS_KEEP: tl.constexpr = False,
     KEEP_BLOCK: tl.constexpr = 8, RESCALE: tl.constexpr = 8.0, V_NCH: tl.constexpr = 1, K_SUB: tl.constexpr = 1,
     GDC: tl.constexpr = False, V_UNITS: tl.constexpr = False, K_HALVES: tl.constexpr = False,
-    V_SUM_DOTS: tl.constexpr = False,
+    V_SUM_DOTS: tl.constexpr = False, V_EARLY: tl.constexpr = 0,
 ):
     if GDC:  # programmatic dependent launch: the combine kernel may be launched now (it waits for this grid)
         tl.extra.cuda.gdc_launch_dependents()
@@ -955,6 +998,11 @@ def _decode_split_kernel(
         qp2 = qp0
         qp3 = qp0
         kbias = tl.zeros([VR], tl.float32)
+        V_SCALED: tl.constexpr = (V_NCH > 1) | V_FOLD  # paths that take the scales from _value_scales
+        if V_SCALED & (V_EARLY == 2):  # the first block's value scales; each block loads the next one's
+            offs_x = start + tl.arange(0, BLOCK_N)
+            nvs0, nvz0, nvs1, nvz1, nvs2, nvz2, nvs3, nvz3, nzt = _value_scales(
+                vs_base, vz_base, offs_x * stride_vsn, offs_x < end, offs_z, G1, G2, G3, NACC, V_NCH)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             row_ok = offs_n < end
@@ -967,6 +1015,15 @@ def _decode_split_kernel(
                 in_blk = offs_n % KEEP_BLOCK
                 kbyte = tl.load(keep_base + (offs_n // KEEP_BLOCK) * KEEP_BYTES + in_blk // 8, mask=row_ok, other=0)
                 valid = valid & (((kbyte.to(tl.int32) >> (in_blk % 8)) & 1) != 0)
+            vrows = offs_n * stride_vsn  # (BLOCK_N,) each token's row of value scales / zeros
+            if V_SCALED & (V_EARLY == 1):  # issued before the key work, whose time hides their latency
+                vsc0, vze0, vsc1, vze1, vsc2, vze2, vsc3, vze3, zt = _value_scales(vs_base, vz_base, vrows, row_ok,
+                                                                                    offs_z, G1, G2, G3, NACC, V_NCH)
+            if V_SCALED & (V_EARLY == 2):  # loaded by the block before; issue the next block's
+                vsc0, vze0, vsc1, vze1, vsc2, vze2, vsc3, vze3, zt = nvs0, nvz0, nvs1, nvz1, nvs2, nvz2, nvs3, nvz3, nzt
+                offs_x = offs_n + BLOCK_N
+                nvs0, nvz0, nvs1, nvz1, nvs2, nvz2, nvs3, nvz3, nzt = _value_scales(
+                    vs_base, vz_base, offs_x * stride_vsn, offs_x < end, offs_z, G1, G2, G3, NACC, V_NCH)
             # ---- scores: all key planes from one (BLOCK_N, PK) byte tile
             if not K_HALVES:  # (halves load their own (BLOCK_N / 2, PK) tiles below)
                 kb = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_kw[None, :], mask=row_ok[:, None], other=0)
@@ -1078,7 +1135,9 @@ def _decode_split_kernel(
             # ---- values: all planes from one (BLOCK_N, PV) byte tile; the products take the
             # transposed probabilities back as their (VR, BLOCK_N) M operand
             offs_nv = n0 + offs_bn  # (BLOCK_N,) token of each loaded value row (see offs_bn)
-            vrows = offs_n * stride_vsn
+            if V_SCALED & (V_EARLY == 0):
+                vsc0, vze0, vsc1, vze1, vsc2, vze2, vsc3, vze3, zt = _value_scales(vs_base, vz_base, vrows, row_ok,
+                                                                                    offs_z, G1, G2, G3, NACC, V_NCH)
             if V_NCH > 1:
                 # value groups narrower than a plane: chunk c of the byte columns holds, in plane s,
                 # channels of group s * V_NCH + c only, so each (plane, chunk) tile folds its
@@ -1105,17 +1164,15 @@ def _decode_split_kernel(
                 # the probabilities, unscaled, as the products' operand (VR, BLOCK_N); the zero points
                 # of all groups in one product: column g of zacc += sum_n p * zero_g (asum stays 0)
                 p_t = tl.trans(pt.to(DOT_T))
-                z_ok = row_ok[:, None] & (offs_z < NACC)[None, :]
-                zt = tl.load(vz_base + vrows[:, None] + offs_z[None, :], mask=z_ok, other=0.0).to(DOT_T)  # (BLOCK_N, ZW)
-                zacc = _dot(p_t, zt, zacc, IEEE)
-                acc0, acc4, zacc = _v_group_product(acc0, acc4, zacc, p_t, u00, w00, vs_base + vrows, row_ok, offs_z,
+                zacc = _dot(p_t, zt.to(DOT_T), zacc, IEEE)  # zt (BLOCK_N, ZW): every group's zero
+                acc0, acc4, zacc = _v_group_product(acc0, acc4, zacc, p_t, u00, w00, vsc0, offs_z,
                                                     0, 0, DOT_T, IEEE, V_LANES, V_UNITS)
-                acc1, acc5, zacc = _v_group_product(acc1, acc5, zacc, p_t, u10, w10, vs_base + vrows + 1, row_ok,
+                acc1, acc5, zacc = _v_group_product(acc1, acc5, zacc, p_t, u10, w10, vsc1,
                                                     offs_z, 1, (1 // V_NCH) * V_BITS, DOT_T, IEEE, V_LANES, V_UNITS)
                 if PER_V > 1:  # (then V_NCH == 2)
-                    acc2, acc6, zacc = _v_group_product(acc2, acc6, zacc, p_t, u01, w01, vs_base + vrows + 2, row_ok,
+                    acc2, acc6, zacc = _v_group_product(acc2, acc6, zacc, p_t, u01, w01, vsc2,
                                                         offs_z, 2, V_BITS, DOT_T, IEEE, V_LANES, V_UNITS)
-                    acc3, acc7, zacc = _v_group_product(acc3, acc7, zacc, p_t, u11, w11, vs_base + vrows + 3, row_ok,
+                    acc3, acc7, zacc = _v_group_product(acc3, acc7, zacc, p_t, u11, w11, vsc3,
                                                         offs_z, 3, V_BITS, DOT_T, IEEE, V_LANES, V_UNITS)
                 elif V_NCH > 2:
                     if V_UNITS:
@@ -1130,9 +1187,9 @@ def _decode_split_kernel(
                                                     V_UNPACK)
                         w20 = u20
                         w30 = u30
-                    acc2, acc6, zacc = _v_group_product(acc2, acc6, zacc, p_t, u20, w20, vs_base + vrows + 2, row_ok,
+                    acc2, acc6, zacc = _v_group_product(acc2, acc6, zacc, p_t, u20, w20, vsc2,
                                                         offs_z, 2, 0, DOT_T, IEEE, V_LANES, V_UNITS)
-                    acc3, acc7, zacc = _v_group_product(acc3, acc7, zacc, p_t, u30, w30, vs_base + vrows + 3, row_ok,
+                    acc3, acc7, zacc = _v_group_product(acc3, acc7, zacc, p_t, u30, w30, vsc3,
                                                         offs_z, 3, 0, DOT_T, IEEE, V_LANES, V_UNITS)
             elif V_FOLD:
                 if V_UNITS:  # (BLOCK_N, PV / 2) int16 units (the launcher passes an int16 view), tokens in order
@@ -1157,25 +1214,25 @@ def _decode_split_kernel(
                     # product with a (BLOCK_N, 16) zero-point tile it took as many instructions
                     # (Mistral shape, groups 128: 2-bit 1,231 vs 1,227, 4-bit 1,352 vs 1,339 per 64 tokens)
                     p_t = tl.trans(pt.to(DOT_T))  # (VR, BLOCK_N)
-                    b0, zsum0, zacc = _group_operand(p_t, p_t, zsum0, zacc, pt, vs_base + vrows, vz_base + vrows,
-                                                     row_ok, offs_z, 0, -1, PV, V_GROUP, V_BITS, PER_V, DOT_T, IEEE,
+                    b0, zsum0, zacc = _group_operand(p_t, p_t, zsum0, zacc, pt, vsc0, vze0,
+                                                     offs_z, 0, -1, PV, V_GROUP, V_BITS, PER_V, DOT_T, IEEE,
                                                      V_LANES)  # (VR, BLOCK_N)
                     acc0, acc4, zacc = _v_scaled_product(acc0, acc4, zacc, b0, vcode0, vhi0, offs_z, 4, 0, DOT_T, IEEE,
                                                          False, V_UNITS)
                     if PER_V > 1:
-                        b1, zsum1, zacc = _group_operand(b0, p_t, zsum1, zacc, pt, vs_base + vrows + G1,
-                                                         vz_base + vrows + G1, row_ok, offs_z, G1, 0, PV, V_GROUP,
+                        b1, zsum1, zacc = _group_operand(b0, p_t, zsum1, zacc, pt, vsc1,
+                                                         vze1, offs_z, G1, 0, PV, V_GROUP,
                                                          V_BITS, PER_V, DOT_T, IEEE, V_LANES)
                         acc1, acc5, zacc = _v_scaled_product(acc1, acc5, zacc, b1, vcode1, vhi1, offs_z, 5, V_BITS,
                                                              DOT_T, IEEE, False, V_UNITS)
                     if PER_V > 2:
-                        b2, zsum2, zacc = _group_operand(b1, p_t, zsum2, zacc, pt, vs_base + vrows + G2,
-                                                         vz_base + vrows + G2, row_ok, offs_z, G2, G1, PV, V_GROUP,
+                        b2, zsum2, zacc = _group_operand(b1, p_t, zsum2, zacc, pt, vsc2,
+                                                         vze2, offs_z, G2, G1, PV, V_GROUP,
                                                          V_BITS, PER_V, DOT_T, IEEE, V_LANES)
                         acc2, acc6, zacc = _v_scaled_product(acc2, acc6, zacc, b2, vcode2, vhi2, offs_z, 6, 2 * V_BITS,
                                                              DOT_T, IEEE, False, V_UNITS)
-                        b3, zsum3, zacc = _group_operand(b2, p_t, zsum3, zacc, pt, vs_base + vrows + G3,
-                                                         vz_base + vrows + G3, row_ok, offs_z, G3, G2, PV, V_GROUP,
+                        b3, zsum3, zacc = _group_operand(b2, p_t, zsum3, zacc, pt, vsc3,
+                                                         vze3, offs_z, G3, G2, PV, V_GROUP,
                                                          V_BITS, PER_V, DOT_T, IEEE, V_LANES)
                         acc3, acc7, zacc = _v_scaled_product(acc3, acc7, zacc, b3, vcode3, vhi3, offs_z, 7, 3 * V_BITS,
                                                              DOT_T, IEEE, False, V_UNITS)
@@ -1183,8 +1240,8 @@ def _decode_split_kernel(
                     # plane s lies in value group (s * PV) // V_GROUP: (p * scale) is built once per group,
                     # and so is sum_n p * zero (added to every channel of the plane at the end);
                     # V_LANES: the plane's codes are 1024 + c * 2**shift, sum(p * scale) takes the 1024 out
-                    a0 = _scaled_pt(pt, vs_base + vrows, row_ok, DOT_T)  # (BLOCK_N, VR)
-                    zsum0 += tl.sum(pt * tl.load(vz_base + vrows, mask=row_ok, other=0.0).to(tl.float32)[:, None], axis=0)
+                    a0 = _scaled_pt(pt, vsc0, DOT_T)  # (BLOCK_N, VR)
+                    zsum0 += tl.sum(pt * vze0.to(tl.float32)[:, None], axis=0)
                     acc0 = _dot(tl.trans(a0), vcode0, acc0, IEEE)
                     if V_UNITS:
                         acc4 = _dot(tl.trans(a0), vhi0, acc4, IEEE)
@@ -1194,9 +1251,8 @@ def _decode_split_kernel(
                     if PER_V > 1:
                         a1 = a0
                         if G1 != 0:
-                            a1 = _scaled_pt(pt, vs_base + vrows + G1, row_ok, DOT_T)
-                            zsum1 += tl.sum(pt * tl.load(vz_base + vrows + G1, mask=row_ok, other=0.0).to(tl.float32)[:, None],
-                                            axis=0)
+                            a1 = _scaled_pt(pt, vsc1, DOT_T)
+                            zsum1 += tl.sum(pt * vze1.to(tl.float32)[:, None], axis=0)
                         acc1 = _dot(tl.trans(a1), vcode1, acc1, IEEE)
                         if V_UNITS:
                             acc5 = _dot(tl.trans(a1), vhi1, acc5, IEEE)
@@ -1208,17 +1264,15 @@ def _decode_split_kernel(
                     if PER_V > 2:
                         a2 = a1
                         if G2 != G1:
-                            a2 = _scaled_pt(pt, vs_base + vrows + G2, row_ok, DOT_T)
-                            zsum2 += tl.sum(pt * tl.load(vz_base + vrows + G2, mask=row_ok, other=0.0).to(tl.float32)[:, None],
-                                            axis=0)
+                            a2 = _scaled_pt(pt, vsc2, DOT_T)
+                            zsum2 += tl.sum(pt * vze2.to(tl.float32)[:, None], axis=0)
                         acc2 = _dot(tl.trans(a2), vcode2, acc2, IEEE)
                         if V_UNITS:
                             acc6 = _dot(tl.trans(a2), vhi2, acc6, IEEE)
                         a3 = a2
                         if G3 != G2:
-                            a3 = _scaled_pt(pt, vs_base + vrows + G3, row_ok, DOT_T)
-                            zsum3 += tl.sum(pt * tl.load(vz_base + vrows + G3, mask=row_ok, other=0.0).to(tl.float32)[:, None],
-                                            axis=0)
+                            a3 = _scaled_pt(pt, vsc3, DOT_T)
+                            zsum3 += tl.sum(pt * vze3.to(tl.float32)[:, None], axis=0)
                         acc3 = _dot(tl.trans(a3), vcode3, acc3, IEEE)
                         if V_UNITS:
                             acc7 = _dot(tl.trans(a3), vhi3, acc7, IEEE)
@@ -1579,6 +1633,20 @@ class DecodeConfig:
       shortest calls (batch 1 / 4k: Qwen shape 4-bit group 32 8.2 -> 7.5 us, 2-bit 6.5 -> 6.0 us;
       ``decode_sweep_pdl-*.json``), nothing at 16k and beyond or at batch 8, and whole CUDA-graph
       decode steps were no faster (``profile_step.json``, within the runs' noise).
+    - ``early_value_scales``: where each block's per-token value scales and zeros load (16-bit
+      loads, too narrow for Triton's asynchronous copies, so never pipelined): 0 where the value
+      products use them, just after the softmax; 1 (default) at the top of the block, before the
+      key work, whose time hides their latency; 2 one block ahead (loop-carried). Same arithmetic,
+      so the same result (the CPU test checks exact equality). Nsight Compute on an H200
+      (``kernels/bench/profile_ncu.py``, ``gpu_bench.sh ncu``; ``artifacts/bench/ncu_split*.json``)
+      put 17% of the 2-bit loop's warp stall samples on their first use at 0 (waiting on DRAM,
+      two warps per scheduler to hide it). On an H200 (``decode_sweep_early2-*.json``, one run,
+      CUDA-graph time) 0 -> 1: Mistral shape batch 8 / 32k 2-bit 90.9 -> 81.5 us, 4-bit 109.2 ->
+      100.1 us, groups 32 158.3 -> 144.6 us, batch 1 / 32k 2-bit 17.6 -> 16.1 us; Qwen shape batch 1
+      group 32 16k / 32k 11.8 -> 11.2 / 15.1 -> 14.7 us. 2: within 1.5% of 1 at batch 8, slower at
+      batch 1 group 32 (Mistral 32k 26.0 -> 27.4 us, Qwen 16k 11.2 -> 11.6 us). Loading the next
+      key group's scales a block ahead as well (folded after the block's key product) measured no
+      faster (81.3 -> 82.4 us, ``decode_sweep_early-keys-mistral.json``) and was not kept.
     """
 
     block_n: int = 64
@@ -1603,6 +1671,7 @@ class DecodeConfig:
     value_sum_products: bool | None = None
     halves_split_gain: float = 1.5
     halves_max_splits: int = 256
+    early_value_scales: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):
@@ -1633,6 +1702,8 @@ class DecodeConfig:
             raise ValueError(f"halves_split_gain must be > 0, got {self.halves_split_gain!r}")
         if not isinstance(self.halves_max_splits, int) or self.halves_max_splits < 1:
             raise ValueError(f"halves_max_splits must be a positive int, got {self.halves_max_splits!r}")
+        if self.early_value_scales not in (0, 1, 2):
+            raise ValueError(f"early_value_scales must be 0, 1 or 2, got {self.early_value_scales!r}")
         if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
             raise ValueError(f"num_splits must be None or a positive int, got {self.num_splits!r}")
 
@@ -2226,7 +2297,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)), V_NCH=v_chunks,
                 K_SUB=k_sub,
                 GDC=config.pdl and _pdl_available(dev), V_UNITS=v_units, K_HALVES=k_halves,
-                V_SUM_DOTS=bool(v_sum_dots),
+                V_SUM_DOTS=bool(v_sum_dots), V_EARLY=int(config.early_value_scales),
                 num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config))
     return _SplitCall(bsz * h, s_tot, args, meta)
 

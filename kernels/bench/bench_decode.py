@@ -191,7 +191,9 @@ def sweep_configs():
 def cfg_dict(c) -> dict:
     return {k: getattr(c, k) for k in ("block_n", "num_warps", "num_stages", "unpack", "programs_per_sm", "whole_waves",
                                        "num_splits", "fp_block", "min_split_blocks", "min_splits", "min_rows", "maxnreg",
-                                       "value_chunks", "key_group_pairs", "pdl", "value_units")}
+                                       "value_chunks", "key_group_pairs", "pdl", "value_units", "key_group_halves",
+                                       "value_sum_products", "early_value_scales", "early_key_scales")
+            if hasattr(c, k)}  # (fields of older checkouts' configs only)
 
 
 def run_sweep(dev, meta, quick=False) -> dict:
@@ -1254,11 +1256,17 @@ NOTES = """
    the splits and <= 256 a row (`halves_split_gain`, `halves_max_splits`): old vs new rule in one
    run (`decode_sweep_halves-rule-*.json`) Qwen batch 1 / 16k 12.58 -> 11.82 us, 32k 15.74 ->
    15.06 us, batch 8 / 4k 14.09 -> 13.59 us, the Mistral rows within 0.1 us.
+17. Each block's per-token value scales and zeros loaded at the top of the block, before the key
+   work (`early_value_scales`): Nsight Compute (`ncu_split_before.json`) put 17% of the 2-bit
+   loop's stall samples on their first use, right after the softmax; off -> on in one run
+   (`decode_sweep_early2-*.json`) Mistral batch 8 / 32k 2-bit 90.9 -> 81.5 us, 4-bit 109.2 ->
+   100.1 us, groups 32 158.3 -> 144.6 us; issue 37% -> 44% busy (`ncu_split.json`).
 
 ## Why the 5x / 3x targets are missed
 
-At 2.47x (graph time, this grid: 96.1 us at 2 bits against bf16's 238 us) the kernel moves ~1.6 TB/s, 0.38 of the 4.2 TB/s copy bandwidth: it is
-bound by instruction issue and latency, not memory. A 64-token block of one kv head costs one warp
+At 3.04x (graph time, this grid: 80.6 us at 2 bits against bf16's 245 us) the kernel moves ~1.9 TB/s, 0.45 of the 4.3 TB/s copy bandwidth: it is
+bound by instruction issue and latency, not memory (Nsight Compute, `ncu_split.json`: the
+schedulers issue on 44% of cycles, 2 warps each). A 64-token block of one kv head costs one warp
 ~1,200 instructions (`scripts/compile_sm90.py`): the unpack's 256 LOP3 (one per pair of codes,
 the floor with 16-bit lanes) and ~125 PRMT, ~100 HMMA (64 of them the value products, whose 4 query
 rows are padded to 16-row MMA tiles), ~90 register moves, ~350 softmax and scale-sum
@@ -1276,7 +1284,7 @@ Python + two Triton launches per call vs a GPU time of 6-25 us (see the latency 
 capture of the decode step removes that (`GraphDecoder`, `e2e.md`).
 Group 32 (4-bit) costs 1.4x group 128 at batch 8 / 32k (step 13): two key folds per 64-token
 block instead of one every other block, and four value groups per head four scaled operands and
-accumulators per block instead of one; the grid's group-32 rows run at 0.92-1.56x of bf16
+accumulators per block instead of one; the grid's group-32 rows run at 0.90-1.71x of bf16
 (Mistral, Qwen shapes; the low end Qwen at batch 1), against a byte ratio of ~3.2x.
 """
 

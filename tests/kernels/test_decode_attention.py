@@ -184,6 +184,34 @@ def test_value_sum_products_match_reductions(case):
     assert float((out - check(args, kw, cfg)).abs().max()) < 2e-3
 
 
+@pytest.mark.parametrize("case", [
+    dict(d=128, k_bits=2, v_bits=2, v_group=128, k_group=32), dict(d=128, k_bits=2, v_bits=2, v_group=64, k_group=16),
+    dict(d=128, k_bits=4, v_bits=4, v_group=128, k_group=64), dict(d=128, k_bits=4, v_bits=4, v_group=32, k_group=32),
+    dict(d=64, k_bits=8, v_bits=8, v_group=32, k_group=32), dict(d=128, k_bits=2, v_bits=2, v_group=128, k_group=32,
+                                                                  start=True),
+], ids=["2b-g128", "2b-g64", "4b-g128", "4b-g32", "d64-8b-g32", "2b-range"])
+@pytest.mark.parametrize("when", [1, 2], ids=["top", "ahead"])
+def test_early_value_scales_match_loads_at_use(case, when):
+    """Per-token value scales and zeros loaded at the top of each block, before the key work, or
+    by the block before (``DecodeConfig.early_value_scales`` 1 / 2), give the loads-at-use result exactly and pass the
+    tolerance rule: value groups per head, per plane (2-bit g64) and per chunk (value-group
+    accumulators: 4-bit g32, 8-bit g32), folded sums by products and by reductions (4-bit g128),
+    splits and a packed range starting inside a key group."""
+    case = dict(case)
+    start = case.pop("start", False)
+    args, kw = make_case(dtype=torch.float16, b=2, h=2, rep=3, n=192, **case)
+    if start:
+        kw["packed_start"] = torch.tensor([0, 40], device=DEVICE)
+    early = replace(SMALL, unpack=6, num_splits=4, early_value_scales=when)  # 12 blocks of 16: splits at 0, 48, 96, 144
+    late = replace(early, early_value_scales=0)
+    part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
+    meta = da._prepare(args[0], **part, config=early).meta
+    assert meta["V_EARLY"] == when and meta["K_FOLD"] and (meta["V_FOLD"] or meta["V_NCH"] > 1)
+    assert not da._prepare(args[0], **part, config=late).meta["V_EARLY"]
+    out = check(args, kw, early)
+    assert torch.equal(out, check(args, kw, late))
+
+
 def test_value_sum_products_default_rule():
     """By default the products take the lane terms of 2-bit folded values with one key group per
     block only (where they measured faster); not at 4 / 8 bits nor with two key groups per block."""
@@ -273,6 +301,8 @@ def test_config_rejects_bad_rows_and_register_caps():
         da.DecodeConfig(halves_split_gain=0)
     with pytest.raises(ValueError, match="halves_max_splits"):
         da.DecodeConfig(halves_max_splits=0)
+    with pytest.raises(ValueError, match="early_value_scales"):
+        da.DecodeConfig(early_value_scales=3)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3], ids=lambda s: f"splits{s}")

@@ -14,7 +14,8 @@ this measures what an eager caller gets. Modes (``--mode``):
      architecture at the Mistral-7B, Qwen2.5-1.5B and SmolLM2-135M shapes: layers, hidden, MLP,
      heads, kv heads, head_dim, vocab), batch 1, contexts ``--contexts``: transformers
      ``DynamicCache`` (bf16, SDPA) vs ``CompressedCache`` (2-bit, key group 128, value group
-     ``min(128, head_dim)``, window 128) eager,
+     ``min(128, head_dim)``, window 128) eager (each after a warm-up pass of the same steps on the
+     same cache: a first pass ran up to 1.6x slower, the allocator and first launches in it),
      and the compressed cache replayed from CUDA graphs (``GraphDecoder``). Tokens/s over steps
      3.. (synchronised per step).
   Writes ``host.json`` (``--tag`` names the run: the same script run over an older checkout
@@ -133,6 +134,7 @@ def eager_steps(dev, contexts, steps: int, graphs: bool = True, done=lambda rows
             model.set_attn_implementation("sdpa")
             cache = DynamicCache(config=model.config)
             fill_dynamic(cache, n_layers, 1, kv, ctx, d, dev)
+            decode_steps(model, cache, 1, steps, vocab, dev)  # warm-up pass (allocator, first launches)
             res["bf16_eager_tok_s"] = tps(decode_steps(model, cache, 1, steps, vocab, dev))
             del cache
 
@@ -143,7 +145,10 @@ def eager_steps(dev, contexts, steps: int, graphs: bool = True, done=lambda rows
                 fill_compressed(c, 1, ctx, dev)
                 return c
 
-            res["kvcalib_eager_tok_s"] = tps(decode_steps(model, packed(), 1, steps, vocab, dev))
+            warm = packed()
+            decode_steps(model, warm, 1, steps, vocab, dev)  # warm-up pass, as for bf16
+            res["kvcalib_eager_tok_s"] = tps(decode_steps(model, warm, 1, steps, vocab, dev))
+            del warm
             if graphs:
                 times = []
                 tok = torch.randint(0, vocab, (1, 1), device=dev)

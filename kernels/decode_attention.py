@@ -1646,7 +1646,9 @@ class DecodeConfig:
       group 32 16k / 32k 11.8 -> 11.2 / 15.1 -> 14.7 us. 2: within 1.5% of 1 at batch 8, slower at
       batch 1 group 32 (Mistral 32k 26.0 -> 27.4 us, Qwen 16k 11.2 -> 11.6 us). Loading the next
       key group's scales a block ahead as well (folded after the block's key product) measured no
-      faster (81.3 -> 82.4 us, ``decode_sweep_early-keys-mistral.json``) and was not kept.
+      faster (81.3 -> 82.4 us, ``decode_sweep_early-keys-mistral.json``), nor did issuing each key
+      group's parameters at the top of its block and folding them after the codes' unpack
+      (within -0.7% / +1.3%, ``decode_sweep_earlyk-*.json``); neither was kept.
     """
 
     block_n: int = 64

@@ -1649,6 +1649,16 @@ class DecodeConfig:
       faster (81.3 -> 82.4 us, ``decode_sweep_early-keys-mistral.json``), nor did issuing each key
       group's parameters at the top of its block and folding them after the codes' unpack
       (within -0.7% / +1.3%, ``decode_sweep_earlyk-*.json``); neither was kept.
+    - ``deep_pipeline_blocks``: one more pipeline stage (``num_stages`` + 1: the code tiles of
+      two blocks ahead in flight, not one) where every packed split runs at least this many
+      blocks, with one key group per block, one value accumulator per plane and no TaDA means.
+      With two stages the next block's copies are issued at the end of a block and waited for at
+      the top of the next, a few hundred instructions later: Nsight Compute put 7% of the 2-bit
+      loop's stall samples on that wait (``ncu_split.json``). On an H200
+      (``decode_sweep_stages-*.json``, 2 -> 3 stages in one run, CUDA-graph time): Mistral shape
+      batch 8 / 32k (32 blocks per split) 2-bit 81.0 -> 78.4 us, 4-bit 99.6 -> 95.8 us; batch 1 /
+      32k (4 blocks per split) 1.5-4% slower, Qwen batch 1 0.2-1.5% slower; groups 32 (halves,
+      value-group accumulators) 1.3-1.6x slower (the rule leaves them out). None: never.
     """
 
     block_n: int = 64
@@ -1674,6 +1684,7 @@ class DecodeConfig:
     halves_split_gain: float = 1.5
     halves_max_splits: int = 256
     early_value_scales: int = 1
+    deep_pipeline_blocks: int | None = 16
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):
@@ -1704,6 +1715,9 @@ class DecodeConfig:
             raise ValueError(f"halves_split_gain must be > 0, got {self.halves_split_gain!r}")
         if not isinstance(self.halves_max_splits, int) or self.halves_max_splits < 1:
             raise ValueError(f"halves_max_splits must be a positive int, got {self.halves_max_splits!r}")
+        if self.deep_pipeline_blocks is not None and (not isinstance(self.deep_pipeline_blocks, int)
+                                                      or self.deep_pipeline_blocks < 1):
+            raise ValueError(f"deep_pipeline_blocks must be None or a positive int, got {self.deep_pipeline_blocks!r}")
         if self.early_value_scales not in (0, 1, 2):
             raise ValueError(f"early_value_scales must be 0, 1 or 2, got {self.early_value_scales!r}")
         if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
@@ -2300,7 +2314,10 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 K_SUB=k_sub,
                 GDC=config.pdl and _pdl_available(dev), V_UNITS=v_units, K_HALVES=k_halves,
                 V_SUM_DOTS=bool(v_sum_dots), V_EARLY=int(config.early_value_scales),
-                num_warps=config.num_warps, num_stages=config.num_stages, **_reg_cap(config))
+                num_warps=config.num_warps, num_stages=_stages(config, split_size // block_n if splits else 0,
+                                                               k_fold and k_sub == 1 and v_chunks == 1
+                                                               and not means[0][0] and not means[1][0]),
+                **_reg_cap(config))
     return _SplitCall(bsz * h, s_tot, args, meta)
 
 
@@ -2327,6 +2344,14 @@ def _run(q: torch.Tensor, calls: list[_SplitCall | None], return_lse: bool, out_
 
 
 _SPLIT = FastLauncher(_decode_split_kernel)
+
+
+def _stages(config: DecodeConfig, blocks_per_split: int, plain_fold: bool) -> int:
+    """Pipeline stages of the split kernel: ``num_stages``, one more where every packed split runs
+    at least ``deep_pipeline_blocks`` blocks of a layout folding one key group per block with one
+    value accumulator per plane and no TaDA means (``plain_fold``): see DecodeConfig."""
+    deep = config.deep_pipeline_blocks
+    return config.num_stages + (deep is not None and plain_fold and blocks_per_split >= deep)
 
 
 def _check_q(q) -> torch.Tensor:

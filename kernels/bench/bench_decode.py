@@ -1261,10 +1261,15 @@ NOTES = """
    loop's stall samples on their first use, right after the softmax; off -> on in one run
    (`decode_sweep_early2-*.json`) Mistral batch 8 / 32k 2-bit 90.9 -> 81.5 us, 4-bit 109.2 ->
    100.1 us, groups 32 158.3 -> 144.6 us; issue 37% -> 44% busy (`ncu_split.json`).
+18. A third pipeline stage where every split runs >= 16 blocks of a layout with one key group per
+   block (`deep_pipeline_blocks`): the next block's code tiles were copied at the end of a block
+   and waited for a few hundred instructions later (7% of the stall samples); 2 -> 3 stages in one
+   run (`decode_sweep_stages-*.json`) batch 8 / 32k 2-bit 81.0 -> 78.4 us, 4-bit 99.6 -> 95.8 us,
+   slower with short splits and with groups 32, which the rule leaves out.
 
 ## Why the 5x / 3x targets are missed
 
-At 3.04x (graph time, this grid: 80.6 us at 2 bits against bf16's 245 us) the kernel moves ~1.9 TB/s, 0.45 of the 4.3 TB/s copy bandwidth: it is
+At 3.11x (graph time, this grid: 78.4 us at 2 bits against bf16's 244 us) the kernel moves ~2.0 TB/s, 0.46 of the 4.3 TB/s copy bandwidth: it is
 bound by instruction issue and latency, not memory (Nsight Compute, `ncu_split.json`: the
 schedulers issue on 44% of cycles, 2 warps each). A 64-token block of one kv head costs one warp
 ~1,200 instructions (`scripts/compile_sm90.py`): the unpack's 256 LOP3 (one per pair of codes,
@@ -1284,7 +1289,7 @@ Python + two Triton launches per call vs a GPU time of 6-25 us (see the latency 
 capture of the decode step removes that (`GraphDecoder`, `e2e.md`).
 Group 32 (4-bit) costs 1.4x group 128 at batch 8 / 32k (step 13): two key folds per 64-token
 block instead of one every other block, and four value groups per head four scaled operands and
-accumulators per block instead of one; the grid's group-32 rows run at 0.90-1.71x of bf16
+accumulators per block instead of one; the grid's group-32 rows run at 0.94-1.71x of bf16
 (Mistral, Qwen shapes; the low end Qwen at batch 1), against a byte ratio of ~3.2x.
 """
 

@@ -212,6 +212,40 @@ def test_early_value_scales_match_loads_at_use(case, when):
     assert torch.equal(out, check(args, kw, late))
 
 
+def test_deep_pipeline_rule():
+    """One more pipeline stage only where every split runs >= deep_pipeline_blocks blocks of a
+    layout folding one key group per block, one value accumulator per plane, no TaDA means."""
+    cfg = replace(SMALL, unpack=6)
+    assert da._stages(cfg, 16, True) == cfg.num_stages + 1 and da._stages(cfg, 15, True) == cfg.num_stages
+    assert da._stages(cfg, 64, False) == cfg.num_stages
+    assert da._stages(replace(cfg, deep_pipeline_blocks=None), 64, True) == cfg.num_stages
+
+    def stages(config, **case):
+        args, kw = make_case(k_bits=2, dtype=torch.float16, b=1, h=2, rep=2, n=512, d=128, **case)
+        part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
+        return da._prepare(args[0], **part, config=config).meta["num_stages"]
+
+    one = replace(cfg, num_splits=1)  # 32 blocks of 16 tokens in the split
+    assert stages(one, v_bits=2, k_group=16, v_group=128) == cfg.num_stages + 1
+    assert stages(replace(cfg, num_splits=8), v_bits=2, k_group=16, v_group=128) == cfg.num_stages  # 4 blocks
+    assert stages(one, v_bits=4, k_group=16, v_group=32) == cfg.num_stages  # value-group accumulators
+    assert stages(replace(one, deep_pipeline_blocks=None), v_bits=2, k_group=16, v_group=128) == cfg.num_stages
+
+
+@requires_cuda
+@pytest.mark.parametrize("v_bits", [2, 4])
+def test_deep_pipeline_matches_two_stages(v_bits):
+    """The extra pipeline stage changes when code tiles arrive, not the arithmetic: on the GPU the
+    result equals the two-stage kernel's bit for bit (splits of 32 blocks of 64 tokens)."""
+    args, kw = make_case(k_bits=v_bits, v_bits=v_bits, dtype=torch.bfloat16, b=2, h=2, rep=4, n=4096, d=128,
+                         k_group=128, v_group=128)
+    deep = da.DecodeConfig(num_splits=2)
+    part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
+    assert da._prepare(args[0], **part, config=deep).meta["num_stages"] == deep.num_stages + 1
+    out = check(args, kw, deep)
+    assert torch.equal(out, da.decode_attention(*args, **kw, config=replace(deep, deep_pipeline_blocks=None)))
+
+
 def test_value_sum_products_default_rule():
     """By default the products take the lane terms of 2-bit folded values with one key group per
     block only (where they measured faster); not at 4 / 8 bits nor with two key groups per block."""
@@ -303,6 +337,8 @@ def test_config_rejects_bad_rows_and_register_caps():
         da.DecodeConfig(halves_max_splits=0)
     with pytest.raises(ValueError, match="early_value_scales"):
         da.DecodeConfig(early_value_scales=3)
+    with pytest.raises(ValueError, match="deep_pipeline_blocks"):
+        da.DecodeConfig(deep_pipeline_blocks=0)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3], ids=lambda s: f"splits{s}")

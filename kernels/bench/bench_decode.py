@@ -1258,12 +1258,12 @@ NOTES = """
    15.06 us, batch 8 / 4k 14.09 -> 13.59 us, the Mistral rows within 0.1 us.
 17. Each block's per-token value scales and zeros loaded at the top of the block, before the key
    work (`early_value_scales`): Nsight Compute (`ncu_split_before.json`) put 17% of the 2-bit
-   loop's stall samples on their first use, right after the softmax; off -> on in one run
+   kernel's stall samples on their first uses, right after the softmax; off -> on in one run
    (`decode_sweep_early2-*.json`) Mistral batch 8 / 32k 2-bit 90.9 -> 81.5 us, 4-bit 109.2 ->
-   100.1 us, groups 32 158.3 -> 144.6 us; issue 37% -> 44% busy (`ncu_split.json`).
+   100.1 us, groups 32 158.3 -> 144.6 us; issue 37% -> 44.5% busy (`ncu_split.json`).
 18. A third pipeline stage where every split runs >= 16 blocks of a layout with one key group per
    block (`deep_pipeline_blocks`): the next block's code tiles were copied at the end of a block
-   and waited for a few hundred instructions later (7% of the stall samples); 2 -> 3 stages in one
+   and waited for a few hundred instructions later (8.1% of the stall samples); 2 -> 3 stages in one
    run (`decode_sweep_stages-*.json`) batch 8 / 32k 2-bit 81.0 -> 78.4 us, 4-bit 99.6 -> 95.8 us,
    slower with short splits and with groups 32, which the rule leaves out.
 
@@ -1271,7 +1271,7 @@ NOTES = """
 
 At 3.11x (graph time, this grid: 78.4 us at 2 bits against bf16's 244 us) the kernel moves ~2.0 TB/s, 0.46 of the 4.3 TB/s copy bandwidth: it is
 bound by instruction issue and latency, not memory (Nsight Compute, `ncu_split.json`: the
-schedulers issue on 44% of cycles, 2 warps each). A 64-token block of one kv head costs one warp
+schedulers issue on 44.5% of cycles, 2 warps each, before step 18). A 64-token block of one kv head costs one warp
 ~1,200 instructions (`scripts/compile_sm90.py`): the unpack's 256 LOP3 (one per pair of codes,
 the floor with 16-bit lanes) and ~125 PRMT, ~100 HMMA (64 of them the value products, whose 4 query
 rows are padded to 16-row MMA tiles), ~90 register moves, ~350 softmax and scale-sum

@@ -8,7 +8,8 @@ at 2 and 4 bits, group 128) after a warm-up, each between ``cudaProfilerStart`` 
 counters (stall reasons per instruction) under ``$OUT``; ``--summarize DIR`` reads those exports
 (``ncu_raw.csv``, ``ncu_source.csv``) and writes ``DIR/ncu_split.json``: per profiled call its
 duration, occupancy, issue rate, the warp stall reasons per issued instruction, and the SASS
-instructions of the main loop with the most stall samples.
+instructions with the most stall samples, in the main loop and in the whole kernel (with how
+often each ran: a key group's fold runs every other block, outside the loop's most-run lines).
 
     ncu --profile-from-start off -k regex:_decode_split_kernel --set full --clock-control none \\
         -o $OUT/split python kernels/bench/profile_ncu.py
@@ -71,8 +72,8 @@ def summarize(out: Path) -> dict:
 
 
 def _source_kernels(path: Path) -> list[dict]:
-    """Per profiled call: the main loop (the instructions executed most often) and its SASS
-    instructions with the most warp stall samples."""
+    """Per profiled call: the main loop (the instructions executed most often) and the SASS
+    instructions with the most warp stall samples, in it and in the whole kernel."""
     kernels, cur, header = [], None, None
     for row in csv.reader(path.open()):
         if row and row[0] == "Kernel Name":
@@ -92,15 +93,19 @@ def _source_kernels(path: Path) -> list[dict]:
         total = sum(val(r, "Warp Stall Sampling (All Samples)") for r in rows)
         in_loop = sum(val(r, "Warp Stall Sampling (All Samples)") for r in loop)
         reasons = [n for n in header if n.startswith("stall_") and "(Not Issued)" not in n]
-        top = sorted(loop, key=lambda r: -val(r, "Warp Stall Sampling (All Samples)"))[:10]
+
+        def top(lines):
+            lines = sorted(lines, key=lambda r: -val(r, "Warp Stall Sampling (All Samples)"))[:10]
+            return [{
+                "sass": r[header["Source"]].strip(), "executions": int(val(r, "Instructions Executed")),
+                "share_of_samples": round(val(r, "Warp Stall Sampling (All Samples)") / max(total, 1), 4),
+                "reasons": {n[6:]: int(val(r, n)) for n in reasons if val(r, n) >= 0.1 * val(
+                    r, "Warp Stall Sampling (All Samples)") and val(r, n) > 0}} for r in lines]
+
         out.append({
             "loop_instructions": len(loop), "loop_executions": loop_count,
             "stall_samples": total, "stall_samples_in_loop": in_loop,
-            "top_loop_instructions": [{
-                "sass": r[header["Source"]].strip(),
-                "share_of_samples": round(val(r, "Warp Stall Sampling (All Samples)") / max(total, 1), 4),
-                "reasons": {n[6:]: int(val(r, n)) for n in reasons if val(r, n) >= 0.1 * val(
-                    r, "Warp Stall Sampling (All Samples)") and val(r, n) > 0}} for r in top],
+            "top_loop_instructions": top(loop), "top_instructions": top(rows),
         })
     return out
 

@@ -1639,7 +1639,7 @@ class DecodeConfig:
       key work, whose time hides their latency; 2 one block ahead (loop-carried). Same arithmetic,
       so the same result (the CPU test checks exact equality). Nsight Compute on an H200
       (``kernels/bench/profile_ncu.py``, ``gpu_bench.sh ncu``; ``artifacts/bench/ncu_split*.json``)
-      put 17% of the 2-bit loop's warp stall samples on their first use at 0 (waiting on DRAM,
+      put 17% of the 2-bit kernel's warp stall samples on their first uses at 0 (waiting on DRAM,
       two warps per scheduler to hide it). On an H200 (``decode_sweep_early2-*.json``, one run,
       CUDA-graph time) 0 -> 1: Mistral shape batch 8 / 32k 2-bit 90.9 -> 81.5 us, 4-bit 109.2 ->
       100.1 us, groups 32 158.3 -> 144.6 us, batch 1 / 32k 2-bit 17.6 -> 16.1 us; Qwen shape batch 1
@@ -1653,8 +1653,8 @@ class DecodeConfig:
       two blocks ahead in flight, not one) where every packed split runs at least this many
       blocks, with one key group per block, one value accumulator per plane and no TaDA means.
       With two stages the next block's copies are issued at the end of a block and waited for at
-      the top of the next, a few hundred instructions later: Nsight Compute put 7% of the 2-bit
-      loop's stall samples on that wait (``ncu_split.json``). On an H200
+      the top of the next, a few hundred instructions later: Nsight Compute put 8.1% of the 2-bit
+      kernel's stall samples on that wait (``ncu_split.json``). On an H200
       (``decode_sweep_stages-*.json``, 2 -> 3 stages in one run, CUDA-graph time): Mistral shape
       batch 8 / 32k (32 blocks per split) 2-bit 81.0 -> 78.4 us, 4-bit 99.6 -> 95.8 us; batch 1 /
       32k (4 blocks per split) 1.5-4% slower, Qwen batch 1 0.2-1.5% slower; groups 32 (halves,
@@ -2303,6 +2303,9 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
             splits, split_size, n_f1, n_f2,
             qk_scale, cap,
             h)
+    # a third pipeline stage for long splits of the plain folded layout (DecodeConfig.deep_pipeline_blocks)
+    plain_fold = k_fold and k_sub == 1 and v_chunks == 1 and not means[0][0] and not means[1][0]
+    stages = _stages(config, split_size // block_n if splits else 0, plain_fold)
     meta = dict(R=rep, R_PAD=r_pad, D=d,
                 K_BITS=k_bits, V_BITS=v_bits, PK=pk, PV=pv, K_GROUP=k_group, V_GROUP=v_group,
                 K_FOLD=k_fold, V_FOLD=v_fold,
@@ -2314,10 +2317,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 K_SUB=k_sub,
                 GDC=config.pdl and _pdl_available(dev), V_UNITS=v_units, K_HALVES=k_halves,
                 V_SUM_DOTS=bool(v_sum_dots), V_EARLY=int(config.early_value_scales),
-                num_warps=config.num_warps, num_stages=_stages(config, split_size // block_n if splits else 0,
-                                                               k_fold and k_sub == 1 and v_chunks == 1
-                                                               and not means[0][0] and not means[1][0]),
-                **_reg_cap(config))
+                num_warps=config.num_warps, num_stages=stages, **_reg_cap(config))
     return _SplitCall(bsz * h, s_tot, args, meta)
 
 

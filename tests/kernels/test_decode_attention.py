@@ -326,19 +326,12 @@ def test_small_row_tiles(rep, min_rows):
     check(args, kw, da.DecodeConfig(block_n=16, fp_block=16, min_rows=min_rows))
 
 
-def test_config_rejects_bad_rows_and_register_caps():
-    with pytest.raises(ValueError, match="min_rows"):
-        da.DecodeConfig(min_rows=3)
-    with pytest.raises(ValueError, match="maxnreg"):
-        da.DecodeConfig(maxnreg=300)
-    with pytest.raises(ValueError, match="halves_split_gain"):
-        da.DecodeConfig(halves_split_gain=0)
-    with pytest.raises(ValueError, match="halves_max_splits"):
-        da.DecodeConfig(halves_max_splits=0)
-    with pytest.raises(ValueError, match="early_value_scales"):
-        da.DecodeConfig(early_value_scales=3)
-    with pytest.raises(ValueError, match="deep_pipeline_blocks"):
-        da.DecodeConfig(deep_pipeline_blocks=0)
+@pytest.mark.parametrize("field,bad", [("min_rows", 3), ("maxnreg", 300), ("halves_split_gain", 0),
+                                       ("halves_max_splits", 0), ("early_value_scales", 3),
+                                       ("deep_pipeline_blocks", 0)])
+def test_config_rejects_bad_values(field, bad):
+    with pytest.raises(ValueError, match=field):
+        da.DecodeConfig(**{field: bad})
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3], ids=lambda s: f"splits{s}")

@@ -23,6 +23,8 @@
 #         fitted      cost of SKVQ permutations / TaDA means in the kernel (CUDA-graph time)
 #         groups      cost of key / value groups of 32 (value-group accumulators vs per element)
 #         huffman     kernels/bench/bench_huffman.py (entropy-coded decode and fused attention)
+#         accuracy    kernels/bench/bench_accuracy.py: the kernel's error vs the float32 reference on
+#                     outlier-channel keys, beside PyTorch's float16 / bfloat16 (accuracy.json)
 #         host        kernels/bench/bench_host.py: host time per attention call and eager vs graph decode
 #                     steps at batch 1 (random-weight models of the three shapes)
 #         profile     kernels/bench/profile_step.py: the kernels of a CUDA-graph decode step (Mistral-7B and
@@ -131,6 +133,9 @@ for st in $STAGES; do
     huffman)
       timeout "${KV_HUFF_TIMEOUT:-200}" $PY kernels/bench/bench_huffman.py --out "$OUT" > "$OUT/huffman.log" 2>&1
       echo "huffman exit $?"; tail -n 20 "$OUT/huffman.log" ;;
+    accuracy)
+      timeout "${KV_ACC_TIMEOUT:-150}" $PY kernels/bench/bench_accuracy.py --out "$OUT" > "$OUT/accuracy.log" 2>&1
+      echo "accuracy exit $?"; tail -n 3 "$OUT/accuracy.log" ;;
     e2e-smoke)
       timeout "${KV_E2E_TIMEOUT:-90}" $PY kernels/bench/bench_decode.py --mode e2e --quick --steps 6 --batches-bf16 2 \
         --batches-packed 2 --out "$OUT/smoke" > "$OUT/e2e_smoke.log" 2>&1

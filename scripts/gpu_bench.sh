@@ -128,7 +128,7 @@ for st in $STAGES; do
       timeout "${KV_FITTED_TIMEOUT:-200}" $PY kernels/bench/bench_decode.py --mode fitted --out "$OUT" > "$OUT/fitted.log" 2>&1
       echo "fitted exit $?"; grep -E "^  b=|Error" "$OUT/fitted.log" ;;
     groups)
-      timeout "${KV_GROUPS_TIMEOUT:-200}" $PY kernels/bench/bench_decode.py --mode groups --out "$OUT" > "$OUT/groups.log" 2>&1
+      timeout "${KV_GROUPS_TIMEOUT:-420}" $PY kernels/bench/bench_decode.py --mode groups --out "$OUT" > "$OUT/groups.log" 2>&1
       echo "groups exit $?"; grep -E "^  b=|Error" "$OUT/groups.log" ;;
     huffman)
       timeout "${KV_HUFF_TIMEOUT:-200}" $PY kernels/bench/bench_huffman.py --out "$OUT" > "$OUT/huffman.log" 2>&1

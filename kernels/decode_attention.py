@@ -1659,6 +1659,13 @@ class DecodeConfig:
       batch 8 / 32k (32 blocks per split) 2-bit 81.0 -> 78.4 us, 4-bit 99.6 -> 95.8 us; batch 1 /
       32k (4 blocks per split) 1.5-4% slower, Qwen batch 1 0.2-1.5% slower; groups 32 (halves,
       value-group accumulators) 1.3-1.6x slower (the rule leaves them out). None: never.
+      Layouts of <= 4 bits only, and ``early_value_scales`` only for values of <= 4 bits: at 8 bits
+      the groups table (``decode_groups.json``, Mistral batch 8 / 32k) went 156 -> 192 us (group
+      128), 209 -> 259 us (groups 32) and 307 -> 457 us (key pairs) across the two changes, and the
+      sm_90 compile (``scripts/compile_sm90.py``, Triton 3.9) shows why: three stages of 8-bit code
+      tiles take 52 KB of shared memory per program against 36 KB with two (4 instead of 6 programs
+      fit an SM), and the early scales of 8-bit value groups 28.7 KB against 27.1 KB (groups 32) and
+      26.6 KB (pairs), past the 28.2 KB at which 8 programs fit.
     """
 
     block_n: int = 64
@@ -2303,9 +2310,13 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
             splits, split_size, n_f1, n_f2,
             qk_scale, cap,
             h)
-    # a third pipeline stage for long splits of the plain folded layout (DecodeConfig.deep_pipeline_blocks)
-    plain_fold = k_fold and k_sub == 1 and v_chunks == 1 and not means[0][0] and not means[1][0]
+    # a third pipeline stage for long splits of the plain folded layout at <= 4 bits, and the
+    # value scales loaded early for values of <= 4 bits (DecodeConfig.deep_pipeline_blocks,
+    # early_value_scales: at 8 bits either one takes shared memory that fewer programs per SM share)
+    plain_fold = (k_fold and k_sub == 1 and v_chunks == 1 and not means[0][0] and not means[1][0]
+                  and max(k_bits, v_bits) <= 4)
     stages = _stages(config, split_size // block_n if splits else 0, plain_fold)
+    v_early = int(config.early_value_scales) if v_bits <= 4 else 0
     meta = dict(R=rep, R_PAD=r_pad, D=d,
                 K_BITS=k_bits, V_BITS=v_bits, PK=pk, PV=pv, K_GROUP=k_group, V_GROUP=v_group,
                 K_FOLD=k_fold, V_FOLD=v_fold,
@@ -2316,7 +2327,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)), V_NCH=v_chunks,
                 K_SUB=k_sub,
                 GDC=config.pdl and _pdl_available(dev), V_UNITS=v_units, K_HALVES=k_halves,
-                V_SUM_DOTS=bool(v_sum_dots), V_EARLY=int(config.early_value_scales),
+                V_SUM_DOTS=bool(v_sum_dots), V_EARLY=v_early,
                 num_warps=config.num_warps, num_stages=stages, **_reg_cap(config))
     return _SplitCall(bsz * h, s_tot, args, meta)
 
@@ -2348,8 +2359,8 @@ _SPLIT = FastLauncher(_decode_split_kernel)
 
 def _stages(config: DecodeConfig, blocks_per_split: int, plain_fold: bool) -> int:
     """Pipeline stages of the split kernel: ``num_stages``, one more where every packed split runs
-    at least ``deep_pipeline_blocks`` blocks of a layout folding one key group per block with one
-    value accumulator per plane and no TaDA means (``plain_fold``): see DecodeConfig."""
+    at least ``deep_pipeline_blocks`` blocks of a layout of <= 4 bits folding one key group per
+    block with one value accumulator per plane and no TaDA means (``plain_fold``): see DecodeConfig."""
     deep = config.deep_pipeline_blocks
     return config.num_stages + (deep is not None and plain_fold and blocks_per_split >= deep)
 

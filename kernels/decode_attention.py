@@ -2313,9 +2313,9 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     # a third pipeline stage for long splits of the plain folded layout at <= 4 bits, and the
     # value scales loaded early for values of <= 4 bits (DecodeConfig.deep_pipeline_blocks,
     # early_value_scales: at 8 bits either one takes shared memory that fewer programs per SM share)
-    plain_fold = (k_fold and k_sub == 1 and v_chunks == 1 and not means[0][0] and not means[1][0]
-                  and max(k_bits, v_bits) <= 4)
-    stages = _stages(config, split_size // block_n if splits else 0, plain_fold)
+    deep_layout = (k_fold and k_sub == 1 and v_chunks == 1 and not means[0][0] and not means[1][0]
+                   and max(k_bits, v_bits) <= 4)
+    stages = _stages(config, split_size // block_n if splits else 0, deep_layout)
     v_early = int(config.early_value_scales) if v_bits <= 4 else 0
     meta = dict(R=rep, R_PAD=r_pad, D=d,
                 K_BITS=k_bits, V_BITS=v_bits, PK=pk, PV=pv, K_GROUP=k_group, V_GROUP=v_group,
@@ -2357,12 +2357,12 @@ def _run(q: torch.Tensor, calls: list[_SplitCall | None], return_lse: bool, out_
 _SPLIT = FastLauncher(_decode_split_kernel)
 
 
-def _stages(config: DecodeConfig, blocks_per_split: int, plain_fold: bool) -> int:
+def _stages(config: DecodeConfig, blocks_per_split: int, deep_layout: bool) -> int:
     """Pipeline stages of the split kernel: ``num_stages``, one more where every packed split runs
-    at least ``deep_pipeline_blocks`` blocks of a layout of <= 4 bits folding one key group per
-    block with one value accumulator per plane and no TaDA means (``plain_fold``): see DecodeConfig."""
+    at least ``deep_pipeline_blocks`` blocks of a layout that takes it (``deep_layout``: <= 4 bits,
+    one key group folded per block, one value accumulator per plane, no TaDA means): see DecodeConfig."""
     deep = config.deep_pipeline_blocks
-    return config.num_stages + (deep is not None and plain_fold and blocks_per_split >= deep)
+    return config.num_stages + (deep is not None and deep_layout and blocks_per_split >= deep)
 
 
 def _check_q(q) -> torch.Tensor:

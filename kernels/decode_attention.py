@@ -65,16 +65,16 @@ Arithmetic (what keeps the per-code work small):
   split programs.
 
 Performance status (H200, ``artifacts/bench/decode_attention.md``, CUDA-graph time): Mistral-7B
-shape, 32k, batch 8: 2.5x over the fastest bf16 SDPA at 2 bits, 2.2x at 4 bits, 1.5x at 4 bits
+shape, 32k, batch 8: 3.5x over the fastest bf16 SDPA at 2 bits, 2.7x at 4 bits, 1.7x at 4 bits
 group 32 (values in per-group accumulators, two key groups per block in halves); batch 1 GPU time
-1.2-2.0x at 4k-32k on the three benchmark shapes (``decode_latency.json``; the Qwen shape at 4-bit
-group 32 stays 0.85-0.98x in the grid); OTT pools cost 1.0-1.15x plain, TaDA means 2.5-3.3x
-(every kv head's program reads the shared mean and runs a full-width product with it;
-``decode_fitted.json``); PATS tier stores (:func:`decode_attention_parts`, one split launch per
-store, one combine) 1.2x plain at batch 8 / 32k. The key products run transposed (the block's
-tokens are the MMA rows, the GQA group's query rows its N); the value products take the
-transposed probabilities back as their M operand and read value codes as int16 units
-(``ldmatrix.trans``); the kernel is bound by instruction issue, not by memory.
+1.35-2.5x at 4k-32k on the three benchmark shapes (``decode_latency.json``); every row of the grid
+faster than bf16 (the Qwen shape at 4-bit group 32, batch 1, the closest: 1.02-1.06x); OTT pools
+cost 1.24x plain, TaDA means 4.3x (every kv head's program reads the shared mean and runs a
+full-width product with it; ``decode_fitted.json``); PATS tier stores
+(:func:`decode_attention_parts`, one split launch per store, one combine) 1.26x plain at batch 8 /
+32k. Both products run transposed: the key product's M rows are the block's tokens and the value
+product's the channels (value codes read as int16 units, loaded as a (units, tokens) tile), the
+GQA group's query rows the small N of both; the kernel is bound by instruction issue, not by memory.
 """
 
 from __future__ import annotations
@@ -639,6 +639,67 @@ def _group_operand(prev, p_t, zsum, zacc, pt, vs, vz, offs_z, G: tl.constexpr, G
 
 
 @triton.jit
+def _lane_tile_t(offs_z, G: tl.constexpr, PV: tl.constexpr, V_GROUP: tl.constexpr, V_BITS: tl.constexpr,
+                 PLANES: tl.constexpr, BLOCK_N: tl.constexpr, DOT_T: tl.constexpr):
+    """:func:`_lane_tile` transposed, (ZW, BLOCK_N): the M operand of a transposed lane product."""
+    s = offs_z - 4  # (ZW,) plane of each row
+    on = (s >= 0) & (s < PLANES) & ((s * PV) // V_GROUP == G)
+    e = tl.where(on, -1024.0 * tl.exp2(-(s * V_BITS).to(tl.float32)), 0.0).to(DOT_T)  # (ZW,)
+    return tl.broadcast_to(e[:, None], (offs_z.shape[0], BLOCK_N))
+
+
+@triton.jit
+def _group_operand_t(prev, pd, zsum, zacc_t, pt, vs, vz, offs_z, G: tl.constexpr, G_PREV: tl.constexpr,
+                     PV: tl.constexpr, V_GROUP: tl.constexpr, V_BITS: tl.constexpr, PLANES: tl.constexpr,
+                     DOT_T: tl.constexpr, IEEE: tl.constexpr, LANES: tl.constexpr):
+    """:func:`_group_operand` for transposed value products (``DecodeConfig.value_products_t``):
+    the operand is ``p * scale`` as (BLOCK_N, VR), the probabilities in the key products' output
+    orientation (no transposition of p), and the lane terms go into zacc_t (ZW, VR) by a product
+    with the transposed constant tile. pd (BLOCK_N, VR) the probabilities as DOT_T, pt the same
+    float32. Returns (operand, zsum, zacc_t)."""
+    b = prev
+    if G != G_PREV:
+        b = pd * vs.to(DOT_T)[:, None]  # (BLOCK_N, VR)
+        zsum += tl.sum(pt * vz.to(tl.float32)[:, None], axis=0)
+        if LANES:
+            zacc_t = _dot(_lane_tile_t(offs_z, G, PV, V_GROUP, V_BITS, PLANES, pt.shape[0], DOT_T), b, zacc_t,
+                          IEEE)
+    return b, zsum, zacc_t
+
+
+@triton.jit
+def _v_product_t(acc_t, acc_hi_t, a, codes_t, codes_hi_t, IEEE: tl.constexpr, HI: tl.constexpr):
+    """Transposed value product: ``acc_t + codes_t @ a`` with a (BLOCK_N, VR) = p * scale and
+    codes_t (W, BLOCK_N) (a tile loaded transposed), acc_t (W, VR): the channels are the MMA's M
+    rows and the few query rows only its N (padded to 8, not to 16 as an M); HI (value units): the
+    high bytes' codes into acc_hi_t too. Returns (acc_t, acc_hi_t)."""
+    acc_t = _dot(codes_t, a, acc_t, IEEE)
+    if HI:
+        acc_hi_t = _dot(codes_hi_t, a, acc_hi_t, IEEE)
+    return acc_t, acc_hi_t
+
+
+@triton.jit
+def _v_fold_product(acc, a, codes, IEEE: tl.constexpr, T: tl.constexpr):
+    """A folded value plane's product with a (BLOCK_N, VR) = p * scale: ``acc + a^T @ codes``
+    (codes (BLOCK_N, W), acc (VR, W)), or with T ``acc + codes @ a`` (codes loaded transposed,
+    (W, BLOCK_N); acc (W, VR); :func:`_v_product_t`)."""
+    if T:
+        return _dot(codes, a, acc, IEEE)
+    else:
+        return _dot(tl.trans(a), codes, acc, IEEE)
+
+
+@triton.jit
+def _row_scaled(x, alpha, T: tl.constexpr):
+    """x * alpha per query row: x (VR, W), or (W, VR) when T (transposed accumulators)."""
+    if T:
+        return x * alpha[None, :]
+    else:
+        return x * alpha[:, None]
+
+
+@triton.jit
 def _value_scales(vs_base, vz_base, vrows, row_ok, offs_z, G1: tl.constexpr, G2: tl.constexpr, G3: tl.constexpr,
                   NACC: tl.constexpr, V_NCH: tl.constexpr):
     """A block's per-token value scales and zeros (float16), loaded where the caller wants their
@@ -840,7 +901,7 @@ def _decode_split_kernel(
     V_MEAN: tl.constexpr = 0, MASK_PACKED: tl.constexpr = True, HAS_KEEP: tl.constexpr = False,
     KEEP_BLOCK: tl.constexpr = 8, RESCALE: tl.constexpr = 8.0, V_NCH: tl.constexpr = 1, K_SUB: tl.constexpr = 1,
     GDC: tl.constexpr = False, V_UNITS: tl.constexpr = False, K_HALVES: tl.constexpr = False,
-    V_SUM_DOTS: tl.constexpr = False, V_EARLY: tl.constexpr = 0,
+    V_SUM_DOTS: tl.constexpr = False, V_EARLY: tl.constexpr = 0, V_T: tl.constexpr = False,
 ):
     if GDC:  # programmatic dependent launch: the combine kernel may be launched now (it waits for this grid)
         tl.extra.cuda.gdc_launch_dependents()
@@ -970,20 +1031,26 @@ def _decode_split_kernel(
 
         m_i = tl.full([VR], -1.0e30, tl.float32)  # finite: a fully masked block keeps alpha = 1
         l_i = tl.zeros([VR], tl.float32)
-        acc0 = tl.zeros([VR, AW], tl.float32)  # one accumulator per value plane (or group, NACC)
-        acc1 = tl.zeros([VR, AW], tl.float32)
-        acc2 = tl.zeros([VR, AW], tl.float32)
-        acc3 = tl.zeros([VR, AW], tl.float32)
-        acc4 = tl.zeros([VR, AW], tl.float32)  # V_UNITS: the high bytes' halves of planes 0..3
-        acc5 = tl.zeros([VR, AW], tl.float32)
-        acc6 = tl.zeros([VR, AW], tl.float32)
-        acc7 = tl.zeros([VR, AW], tl.float32)
+        # V_T (transposed value products, DecodeConfig.value_products_t): the accumulators are
+        # (AW, VR), channels as the MMA's M rows, transposed back once after the loop
+        tl.static_assert((not V_T) or (V_FOLD & V_UNITS & (V_NCH == 1) & (V_MEAN == 0)),
+                         "transposed value products: folded planes read as units, one value group each, no mean")
+        AR: tl.constexpr = AW if V_T else VR  # accumulator shape (AR, AC)
+        AC: tl.constexpr = VR if V_T else AW
+        acc0 = tl.zeros([AR, AC], tl.float32)  # one accumulator per value plane (or group, NACC)
+        acc1 = tl.zeros([AR, AC], tl.float32)
+        acc2 = tl.zeros([AR, AC], tl.float32)
+        acc3 = tl.zeros([AR, AC], tl.float32)
+        acc4 = tl.zeros([AR, AC], tl.float32)  # V_UNITS: the high bytes' halves of planes 0..3
+        acc5 = tl.zeros([AR, AC], tl.float32)
+        acc6 = tl.zeros([AR, AC], tl.float32)
+        acc7 = tl.zeros([AR, AC], tl.float32)
         # value groups narrower than a plane (V_NCH > 1): column g = group g's sum_n p * zero (and,
         # V_LANES, its 1024 term), accumulated by products (ZW: tl.dot's smallest N); folded planes
         # with V_PLANE_LANES: column 4 + s = plane s's 1024 term (see _lane_tile)
         ZW: tl.constexpr = 16
         offs_z = tl.arange(0, ZW)
-        zacc = tl.zeros([VR, ZW], tl.float32)
+        zacc = tl.zeros([ZW, VR] if V_T else [VR, ZW], tl.float32)  # (V_T: transposed)
         zsum0 = tl.zeros([VR], tl.float32)  # sum_n p * zero of value accumulator s's group (fold path)
         zsum1 = zsum0
         zsum2 = zsum0
@@ -1100,21 +1167,21 @@ def _decode_split_kernel(
             if tl.max(m_new - m_i, axis=0) > RESCALE:
                 alpha = tl.exp2(m_i - m_new)
                 l_i = l_i * alpha
-                acc0 = acc0 * alpha[:, None]
+                acc0 = _row_scaled(acc0, alpha, V_T)
                 if NACC > 1:
-                    acc1 = acc1 * alpha[:, None]
+                    acc1 = _row_scaled(acc1, alpha, V_T)
                 if NACC > 2:
-                    acc2 = acc2 * alpha[:, None]
-                    acc3 = acc3 * alpha[:, None]
+                    acc2 = _row_scaled(acc2, alpha, V_T)
+                    acc3 = _row_scaled(acc3, alpha, V_T)
                 if V_UNITS:
-                    acc4 = acc4 * alpha[:, None]
+                    acc4 = _row_scaled(acc4, alpha, V_T)
                     if NACC > 1:
-                        acc5 = acc5 * alpha[:, None]
+                        acc5 = _row_scaled(acc5, alpha, V_T)
                     if NACC > 2:
-                        acc6 = acc6 * alpha[:, None]
-                        acc7 = acc7 * alpha[:, None]
+                        acc6 = _row_scaled(acc6, alpha, V_T)
+                        acc7 = _row_scaled(acc7, alpha, V_T)
                 if V_ZACC:
-                    zacc = zacc * alpha[:, None]
+                    zacc = _row_scaled(zacc, alpha, V_T)
                 if V_FOLD:
                     zsum0 = zsum0 * alpha
                     zsum1 = zsum1 * alpha
@@ -1133,7 +1200,8 @@ def _decode_split_kernel(
             pt = tl.exp2(scores - m_i[None, :])  # (BLOCK_N, VR), transposed; masked -> 0
             l_i = l_i + tl.sum(pt, axis=0)
             # ---- values: all planes from one (BLOCK_N, PV) byte tile; the products take the
-            # transposed probabilities back as their (VR, BLOCK_N) M operand
+            # transposed probabilities back as their (VR, BLOCK_N) M operand, or with V_T (units)
+            # the (PV / 2, BLOCK_N) unit tile's planes are the M operand and pt (BLOCK_N, VR) the N
             offs_nv = n0 + offs_bn  # (BLOCK_N,) token of each loaded value row (see offs_bn)
             if V_SCALED & (V_EARLY == 0):
                 vsc0, vze0, vsc1, vze1, vsc2, vze2, vsc3, vze3, zt = _value_scales(vs_base, vz_base, vrows, row_ok,
@@ -1194,8 +1262,12 @@ def _decode_split_kernel(
             elif V_FOLD:
                 if V_UNITS:  # (BLOCK_N, PV / 2) int16 units (the launcher passes an int16 view), tokens in order
                     offs_u = tl.arange(0, PV // 2)
-                    vu = tl.load(vc_base + offs_n[:, None] * stride_vcn + offs_u[None, :], mask=row_ok[:, None],
-                                 other=0)
+                    if V_T:  # loaded transposed, (PV / 2, BLOCK_N): the planes are the products' M operand as is
+                        vu = tl.load(vc_base + offs_u[:, None] + offs_n[None, :] * stride_vcn, mask=row_ok[None, :],
+                                     other=0)
+                    else:
+                        vu = tl.load(vc_base + offs_n[:, None] * stride_vcn + offs_u[None, :], mask=row_ok[:, None],
+                                     other=0)
                     vcode0, vhi0, vcode1, vhi1, vcode2, vhi2, vcode3, vhi3 = _unit_planes(vu, V_BITS, V_UNPACK)
                 else:
                     vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_vw[None, :],
@@ -1205,7 +1277,24 @@ def _decode_split_kernel(
                     vhi1 = vcode1
                     vhi2 = vcode2
                     vhi3 = vcode3
-                if V_SUM_DOTS:
+                if V_SUM_DOTS & V_T:
+                    # as below, transposed: acc s (AW, VR) += codes^T @ (p * scale) (BLOCK_N, VR)
+                    pd = pt.to(DOT_T)  # (BLOCK_N, VR)
+                    b0, zsum0, zacc = _group_operand_t(pd, pd, zsum0, zacc, pt, vsc0, vze0, offs_z, 0, -1, PV,
+                                                       V_GROUP, V_BITS, PER_V, DOT_T, IEEE, V_LANES)
+                    acc0, acc4 = _v_product_t(acc0, acc4, b0, vcode0, vhi0, IEEE, V_UNITS)
+                    if PER_V > 1:
+                        b1, zsum1, zacc = _group_operand_t(b0, pd, zsum1, zacc, pt, vsc1, vze1, offs_z, G1, 0, PV,
+                                                           V_GROUP, V_BITS, PER_V, DOT_T, IEEE, V_LANES)
+                        acc1, acc5 = _v_product_t(acc1, acc5, b1, vcode1, vhi1, IEEE, V_UNITS)
+                    if PER_V > 2:
+                        b2, zsum2, zacc = _group_operand_t(b1, pd, zsum2, zacc, pt, vsc2, vze2, offs_z, G2, G1, PV,
+                                                           V_GROUP, V_BITS, PER_V, DOT_T, IEEE, V_LANES)
+                        acc2, acc6 = _v_product_t(acc2, acc6, b2, vcode2, vhi2, IEEE, V_UNITS)
+                        b3, zsum3, zacc = _group_operand_t(b2, pd, zsum3, zacc, pt, vsc3, vze3, offs_z, G3, G2, PV,
+                                                           V_GROUP, V_BITS, PER_V, DOT_T, IEEE, V_LANES)
+                        acc3, acc7 = _v_product_t(acc3, acc7, b3, vcode3, vhi3, IEEE, V_UNITS)
+                elif V_SUM_DOTS:
                     # plane s lies in value group Gs = (s * PV) // V_GROUP: the probabilities change
                     # layout once and (p * scale) is built once per group, in the products' operand;
                     # V_LANES: column 4 + s of zacc gets plane s's 1024 term from one product per
@@ -1242,9 +1331,9 @@ def _decode_split_kernel(
                     # V_LANES: the plane's codes are 1024 + c * 2**shift, sum(p * scale) takes the 1024 out
                     a0 = _scaled_pt(pt, vsc0, DOT_T)  # (BLOCK_N, VR)
                     zsum0 += tl.sum(pt * vze0.to(tl.float32)[:, None], axis=0)
-                    acc0 = _dot(tl.trans(a0), vcode0, acc0, IEEE)
+                    acc0 = _v_fold_product(acc0, a0, vcode0, IEEE, V_T)
                     if V_UNITS:
-                        acc4 = _dot(tl.trans(a0), vhi0, acc4, IEEE)
+                        acc4 = _v_fold_product(acc4, a0, vhi0, IEEE, V_T)
                     if V_LANES:
                         sa0 = tl.sum(a0.to(tl.float32), axis=0)
                         asum0 += sa0
@@ -1253,9 +1342,9 @@ def _decode_split_kernel(
                         if G1 != 0:
                             a1 = _scaled_pt(pt, vsc1, DOT_T)
                             zsum1 += tl.sum(pt * vze1.to(tl.float32)[:, None], axis=0)
-                        acc1 = _dot(tl.trans(a1), vcode1, acc1, IEEE)
+                        acc1 = _v_fold_product(acc1, a1, vcode1, IEEE, V_T)
                         if V_UNITS:
-                            acc5 = _dot(tl.trans(a1), vhi1, acc5, IEEE)
+                            acc5 = _v_fold_product(acc5, a1, vhi1, IEEE, V_T)
                         if V_LANES:
                             sa1 = sa0
                             if G1 != 0:
@@ -1266,16 +1355,16 @@ def _decode_split_kernel(
                         if G2 != G1:
                             a2 = _scaled_pt(pt, vsc2, DOT_T)
                             zsum2 += tl.sum(pt * vze2.to(tl.float32)[:, None], axis=0)
-                        acc2 = _dot(tl.trans(a2), vcode2, acc2, IEEE)
+                        acc2 = _v_fold_product(acc2, a2, vcode2, IEEE, V_T)
                         if V_UNITS:
-                            acc6 = _dot(tl.trans(a2), vhi2, acc6, IEEE)
+                            acc6 = _v_fold_product(acc6, a2, vhi2, IEEE, V_T)
                         a3 = a2
                         if G3 != G2:
                             a3 = _scaled_pt(pt, vsc3, DOT_T)
                             zsum3 += tl.sum(pt * vze3.to(tl.float32)[:, None], axis=0)
-                        acc3 = _dot(tl.trans(a3), vcode3, acc3, IEEE)
+                        acc3 = _v_fold_product(acc3, a3, vcode3, IEEE, V_T)
                         if V_UNITS:
-                            acc7 = _dot(tl.trans(a3), vhi3, acc7, IEEE)
+                            acc7 = _v_fold_product(acc7, a3, vhi3, IEEE, V_T)
                         if V_LANES:
                             sa2 = sa1
                             if G2 != G1:
@@ -1323,6 +1412,16 @@ def _decode_split_kernel(
                                 _mean_tile(vm_rows, vc2, row_ok, V_MEAN, DOT_T), acc2, IEEE)
                     acc3 = _dot(tl.trans((pm * (1 << (3 * V_BITS)) if V_LANES else pm).to(DOT_T)),
                                 _mean_tile(vm_rows, vc3, row_ok, V_MEAN, DOT_T), acc3, IEEE)
+        if V_T:  # the transposed accumulators back to (VR, AW), (VR, ZW)
+            acc0 = tl.trans(acc0)
+            acc1 = tl.trans(acc1)
+            acc2 = tl.trans(acc2)
+            acc3 = tl.trans(acc3)
+            acc4 = tl.trans(acc4)
+            acc5 = tl.trans(acc5)
+            acc6 = tl.trans(acc6)
+            acc7 = tl.trans(acc7)
+            zacc = tl.trans(zacc)
         if V_LANES:  # codes were 1024 + c * 2**(plane * V_BITS): remove both (exact scalings)
             acc0 = acc0 - 1024.0 * asum0[:, None]
             if NACC > 1:
@@ -1666,6 +1765,21 @@ class DecodeConfig:
       tiles take 52 KB of shared memory per program against 36 KB with two (4 instead of 6 programs
       fit an SM), and the early scales of 8-bit value groups 28.7 KB against 27.1 KB (groups 32) and
       26.6 KB (pairs), past the 28.2 KB at which 8 programs fit.
+    - ``value_products_t``: the value products of folded planes read as int16 units (one value
+      group per plane) run transposed, ``acc^T (channels, rows) += codes^T @ (p * scale)``: the
+      value codes are loaded as a (units, tokens) tile, so the unpacked planes are the MMA's M
+      operand as they stand, the probabilities stay in the key products' (tokens, rows) output
+      orientation (no transposition of p per block), and the 4 query rows of a GQA group are the
+      small N (padded to 8 by the MMA) instead of an M padded to 16: the value MMAs halve (sm_90
+      compile, Mistral shape, per 64 tokens: HMMA 100 -> 68; instructions 2-bit 1,232 -> 1,083,
+      4-bit 1,347 -> 1,240, 8-bit 1,647 -> 1,471; Qwen shape 2-bit 1,332 -> 1,190) and the
+      accumulators take half the registers. On an H200 (``decode_sweep_vt-*.json``, CUDA-graph
+      time, off -> on in one run): Mistral shape batch 8 / 32k 2-bit 78.0 -> 70.4 us, 4-bit
+      97.5 -> 87.1, 8-bit 152.7 -> 140.2, keys 32 / values 128 115.7 -> 108.8; batch 1 / 32k 16.0
+      -> 14.9 (2-bit), 19.8 -> 17.6 (4-bit); Qwen shape batch 8 / 32k 27.7 -> 25.2 / 33.4 -> 29.5.
+      (A transposed value product was slower in ``kernels/bench/probe_swap.py`` on byte tiles, whose
+      transposed operand went through shared memory after the unpack.) Not with value-group
+      accumulators, byte tiles or a TaDA value mean (those keep the untransposed products).
     """
 
     block_n: int = 64
@@ -1692,6 +1806,7 @@ class DecodeConfig:
     halves_max_splits: int = 256
     early_value_scales: int = 1
     deep_pipeline_blocks: int | None = 16
+    value_products_t: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):
@@ -2328,6 +2443,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 K_SUB=k_sub,
                 GDC=config.pdl and _pdl_available(dev), V_UNITS=v_units, K_HALVES=k_halves,
                 V_SUM_DOTS=bool(v_sum_dots), V_EARLY=v_early,
+                V_T=bool(config.value_products_t and v_units and v_chunks == 1 and not means[1][0]),
                 num_warps=config.num_warps, num_stages=stages, **_reg_cap(config))
     return _SplitCall(bsz * h, s_tot, args, meta)
 

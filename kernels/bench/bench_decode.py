@@ -220,7 +220,8 @@ def cfg_dict(c) -> dict:
     return {k: getattr(c, k) for k in ("block_n", "num_warps", "num_stages", "unpack", "programs_per_sm", "whole_waves",
                                        "num_splits", "fp_block", "min_split_blocks", "min_splits", "min_rows", "maxnreg",
                                        "value_chunks", "key_group_pairs", "pdl", "value_units", "key_group_halves",
-                                       "value_sum_products", "early_value_scales", "early_key_scales", "deep_pipeline_blocks")
+                                       "value_sum_products", "early_value_scales", "early_key_scales", "deep_pipeline_blocks",
+                                       "value_products_t")
             if hasattr(c, k)}  # (fields of older checkouts' configs only)
 
 
@@ -1321,19 +1322,27 @@ NOTES = """
    and waited for a few hundred instructions later (8.1% of the stall samples); 2 -> 3 stages in one
    run (`decode_sweep_stages-*.json`) batch 8 / 32k 2-bit 81.0 -> 78.4 us, 4-bit 99.6 -> 95.8 us,
    slower with short splits and with groups 32, which the rule leaves out.
+19. Value products transposed (`value_products_t`): the value codes of a units layout are loaded
+   as a (channels, tokens) tile and multiply the probabilities in the key product's (tokens, rows)
+   orientation, `acc^T += codes^T @ (p * scale)`: the 4 query rows are the MMA's N (padded to 8)
+   instead of an M padded to 16, and p is never transposed. The byte-tile form of this (step 6's
+   probe) was slower because its transposed operand went through shared memory after the unpack;
+   loading the tile transposed keeps the unpack on the MMA operand's registers. Loop body 1,232 ->
+   1,083 SASS instructions (HMMA 100 -> 68); one run (`decode_sweep_vt-*.json`) batch 8 / 32k
+   2-bit 78.0 -> 70.4 us, 4-bit 97.5 -> 87.1 us, 8-bit 152.7 -> 140.2 us.
 
 ## Why the 5x / 3x targets are missed
 
-At 3.15x (graph time, this grid: 77.9 us at 2 bits against bf16's 245 us) the kernel moves ~2.0 TB/s, 0.47 of the 4.3 TB/s copy bandwidth: it is
+At 3.51x (graph time, this grid: 70.1 us at 2 bits against bf16's 246 us) the kernel moves ~2.2 TB/s, 0.52 of the 4.3 TB/s copy bandwidth: it is
 bound by instruction issue and latency, not memory (Nsight Compute, `ncu_split.json`: the
-schedulers issue on 44.5% of cycles, 2 warps each, before step 18). A 64-token block of one kv head costs one warp
-~1,200 instructions (`scripts/compile_sm90.py`): the unpack's 256 LOP3 (one per pair of codes,
-the floor with 16-bit lanes) and ~125 PRMT, ~100 HMMA (64 of them the value products, whose 4 query
-rows are padded to 16-row MMA tiles), ~90 register moves, ~350 softmax and scale-sum
-instructions, at 255 registers, so only 8 warps fit on an SM and their stalls are not hidden.
-Transposing the key side removed the key half of the padding moves (step 6); reading the values
-as 16-bit units removed the byte gathers (step 12: ~8% at batch 8); the value side's
-transposed form (codes^T as the M side) was slower, and so was a value layout stored for the MMA
+schedulers issued on 44.5% of cycles, 2 warps each, before steps 18-19). A 64-token block of one kv head costs one warp
+~1,080 instructions (`scripts/compile_sm90.py`): the unpack's 265 LOP3 (one per pair of codes,
+the floor with 16-bit lanes) and ~125 PRMT, 68 HMMA (the 4 query rows padded to 8 MMA columns on
+both sides), ~300 softmax and scale-sum instructions, at 255 registers, so only 8 warps fit on
+an SM and their stalls are not hidden.
+Transposing the key side removed the key half of the padding moves (step 6), transposing the
+value side the other half (step 19); reading the values as 16-bit units removed the byte gathers
+(step 12: ~8% at batch 8); a value layout stored for the MMA was slower
 (step 7). Multi-warp tiles, 128-token blocks
 and register caps (`decode_tune.json`, `probe_vlayout.json`) traded the moves for shared-memory
 traffic or spills and were slower at batch 8. The 5x would need fewer instructions per code

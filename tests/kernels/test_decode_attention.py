@@ -291,6 +291,62 @@ def test_value_units_where_they_apply():
     check(args, {**kw, "v_mean": mean}, cfg)
 
 
+def _meta(args, kw, config) -> dict:
+    """The launch options and constexprs the launcher picks for this case."""
+    part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
+    return da._prepare(args[0], **part, config=config).meta
+
+
+@pytest.mark.parametrize("case", [
+    dict(d=128, k_bits=2, v_bits=2, v_group=128), dict(d=128, k_bits=4, v_bits=4, v_group=128),
+    dict(d=128, k_bits=8, v_bits=8, v_group=128), dict(d=128, k_bits=2, v_bits=4, v_group=64),
+    dict(d=64, k_bits=4, v_bits=4, v_group=64, rep=7), dict(d=128, k_bits=2, v_bits=2, v_group=128, perm=True),
+    dict(d=128, k_bits=4, v_bits=2, v_group=128, k_group=32, halves=True),
+    dict(d=128, k_bits=2, v_bits=2, v_group=128, start=True, spare=2),
+], ids=["2b", "4b", "8b", "k2v4-g64", "d64-4b-gqa7", "2b-perm", "4b-keys32-halves", "2b-range-views"])
+def test_value_products_t_match_untransposed(case):
+    """Transposed value products (DecodeConfig.value_products_t: codes^T @ (p * scale) into
+    (channels, rows) accumulators) pass the tolerance rule and agree with the untransposed ones:
+    2/4/8 bits, a value group per plane pair (4-bit g64), head_dim 64 with 7 query rows, an SKVQ
+    permutation, two key groups per block in halves, a packed range and strided views."""
+    case = dict(case)
+    perm, halves, start = case.pop("perm", False), case.pop("halves", False), case.pop("start", False)
+    case.setdefault("k_group", 16)
+    args, kw = make_case(dtype=torch.float16, b=2, h=2, n=96, **{"rep": 3, **case})
+    if perm:
+        g = torch.Generator().manual_seed(7)
+        kw["v_perm"] = torch.stack([torch.randperm(case["d"], generator=g) for _ in range(2)]).to(DEVICE)
+    if start:
+        kw["packed_start"] = torch.tensor([0, 21], device=DEVICE)
+    on = replace(SMALL, unpack=6, num_splits=2)
+    if halves:
+        on = replace(on, block_n=64)  # keys of 32 in the halves of 64-token blocks
+    off = replace(on, value_products_t=False)
+    meta = _meta(args, kw, on)
+    assert meta["V_T"] and meta["V_UNITS"] and not _meta(args, kw, off)["V_T"]
+    assert meta["K_HALVES"] == halves
+    out = check(args, kw, on)
+    assert float((out - check(args, kw, off)).abs().max()) < 2e-3
+
+
+def test_value_products_t_where_they_apply():
+    """Values read as bytes (2-bit head_dim 64: rows of 16 bytes), value-group accumulators
+    (4-bit groups of 32) and a TaDA value mean keep the untransposed products; the results of
+    those cases still pass the rule."""
+    cfg = replace(SMALL, unpack=6)
+    args, kw = make_case(d=64, v_bits=2, v_group=64, dtype=torch.float16)
+    assert not _meta(args, kw, cfg)["V_UNITS"] and not _meta(args, kw, cfg)["V_T"]
+    args, kw = make_case(d=128, v_bits=4, v_group=32, dtype=torch.float16)
+    meta = _meta(args, kw, cfg)
+    assert meta["V_NCH"] > 1 and not meta["V_T"]
+    check(args, kw, cfg)
+    args, kw = make_case(d=128, v_bits=2, v_group=128, dtype=torch.float16)
+    assert _meta(args, kw, cfg)["V_T"]
+    mean = torch.randn(2, 1, 48, 128).half().to(DEVICE)
+    assert not _meta(args, {**kw, "v_mean": mean}, cfg)["V_T"]
+    check(args, {**kw, "v_mean": mean}, cfg)
+
+
 def test_few_rows_split_finer():
     """Few (batch, kv head) rows: one block per split (below ``min_programs`` programs), and
     shorter blocks (``small_block_n``) when even that leaves few programs; results unchanged."""

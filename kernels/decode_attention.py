@@ -573,7 +573,7 @@ def _scaled_pt(p_t, vs, DOT_T: tl.constexpr):
 @triton.jit
 def _v_group_product(acc, acc_hi, zacc, p_t, codes, codes_hi, vs, offs_z, G: tl.constexpr,
                      SHIFT: tl.constexpr, DOT_T: tl.constexpr, IEEE: tl.constexpr, LANES: tl.constexpr,
-                     HI: tl.constexpr):
+                     HI: tl.constexpr, T: tl.constexpr = False):
     """Value group G's codes (BLOCK_N, W) (a chunk of a plane lying in that group) into its
     accumulator (VR, W): ``acc + (p * scale) @ codes``, the scaled probabilities built from p_t
     (VR, BLOCK_N), the products' operand already (one layout change per block, not per group);
@@ -581,9 +581,18 @@ def _v_group_product(acc, acc_hi, zacc, p_t, codes, codes_hi, vs, offs_z, G: tl.
     ``1024 + c * 2**SHIFT``; the accumulators are scaled by ``2**-SHIFT`` at the end): column G of
     zacc (VR, ZW) gets ``-1024 * 2**-SHIFT * sum_n (p * scale)`` from a product of the same rounded
     operand with a constant tile (exact), not from a reduction across the warp. vs (BLOCK_N,) each
-    token's scale of the group (float16, loaded). Returns (acc, acc_hi, zacc)."""
-    return _v_scaled_product(acc, acc_hi, zacc, _p_times_scale(p_t, vs, DOT_T), codes, codes_hi,
-                             offs_z, G, SHIFT, DOT_T, IEEE, LANES, HI)
+    token's scale of the group (float16, loaded). T (transposed value products): p_t is (BLOCK_N,
+    VR), codes (W, BLOCK_N) loaded transposed, acc (W, VR), zacc (ZW, VR). Returns (acc, acc_hi, zacc)."""
+    if T:
+        a = p_t * vs.to(DOT_T)[:, None]  # (BLOCK_N, VR)
+        acc, acc_hi = _v_product_t(acc, acc_hi, a, codes, codes_hi, IEEE, HI)
+        if LANES:
+            e = tl.where(offs_z == G, -1024.0 / (1 << SHIFT), 0.0).to(DOT_T)  # (ZW,)
+            zacc = _dot(tl.broadcast_to(e[:, None], (offs_z.shape[0], a.shape[0])), a, zacc, IEEE)
+    else:
+        acc, acc_hi, zacc = _v_scaled_product(acc, acc_hi, zacc, _p_times_scale(p_t, vs, DOT_T), codes, codes_hi,
+                                              offs_z, G, SHIFT, DOT_T, IEEE, LANES, HI)
+    return acc, acc_hi, zacc
 
 
 @triton.jit
@@ -701,10 +710,11 @@ def _row_scaled(x, alpha, T: tl.constexpr):
 
 @triton.jit
 def _value_scales(vs_base, vz_base, vrows, row_ok, offs_z, G1: tl.constexpr, G2: tl.constexpr, G3: tl.constexpr,
-                  NACC: tl.constexpr, V_NCH: tl.constexpr):
+                  NACC: tl.constexpr, V_NCH: tl.constexpr, T: tl.constexpr = False):
     """A block's per-token value scales and zeros (float16), loaded where the caller wants their
     latency to start: (vs0, vz0, .., vs3, vz3, zt). Value-group accumulators (V_NCH > 1): vs g is
-    group g's scale (g < NACC) and zt (BLOCK_N, 16) every group's zero (column g); a folded layout:
+    group g's scale (g < NACC) and zt (BLOCK_N, 16) every group's zero (column g; T: (16, BLOCK_N),
+    row g); a folded layout:
     vs s / vz s are plane s's group's (G1, G2, G3: groups of planes 1-3; one load per distinct
     group). vrows (BLOCK_N,) each token's row offset, row_ok (BLOCK_N,) its mask."""
     vs0 = tl.load(vs_base + vrows, mask=row_ok, other=0.0)  # (BLOCK_N,)
@@ -716,9 +726,15 @@ def _value_scales(vs_base, vz_base, vrows, row_ok, offs_z, G1: tl.constexpr, G2:
     vs3 = vs0
     vz3 = vz0
     zt = tl.zeros([vrows.shape[0], offs_z.shape[0]], vs0.dtype)  # (BLOCK_N, ZW)
+    if T:
+        zt = tl.zeros([offs_z.shape[0], vrows.shape[0]], vs0.dtype)  # (ZW, BLOCK_N)
     if V_NCH > 1:
-        z_ok = row_ok[:, None] & (offs_z < NACC)[None, :]
-        zt = tl.load(vz_base + vrows[:, None] + offs_z[None, :], mask=z_ok, other=0.0)
+        if T:  # transposed value products: the zeros are the M operand of their product, (ZW, BLOCK_N)
+            z_ok = (offs_z < NACC)[:, None] & row_ok[None, :]
+            zt = tl.load(vz_base + offs_z[:, None] + vrows[None, :], mask=z_ok, other=0.0)
+        else:
+            z_ok = row_ok[:, None] & (offs_z < NACC)[None, :]
+            zt = tl.load(vz_base + vrows[:, None] + offs_z[None, :], mask=z_ok, other=0.0)
         vs1 = tl.load(vs_base + vrows + 1, mask=row_ok, other=0.0)
         if NACC > 2:
             vs2 = tl.load(vs_base + vrows + 2, mask=row_ok, other=0.0)
@@ -1033,8 +1049,8 @@ def _decode_split_kernel(
         l_i = tl.zeros([VR], tl.float32)
         # V_T (transposed value products, DecodeConfig.value_products_t): the accumulators are
         # (AW, VR), channels as the MMA's M rows, transposed back once after the loop
-        tl.static_assert((not V_T) or (V_FOLD & V_UNITS & (V_NCH == 1) & (V_MEAN == 0)),
-                         "transposed value products: folded planes read as units, one value group each, no mean")
+        tl.static_assert((not V_T) or ((V_FOLD | (V_NCH > 1)) & V_UNITS & (V_MEAN == 0)),
+                         "transposed value products: folded planes or value-group chunks read as units, no mean")
         AR: tl.constexpr = AW if V_T else VR  # accumulator shape (AR, AC)
         AC: tl.constexpr = VR if V_T else AW
         acc0 = tl.zeros([AR, AC], tl.float32)  # one accumulator per value plane (or group, NACC)
@@ -1069,7 +1085,7 @@ def _decode_split_kernel(
         if V_SCALED & (V_EARLY == 2):  # the first block's value scales; each block loads the next one's
             offs_x = start + tl.arange(0, BLOCK_N)
             nvs0, nvz0, nvs1, nvz1, nvs2, nvz2, nvs3, nvz3, nzt = _value_scales(
-                vs_base, vz_base, offs_x * stride_vsn, offs_x < end, offs_z, G1, G2, G3, NACC, V_NCH)
+                vs_base, vz_base, offs_x * stride_vsn, offs_x < end, offs_z, G1, G2, G3, NACC, V_NCH, V_T)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             row_ok = offs_n < end
@@ -1085,12 +1101,12 @@ def _decode_split_kernel(
             vrows = offs_n * stride_vsn  # (BLOCK_N,) each token's row of value scales / zeros
             if V_SCALED & (V_EARLY == 1):  # issued before the key work, whose time hides their latency
                 vsc0, vze0, vsc1, vze1, vsc2, vze2, vsc3, vze3, zt = _value_scales(vs_base, vz_base, vrows, row_ok,
-                                                                                    offs_z, G1, G2, G3, NACC, V_NCH)
+                                                                                    offs_z, G1, G2, G3, NACC, V_NCH, V_T)
             if V_SCALED & (V_EARLY == 2):  # loaded by the block before; issue the next block's
                 vsc0, vze0, vsc1, vze1, vsc2, vze2, vsc3, vze3, zt = nvs0, nvz0, nvs1, nvz1, nvs2, nvz2, nvs3, nvz3, nzt
                 offs_x = offs_n + BLOCK_N
                 nvs0, nvz0, nvs1, nvz1, nvs2, nvz2, nvs3, nvz3, nzt = _value_scales(
-                    vs_base, vz_base, offs_x * stride_vsn, offs_x < end, offs_z, G1, G2, G3, NACC, V_NCH)
+                    vs_base, vz_base, offs_x * stride_vsn, offs_x < end, offs_z, G1, G2, G3, NACC, V_NCH, V_T)
             # ---- scores: all key planes from one (BLOCK_N, PK) byte tile
             if not K_HALVES:  # (halves load their own (BLOCK_N / 2, PK) tiles below)
                 kb = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_kw[None, :], mask=row_ok[:, None], other=0)
@@ -1205,7 +1221,7 @@ def _decode_split_kernel(
             offs_nv = n0 + offs_bn  # (BLOCK_N,) token of each loaded value row (see offs_bn)
             if V_SCALED & (V_EARLY == 0):
                 vsc0, vze0, vsc1, vze1, vsc2, vze2, vsc3, vze3, zt = _value_scales(vs_base, vz_base, vrows, row_ok,
-                                                                                    offs_z, G1, G2, G3, NACC, V_NCH)
+                                                                                    offs_z, G1, G2, G3, NACC, V_NCH, V_T)
             if V_NCH > 1:
                 # value groups narrower than a plane: chunk c of the byte columns holds, in plane s,
                 # channels of group s * V_NCH + c only, so each (plane, chunk) tile folds its
@@ -1215,6 +1231,9 @@ def _decode_split_kernel(
                 if V_UNITS:
                     nv_ok = row_ok[:, None]
                     vrow_ptr = vc_base + offs_n[:, None] * stride_vcn + tl.arange(0, AW)[None, :]  # (BLOCK_N, AW)
+                    if V_T:  # loaded transposed (AW, BLOCK_N): the planes are the products' M operand
+                        nv_ok = row_ok[None, :]
+                        vrow_ptr = vc_base + tl.arange(0, AW)[:, None] + offs_n[None, :] * stride_vcn
                     u00, w00, u01, w01, _, _, _, _ = _unit_planes(tl.load(vrow_ptr, mask=nv_ok, other=0), V_BITS,
                                                                   V_UNPACK)
                     u10, w10, u11, w11, _, _, _, _ = _unit_planes(tl.load(vrow_ptr + AW, mask=nv_ok, other=0),
@@ -1231,17 +1250,21 @@ def _decode_split_kernel(
                     w11 = u11
                 # the probabilities, unscaled, as the products' operand (VR, BLOCK_N); the zero points
                 # of all groups in one product: column g of zacc += sum_n p * zero_g (asum stays 0)
-                p_t = tl.trans(pt.to(DOT_T))
-                zacc = _dot(p_t, zt.to(DOT_T), zacc, IEEE)  # zt (BLOCK_N, ZW): every group's zero
+                if V_T:  # transposed: p stays (BLOCK_N, VR), zacc (ZW, VR) += zt^T @ p
+                    p_t = pt.to(DOT_T)
+                    zacc = _dot(zt.to(DOT_T), p_t, zacc, IEEE)  # zt (ZW, BLOCK_N): every group's zero
+                else:
+                    p_t = tl.trans(pt.to(DOT_T))
+                    zacc = _dot(p_t, zt.to(DOT_T), zacc, IEEE)  # zt (BLOCK_N, ZW): every group's zero
                 acc0, acc4, zacc = _v_group_product(acc0, acc4, zacc, p_t, u00, w00, vsc0, offs_z,
-                                                    0, 0, DOT_T, IEEE, V_LANES, V_UNITS)
+                                                    0, 0, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
                 acc1, acc5, zacc = _v_group_product(acc1, acc5, zacc, p_t, u10, w10, vsc1,
-                                                    offs_z, 1, (1 // V_NCH) * V_BITS, DOT_T, IEEE, V_LANES, V_UNITS)
+                                                    offs_z, 1, (1 // V_NCH) * V_BITS, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
                 if PER_V > 1:  # (then V_NCH == 2)
                     acc2, acc6, zacc = _v_group_product(acc2, acc6, zacc, p_t, u01, w01, vsc2,
-                                                        offs_z, 2, V_BITS, DOT_T, IEEE, V_LANES, V_UNITS)
+                                                        offs_z, 2, V_BITS, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
                     acc3, acc7, zacc = _v_group_product(acc3, acc7, zacc, p_t, u11, w11, vsc3,
-                                                        offs_z, 3, V_BITS, DOT_T, IEEE, V_LANES, V_UNITS)
+                                                        offs_z, 3, V_BITS, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
                 elif V_NCH > 2:
                     if V_UNITS:
                         u20, w20, _, _, _, _, _, _ = _unit_planes(tl.load(vrow_ptr + 2 * AW, mask=nv_ok, other=0),
@@ -1256,9 +1279,9 @@ def _decode_split_kernel(
                         w20 = u20
                         w30 = u30
                     acc2, acc6, zacc = _v_group_product(acc2, acc6, zacc, p_t, u20, w20, vsc2,
-                                                        offs_z, 2, 0, DOT_T, IEEE, V_LANES, V_UNITS)
+                                                        offs_z, 2, 0, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
                     acc3, acc7, zacc = _v_group_product(acc3, acc7, zacc, p_t, u30, w30, vsc3,
-                                                        offs_z, 3, 0, DOT_T, IEEE, V_LANES, V_UNITS)
+                                                        offs_z, 3, 0, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
             elif V_FOLD:
                 if V_UNITS:  # (BLOCK_N, PV / 2) int16 units (the launcher passes an int16 view), tokens in order
                     offs_u = tl.arange(0, PV // 2)
@@ -1778,8 +1801,16 @@ class DecodeConfig:
       97.5 -> 87.1, 8-bit 152.7 -> 140.2, keys 32 / values 128 115.7 -> 108.8; batch 1 / 32k 16.0
       -> 14.9 (2-bit), 19.8 -> 17.6 (4-bit); Qwen shape batch 8 / 32k 27.7 -> 25.2 / 33.4 -> 29.5.
       (A transposed value product was slower in ``kernels/bench/probe_swap.py`` on byte tiles, whose
-      transposed operand went through shared memory after the unpack.) Not with value-group
-      accumulators, byte tiles or a TaDA value mean (those keep the untransposed products).
+      transposed operand went through shared memory after the unpack.) Value-group accumulators
+      read as units (e.g. 4-bit, values in groups of 32) take it too, their zero points by one
+      product with the transposed (16, BLOCK_N) zero tile: 4-bit groups 32 / 32 1,863 -> 1,664
+      instructions, keys 128 / values 32 1,603 -> 1,367, 8-bit groups 32 2,060 -> 1,832. Byte
+      tiles and a TaDA value mean keep the untransposed products. None (default): on wherever it
+      applies but for value-group accumulators of <= 4 bits beside keys in block halves (4-bit
+      groups 32 / 32, the KIVI presets' and ``kvcalib export``'s default), which measured no
+      faster (``decode_sweep_vt-chunks-*.json``: Mistral batch 8 / 32k 145.6 -> 143.7 us, batch 1
+      26.2 -> 27.2, Qwen batch 8 48.7 vs 47.7) against 4-bit keys 128 / values 32 118.9 -> 108.2
+      and 8-bit groups 32 200.8 -> 189.8 (batch 8 / 32k). True / False: wherever it applies / never.
     """
 
     block_n: int = 64
@@ -1806,7 +1837,7 @@ class DecodeConfig:
     halves_max_splits: int = 256
     early_value_scales: int = 1
     deep_pipeline_blocks: int | None = 16
-    value_products_t: bool = True
+    value_products_t: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):
@@ -2443,9 +2474,21 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 K_SUB=k_sub,
                 GDC=config.pdl and _pdl_available(dev), V_UNITS=v_units, K_HALVES=k_halves,
                 V_SUM_DOTS=bool(v_sum_dots), V_EARLY=v_early,
-                V_T=bool(config.value_products_t and v_units and v_chunks == 1 and not means[1][0]),
+                V_T=_value_products_t(config, v_units, v_chunks, k_halves, v_bits, means[1][0]),
                 num_warps=config.num_warps, num_stages=stages, **_reg_cap(config))
     return _SplitCall(bsz * h, s_tot, args, meta)
+
+
+def _value_products_t(config: DecodeConfig, v_units: bool, v_chunks: int, k_halves: bool, v_bits: int,
+                      v_mean: int) -> bool:
+    """Whether the value products run transposed (DecodeConfig.value_products_t): only on value
+    codes read as units without a TaDA value mean; by default (None) everywhere there but for
+    value-group accumulators of <= 4 bits beside keys in block halves, where it measured no faster."""
+    if not v_units or v_mean:
+        return False
+    if config.value_products_t is None:
+        return not (v_chunks > 1 and k_halves and v_bits <= 4)
+    return bool(config.value_products_t)
 
 
 def _run(q: torch.Tensor, calls: list[_SplitCall | None], return_lse: bool, out_dtype=torch.float32):

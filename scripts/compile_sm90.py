@@ -10,7 +10,7 @@ memory, register use and the SASS instruction mix of the main (packed) loop. Cos
     KV_UNITS=0 ...   (DecodeConfig.value_units off: value codes read as bytes)
     KV_SUMDOTS=0 ...   (DecodeConfig.value_sum_products off: folded value sums by reductions)
     KV_EARLY=0|2 ...   (DecodeConfig.early_value_scales: value scales loaded at use / a block ahead)
-    KV_VT=0 ...   (DecodeConfig.value_products_t off: value products untransposed)
+    KV_VT=0|1 ...   (DecodeConfig.value_products_t off / on wherever it applies; unset: its default rule)
 
 Shapes: Mistral-7B (8 kv heads, 4 query heads each, head_dim 128) or $KV_SHAPE, key/value group 128 (or
 $KV_GROUPS), batch 8.
@@ -61,7 +61,7 @@ cfg = da.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, unpac
                       value_units=os.environ.get("KV_UNITS", "1") == "1",
                       value_sum_products=os.environ.get("KV_SUMDOTS", "1") == "1",
                       early_value_scales=int(os.environ.get("KV_EARLY", "1")),
-                      value_products_t=os.environ.get("KV_VT", "1") == "1")
+                      value_products_t={"0": False, "1": True}.get(os.environ.get("KV_VT", ""), None))
 # KV_FITTED="perm,mean8" (or mean16): SKVQ permutations of K and V, TaDA means of K and V
 fitted = os.environ.get("KV_FITTED", "")
 extra = {}

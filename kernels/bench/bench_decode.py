@@ -1329,7 +1329,9 @@ NOTES = """
    probe) was slower because its transposed operand went through shared memory after the unpack;
    loading the tile transposed keeps the unpack on the MMA operand's registers. Loop body 1,232 ->
    1,083 SASS instructions (HMMA 100 -> 68); one run (`decode_sweep_vt-*.json`) batch 8 / 32k
-   2-bit 78.0 -> 70.4 us, 4-bit 97.5 -> 87.1 us, 8-bit 152.7 -> 140.2 us.
+   2-bit 78.0 -> 70.4 us, 4-bit 97.5 -> 87.1 us, 8-bit 152.7 -> 140.2 us. Value-group
+   accumulators take it too (keys 128 / values 32 4-bit 118.9 -> 108.2 us), but for 4-bit groups
+   32 / 32 beside keys in block halves, which did not gain (`decode_sweep_vt-chunks-*.json`).
 
 ## Why the 5x / 3x targets are missed
 

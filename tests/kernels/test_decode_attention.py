@@ -303,12 +303,16 @@ def _meta(args, kw, config) -> dict:
     dict(d=64, k_bits=4, v_bits=4, v_group=64, rep=7), dict(d=128, k_bits=2, v_bits=2, v_group=128, perm=True),
     dict(d=128, k_bits=4, v_bits=2, v_group=128, k_group=32, halves=True),
     dict(d=128, k_bits=2, v_bits=2, v_group=128, start=True, spare=2),
-], ids=["2b", "4b", "8b", "k2v4-g64", "d64-4b-gqa7", "2b-perm", "4b-keys32-halves", "2b-range-views"])
+    dict(d=128, k_bits=4, v_bits=4, v_group=32), dict(d=128, k_bits=8, v_bits=8, v_group=32, perm=True),
+    dict(d=128, k_bits=4, v_bits=4, v_group=32, k_group=32, halves=True),
+], ids=["2b", "4b", "8b", "k2v4-g64", "d64-4b-gqa7", "2b-perm", "4b-keys32-halves", "2b-range-views",
+        "4b-g32-chunks", "8b-g32-chunks-perm", "4b-g32-chunks-halves"])
 def test_value_products_t_match_untransposed(case):
     """Transposed value products (DecodeConfig.value_products_t: codes^T @ (p * scale) into
     (channels, rows) accumulators) pass the tolerance rule and agree with the untransposed ones:
     2/4/8 bits, a value group per plane pair (4-bit g64), head_dim 64 with 7 query rows, an SKVQ
-    permutation, two key groups per block in halves, a packed range and strided views."""
+    permutation, two key groups per block in halves, a packed range and strided views, and value
+    groups narrower than a plane (value-group accumulators, their zeros by one product)."""
     case = dict(case)
     perm, halves, start = case.pop("perm", False), case.pop("halves", False), case.pop("start", False)
     case.setdefault("k_group", 16)
@@ -318,7 +322,7 @@ def test_value_products_t_match_untransposed(case):
         kw["v_perm"] = torch.stack([torch.randperm(case["d"], generator=g) for _ in range(2)]).to(DEVICE)
     if start:
         kw["packed_start"] = torch.tensor([0, 21], device=DEVICE)
-    on = replace(SMALL, unpack=6, num_splits=2)
+    on = replace(SMALL, unpack=6, num_splits=2, value_products_t=True)
     if halves:
         on = replace(on, block_n=64)  # keys of 32 in the halves of 64-token blocks
     off = replace(on, value_products_t=False)
@@ -330,16 +334,27 @@ def test_value_products_t_match_untransposed(case):
 
 
 def test_value_products_t_where_they_apply():
-    """Values read as bytes (2-bit head_dim 64: rows of 16 bytes), value-group accumulators
-    (4-bit groups of 32) and a TaDA value mean keep the untransposed products; the results of
-    those cases still pass the rule."""
+    """Values read as bytes (2-bit head_dim 64: rows of 16 bytes; 4-bit groups of 16: 8 units per
+    group) and a TaDA value mean keep the untransposed products; the results of those cases still
+    pass the rule. Value-group accumulators read as units take the transposed ones, by default
+    not at <= 4 bits beside keys in block halves (measured no faster there)."""
     cfg = replace(SMALL, unpack=6)
     args, kw = make_case(d=64, v_bits=2, v_group=64, dtype=torch.float16)
     assert not _meta(args, kw, cfg)["V_UNITS"] and not _meta(args, kw, cfg)["V_T"]
+    args, kw = make_case(d=64, v_bits=4, v_group=16, dtype=torch.float16)
+    meta = _meta(args, kw, cfg)
+    assert meta["V_NCH"] > 1 and not meta["V_UNITS"] and not meta["V_T"]
+    check(args, kw, cfg)
     args, kw = make_case(d=128, v_bits=4, v_group=32, dtype=torch.float16)
     meta = _meta(args, kw, cfg)
-    assert meta["V_NCH"] > 1 and not meta["V_T"]
-    check(args, kw, cfg)
+    assert meta["V_NCH"] > 1 and meta["V_T"] and not meta["K_HALVES"]
+    blocks64 = replace(cfg, block_n=64, num_splits=2)  # splits of several blocks: keys of 32 in halves
+    for v_bits, transposed in ((4, False), (8, True)):
+        args, kw = make_case(d=128, k_bits=v_bits, v_bits=v_bits, v_group=32, k_group=32, n=512, dtype=torch.float16)
+        meta = _meta(args, kw, blocks64)
+        assert meta["K_HALVES"] and meta["V_NCH"] > 1 and meta["V_T"] == transposed
+        assert _meta(args, kw, replace(blocks64, value_products_t=True))["V_T"]
+        assert not _meta(args, kw, replace(blocks64, value_products_t=False))["V_T"]
     args, kw = make_case(d=128, v_bits=2, v_group=128, dtype=torch.float16)
     assert _meta(args, kw, cfg)["V_T"]
     mean = torch.randn(2, 1, 48, 128).half().to(DEVICE)

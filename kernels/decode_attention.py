@@ -583,116 +583,92 @@ def _v_group_product(acc, acc_hi, zacc, p_t, codes, codes_hi, vs, offs_z, G: tl.
     operand with a constant tile (exact), not from a reduction across the warp. vs (BLOCK_N,) each
     token's scale of the group (float16, loaded). T (transposed value products): p_t is (BLOCK_N,
     VR), codes (W, BLOCK_N) loaded transposed, acc (W, VR), zacc (ZW, VR). Returns (acc, acc_hi, zacc)."""
-    if T:
-        a = p_t * vs.to(DOT_T)[:, None]  # (BLOCK_N, VR)
-        acc, acc_hi = _v_product_t(acc, acc_hi, a, codes, codes_hi, IEEE, HI)
-        if LANES:
-            e = tl.where(offs_z == G, -1024.0 / (1 << SHIFT), 0.0).to(DOT_T)  # (ZW,)
-            zacc = _dot(tl.broadcast_to(e[:, None], (offs_z.shape[0], a.shape[0])), a, zacc, IEEE)
-    else:
-        acc, acc_hi, zacc = _v_scaled_product(acc, acc_hi, zacc, _p_times_scale(p_t, vs, DOT_T), codes, codes_hi,
-                                              offs_z, G, SHIFT, DOT_T, IEEE, LANES, HI)
-    return acc, acc_hi, zacc
+    return _v_scaled_product(acc, acc_hi, zacc, _p_times_scale(p_t, vs, DOT_T, T), codes, codes_hi,
+                             offs_z, G, SHIFT, DOT_T, IEEE, LANES, HI, T)
 
 
 @triton.jit
-def _p_times_scale(p_t, vs, DOT_T: tl.constexpr):
+def _p_times_scale(p_t, vs, DOT_T: tl.constexpr, T: tl.constexpr = False):
     """``p * scale`` (VR, BLOCK_N) of one value group in the products' operand type, scaled there:
-    p_t (VR, BLOCK_N) DOT_T, vs (BLOCK_N,) each token's scale of the group (float16, loaded)."""
-    return p_t * vs.to(DOT_T)[None, :]
+    p_t (VR, BLOCK_N) DOT_T, vs (BLOCK_N,) each token's scale of the group (float16, loaded);
+    T (transposed value products): p_t and the result (BLOCK_N, VR)."""
+    if T:
+        return p_t * vs.to(DOT_T)[:, None]
+    else:
+        return p_t * vs.to(DOT_T)[None, :]
 
 
 @triton.jit
 def _v_scaled_product(acc, acc_hi, zacc, a, codes, codes_hi, offs_z, COL: tl.constexpr, SHIFT: tl.constexpr,
-                      DOT_T: tl.constexpr, IEEE: tl.constexpr, LANES: tl.constexpr, HI: tl.constexpr):
+                      DOT_T: tl.constexpr, IEEE: tl.constexpr, LANES: tl.constexpr, HI: tl.constexpr,
+                      T: tl.constexpr = False):
     """``acc + a @ codes`` for a (VR, BLOCK_N) = p * scale (see :func:`_v_group_product`), HI:
     ``acc_hi + a @ codes_hi``; LANES: column COL of zacc (VR, ZW) += ``-1024 * 2**-SHIFT * sum_n a``
-    by a product with a constant tile. Returns (acc, acc_hi, zacc)."""
-    acc = _dot(a, codes, acc, IEEE)
-    if HI:
-        acc_hi = _dot(a, codes_hi, acc_hi, IEEE)
+    by a product with a constant tile. T (transposed value products, ``DecodeConfig.value_products_t``):
+    ``acc + codes @ a`` with a (BLOCK_N, VR), codes (W, BLOCK_N) loaded transposed, acc (W, VR),
+    zacc (ZW, VR): the channels are the MMA's M rows and the few query rows only its N (padded to
+    8, not to 16 as an M). Returns (acc, acc_hi, zacc)."""
+    if T:
+        acc = _dot(codes, a, acc, IEEE)
+        if HI:
+            acc_hi = _dot(codes_hi, a, acc_hi, IEEE)
+    else:
+        acc = _dot(a, codes, acc, IEEE)
+        if HI:
+            acc_hi = _dot(a, codes_hi, acc_hi, IEEE)
     if LANES:
         e = tl.where(offs_z == COL, -1024.0 / (1 << SHIFT), 0.0).to(DOT_T)  # (ZW,)
-        zacc = _dot(a, tl.broadcast_to(e[None, :], (codes.shape[0], offs_z.shape[0])), zacc, IEEE)
+        zacc = _lane_product(zacc, a, e, IEEE, T)
     return acc, acc_hi, zacc
 
 
 @triton.jit
-def _lane_tile(offs_z, G: tl.constexpr, PV: tl.constexpr, V_GROUP: tl.constexpr, V_BITS: tl.constexpr,
-               PLANES: tl.constexpr, BLOCK_N: tl.constexpr, DOT_T: tl.constexpr):
-    """The constant (BLOCK_N, ZW) tile whose product with value group G's ``p * scale`` puts each
-    of its planes' 1024 terms into zacc: column 4 + s holds ``-1024 * 2**-(s * V_BITS)`` for the
-    planes s (< PLANES) lying in group G (``(s * PV) // V_GROUP == G``), 0 elsewhere."""
+def _lane_product(zacc, a, e, IEEE: tl.constexpr, T: tl.constexpr):
+    """``zacc + a @ tile`` with tile (BLOCK_N, ZW) = e (ZW,) on every row, a (VR, BLOCK_N); T:
+    ``zacc + tile^T @ a`` with a (BLOCK_N, VR), zacc (ZW, VR)."""
+    if T:
+        return _dot(tl.broadcast_to(e[:, None], (e.shape[0], a.shape[0])), a, zacc, IEEE)
+    else:
+        return _dot(a, tl.broadcast_to(e[None, :], (a.shape[1], e.shape[0])), zacc, IEEE)
+
+
+@triton.jit
+def _lane_terms(offs_z, G: tl.constexpr, PV: tl.constexpr, V_GROUP: tl.constexpr, V_BITS: tl.constexpr,
+                PLANES: tl.constexpr, DOT_T: tl.constexpr):
+    """The row (ZW,) of the constant tile whose product with value group G's ``p * scale``
+    (:func:`_lane_product`) puts each of its planes' 1024 terms into zacc: column 4 + s holds
+    ``-1024 * 2**-(s * V_BITS)`` for the planes s (< PLANES) lying in group G
+    (``(s * PV) // V_GROUP == G``), 0 elsewhere."""
     s = offs_z - 4  # (ZW,) plane of each column
     on = (s >= 0) & (s < PLANES) & ((s * PV) // V_GROUP == G)
-    e = tl.where(on, -1024.0 * tl.exp2(-(s * V_BITS).to(tl.float32)), 0.0).to(DOT_T)  # (ZW,)
-    return tl.broadcast_to(e[None, :], (BLOCK_N, offs_z.shape[0]))
+    return tl.where(on, -1024.0 * tl.exp2(-(s * V_BITS).to(tl.float32)), 0.0).to(DOT_T)  # (ZW,)
 
 
 @triton.jit
 def _group_operand(prev, p_t, zsum, zacc, pt, vs, vz, offs_z, G: tl.constexpr, G_PREV: tl.constexpr,
                    PV: tl.constexpr, V_GROUP: tl.constexpr, V_BITS: tl.constexpr, PLANES: tl.constexpr,
-                   DOT_T: tl.constexpr, IEEE: tl.constexpr, LANES: tl.constexpr):
+                   DOT_T: tl.constexpr, IEEE: tl.constexpr, LANES: tl.constexpr, T: tl.constexpr = False):
     """A folded value plane's ``p * scale`` operand (VR, BLOCK_N): the previous plane's ``prev``
     where both lie in group G, else built from p_t (VR, BLOCK_N) with group G's scales, its zero
     sum ``zsum + sum_n p * zero`` (a reduction of pt (BLOCK_N, VR)) and, LANES, its planes' 1024
-    terms into zacc by one product with :func:`_lane_tile`. vs, vz (BLOCK_N,) each token's scale
-    and zero of group G (float16, loaded). Returns (operand, zsum, zacc)."""
+    terms into zacc by one product (:func:`_lane_terms`). vs, vz (BLOCK_N,) each token's scale
+    and zero of group G (float16, loaded). T (transposed value products): p_t and the operand are
+    (BLOCK_N, VR), the probabilities in the key products' output orientation, zacc (ZW, VR).
+    Returns (operand, zsum, zacc)."""
     b = prev
     if G != G_PREV:
-        b = _p_times_scale(p_t, vs, DOT_T)
+        b = _p_times_scale(p_t, vs, DOT_T, T)
         zsum += tl.sum(pt * vz.to(tl.float32)[:, None], axis=0)
         if LANES:
-            zacc = _dot(b, _lane_tile(offs_z, G, PV, V_GROUP, V_BITS, PLANES, pt.shape[0], DOT_T), zacc, IEEE)
+            zacc = _lane_product(zacc, b, _lane_terms(offs_z, G, PV, V_GROUP, V_BITS, PLANES, DOT_T), IEEE, T)
     return b, zsum, zacc
-
-
-@triton.jit
-def _lane_tile_t(offs_z, G: tl.constexpr, PV: tl.constexpr, V_GROUP: tl.constexpr, V_BITS: tl.constexpr,
-                 PLANES: tl.constexpr, BLOCK_N: tl.constexpr, DOT_T: tl.constexpr):
-    """:func:`_lane_tile` transposed, (ZW, BLOCK_N): the M operand of a transposed lane product."""
-    s = offs_z - 4  # (ZW,) plane of each row
-    on = (s >= 0) & (s < PLANES) & ((s * PV) // V_GROUP == G)
-    e = tl.where(on, -1024.0 * tl.exp2(-(s * V_BITS).to(tl.float32)), 0.0).to(DOT_T)  # (ZW,)
-    return tl.broadcast_to(e[:, None], (offs_z.shape[0], BLOCK_N))
-
-
-@triton.jit
-def _group_operand_t(prev, pd, zsum, zacc_t, pt, vs, vz, offs_z, G: tl.constexpr, G_PREV: tl.constexpr,
-                     PV: tl.constexpr, V_GROUP: tl.constexpr, V_BITS: tl.constexpr, PLANES: tl.constexpr,
-                     DOT_T: tl.constexpr, IEEE: tl.constexpr, LANES: tl.constexpr):
-    """:func:`_group_operand` for transposed value products (``DecodeConfig.value_products_t``):
-    the operand is ``p * scale`` as (BLOCK_N, VR), the probabilities in the key products' output
-    orientation (no transposition of p), and the lane terms go into zacc_t (ZW, VR) by a product
-    with the transposed constant tile. pd (BLOCK_N, VR) the probabilities as DOT_T, pt the same
-    float32. Returns (operand, zsum, zacc_t)."""
-    b = prev
-    if G != G_PREV:
-        b = pd * vs.to(DOT_T)[:, None]  # (BLOCK_N, VR)
-        zsum += tl.sum(pt * vz.to(tl.float32)[:, None], axis=0)
-        if LANES:
-            zacc_t = _dot(_lane_tile_t(offs_z, G, PV, V_GROUP, V_BITS, PLANES, pt.shape[0], DOT_T), b, zacc_t,
-                          IEEE)
-    return b, zsum, zacc_t
-
-
-@triton.jit
-def _v_product_t(acc_t, acc_hi_t, a, codes_t, codes_hi_t, IEEE: tl.constexpr, HI: tl.constexpr):
-    """Transposed value product: ``acc_t + codes_t @ a`` with a (BLOCK_N, VR) = p * scale and
-    codes_t (W, BLOCK_N) (a tile loaded transposed), acc_t (W, VR): the channels are the MMA's M
-    rows and the few query rows only its N (padded to 8, not to 16 as an M); HI (value units): the
-    high bytes' codes into acc_hi_t too. Returns (acc_t, acc_hi_t)."""
-    acc_t = _dot(codes_t, a, acc_t, IEEE)
-    if HI:
-        acc_hi_t = _dot(codes_hi_t, a, acc_hi_t, IEEE)
-    return acc_t, acc_hi_t
 
 
 @triton.jit
 def _v_fold_product(acc, a, codes, IEEE: tl.constexpr, T: tl.constexpr):
     """A folded value plane's product with a (BLOCK_N, VR) = p * scale: ``acc + a^T @ codes``
     (codes (BLOCK_N, W), acc (VR, W)), or with T ``acc + codes @ a`` (codes loaded transposed,
-    (W, BLOCK_N); acc (W, VR); :func:`_v_product_t`)."""
+    (W, BLOCK_N); acc (W, VR); :func:`_v_scaled_product`)."""
     if T:
         return _dot(codes, a, acc, IEEE)
     else:
@@ -1063,7 +1039,7 @@ def _decode_split_kernel(
         acc7 = tl.zeros([AR, AC], tl.float32)
         # value groups narrower than a plane (V_NCH > 1): column g = group g's sum_n p * zero (and,
         # V_LANES, its 1024 term), accumulated by products (ZW: tl.dot's smallest N); folded planes
-        # with V_PLANE_LANES: column 4 + s = plane s's 1024 term (see _lane_tile)
+        # with V_PLANE_LANES: column 4 + s = plane s's 1024 term (see _lane_terms)
         ZW: tl.constexpr = 16
         offs_z = tl.arange(0, ZW)
         zacc = tl.zeros([ZW, VR] if V_T else [VR, ZW], tl.float32)  # (V_T: transposed)
@@ -1300,54 +1276,38 @@ def _decode_split_kernel(
                     vhi1 = vcode1
                     vhi2 = vcode2
                     vhi3 = vcode3
-                if V_SUM_DOTS & V_T:
-                    # as below, transposed: acc s (AW, VR) += codes^T @ (p * scale) (BLOCK_N, VR)
-                    pd = pt.to(DOT_T)  # (BLOCK_N, VR)
-                    b0, zsum0, zacc = _group_operand_t(pd, pd, zsum0, zacc, pt, vsc0, vze0, offs_z, 0, -1, PV,
-                                                       V_GROUP, V_BITS, PER_V, DOT_T, IEEE, V_LANES)
-                    acc0, acc4 = _v_product_t(acc0, acc4, b0, vcode0, vhi0, IEEE, V_UNITS)
-                    if PER_V > 1:
-                        b1, zsum1, zacc = _group_operand_t(b0, pd, zsum1, zacc, pt, vsc1, vze1, offs_z, G1, 0, PV,
-                                                           V_GROUP, V_BITS, PER_V, DOT_T, IEEE, V_LANES)
-                        acc1, acc5 = _v_product_t(acc1, acc5, b1, vcode1, vhi1, IEEE, V_UNITS)
-                    if PER_V > 2:
-                        b2, zsum2, zacc = _group_operand_t(b1, pd, zsum2, zacc, pt, vsc2, vze2, offs_z, G2, G1, PV,
-                                                           V_GROUP, V_BITS, PER_V, DOT_T, IEEE, V_LANES)
-                        acc2, acc6 = _v_product_t(acc2, acc6, b2, vcode2, vhi2, IEEE, V_UNITS)
-                        b3, zsum3, zacc = _group_operand_t(b2, pd, zsum3, zacc, pt, vsc3, vze3, offs_z, G3, G2, PV,
-                                                           V_GROUP, V_BITS, PER_V, DOT_T, IEEE, V_LANES)
-                        acc3, acc7 = _v_product_t(acc3, acc7, b3, vcode3, vhi3, IEEE, V_UNITS)
-                elif V_SUM_DOTS:
+                if V_SUM_DOTS:
                     # plane s lies in value group Gs = (s * PV) // V_GROUP: the probabilities change
                     # layout once and (p * scale) is built once per group, in the products' operand;
                     # V_LANES: column 4 + s of zacc gets plane s's 1024 term from one product per
-                    # group with a constant tile (_lane_tile), not from a reduction of p * scale.
+                    # group with a constant tile (_lane_terms), not from a reduction of p * scale.
                     # Each group's sum_n p * zero stays a reduction of p (one per group): as a
                     # product with a (BLOCK_N, 16) zero-point tile it took as many instructions
-                    # (Mistral shape, groups 128: 2-bit 1,231 vs 1,227, 4-bit 1,352 vs 1,339 per 64 tokens)
-                    p_t = tl.trans(pt.to(DOT_T))  # (VR, BLOCK_N)
+                    # (Mistral shape, groups 128: 2-bit 1,231 vs 1,227, 4-bit 1,352 vs 1,339 per 64 tokens).
+                    # V_T: transposed, acc s (AW, VR) += codes^T @ (p * scale) (BLOCK_N, VR), p not transposed
+                    p_t = pt.to(DOT_T) if V_T else tl.trans(pt.to(DOT_T))  # (BLOCK_N, VR) | (VR, BLOCK_N)
                     b0, zsum0, zacc = _group_operand(p_t, p_t, zsum0, zacc, pt, vsc0, vze0,
                                                      offs_z, 0, -1, PV, V_GROUP, V_BITS, PER_V, DOT_T, IEEE,
-                                                     V_LANES)  # (VR, BLOCK_N)
+                                                     V_LANES, V_T)
                     acc0, acc4, zacc = _v_scaled_product(acc0, acc4, zacc, b0, vcode0, vhi0, offs_z, 4, 0, DOT_T, IEEE,
-                                                         False, V_UNITS)
+                                                         False, V_UNITS, V_T)
                     if PER_V > 1:
                         b1, zsum1, zacc = _group_operand(b0, p_t, zsum1, zacc, pt, vsc1,
                                                          vze1, offs_z, G1, 0, PV, V_GROUP,
-                                                         V_BITS, PER_V, DOT_T, IEEE, V_LANES)
+                                                         V_BITS, PER_V, DOT_T, IEEE, V_LANES, V_T)
                         acc1, acc5, zacc = _v_scaled_product(acc1, acc5, zacc, b1, vcode1, vhi1, offs_z, 5, V_BITS,
-                                                             DOT_T, IEEE, False, V_UNITS)
+                                                             DOT_T, IEEE, False, V_UNITS, V_T)
                     if PER_V > 2:
                         b2, zsum2, zacc = _group_operand(b1, p_t, zsum2, zacc, pt, vsc2,
                                                          vze2, offs_z, G2, G1, PV, V_GROUP,
-                                                         V_BITS, PER_V, DOT_T, IEEE, V_LANES)
+                                                         V_BITS, PER_V, DOT_T, IEEE, V_LANES, V_T)
                         acc2, acc6, zacc = _v_scaled_product(acc2, acc6, zacc, b2, vcode2, vhi2, offs_z, 6, 2 * V_BITS,
-                                                             DOT_T, IEEE, False, V_UNITS)
+                                                             DOT_T, IEEE, False, V_UNITS, V_T)
                         b3, zsum3, zacc = _group_operand(b2, p_t, zsum3, zacc, pt, vsc3,
                                                          vze3, offs_z, G3, G2, PV, V_GROUP,
-                                                         V_BITS, PER_V, DOT_T, IEEE, V_LANES)
+                                                         V_BITS, PER_V, DOT_T, IEEE, V_LANES, V_T)
                         acc3, acc7, zacc = _v_scaled_product(acc3, acc7, zacc, b3, vcode3, vhi3, offs_z, 7, 3 * V_BITS,
-                                                             DOT_T, IEEE, False, V_UNITS)
+                                                             DOT_T, IEEE, False, V_UNITS, V_T)
                 else:
                     # plane s lies in value group (s * PV) // V_GROUP: (p * scale) is built once per group,
                     # and so is sum_n p * zero (added to every channel of the plane at the end);
@@ -1736,7 +1696,7 @@ class DecodeConfig:
     - ``value_sum_products``: folded value planes (a plane in one value group) build ``p * scale``
       in the products' float16 operand (the probabilities change layout once per block, as with
       value-group accumulators) and take each plane's lane 1024 term from one small product per
-      group with a constant tile (:func:`_lane_tile`) instead of a float32 ``p * scale`` tile and
+      group with a constant tile (:func:`_lane_terms`) instead of a float32 ``p * scale`` tile and
       its reduction across the warp; the zero sums stay reductions of p. Offline SASS per 64
       tokens (``KV_SUMDOTS=0/1 scripts/compile_sm90.py B 64 1 5 2 4``): Mistral shape 2-bit
       1,281 -> 1,198. On an H200 it pays at 2 bits only (``decode_sweep_sums3-*.json``, off -> on

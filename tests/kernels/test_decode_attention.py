@@ -113,10 +113,15 @@ def test_unpack_modes(unpack):
     check(args, kw, da.DecodeConfig(block_n=16, fp_block=16, unpack=unpack))
 
 
+def _meta(args, kw, config) -> dict:
+    """The launch options and constexprs the launcher picks for this case."""
+    part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
+    return da._prepare(args[0], **part, config=config).meta
+
+
 def _v_units_chosen(args, kw, config) -> bool:
     """Whether the kernel reads this case's value codes as int16 units (DecodeConfig.value_units)."""
-    part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
-    return da._prepare(args[0], **part, config=config).meta["V_UNITS"]
+    return _meta(args, kw, config)["V_UNITS"]
 
 
 @pytest.mark.parametrize("case", [
@@ -289,12 +294,6 @@ def test_value_units_where_they_apply():
     mean = torch.randn(2, 1, 48, 64).half().to(DEVICE)
     assert not _v_units_chosen(args, {**kw, "v_mean": mean}, cfg)
     check(args, {**kw, "v_mean": mean}, cfg)
-
-
-def _meta(args, kw, config) -> dict:
-    """The launch options and constexprs the launcher picks for this case."""
-    part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
-    return da._prepare(args[0], **part, config=config).meta
 
 
 @pytest.mark.parametrize("case", [

@@ -296,18 +296,27 @@ def _unpack_lanes_asm(x, SHIFT: tl.constexpr, BITS: tl.constexpr):
 def _lanes_all_asm(bits: int) -> str:
     """PTX for :func:`_code_planes` (unpack 5): every plane of 4 packed bytes in one block.
 
-    Two ``prmt`` per 4 bytes build the register pairs (b0, 0x64, b2, 0x64) and (b1, 0x64, b3, 0x64):
-    the float16 exponent byte of 1024 is set once for all planes, so each plane is one AND with an
-    immediate (its code bits plus the exponent bits) per pair of codes -- the per-plane
-    ``(x & mask) | 0x6400`` of :func:`_lane_asm` needs a second constant in a register, which
-    ptxas rematerialized before every use (~130 register moves per block at batch 8 / 32k).
+    The even bytes b0, b2 already sit in the low bits of the word's two 16-bit lanes, so each of
+    their planes is one ``lop3`` ``(x & mask) | 0x64006400`` (code bits kept in place, the float16
+    exponent of 1024 set around them); the odd bytes b1, b3 are moved down by one ``prmt`` that
+    also writes the exponent bytes, (b1, 0x64, b3, 0x64), and each of their planes is one AND
+    with an immediate (its code bits plus the exponent bits). One constant register for both
+    (its bytes 0x00, 0x64 are the prmt's fill). 1 + 2 * planes instructions per 4 bytes; the form
+    before built the even pair with a second ``prmt`` too (2 + 2 * planes: 2-bit 10 -> 9, 4-bit 6
+    -> 5). (The per-plane ``(x & mask) | 0x6400`` of :func:`_lane_asm` with a constant per plane
+    had ptxas rematerialize that constant before every use, ~130 register moves per block at
+    batch 8 / 32k.)
     """
     src = 2 * (8 // bits)
-    body = ("{ .reg .b32 r_l, r_h, r_c; mov.b32 r_c, 0x64646464; "
-            f"prmt.b32 r_l, ${src}, r_c, 0x4240; prmt.b32 r_h, ${src}, r_c, 0x4341; ")
+    if bits == 8:  # one plane: the prmt's (b1, 0x64, b3, 0x64) is the odd lanes as they stand
+        return ("{ .reg .b32 r_c; mov.b32 r_c, 0x64006400; "
+                f"lop3.b32 $0, ${src}, 0x00FF00FF, r_c, 0xEA; prmt.b32 $1, ${src}, r_c, 0x7351; }}")
+    body = ("{ .reg .b32 r_h, r_c; mov.b32 r_c, 0x64006400; "
+            f"prmt.b32 r_h, ${src}, r_c, 0x7351; ")
     for s in range(8 // bits):
-        m = (((1 << bits) - 1) << (s * bits)) | 0x6400
-        body += f"and.b32 ${2 * s}, r_l, 0x{m:04X}{m:04X}; and.b32 ${2 * s + 1}, r_h, 0x{m:04X}{m:04X}; "
+        m = ((1 << bits) - 1) << (s * bits)
+        body += (f"lop3.b32 ${2 * s}, ${src}, 0x{m:04X}{m:04X}, r_c, 0xEA; "
+                 f"and.b32 ${2 * s + 1}, r_h, 0x{m | 0x6400:04X}{m | 0x6400:04X}; ")
     return body + "}"
 
 
@@ -790,6 +799,17 @@ def _merge_virtual_rows(x, w, K_SUB: tl.constexpr, R_PAD: tl.constexpr, W: tl.co
 
 
 @triton.jit
+def _before(offs, end, WHOLE: tl.constexpr):
+    """``offs < end``; WHOLE (every packed block of the call whole and visible,
+    DecodeConfig.whole_blocks): an all-true constant, which the compiler drops from the loads'
+    predicates and the score mask."""
+    if WHOLE:
+        return tl.full(offs.shape, 1, tl.int1)
+    else:
+        return offs < end
+
+
+@triton.jit
 def _column(x, offs_z, G: tl.constexpr):
     """Column G of x (rows, ZW) as (rows,)."""
     return tl.sum(tl.where(offs_z[None, :] == G, x, 0.0), axis=1)
@@ -894,6 +914,7 @@ def _decode_split_kernel(
     KEEP_BLOCK: tl.constexpr = 8, RESCALE: tl.constexpr = 8.0, V_NCH: tl.constexpr = 1, K_SUB: tl.constexpr = 1,
     GDC: tl.constexpr = False, V_UNITS: tl.constexpr = False, K_HALVES: tl.constexpr = False,
     V_SUM_DOTS: tl.constexpr = False, V_EARLY: tl.constexpr = 0, V_T: tl.constexpr = False,
+    WHOLE: tl.constexpr = False,
 ):
     if GDC:  # programmatic dependent launch: the combine kernel may be launched now (it waits for this grid)
         tl.extra.cuda.gdc_launch_dependents()
@@ -1064,8 +1085,11 @@ def _decode_split_kernel(
                 vs_base, vz_base, offs_x * stride_vsn, offs_x < end, offs_z, G1, G2, G3, NACC, V_NCH, V_T)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            row_ok = offs_n < end
-            valid = row_ok & (offs_n >= lo)
+            row_ok = _before(offs_n, end, WHOLE)  # (BLOCK_N,)
+            if WHOLE:  # (no range: lo = 0)
+                valid = row_ok
+            else:
+                valid = row_ok & (offs_n >= lo)
             if HAS_MASK and MASK_PACKED:
                 vis = tl.load(MASK + b * stride_mb + packed_pos + offs_n, mask=row_ok, other=0)
                 valid = valid & (vis != 0)
@@ -1100,10 +1124,10 @@ def _decode_split_kernel(
                                                              PK, K_BITS, DOT_T, K_LANES)
                 qb0, qb1, qb2, qb3, kbias_b = _k_fold_planes(q0, q1, q2, q3, ks_base + krow_b, kz_base + krow_b,
                                                              offs_pk, PK, K_BITS, DOT_T, K_LANES)
-                ka = tl.load(kc_base + offs_h[:, None] * stride_kcn + offs_kw[None, :], mask=(offs_h < end)[:, None],
+                ka = tl.load(kc_base + offs_h[:, None] * stride_kcn + offs_kw[None, :], mask=_before(offs_h, end, WHOLE)[:, None],
                              other=0)  # (HB, PK)
                 kbb = tl.load(kc_base + (offs_h + HB)[:, None] * stride_kcn + offs_kw[None, :],
-                              mask=(offs_h + HB < end)[:, None], other=0)
+                              mask=_before(offs_h + HB, end, WHOLE)[:, None], other=0)
                 sa = _k_fold_scores(tl.zeros([HB, VR], tl.float32), ka, qa0, qa1, qa2, qa3, kbias_a, K_BITS, DOT_T,
                                     K_UNPACK, IEEE)
                 sb = _k_fold_scores(tl.zeros([HB, VR], tl.float32), kbb, qb0, qb1, qb2, qb3, kbias_b, K_BITS, DOT_T,
@@ -1119,7 +1143,7 @@ def _decode_split_kernel(
                 # K_SUB key groups per block: virtual row v takes the scales of group g = v // R_PAD
                 offs_g = tl.arange(0, K_SUB)
                 krow = ((n0 // K_GROUP) + offs_g) * stride_ksn  # (K_SUB,) parameter row of each group
-                k_ok = n0 + offs_g * K_GROUP < end  # (K_SUB,) groups that hold tokens here
+                k_ok = _before(n0 + offs_g * K_GROUP, end, WHOLE)  # (K_SUB,) groups that hold tokens here
                 qp0, qp1, qp2, qp3, kbias = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
                                                            PK, K_BITS, DOT_T, K_LANES, k_ok, K_SUB)
                 scores = _k_fold_scores(scores, kb, qp0, qp1, qp2, qp3, kbias, K_BITS, DOT_T, K_UNPACK, IEEE)
@@ -1215,7 +1239,7 @@ def _decode_split_kernel(
                     u10, w10, u11, w11, _, _, _, _ = _unit_planes(tl.load(vrow_ptr + AW, mask=nv_ok, other=0),
                                                                   V_BITS, V_UNPACK)
                 else:
-                    nv_ok = (offs_nv < end)[:, None]
+                    nv_ok = _before(offs_nv, end, WHOLE)[:, None]
                     vrow_ptr = vc_base + offs_nv[:, None] * stride_vcn + offs_av[None, :]  # (BLOCK_N, AW)
                     u00, u01, _, _ = _code_planes(tl.load(vrow_ptr, mask=nv_ok, other=0), V_BITS, DOT_T, V_UNPACK)
                     u10, u11, _, _ = _code_planes(tl.load(vrow_ptr + AW, mask=nv_ok, other=0), V_BITS, DOT_T,
@@ -1270,7 +1294,7 @@ def _decode_split_kernel(
                     vcode0, vhi0, vcode1, vhi1, vcode2, vhi2, vcode3, vhi3 = _unit_planes(vu, V_BITS, V_UNPACK)
                 else:
                     vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_vw[None, :],
-                                 mask=(offs_nv < end)[:, None], other=0)
+                                 mask=_before(offs_nv, end, WHOLE)[:, None], other=0)
                     vcode0, vcode1, vcode2, vcode3 = _code_planes(vb, V_BITS, DOT_T, V_UNPACK)  # (BLOCK_N, PV) each
                     vhi0 = vcode0  # (high-byte tiles: value units only)
                     vhi1 = vcode1
@@ -1359,7 +1383,7 @@ def _decode_split_kernel(
                             asum3 += sa3
             else:
                 vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_vw[None, :],
-                             mask=(offs_nv < end)[:, None], other=0)
+                             mask=_before(offs_nv, end, WHOLE)[:, None], other=0)
                 p_dot = tl.trans(pt.to(DOT_T))  # (VR, BLOCK_N)
                 vs_rows = vs_base + vrows
                 vz_rows = vz_base + vrows
@@ -1771,6 +1795,22 @@ class DecodeConfig:
       faster (``decode_sweep_vt-chunks-*.json``: Mistral batch 8 / 32k 145.6 -> 143.7 us, batch 1
       26.2 -> 27.2, Qwen batch 8 48.7 vs 47.7) against 4-bit keys 128 / values 32 118.9 -> 108.2
       and 8-bit groups 32 200.8 -> 189.8 (batch 8 / 32k). True / False: wherever it applies / never.
+    - ``whole_blocks``: where every packed block of a call is whole and visible (packed length a
+      multiple of ``block_n``, no packed range, no mask over the packed tokens, no OTT keep mask:
+      the common decode step of equal-length sequences, eager or CUDA-graph), the loop runs without
+      bounds masks: the token-index compares, the predicated loads and the score mask drop out of
+      every block (the compiler folds the constant masks away). sm_90 compile
+      (``scripts/compile_sm90.py``, per 64 tokens, after the one-``prmt`` lane unpack of
+      :func:`_lanes_all_asm`): Mistral shape 2-bit 1,053 -> 974 instructions, 4-bit 1,177 -> 1,069,
+      8-bit 1,215 -> 1,017, groups 32 / 32 (4-bit, key halves) 1,798 -> 1,663, keys 128 / values 32
+      1,306 -> 1,140, 8-bit groups 32 1,570 -> 1,401; Qwen shape 2-bit 1,160 -> 1,083. On an H200
+      (``decode_sweep_whole-*.json``, off -> on in one run, CUDA-graph time): Mistral batch 8 / 32k
+      2-bit 69.0 -> 65.7 us, 4-bit 85.3 -> 84.5, 8-bit 138.0 -> 137.7 (at 92% of the copy
+      bandwidth: memory-bound, fewer instructions do not show), groups 32 / 32 143.7 -> 130.5, keys
+      128 / values 32 104.7 -> 102.8, 8-bit groups 32 185.4 -> 176.7; batch 1 / 32k within 4% (2-bit
+      14.8 -> 14.4); Qwen shape batch 8 2-bit 24.8 -> 24.3 but 4-bit 29.1 -> 29.7 and groups 32 / 32
+      46.9 -> 49.2 (one run each; the grid reruns them). Same arithmetic: the result is identical
+      (the CPU test checks exact equality). False: always masked.
     """
 
     block_n: int = 64
@@ -1798,6 +1838,7 @@ class DecodeConfig:
     early_value_scales: int = 1
     deep_pipeline_blocks: int | None = 16
     value_products_t: bool | None = None
+    whole_blocks: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):
@@ -2435,6 +2476,8 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 GDC=config.pdl and _pdl_available(dev), V_UNITS=v_units, K_HALVES=k_halves,
                 V_SUM_DOTS=bool(v_sum_dots), V_EARLY=v_early,
                 V_T=_value_products_t(config, v_units, v_chunks, k_halves, v_bits, means[1][0]),
+                WHOLE=bool(config.whole_blocks and n and n % block_n == 0 and split_size % block_n == 0
+                           and not has_range and not (has_mask and mask_packed) and not has_keep),
                 num_warps=config.num_warps, num_stages=stages, **_reg_cap(config))
     return _SplitCall(bsz * h, s_tot, args, meta)
 

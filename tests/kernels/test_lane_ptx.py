@@ -2,8 +2,8 @@
 what the Triton-ops lanes (``unpack=6``, the CPU specification) compute: float16 bits of
 ``1024 + code * 2**shift`` for bytes (0, 2, 1, 3) of each 4.
 
-The GPU runs the PTX (checked there against unpack 6 by ``_lanes_mismatch``); here its three
-instructions (``mov``, ``prmt``, ``and``) are interpreted in Python on random words, so a wrong
+The GPU runs the PTX (checked there against unpack 6 by ``_lanes_mismatch``); here its four
+instructions (``mov``, ``prmt``, ``lop3``, ``and``) are interpreted in Python on random words, so a wrong
 selector or mask fails on CPU too.
 """
 
@@ -25,6 +25,15 @@ def _prmt(a: int, b: int, sel: int) -> int:
     return sum(pool[(sel >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
 
 
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    """PTX ``lop3.b32``: bit i of the result is bit ``4 a_i + 2 b_i + c_i`` of the lookup table."""
+    out = 0
+    for k in range(8):
+        if (lut >> k) & 1:
+            out |= (a if k & 4 else ~a) & (b if k & 2 else ~b) & (c if k & 1 else ~c)
+    return out & 0xFFFFFFFF
+
+
 def _run_ptx(src: str, word: int, n_out: int) -> list[int]:
     """Interpret the asm block: ``$n_out`` is the input word, ``$0..`` the outputs."""
     regs = {f"${n_out}": word}
@@ -33,12 +42,14 @@ def _run_ptx(src: str, word: int, n_out: int) -> list[int]:
         tok = tok.strip()
         return int(tok, 0) if tok[0].isdigit() else regs[tok]
 
-    for ins in re.findall(r"(mov|prmt|and)\.b32 ([^;]+);", src):
+    for ins in re.findall(r"(mov|prmt|lop3|and)\.b32 ([^;]+);", src):
         op, args = ins[0], [t.strip() for t in ins[1].split(",")]
         if op == "mov":
             regs[args[0]] = val(args[1])
         elif op == "prmt":
             regs[args[0]] = _prmt(val(args[1]), val(args[2]), val(args[3]))
+        elif op == "lop3":
+            regs[args[0]] = _lop3(val(args[1]), val(args[2]), val(args[3]), val(args[4]))
         else:
             regs[args[0]] = val(args[1]) & val(args[2])
     return [regs[f"${i}"] for i in range(n_out)]

@@ -43,8 +43,10 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVCALIB_QUIET=1
 OUT="${OUT:-$PWD/artifacts/bench/gpu_run}"
 mkdir -p "$OUT"
 # not installed there: kvcalib imports from the repo root, kvcalib_kernels is kernels/ under its install name
+# ($KV_KERNELS: another kernels/ tree to import instead, e.g. an older commit's for an A/B in one run:
+#  git archive OLD kernels | tar -x -C _old && KV_KERNELS=_old/kernels bash scripts/gpu_bench.sh sweep)
 KK=/tmp/kvcalib_kernels_path
-mkdir -p "$KK" && ln -sfn "$PWD/kernels" "$KK/kvcalib_kernels"
+mkdir -p "$KK" && ln -sfn "$(realpath "${KV_KERNELS:-kernels}")" "$KK/kvcalib_kernels"
 export PYTHONPATH="$PWD:$KK${PYTHONPATH:+:$PYTHONPATH}"
 # ... and kvcalib.presets is recipes/presets (pyproject's package-dir): link it for this run only
 if [ ! -e kvcalib/presets ]; then

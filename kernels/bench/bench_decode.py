@@ -221,7 +221,7 @@ def cfg_dict(c) -> dict:
                                        "num_splits", "fp_block", "min_split_blocks", "min_splits", "min_rows", "maxnreg",
                                        "value_chunks", "key_group_pairs", "pdl", "value_units", "key_group_halves",
                                        "value_sum_products", "early_value_scales", "early_key_scales", "deep_pipeline_blocks",
-                                       "value_products_t")
+                                       "value_products_t", "whole_blocks")
             if hasattr(c, k)}  # (fields of older checkouts' configs only)
 
 

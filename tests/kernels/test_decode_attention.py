@@ -332,6 +332,51 @@ def test_value_products_t_match_untransposed(case):
     assert float((out - check(args, kw, off)).abs().max()) < 2e-3
 
 
+@pytest.mark.parametrize("case", [
+    dict(d=128, v_bits=2, v_group=128), dict(d=64, v_bits=4, v_group=16), dict(d=64, v_bits=2, v_group=64),
+    dict(d=128, k_bits=4, v_bits=4, k_group=32, v_group=32, n=512, blocks=64),
+    dict(d=64, k_bits=4, v_bits=4, k_group=16, v_group=32, pairs=True, blocks=32), dict(d=64, v_bits=8, v_group=64, spare=3),
+    dict(d=64, v_bits=4, v_group=64, k_axis="token"),
+])
+def test_whole_blocks_match_masked(case):
+    """Calls whose packed blocks are all whole and visible run the loop without bounds masks
+    (DecodeConfig.whole_blocks) and give the masked loop's result exactly: folded value planes read
+    as units (2-bit g128) and as bytes (2-bit head_dim 64), value-group chunks as bytes (4-bit g16),
+    keys in block halves, two key groups per block, strided views, per-token keys."""
+    case = dict(case)
+    block_n, pairs = case.pop("blocks", 16), case.pop("pairs", False)
+    args, kw = make_case(dtype=torch.float16, b=2, h=2, rep=3, **{"n": 96, **case})
+    on = replace(SMALL, unpack=6, num_splits=2, block_n=block_n, key_group_pairs=pairs)
+    off = replace(on, whole_blocks=False)
+    meta = _meta(args, kw, on)
+    assert meta["WHOLE"] and not _meta(args, kw, off)["WHOLE"]
+    assert meta["K_SUB"] == (2 if pairs else 1)
+    out = check(args, kw, on)
+    assert torch.equal(out, da.decode_attention(*args, **kw, config=off))
+
+
+def test_whole_blocks_only_where_every_block_is_whole():
+    """A packed length that is not a multiple of the block, a packed range or a mask over the
+    packed tokens keep the bounds masks (and their results pass the rule); a mask over the
+    full-precision tokens only does not."""
+    cfg = replace(SMALL, unpack=6, num_splits=2)
+    args, kw = make_case(dtype=torch.float16, n=80)  # 2.5 blocks of 32
+    assert not _meta(args, kw, replace(cfg, block_n=32))["WHOLE"] and _meta(args, kw, cfg)["WHOLE"]
+    check(args, kw, replace(cfg, block_n=32))
+    args, kw = make_case(dtype=torch.float16, n=96)
+    assert _meta(args, kw, cfg)["WHOLE"]
+    start = {**kw, "packed_start": torch.tensor([0, 21], device=DEVICE)}
+    assert not _meta(args, start, cfg)["WHOLE"]
+    check(args, start, cfg)
+    length = kw["fp_positions"][-1] + kw["fp_segments"][-1][0].shape[2]
+    mask = torch.ones(2, length, dtype=torch.bool, device=DEVICE)
+    mask[1, 5] = False
+    masked = {**kw, "mask": mask}
+    assert not _meta(args, masked, cfg)["WHOLE"]
+    check(args, masked, cfg)
+    assert _meta(args, {**masked, "mask_packed": False}, cfg)["WHOLE"]  # (the mask then covers the fp tokens only)
+
+
 def test_value_products_t_where_they_apply():
     """Values read as bytes (2-bit head_dim 64: rows of 16 bytes; 4-bit groups of 16: 8 units per
     group) and a TaDA value mean keep the untransposed products; the results of those cases still

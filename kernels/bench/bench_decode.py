@@ -1332,16 +1332,23 @@ NOTES = """
    2-bit 78.0 -> 70.4 us, 4-bit 97.5 -> 87.1 us, 8-bit 152.7 -> 140.2 us. Value-group
    accumulators take it too (keys 128 / values 32 4-bit 118.9 -> 108.2 us), but for 4-bit groups
    32 / 32 beside keys in block halves, which did not gain (`decode_sweep_vt-chunks-*.json`).
+20. Fewer instructions per block, same arithmetic: the lane unpack's even bytes by one `lop3` per
+   plane (one `prmt` per 4 bytes instead of two), and no bounds masks where every packed block of
+   the call is whole and visible (`whole_blocks`). Loop body 2-bit 1,083 -> 974, 4-bit 1,240 ->
+   1,069, 8-bit 1,471 -> 1,017 SASS instructions; batch 8 / 32k 2-bit 70.8 -> 65.7 us, groups 32 /
+   32 143.7 -> 130.5 us, but 4-bit 85.8 -> 84.5 and 8-bit 140.8 -> 137.7 (near memory-bound: 0.79
+   and 0.94 of copy bandwidth) (`decode_sweep_whole-*.json`, `decode_sweep_occ3-*.json`).
 
 ## Why the 5x / 3x targets are missed
 
-At 3.51x (graph time, this grid: 70.1 us at 2 bits against bf16's 246 us) the kernel moves ~2.2 TB/s, 0.52 of the 4.3 TB/s copy bandwidth: it is
+At 3.73x (graph time, this grid: 65.6 us at 2 bits against bf16's 245 us) the kernel moves ~2.4 TB/s, 0.55 of the 4.3 TB/s copy bandwidth: it is
 bound by instruction issue and latency, not memory (Nsight Compute, `ncu_split.json`: the
-schedulers issued on 44.5% of cycles, 2 warps each, before steps 18-19). A 64-token block of one kv head costs one warp
-~1,080 instructions (`scripts/compile_sm90.py`): the unpack's 265 LOP3 (one per pair of codes,
-the floor with 16-bit lanes) and ~125 PRMT, 68 HMMA (the 4 query rows padded to 8 MMA columns on
+schedulers issued on 44.5% of cycles, 2 warps each, before steps 18-20). A 64-token block of one kv head costs one warp
+~970 instructions (`scripts/compile_sm90.py`): the unpack's 259 LOP3 (one per pair of codes,
+the floor with 16-bit lanes) and ~90 PRMT, 68 HMMA (the 4 query rows padded to 8 MMA columns on
 both sides), ~300 softmax and scale-sum instructions, at 255 registers, so only 8 warps fit on
-an SM and their stalls are not hidden.
+an SM and their stalls are not hidden. At 4 bits (2.88x, 0.79 of copy bandwidth) the kernel is
+close to the memory's limit: 14% fewer instructions there (step 20) gave 1.5%; 3x needs ~81 us, 0.83.
 Transposing the key side removed the key half of the padding moves (step 6), transposing the
 value side the other half (step 19); reading the values as 16-bit units removed the byte gathers
 (step 12: ~8% at batch 8); a value layout stored for the MMA was slower
@@ -1355,7 +1362,7 @@ Python + two Triton launches per call vs a GPU time of 6-25 us (see the latency 
 capture of the decode step removes that (`GraphDecoder`, `e2e.md`).
 Group 32 (4-bit) costs 1.4x group 128 at batch 8 / 32k (step 13): two key folds per 64-token
 block instead of one every other block, and four value groups per head four scaled operands and
-accumulators per block instead of one; the grid's group-32 rows run at 1.03-1.71x of bf16
+accumulators per block instead of one; the grid's group-32 rows run at 1.05-1.96x of bf16
 (Mistral, Qwen shapes; the low end Qwen at batch 1), against a byte ratio of ~3.2x.
 """
 

@@ -1809,8 +1809,12 @@ class DecodeConfig:
       bandwidth: memory-bound, fewer instructions do not show), groups 32 / 32 143.7 -> 130.5, keys
       128 / values 32 104.7 -> 102.8, 8-bit groups 32 185.4 -> 176.7; batch 1 / 32k within 4% (2-bit
       14.8 -> 14.4); Qwen shape batch 8 2-bit 24.8 -> 24.3 but 4-bit 29.1 -> 29.7 and groups 32 / 32
-      46.9 -> 49.2 (one run each; the grid reruns them). Same arithmetic: the result is identical
-      (the CPU test checks exact equality). False: always masked.
+      46.9 -> 49.2, again in a second run (``decode_sweep_d64-new-*.json``: 28.9 -> 29.6, 47.3 ->
+      49.2), and the SmolLM2 shape (head_dim 64, 3 query rows) 4-bit groups 32 / 32 38.6 -> 40.0 us
+      at batch 8 / 32k, 23.5 -> 24.0 at batch 32 / 4k. Same arithmetic: the result is identical
+      (the CPU test checks exact equality). None (default): on at head_dim >= 128 with <= 4 padded
+      query rows (the Mistral-7B shape's GQA group of 4), or at 2 bits (Qwen 2-bit gained); True /
+      False: wherever every block is whole / never.
     """
 
     block_n: int = 64
@@ -1838,7 +1842,7 @@ class DecodeConfig:
     early_value_scales: int = 1
     deep_pipeline_blocks: int | None = 16
     value_products_t: bool | None = None
-    whole_blocks: bool = True
+    whole_blocks: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_n", "fp_block"):
@@ -2476,10 +2480,20 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 GDC=config.pdl and _pdl_available(dev), V_UNITS=v_units, K_HALVES=k_halves,
                 V_SUM_DOTS=bool(v_sum_dots), V_EARLY=v_early,
                 V_T=_value_products_t(config, v_units, v_chunks, k_halves, v_bits, means[1][0]),
-                WHOLE=bool(config.whole_blocks and n and n % block_n == 0 and split_size % block_n == 0
-                           and not has_range and not (has_mask and mask_packed) and not has_keep),
+                WHOLE=bool(_whole_blocks(config, d, r_pad, k_bits, v_bits) and n and n % block_n == 0
+                           and split_size % block_n == 0 and not has_range and not (has_mask and mask_packed)
+                           and not has_keep),
                 num_warps=config.num_warps, num_stages=stages, **_reg_cap(config))
     return _SplitCall(bsz * h, s_tot, args, meta)
+
+
+def _whole_blocks(config: DecodeConfig, d: int, r_pad: int, k_bits: int, v_bits: int) -> bool:
+    """Whether a call whose packed blocks are all whole runs unmasked (DecodeConfig.whole_blocks):
+    by default (None) at head_dim >= 128 with <= 4 padded query rows, or at 2 bits, where it
+    measured faster; True / False force it."""
+    if config.whole_blocks is None:
+        return d >= 128 and (r_pad <= 4 or k_bits == v_bits == 2)
+    return bool(config.whole_blocks)
 
 
 def _value_products_t(config: DecodeConfig, v_units: bool, v_chunks: int, k_halves: bool, v_bits: int,

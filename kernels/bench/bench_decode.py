@@ -1341,13 +1341,13 @@ NOTES = """
 
 ## Why the 5x / 3x targets are missed
 
-At 3.73x (graph time, this grid: 65.6 us at 2 bits against bf16's 245 us) the kernel moves ~2.4 TB/s, 0.55 of the 4.3 TB/s copy bandwidth: it is
+At 3.71x (graph time, this grid: 65.9 us at 2 bits against bf16's 244 us) the kernel moves ~2.4 TB/s, 0.55 of the 4.3 TB/s copy bandwidth: it is
 bound by instruction issue and latency, not memory (Nsight Compute, `ncu_split.json`: the
 schedulers issued on 44.5% of cycles, 2 warps each, before steps 18-20). A 64-token block of one kv head costs one warp
 ~970 instructions (`scripts/compile_sm90.py`): the unpack's 259 LOP3 (one per pair of codes,
 the floor with 16-bit lanes) and ~90 PRMT, 68 HMMA (the 4 query rows padded to 8 MMA columns on
 both sides), ~300 softmax and scale-sum instructions, at 255 registers, so only 8 warps fit on
-an SM and their stalls are not hidden. At 4 bits (2.88x, 0.79 of copy bandwidth) the kernel is
+an SM and their stalls are not hidden. At 4 bits (2.87x, 0.79 of copy bandwidth) the kernel is
 close to the memory's limit: 14% fewer instructions there (step 20) gave 1.5%; 3x needs ~81 us, 0.83.
 Transposing the key side removed the key half of the padding moves (step 6), transposing the
 value side the other half (step 19); reading the values as 16-bit units removed the byte gathers

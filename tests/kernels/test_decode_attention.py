@@ -346,7 +346,7 @@ def test_whole_blocks_match_masked(case):
     case = dict(case)
     block_n, pairs = case.pop("blocks", 16), case.pop("pairs", False)
     args, kw = make_case(dtype=torch.float16, b=2, h=2, rep=3, **{"n": 96, **case})
-    on = replace(SMALL, unpack=6, num_splits=2, block_n=block_n, key_group_pairs=pairs)
+    on = replace(SMALL, unpack=6, num_splits=2, block_n=block_n, key_group_pairs=pairs, whole_blocks=True)
     off = replace(on, whole_blocks=False)
     meta = _meta(args, kw, on)
     assert meta["WHOLE"] and not _meta(args, kw, off)["WHOLE"]
@@ -359,7 +359,7 @@ def test_whole_blocks_only_where_every_block_is_whole():
     """A packed length that is not a multiple of the block, a packed range or a mask over the
     packed tokens keep the bounds masks (and their results pass the rule); a mask over the
     full-precision tokens only does not."""
-    cfg = replace(SMALL, unpack=6, num_splits=2)
+    cfg = replace(SMALL, unpack=6, num_splits=2, whole_blocks=True)
     args, kw = make_case(dtype=torch.float16, n=80)  # 2.5 blocks of 32
     assert not _meta(args, kw, replace(cfg, block_n=32))["WHOLE"] and _meta(args, kw, cfg)["WHOLE"]
     check(args, kw, replace(cfg, block_n=32))
@@ -375,6 +375,16 @@ def test_whole_blocks_only_where_every_block_is_whole():
     assert not _meta(args, masked, cfg)["WHOLE"]
     check(args, masked, cfg)
     assert _meta(args, {**masked, "mask_packed": False}, cfg)["WHOLE"]  # (the mask then covers the fp tokens only)
+
+
+def test_whole_blocks_default_rule():
+    """By default (whole_blocks None) unmasked whole blocks at head_dim 128 with <= 4 padded query
+    rows, or at 2 bits; not at head_dim 64 nor with 8 padded rows at 4 bits (measured slower)."""
+    cfg = replace(SMALL, unpack=6, num_splits=2)
+    for d, rep_, bits, want in ((128, 4, 4, True), (128, 3, 2, True), (128, 6, 2, True), (128, 6, 4, False),
+                                (64, 4, 2, False), (64, 3, 4, False)):
+        args, kw = make_case(dtype=torch.float16, d=d, rep=rep_, k_bits=bits, v_bits=bits, v_group=32, n=96)
+        assert _meta(args, kw, cfg)["WHOLE"] == want, (d, rep_, bits)
 
 
 def test_value_products_t_where_they_apply():

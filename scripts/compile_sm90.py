@@ -11,6 +11,7 @@ memory, register use and the SASS instruction mix of the main (packed) loop. Cos
     KV_SUMDOTS=0 ...   (DecodeConfig.value_sum_products off: folded value sums by reductions)
     KV_EARLY=0|2 ...   (DecodeConfig.early_value_scales: value scales loaded at use / a block ahead)
     KV_VT=0|1 ...   (DecodeConfig.value_products_t off / on wherever it applies; unset: its default rule)
+    KV_WHOLE=0|1 ...   (DecodeConfig.whole_blocks off / on where every block is whole; unset: its default rule)
 
 Shapes: Mistral-7B (8 kv heads, 4 query heads each, head_dim 128) or $KV_SHAPE, key/value group 128 (or
 $KV_GROUPS), batch 8.
@@ -61,7 +62,8 @@ cfg = da.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, unpac
                       value_units=os.environ.get("KV_UNITS", "1") == "1",
                       value_sum_products=os.environ.get("KV_SUMDOTS", "1") == "1",
                       early_value_scales=int(os.environ.get("KV_EARLY", "1")),
-                      value_products_t={"0": False, "1": True}.get(os.environ.get("KV_VT", ""), None))
+                      value_products_t={"0": False, "1": True}.get(os.environ.get("KV_VT", ""), None),
+                      whole_blocks={"0": False, "1": True}.get(os.environ.get("KV_WHOLE", ""), None))
 # KV_FITTED="perm,mean8" (or mean16): SKVQ permutations of K and V, TaDA means of K and V
 fitted = os.environ.get("KV_FITTED", "")
 extra = {}

@@ -11,7 +11,7 @@
 #         micro-default   the grid with DecodeConfig's defaults, no sweep
 #         tests-gpu   only the `gpu`-marked tests
 #         combine     the split merge alone: the launcher's choice vs 27 others (combine_sweep.json)
-#         profile-calls  kernels/bench/profile_calls.py: per-kernel GPU time of one call at batch 1 (split,
+#         profile-calls  kernels/bench/profile_calls.py: per-kernel GPU time of one call at batch $BATCH (split,
 #                     merge) beside bf16 SDPA's kernels ($MODELS, $CTXS, $CFGS)
 #         ncu         kernels/bench/profile_ncu.py under Nsight Compute: the split kernel's sections and
 #                     SASS-level stall counters ($NCU_CASES; ncu_split.json; KV_NCU_KEEP=1: the report too)

@@ -1349,12 +1349,15 @@ the floor with 16-bit lanes) and ~90 PRMT, 68 HMMA (the 4 query rows padded to 8
 both sides), ~300 softmax and scale-sum instructions, at 255 registers, so only 8 warps fit on
 an SM and their stalls are not hidden. At 4 bits (2.87x, 0.79 of copy bandwidth) the kernel is
 close to the memory's limit: 14% fewer instructions there (step 20) gave 1.5%; 3x needs ~81 us, 0.83.
+The split merge is ~3 us of that call (profiler, `profile_calls_mistral_b8.json`: split kernel
+81.95 us, merge 2.18 us, CUDA-graph call 85.0 us): fusing it away would give ~2.98x at most.
 Transposing the key side removed the key half of the padding moves (step 6), transposing the
 value side the other half (step 19); reading the values as 16-bit units removed the byte gathers
 (step 12: ~8% at batch 8); a value layout stored for the MMA was slower
 (step 7). Multi-warp tiles, 128-token blocks
 and register caps (`decode_tune.json`, `probe_vlayout.json`) traded the moves for shared-memory
-traffic or spills and were slower at batch 8. The 5x would need fewer instructions per code
+traffic or spills and were slower at batch 8 (two-warp programs over 128-token blocks again on the
+step-20 kernel: 1.2-1.6x slower, `decode_sweep_w2-mistral.json`). The 5x would need fewer instructions per code
 than one LOP3 per pair and more warps in flight per SM; no single change measured here gets
 there.
 Called eagerly, small shapes (batch 1, short context, the small models) are host-bound: ~150 us of

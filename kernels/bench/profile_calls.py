@@ -1,5 +1,5 @@
-"""Per-kernel GPU time of one decode-attention call at batch 1 (the split kernel and the merge)
-beside the kernels of bf16 SDPA on the same shape (GPU only).
+"""Per-kernel GPU time of one decode-attention call (the split kernel and the merge) beside the
+kernels of bf16 SDPA on the same shape (GPU only), at batch ``$BATCH`` (default 1).
 
 For each model shape in ``$MODELS`` (default the Qwen2.5-1.5B shape, whose 2 kv heads make batch 1
 the hardest case) and context in ``$CTXS`` (default 4k, 16k, 32k), layouts 4-bit group 32, 4-bit
@@ -46,13 +46,13 @@ def main() -> None:
     for model in os.environ.get("MODELS", "qwen2.5-1.5b").split(","):
         hq, h, d = MODELS[model]
         for ctx in (int(c) for c in os.environ.get("CTXS", "4096,16384,32768").split(",")):
-            b, n, scale = 1, ctx - WINDOW, d ** -0.5
+            b, n, scale = int(os.environ.get("BATCH", "1")), ctx - WINDOW, d ** -0.5
             q4 = torch.randn(b, hq, 1, d, device=dev, dtype=torch.bfloat16)  # (B, Hq, 1, D)
             k = torch.randn(b, h, ctx, d, device=dev, dtype=torch.bfloat16)  # (B, H, T, D)
             v = torch.randn_like(k)  # (B, H, T, D)
             for name in ("sdpa_enable_gqa", "sdpa_grouped_rows_flash"):
                 fn = bf16_variants(q4, k, v, scale)[name]
-                rows.append({"model": model, "context": ctx, "call": name, "kernels_us": kernel_us(fn),
+                rows.append({"model": model, "batch": b, "context": ctx, "call": name, "kernels_us": kernel_us(fn),
                              "graph_us": 1e3 * graph_ms_per_call([fn] * 8, rep=30)})
                 print(rows[-1], flush=True)
             for bits, kg, vg in LAYOUTS:
@@ -62,7 +62,7 @@ def main() -> None:
                           torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16))) for i in range(8)]
                 for cfg in configs:
                     fns = [kernel_call(q, pk, w, bits, kg, vg, n, scale, DecodeConfig(**cfg)) for q, pk, w in sets]
-                    rows.append({"model": model, "context": ctx, "call": f"{bits}-bit groups {kg}/{vg}", "config": cfg,
+                    rows.append({"model": model, "batch": b, "context": ctx, "call": f"{bits}-bit groups {kg}/{vg}", "config": cfg,
                                  "kernels_us": kernel_us(fns[0]), "graph_us": 1e3 * graph_ms_per_call(fns, rep=30)})
                     print(rows[-1], flush=True)
                 del sets
@@ -71,7 +71,7 @@ def main() -> None:
     with open(path + ".tmp", "w") as f:
         json.dump({"rows": rows, "gpu": device_info(),
                    "command": "python kernels/bench/profile_calls.py (MODELS=" + os.environ.get("MODELS", "qwen2.5-1.5b")
-                   + " CTXS=" + os.environ.get("CTXS", "4096,16384,32768") + " CFGS='" + json.dumps(configs) + "')"}, f, indent=1)
+                   + " CTXS=" + os.environ.get("CTXS", "4096,16384,32768") + " BATCH=" + os.environ.get("BATCH", "1") + " CFGS='" + json.dumps(configs) + "')"}, f, indent=1)
     os.replace(path + ".tmp", path)
 
 

@@ -9,7 +9,7 @@ twin of the same signature in :mod:`kvcalib_kernels.reference` that it is tested
   log-sum-exp, OTT quant masks skipping the pool entrants' packed slots.
 - :mod:`kvcalib_kernels.quant_pack`: quantize-and-pack a flushed block (with the recipe's
   permutation, clip, OTT keep mask and TaDA mean; ``center_pack`` stores the mean), bit-exact
-  with :func:`kvcalib.runtime.codec.quantize_reference` / ``center_reference``.
+  with :func:`kvcalib.codec.quantize_reference` / ``center_reference``.
 - :mod:`kvcalib_kernels.huffman_decode`: Huffman streams (block format v1 of
   :mod:`kvcalib.quant.huffman`) -> codes, one lane per stream, bit-exact with ``decode_blocks``.
 - :mod:`kvcalib_kernels.decode_attention_huffman`: decode attention with the Huffman decode fused

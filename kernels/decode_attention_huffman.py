@@ -54,7 +54,7 @@ per SM, against ~48 for the standalone decoder). What it buys today is memory: 1
 bits per 2 / 4-bit code (plus format v1's int64 offset per stream). Next steps: pipeline the
 value decode of block i with the key decode of block i + 1 (two independent chains per thread),
 4-bit codebooks limited to 6-bit words (two codes per lookup), the cache's compact stream layout
-(:mod:`kvcalib.calibrate.codebooks`: per-chunk word index + 1-byte excess per stream instead of
+(:mod:`kvcalib.methods.huffman`: per-chunk word index + 1-byte excess per stream instead of
 int64 offsets).
 
 Not supported (the launcher raises ValueError, :func:`supports` says why without raising):

@@ -5,10 +5,10 @@ The specification is :func:`kvcalib.quant.uniform.quantize_keys` /
 :func:`kvcalib.quant.packing.pack_codes` (re-exported as
 :func:`kvcalib_kernels.reference.quantize_pack_keys_reference` / ``..._values_reference``):
 same codes, same float16 scale and zero, bit for bit (the tests use ``torch.equal``). With the
-fitted state of a recipe (what :meth:`kvcalib.runtime.codec.LayerCodec.encode_keys` does) the
-specification is :func:`kvcalib.runtime.codec.quantize_reference` (SKVQ channel permutation
+fitted state of a recipe (what :meth:`kvcalib.codec.LayerCodec.encode_keys` does) the
+specification is :func:`kvcalib.codec.quantize_reference` (SKVQ channel permutation
 ``perm``, TaDA deviations from a stored mean ``mean``) and
-:func:`kvcalib.runtime.codec.center_reference` (the stored mean itself, :func:`center_pack`).
+:func:`kvcalib.codec.center_reference` (the stored mean itself, :func:`center_pack`).
 
 How bit-exactness is kept (the reference's "Arithmetic" notes):
 
@@ -371,7 +371,7 @@ def _valid_u8(valid, b, h, t, dev):
 
 def _perm_i32(perm, h, d, dev, validate: bool):
     """(int32 (H, D) contiguous, has_perm) for an optional per-head permutation (H' | H rows:
-    kv head ``h`` uses row ``h // (H / H')``, like :func:`kvcalib.calibrate.reorder.apply_perm`)."""
+    kv head ``h`` uses row ``h // (H / H')``, like :func:`kvcalib.methods.reorder.apply_perm`)."""
     if perm is None:
         return torch.zeros(1, dtype=torch.int32, device=dev), False
     if not isinstance(perm, torch.Tensor) or perm.dim() != 2 or perm.is_floating_point() or perm.dtype == torch.bool:
@@ -407,7 +407,7 @@ def quantize_pack_keys(k: torch.Tensor, bits: int, group: int, clip=1.0, valid: 
     scale/zero float16 ``(B, H, T / group, D)``. With ``perm`` (integer ``(H, D)``, stored channel
     ``j`` = input channel ``perm[h, j]``) and/or ``mean`` (float32 ``(B, 1, T, D)``, the stored mean
     from :func:`center_pack`) it quantizes ``apply_perm(k - mean, perm)``, as
-    :func:`kvcalib.runtime.codec.quantize_reference`. ``validate`` checks finiteness, clip range
+    :func:`kvcalib.codec.quantize_reference`. ``validate`` checks finiteness, clip range
     and the permutation (device syncs); set it False to keep a flush sync-free.
     """
     k = _check_input(k, "k", bits, validate)
@@ -475,7 +475,7 @@ def quantize_pack_values(v: torch.Tensor, bits: int, group: int, clip=1.0, valid
 
 def center_pack(x: torch.Tensor, mean_bits: int, *, validate: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor | None, QuantizedTensor | None]:
-    """TaDA's stored mean over kv heads, as :func:`kvcalib.runtime.codec.center_reference`.
+    """TaDA's stored mean over kv heads, as :func:`kvcalib.codec.center_reference`.
 
     x ``(B, H, T, D)`` (``H <= MAX_CENTER_HEADS``) -> ``(mean_hat, mean16, mean_q)``: ``mean_hat``
     float32 ``(B, 1, T, D)``, the stored mean dequantized (subtract it through the ``mean``

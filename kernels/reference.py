@@ -328,12 +328,12 @@ def quantize_pack_keys_reference(k: torch.Tensor, bits: int, group: int, clip=1.
                                  valid: torch.Tensor | None = None, *, perm: torch.Tensor | None = None,
                                  mean: torch.Tensor | None = None) -> QuantizedTensor:
     """Per-channel keys over groups of ``group`` tokens, after TaDA's ``mean`` and SKVQ's ``perm``:
-    :func:`kvcalib.runtime.codec.quantize_reference` (:func:`kvcalib.quant.uniform.quantize_keys`).
+    :func:`kvcalib.codec.quantize_reference` (:func:`kvcalib.quant.uniform.quantize_keys`).
 
     k ``(B, H, T, D)`` -> codes uint8 ``(B, H, T, D * bits / 8)``, scale/zero float16
     ``(B, H, T / group, D)``.
     """
-    from kvcalib.runtime.codec import quantize_reference
+    from kvcalib.codec import quantize_reference
 
     return quantize_reference(k, bits, group, True, clip, valid, perm=perm, mean=mean)
 
@@ -342,19 +342,19 @@ def quantize_pack_values_reference(v: torch.Tensor, bits: int, group: int, clip=
                                    valid: torch.Tensor | None = None, *, perm: torch.Tensor | None = None,
                                    mean: torch.Tensor | None = None) -> QuantizedTensor:
     """Per-token values over groups of ``group`` channels, after ``mean`` and ``perm``:
-    :func:`kvcalib.runtime.codec.quantize_reference` (:func:`kvcalib.quant.uniform.quantize_values`).
+    :func:`kvcalib.codec.quantize_reference` (:func:`kvcalib.quant.uniform.quantize_values`).
 
     v ``(B, H, T, D)`` -> codes uint8 ``(B, H, T, D * bits / 8)``, scale/zero float16
     ``(B, H, T, D / group)``.
     """
-    from kvcalib.runtime.codec import quantize_reference
+    from kvcalib.codec import quantize_reference
 
     return quantize_reference(v, bits, group, False, clip, valid, perm=perm, mean=mean)
 
 
 def center_pack_reference(x: torch.Tensor, mean_bits: int):
-    """TaDA's stored mean over kv heads: :func:`kvcalib.runtime.codec.center_reference`."""
-    from kvcalib.runtime.codec import center_reference
+    """TaDA's stored mean over kv heads: :func:`kvcalib.methods.center.center_reference`."""
+    from kvcalib.methods.center import center_reference
 
     return center_reference(x, mean_bits)
 

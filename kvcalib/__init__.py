@@ -27,7 +27,7 @@ _LAZY = {
     "CompressedCache": "kvcalib.runtime.cache",
     # recipes
     "Recipe": "kvcalib.recipe",
-    "LayerConfig": "kvcalib.recipe",
+    "LayerConfig": "kvcalib.layout",
     "load_recipe": "kvcalib.api",
     # models
     "load_model": "kvcalib.models",

@@ -107,7 +107,7 @@ def collect(
     if loaded is not None and config is None and model is None:
         cfg = dataclasses.replace(cfg, model=loaded.source)  # record the model actually used
     if out is None:
-        from kvcalib.cli import default_run_dir
+        from kvcalib.paths import default_run_dir
 
         out = default_run_dir("collect")
     return run_collect(cfg, Path(out), loaded=loaded)

@@ -9,13 +9,13 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
 
 from kvcalib.errors import KvcalibError
+from kvcalib.paths import default_run_dir
 
 app = typer.Typer(
     name="kvcalib",
@@ -49,17 +49,6 @@ def user_errors(fn: Callable) -> Callable:
             raise typer.Exit(130) from None
 
     return wrapper
-
-
-def default_run_dir(command: str) -> Path:
-    """A fresh run folder under ./artifacts/runs (never an existing one)."""
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = Path("artifacts") / "runs" / f"{command}-{stamp}"
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
 
 
 def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
@@ -141,7 +130,7 @@ def search(
     eval_samples: int = typer.Option(4, help="Held-out perplexity sequences for the final proof."),
     eval_seq_len: int = typer.Option(512, help="Tokens per held-out perplexity sequence."),
     no_eval: bool = typer.Option(False, "--no-eval", help="Skip the held-out proof."),
-    huffman: bool = typer.Option(True, help="Add Huffman codebooks (KVComp) to the chosen recipe where coding shrinks a side."),
+    finish: Optional[str] = typer.Option(None, help="Methods applied to the chosen recipe only, comma-separated, or 'none' (default: every such method: Huffman codebooks where coding shrinks a side)."),
     seed: int = typer.Option(0, help="Seed for data, sampler and calibration."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
     dtype: Optional[str] = typer.Option(None, help="bf16 | fp16 | fp32."),
@@ -155,7 +144,9 @@ def search(
                           score_samples=score_samples, trials=trials, budget_bits=budget_bits, context=context,
                           space=space, storage=storage, study=study, resume=resume, sweep=sweep, timeout=timeout,
                           seed=seed, eval=not no_eval, eval_samples=eval_samples, eval_seq_len=eval_seq_len,
-                          device=device, dtype=dtype, command=command_line(), huffman=huffman)
+                          device=device, dtype=dtype, command=command_line(),
+                          chosen_methods=None if finish is None else tuple(
+                              m.strip() for m in finish.split(",") if m.strip() and m.strip() != "none"))
     try:
         result = run_search(config)
     except KeyboardInterrupt:
@@ -175,15 +166,31 @@ def search(
     print(f"report: {result.report_path}")
 
 
-def _parse_ages(text: str) -> tuple[int, ...]:
-    """``"1024,4096"`` -> (1024, 4096) for ``export --schedule-ages``."""
-    try:
-        return tuple(int(a) for a in text.split(",") if a.strip())
-    except ValueError:
-        raise KvcalibError(f"--schedule-ages {text!r} is not a comma-separated list of integers (e.g. 1024,4096).") from None
+def _with_method_flags(fn: Callable) -> Callable:
+    """Add every registered method's ``kvcalib export`` flags (:attr:`Method.flags`) to ``fn``'s
+    options: the command passes them on as ``**method_flags``, so a new method's flag appears
+    without touching this file."""
+    import inspect
+
+    from kvcalib.export import method_flags
+
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    for flag_name, (_, flag) in method_flags().items():
+        if flag.kind is bool:
+            option = typer.Option(False, flag.option, help=flag.help)
+            annotation: Any = bool
+        else:
+            option = typer.Option(None, flag.option, help=flag.help)
+            annotation = Optional[flag.kind]
+        params.append(inspect.Parameter(flag_name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                        annotation=annotation))
+    fn.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    return fn
 
 
 @app.command(epilog="Examples:\n\n    kvcalib export runs/smol -o smol-k2v2.safetensors --bits k2v2 --group 32 --window 128\n\n    kvcalib export runs/smol-search --budget-bits 3.5 -o smol-3.5.safetensors\n\n    kvcalib export runs/smol -o smol-all.safetensors --bits k4v2 --reorder --clip --center\n\n    kvcalib export runs/smol -o smol-ott-pats.safetensors --bits k8v8 --outliers 3 --schedule middle-heavy")
+@_with_method_flags
 @user_errors
 def export(
     run_dir: Path = typer.Argument(..., help="Run folder written by `kvcalib collect` (holds stats.safetensors)."),
@@ -192,13 +199,6 @@ def export(
     group: int = typer.Option(32, help="Group size: tokens per key group, channels per value group."),
     window: Optional[int] = typer.Option(None, help="Recent tokens kept in full precision (0 or >= group; default 128, 0 with --schedule new-heavy)."),
     sinks: Optional[int] = typer.Option(None, help="First tokens kept in full precision (attention sinks; default 0, 4 with --schedule middle-heavy/new-heavy)."),
-    reorder: bool = typer.Option(False, help="SKVQ channel reordering (KMeans) for per-token groups."),
-    clip: bool = typer.Option(False, help="SKVQ clip scales fitted on the attention output."),
-    center: bool = typer.Option(False, help="TaDA mean-centering across kv heads where it pays."),
-    outliers: Optional[int] = typer.Option(None, help="OTT outlier-token pool size (3 = OTT's default): N tokens per layer and kv head in full precision, on layers where tracing cuts the key error on the statistics (0 elsewhere, e.g. the first layers)."),
-    schedule: Optional[str] = typer.Option(None, help="PATS position-adaptive tiers: old-heavy | middle-heavy | new-heavy. Starts at --bits after --window, halves the bits at each --schedule-ages."),
-    schedule_ages: Optional[str] = typer.Option(None, help="Token ages where --schedule halves the bits, comma-separated, increasing, above --window (default 1024,4096)."),
-    huffman: bool = typer.Option(False, help="KVComp: add Huffman codebooks of the quantized symbols (fitted on the statistics; sides where coding would not shrink are left uncoded)."),
     name: Optional[str] = typer.Option(None, help="Recipe name (default from the settings)."),
     seed: int = typer.Option(0, help="Seed for KMeans."),
     force: bool = typer.Option(False, help="Replace an existing output file."),
@@ -207,6 +207,7 @@ def export(
     format: str = typer.Option("kvcalib", "--format", help="kvcalib (a recipe file) or compressed-tensors (FP8 k_scale/v_scale folder for vLLM/SGLang)."),
     model: Optional[str] = typer.Option(None, help="compressed-tensors: the model folder whose config.json to extend (default: from the run)."),
     per_head: bool = typer.Option(False, help="compressed-tensors: per-head scales (vLLM with Flash Attention only)."),
+    **method_flags: Any,
 ) -> None:
     """Build a fitted recipe from collected statistics, with the methods given as flags; or pick
     a point of a `kvcalib search` run with --budget-bits / --trial (no new search)."""
@@ -214,14 +215,14 @@ def export(
 
     if format not in ("kvcalib", "compressed-tensors"):
         raise KvcalibError(f"--format {format!r} is not known: use kvcalib or compressed-tensors.")
+    given = sorted(name_ for name_, val in method_flags.items() if val is not None and val is not False)
     if format == "compressed-tensors":
         from kvcalib.serving import export_compressed_tensors
 
         from kvcalib.export import parse_bits
 
         sub8 = bits is not None and min(parse_bits(bits)) < 8
-        if (sub8 or reorder or clip or center or outliers is not None or schedule is not None
-                or budget_bits is not None or trial is not None):
+        if sub8 or given or budget_bits is not None or trial is not None:
             raise KvcalibError(
                 f"--bits {bits} and recipe methods cannot be expressed in the FP8 compressed-tensors layout "
                 "(vLLM/SGLang hold FP8 K/V with per-tensor or per-head scales only): export the FP8 scales from "
@@ -231,17 +232,16 @@ def export(
         print(f"wrote FP8 KV-cache scales and config.json to {written if written is not None else out}")
         return
     if budget_bits is not None or trial is not None:
-        if outliers is not None or schedule is not None or schedule_ages is not None:
-            raise KvcalibError("--outliers/--schedule build a recipe from statistics; --budget-bits/--trial pick a "
-                               "searched point whose settings are fixed: pass one kind or the other.")
+        if given:
+            flags = ", ".join("--" + g.replace("_", "-") for g in given)
+            raise KvcalibError(f"{flags} build a recipe from statistics; --budget-bits/--trial pick a searched point "
+                               "whose settings are fixed: pass one kind or the other.")
         recipe, record = export_search_point(run_dir, out, budget_bits=budget_bits, trial=trial, force=force)
         print(f"wrote {out}: trial {record['number']} of the search, KL {record['kl']:.4g}, "
               f"{record['effective_bits']:.3f} effective bits at {recipe.provenance.get('context', 4096)}")
         return
-    methods = [m for m, on in (("center", center), ("reorder", reorder), ("clip", clip)) if on]
-    ages = {} if schedule_ages is None else {"schedule_ages": _parse_ages(schedule_ages)}
-    config = ExportConfig(bits=bits or "k2v2", group=group, window=window, sinks=sinks, methods=methods, name=name,
-                          seed=seed, outliers=outliers, schedule=schedule, huffman=huffman, **ages)
+    config = ExportConfig(bits=bits or "k2v2", group=group, window=window, sinks=sinks, name=name, seed=seed,
+                          **method_flags)
     recipe = export_recipe(run_dir, out, config, force=force)
     mem = recipe.memory(recipe.model, 4096)
     print(f"wrote {out}: recipe {recipe.name} for {recipe.model.name}, {mem.effective_bits:.3f} effective bits at 4096")
@@ -385,9 +385,9 @@ def inspect(
     print(f"effective bits per element at {context}: {mem['effective_bits']:.3f} "
           f"(bf16 = 16.0); KV bytes per sequence: {mem['total_bytes']:,.0f}")
     print("bytes by component: " + ", ".join(f"{k} {v:,.0f}" for k, v in mem["components"].items()))
-    from kvcalib.inspect import huffman_lines
+    from kvcalib.inspect import method_lines
 
-    for line in huffman_lines(report):
+    for line in method_lines(report):
         print(line)
     if report["tensors"]:
         print(f"fitted tensors: {len(report['tensors'])}")

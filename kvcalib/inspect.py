@@ -7,7 +7,8 @@ import json
 from typing import Any
 
 from kvcalib.models import DEFAULT_MODEL, ModelInfo
-from kvcalib.recipe import Recipe, layer_bytes, resolve_recipe
+from kvcalib.layout import layer_bytes
+from kvcalib.recipe import Recipe, resolve_recipe
 
 
 def _model_info_for(recipe: Recipe, model: str | None) -> ModelInfo:
@@ -29,14 +30,22 @@ def _model_info_for(recipe: Recipe, model: str | None) -> ModelInfo:
     return model_info(config, name)
 
 
+def _method_sections(recipe: Recipe, info: ModelInfo, context: int, layers: list[dict[str, Any]],
+                     elements_per_layer: int) -> dict[str, Any]:
+    """Each registered method's own report section (``Method.inspect``), keyed by its name."""
+    from kvcalib.methods import registry
+
+    return {name: method.inspect(recipe, info, context, layers, elements_per_layer)
+            for name, method in registry().items() if method.inspect is not None}
+
+
 def inspect_recipe(spec: str, model: str | None = None, context: int = 4096) -> dict[str, Any]:
     """Everything `kvcalib inspect` shows, as a JSON-ready dict.
 
-    With Huffman codebooks in the recipe (``layers.{i}.{k|v}.huffman``, validated: a corrupt one
-    raises :class:`~kvcalib.errors.RecipeError` naming it), each layer also gets ``k_huffman_bits``
-    / ``v_huffman_bits`` (estimated bits per symbol, None = uncoded side) and
-    ``coded_effective_bits``, and ``report["huffman"]`` holds the coded memory at ``context``
-    (:func:`kvcalib.calibrate.codebooks.entropy_memory`); it is None without codebooks.
+    Every registered method adds its own section under its name (``Method.inspect``; None when
+    the recipe does not use it) and may add per-layer fields: e.g. with Huffman codebooks each
+    layer gets ``k_huffman_bits`` / ``v_huffman_bits`` and ``coded_effective_bits``, and
+    ``report["huffman"]`` holds the coded memory at ``context``.
     """
     recipe = resolve_recipe(spec)
     info = _model_info_for(recipe, model)
@@ -56,71 +65,22 @@ def inspect_recipe(spec: str, model: str | None = None, context: int = 4096) -> 
         "layers": layers,
         "memory": {"effective_bits": mem.effective_bits, "total_bytes": mem.total_bytes,
                    "components": mem.components},
-        "huffman": _huffman_section(recipe, info, context, layers, elements_per_layer),
+        **_method_sections(recipe, info, context, layers, elements_per_layer),
         "tensors": {k: list(v.shape) for k, v in recipe.tensors.items()},
         "provenance": recipe.provenance,
         "origin": provenance_summary(recipe.provenance),
     }
 
 
-def _huffman_section(recipe: Recipe, info: ModelInfo, context: int, layers: list[dict[str, Any]],
-                     elements_per_layer: int) -> dict[str, Any] | None:
-    """Per-layer bits/symbol and coded effective bits (added to ``layers`` in place) and the coded
-    memory of a recipe with codebooks; None without."""
-    from kvcalib.calibrate.codebooks import HUFFMAN, StreamLayout, codebook_bits, entropy_memory
+def method_lines(report: dict[str, Any]) -> list[str]:
+    """Human-readable lines of every method's section of an :func:`inspect_recipe` report
+    (``Method.inspect_lines``; empty where a method has no section)."""
+    from kvcalib.methods import registry
 
-    configs = recipe.layer_configs(info.num_layers)
-    bits, source = codebook_bits(recipe, configs)  # validates the codebooks (RecipeError)
-    if not bits:
-        return None
-    layout = StreamLayout()
-    prov = recipe.provenance.get(HUFFMAN)
-    if isinstance(prov, dict) and isinstance(prov.get("layout"), dict):
-        try:
-            layout = StreamLayout(**prov["layout"])
-        except (TypeError, ValueError):
-            pass  # an unreadable note: account the default layout
-    coded = entropy_memory(recipe, info, bits, context, layout)
-    delta = [0.0] * info.num_layers  # coded - raw bytes of each layer
-    for side in coded.sides:
-        delta[side["layer"]] += side["coded_bytes"] - side["raw_bytes"]
-    for row in layers:
-        i = row["layer"]
-        row["k_huffman_bits"] = bits.get((i, "k"))
-        row["v_huffman_bits"] = bits.get((i, "v"))
-        row["coded_effective_bits"] = row["effective_bits"] + 8.0 * delta[i] / elements_per_layer
-    return {
-        "estimate": source,
-        "coded_sides": len(bits),
-        "quantized_sides": sum((c.k_bits < 16) + (c.v_bits < 16) for c in configs),
-        "layout": {"tokens_per_stream": layout.tokens_per_stream, "chunk_tokens": layout.chunk_tokens},
-        "effective_bits": coded.coded.effective_bits,
-        "uncoded_effective_bits": coded.uncoded.effective_bits,
-        "reduction_pct": 100.0 * coded.reduction,
-        "total_bytes": coded.coded.total_bytes,
-        "components": coded.coded.components,
-    }
-
-
-def huffman_lines(report: dict[str, Any]) -> list[str]:
-    """Human-readable lines for the Huffman part of an :func:`inspect_recipe` report (empty
-    without codebooks): a summary, then bits/symbol per layer as ``layer: K|V`` (``-`` uncoded)."""
-    h = report.get("huffman")
-    if not h:
-        return []
-
-    def fmt(x: float | None) -> str:
-        return "-" if x is None else f"{x:.3f}"
-
-    lines = [
-        f"Huffman-coded effective bits at {report['context']}: {h['effective_bits']:.3f} "
-        f"(uncoded {h['uncoded_effective_bits']:.3f}, {h['reduction_pct']:.1f}% saved); "
-        f"{h['coded_sides']} of {h['quantized_sides']} quantized sides coded; bits/symbol: {h['estimate']}; "
-        f"streams of {h['layout']['tokens_per_stream']} token(s) in {h['layout']['chunk_tokens']}-token chunks",
-        "bits/symbol K|V (coded eff. bits) per layer: " + ", ".join(
-            f"{r['layer']}: {fmt(r['k_huffman_bits'])}|{fmt(r['v_huffman_bits'])} ({r['coded_effective_bits']:.3f})"
-            for r in report["layers"]),
-    ]
+    lines: list[str] = []
+    for name, method in registry().items():
+        if report.get(name):
+            lines += method.inspect_lines(report)
     return lines
 
 
@@ -152,31 +112,17 @@ def provenance_summary(provenance: dict[str, Any]) -> list[tuple[str, str]]:
         if key in provenance and provenance[key] not in (None, "", [], {}):
             out.append((label, fmt(provenance[key])))
             seen.add(key)
-    if isinstance(provenance.get("huffman"), dict):  # a per-layer record: summarised, not dumped
-        out.append(("huffman", _huffman_origin(provenance["huffman"])))
-        seen.add("huffman")
+    from kvcalib.methods import registry
+
+    for name, method in registry().items():  # a method's own record: summarised by the method, not dumped
+        line = method.origin(provenance[name]) if isinstance(provenance.get(name), dict) else None
+        if line is not None:
+            out.append((name, line))
+            seen.add(name)
     for key in sorted(provenance):
         if key not in seen and provenance[key] not in (None, "", [], {}):
             out.append((key, fmt(provenance[key])))
     return out
-
-
-def _huffman_origin(note: dict[str, Any]) -> str:
-    """One line from ``provenance["huffman"]`` (written by ``add_codebooks``)."""
-    parts = []
-    if "max_len" in note:
-        parts.append(f"max_len {note['max_len']}")
-    if note.get("reservoir_blocks"):
-        parts.append(f"from {note['reservoir_blocks']} reservoir blocks of {note.get('block_len', '?')} tokens")
-    per = note.get("bits_per_symbol")
-    if isinstance(per, dict):
-        for side in ("k", "v"):
-            vals = [v for v in per.get(side) or [] if isinstance(v, (int, float))]
-            if vals:
-                parts.append(f"{side.upper()} {sum(vals) / len(vals):.3f} bits/symbol (calibration, mean of {len(vals)} layers)")
-    if note.get("uncoded"):
-        parts.append(f"left uncoded: {len(note['uncoded'])} sides")
-    return "; ".join(parts) or json.dumps(note, sort_keys=True)
 
 
 _LAYER_FIELDS = ("k_bits", "v_bits", "k_axis", "k_group", "v_group", "window", "sinks")

@@ -10,6 +10,7 @@ Default: the user's cache directory (``~/.cache/kvcalib`` on Linux). Layout::
 from __future__ import annotations
 
 import os
+from datetime import datetime
 from pathlib import Path
 
 
@@ -29,4 +30,15 @@ def home_subdir(name: str) -> Path:
     """A subfolder of :func:`kvcalib_home`, created on first use."""
     path = kvcalib_home() / name
     path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def default_run_dir(command: str) -> Path:
+    """A fresh run folder under ./artifacts/runs (never an existing one)."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path("artifacts") / "runs" / f"{command}-{stamp}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
     return path

@@ -21,152 +21,21 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvcalib.errors import RecipeError
+from kvcalib.codec import LayerCodec
+from kvcalib.errors import KvcalibError, RecipeError
 from kvcalib.io import read_safetensors_document
+from kvcalib.layout import LayerConfig, MemoryBreakdown, layer_bytes, quantized_token_count
 from kvcalib.models import ModelInfo
 
 RECIPE_FORMAT = "kvcalib-recipe"
 SCHEMA_VERSION = 1
 METADATA_KEY = "kvcalib_recipe"
-VALID_BITS = (2, 4, 8, 16)  # 16 = kept in full precision (not quantized)
-KEY_AXES = ("channel", "token")  # keys per channel over token groups (KIVI) or per token
-FP_BITS = 16  # full-precision segments are accounted at 16 bits, as stored on GPU (bf16/fp16)
-SCALE_BYTES = 2  # scales and zero-points are float16
-MAX_OUTLIER_POOL = 1024  # full-precision pool slots per kv head; beyond this a pool defeats compression
-
-
-@dataclass(frozen=True)
-class LayerConfig:
-    """How one layer's cache is compressed (user configuration; fitted tensors live apart).
-
-    - ``k_bits``/``v_bits``: 2, 4, 8, or 16 (no quantization).
-    - ``k_axis``: ``channel`` = keys quantized per channel over groups of ``k_group`` consecutive
-      tokens (KIVI); ``token`` = per token over groups of ``k_group`` channels.
-    - ``v_group``: values are quantized per token over groups of ``v_group`` channels.
-    - ``sinks``: the first S tokens stay in full precision forever (attention sinks).
-    - ``window``: the most recent R tokens stay in full precision; older tokens are flushed to
-      packed storage in blocks of ``flush_block`` tokens once R + block tokens are pending.
-    """
-
-    k_bits: int = 16
-    v_bits: int = 16
-    k_axis: str = "channel"
-    k_group: int = 32
-    v_group: int = 32
-    sinks: int = 0
-    window: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("k_bits", "v_bits"):
-            if getattr(self, name) not in VALID_BITS:
-                raise ValueError(f"{name} must be one of {VALID_BITS}, got {getattr(self, name)!r}")
-        if self.k_axis not in KEY_AXES:
-            raise ValueError(f"k_axis must be one of {KEY_AXES}, got {self.k_axis!r}")
-        for name in ("k_group", "v_group"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive integer, got {val!r}")
-        for name in ("sinks", "window"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {val!r}")
-        if self.compressed and self.window and self.window < self.flush_block:
-            raise ValueError(
-                f"window ({self.window}) is shorter than a group ({self.flush_block} tokens): "
-                f"use window 0 or at least {self.flush_block}"
-            )
-
-    @property
-    def compressed(self) -> bool:
-        return self.k_bits < 16 or self.v_bits < 16
-
-    @property
-    def flush_block(self) -> int:
-        """Tokens moved from the window to packed storage at once."""
-        if self.k_bits < 16 and self.k_axis == "channel":
-            return self.k_group
-        return 1
-
-    def check_head_dim(self, head_dim: int) -> None:
-        """Group sizes along channels must divide head_dim; packing needs whole bytes."""
-        if self.v_bits < 16 and head_dim % self.v_group:
-            raise ValueError(f"v_group {self.v_group} does not divide head_dim {head_dim}")
-        if self.k_bits < 16 and self.k_axis == "token" and head_dim % self.k_group:
-            raise ValueError(f"k_group {self.k_group} does not divide head_dim {head_dim}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "layer") -> "LayerConfig":
-        if not isinstance(data, dict):
-            raise RecipeError(f"recipe field {where} must be an object, got {type(data).__name__}")
-        allowed = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - allowed)
-        if unknown:
-            raise RecipeError(f"recipe field {where} has unknown keys {unknown}; allowed: {sorted(allowed)}")
-        try:
-            return cls(**data)
-        except (ValueError, TypeError) as err:
-            raise RecipeError(f"recipe field {where}: {err}") from None
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes one sequence's cache holds at context T, by component (all layers, K and V)."""
-
-    context: int
-    elements: int  # 2 * layers * kv_heads * head_dim * T
-    components: dict[str, float]
-
-    @property
-    def total_bytes(self) -> float:
-        return float(sum(self.components.values()))
-
-    @property
-    def effective_bits(self) -> float:
-        """8 x bytes / elements (DESIGN.md); bf16 everywhere is 16.0."""
-        return 8.0 * self.total_bytes / self.elements
-
-
-def quantized_token_count(cfg: LayerConfig, t: int) -> int:
-    """Tokens in packed storage after ``t`` tokens have been cached (flush policy of the runtime)."""
-    if not cfg.compressed:
-        return 0
-    pending = t - min(t, cfg.sinks)
-    block = cfg.flush_block
-    n_blocks = max(0, (pending - cfg.window) // block)
-    return n_blocks * block
-
-
-def layer_bytes(cfg: LayerConfig, heads: int, head_dim: int, t: int, sliding: int | None = None) -> dict[str, float]:
-    """Bytes of one layer's K and V for one sequence at context ``t``, by component."""
-    kept = t if sliding is None else min(t, sliding)
-    nq = quantized_token_count(cfg, kept)
-    n_fp = kept - nq
-    fp_bytes = FP_BITS // 8
-    out = {"full_precision": float(2 * n_fp * heads * head_dim * fp_bytes)}
-    if nq:
-        if cfg.k_bits < 16:
-            out["k_codes"] = nq * heads * head_dim * cfg.k_bits / 8
-            if cfg.k_axis == "channel":
-                out["k_scales"] = (nq // cfg.k_group) * heads * head_dim * 2 * SCALE_BYTES
-            else:
-                out["k_scales"] = nq * heads * (head_dim // cfg.k_group) * 2 * SCALE_BYTES
-        else:
-            out["full_precision"] += nq * heads * head_dim * fp_bytes
-        if cfg.v_bits < 16:
-            out["v_codes"] = nq * heads * head_dim * cfg.v_bits / 8
-            out["v_scales"] = nq * heads * (head_dim // cfg.v_group) * 2 * SCALE_BYTES
-        else:
-            out["full_precision"] += nq * heads * head_dim * fp_bytes
-    return out
 
 
 @dataclass
@@ -215,89 +84,60 @@ class Recipe:
                 )
 
     # ------------------------------------------------------------------ per-layer fitted state
-    def outlier_pool(self, i: int, cfg: LayerConfig) -> int:
-        """OTT pool size of layer ``i`` from ``layers.{i}.kv.outlier_pool`` (0 = off / absent).
+    def layer_tensors(self, num_layers: int) -> list[dict[str, torch.Tensor]]:
+        """The fitted tensors of each layer, unprefixed (``"k.clip"``...). A name that is not
+        ``layers.{i}.{k|v|kv}.{name}`` with ``i`` below ``num_layers`` is refused, naming it."""
+        out: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
+        for name, tensor in self.tensors.items():
+            parts = name.split(".")
+            if not (len(parts) == 4 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) < num_layers
+                    and parts[2] in ("k", "v", "kv")):
+                raise RecipeError(f"recipe {self.name!r} holds tensor {name!r}, which this kvcalib does not apply "
+                                  f"(tensors are layers.<i>.<k|v|kv>.<name> with i < {num_layers}): re-export the "
+                                  "recipe with this version")
+            out[int(parts[1])][f"{parts[2]}.{parts[3]}"] = tensor
+        return out
 
-        Refuses (naming the tensor) a non-integer or non-scalar tensor, a negative size, and a
-        pool on a layer kept at 16 bits.
-        """
-        name = f"layers.{i}.kv.outlier_pool"
-        t = self.tensors.get(name)
-        if t is None:
-            return 0
-        if t.numel() != 1 or t.is_floating_point() or t.dtype == torch.bool:
-            raise RecipeError(f"recipe {self.name!r}: tensor {name} must be an integer scalar (the OTT pool "
-                              f"size), got {t.dtype} of shape {tuple(t.shape)}: re-export the recipe")
-        size = int(t.reshape(-1)[0])
-        if not 0 <= size <= MAX_OUTLIER_POOL:
-            raise RecipeError(f"recipe {self.name!r}: tensor {name} is {size}; the outlier pool size must be "
-                              f">= 0 and <= {MAX_OUTLIER_POOL} (0 = off, OTT uses 3): re-export the recipe")
-        if size and not cfg.compressed:
-            raise RecipeError(f"recipe {self.name!r}: tensor {name} is {size} but layer {i} keeps K and V at "
-                              "16 bits (nothing is flushed): set it to 0 or drop the tensor")
-        return size
-
-    def schedule(self, i: int, cfg: LayerConfig):
-        """PATS schedule of layer ``i`` from ``layers.{i}.kv.schedule`` (None when absent).
-
-        Returns a :class:`~kvcalib.calibrate.schedule.Schedule` (sinks from the layer config),
-        validated: ages start at 0 and strictly increase, bits never increase with age, and the
-        first quantized tier is the layer config (window, bits, sinks). Refusals name the tensor.
-        """
-        name = f"layers.{i}.kv.schedule"
-        t = self.tensors.get(name)
-        if t is None:
-            return None
-        from kvcalib.calibrate.schedule import Schedule
-        from kvcalib.errors import KvcalibError
-
-        try:
-            sched = Schedule.from_tensor(t, sinks=cfg.sinks)
-            sched.check_layer(cfg)
-        except KvcalibError as err:
-            raise RecipeError(f"recipe {self.name!r}: tensor {name} (rows age, k_bits, v_bits) is invalid: "
-                              f"{err}. Re-export the recipe (kvcalib export --schedule ...)") from None
-        return sched
+    def codecs(self, info: ModelInfo | None = None, *, num_layers: int | None = None,
+               head_dim: int | None = None) -> list[LayerCodec]:
+        """One validated :class:`~kvcalib.codec.LayerCodec` per layer, carrying every method state
+        the recipe's tensors give (for ``info``'s model, or ``num_layers``/``head_dim`` alone).
+        A tensor that is invalid, of the wrong shape for the layer or of no method is refused with
+        a RecipeError naming it."""
+        heads = None
+        if info is not None:
+            num_layers, head_dim, heads = info.num_layers, info.head_dim, info.num_kv_heads
+        if num_layers is None:
+            raise ValueError("Recipe.codecs needs the model's info or num_layers")
+        configs = self.layer_configs(num_layers)
+        per_layer = self.layer_tensors(num_layers)
+        codecs = []
+        for i, (cfg, tensors) in enumerate(zip(configs, per_layer)):
+            try:
+                codecs.append(LayerCodec.from_tensors(cfg, tensors, heads, head_dim, prefix=f"layers.{i}."))
+            except (ValueError, KvcalibError) as err:
+                raise RecipeError(f"recipe {self.name!r}: {err}: re-export the recipe") from None
+        return codecs
 
     def memory(self, info: ModelInfo, context: int = 4096) -> MemoryBreakdown:
-        """Accounted bytes per sequence at ``context`` (DESIGN.md's memory accounting).
+        """Accounted bytes per sequence at ``context`` (docs/design.md's memory accounting).
 
-        Per layer: :func:`layer_bytes`, or, with a PATS schedule, ``schedule_bytes`` (each flushed
-        block at its tier's bits); centering means; OTT pools (``pool_bytes``: full-precision
-        pool + extra pool slots, int32 positions, counters, and ``ceil(G / 8)`` mask bytes per
-        flushed block per kv head, as the cache stores them); fitted tensors amortised.
+        Per layer: :func:`~kvcalib.layout.layer_bytes` over the tokens the layer keeps (a sliding
+        layer its window), each packed block at the bits of its stored tier (PATS), plus what
+        every method state adds (``MethodState.bytes``: TaDA means, OTT pools and masks...);
+        fitted tensors the runtime reads are amortised as ``recipe_state``.
         """
-        from kvcalib.calibrate.outliers import EXTRA_CAPACITY, pool_bytes
-        from kvcalib.calibrate.schedule import schedule_bytes
-
         comps: dict[str, float] = {}
-        fp_bytes = FP_BITS // 8
-        for i, cfg in enumerate(self.layer_configs(info.num_layers)):
-            kept = context if info.sliding_window[i] is None else min(context, info.sliding_window[i])
-            sched = self.schedule(i, cfg)
-            if sched is not None and cfg.compressed:
-                base = schedule_bytes(sched, kept, info.num_kv_heads, info.head_dim, cfg.k_group, cfg.v_group,
-                                      cfg.k_axis, fp_bytes)
-            else:
-                base = layer_bytes(cfg, info.num_kv_heads, info.head_dim, context, info.sliding_window[i])
-            for key, val in base.items():
-                comps[key] = comps.get(key, 0.0) + val
-            nq = quantized_token_count(cfg, kept)
-            pool = self.outlier_pool(i, cfg)
-            if pool and nq:  # the cache allocates the pools at the first flush
-                blocks = nq // cfg.flush_block
-                mask_tokens = blocks * ((cfg.flush_block + 7) // 8) * 8  # whole bytes per block
-                ott = pool_bytes(info.num_kv_heads, info.head_dim, pool, EXTRA_CAPACITY, mask_tokens, fp_bytes)
-                for key, val in (("outlier_pool", ott["fp_k_v"]), ("outlier_positions", ott["positions"] + ott["counters"]),
-                                 ("outlier_masks", ott["masks"])):
+        for i, (cfg, codec) in enumerate(zip(self.layer_configs(info.num_layers), self.codecs(info))):
+            window = info.sliding_window[i]
+            kept = context if window is None else min(context, window)
+            parts = [layer_bytes(cfg, info.num_kv_heads, info.head_dim, context, window, codec.tiers)]
+            packed = quantized_token_count(cfg, kept)
+            parts += [state.bytes(cfg, info.num_kv_heads, info.head_dim, kept, packed)
+                      for state in codec.states.values()]
+            for part in parts:
+                for key, val in part.items():
                     comps[key] = comps.get(key, 0.0) + val
-            for side in ("k", "v"):
-                t = self.tensors.get(f"layers.{i}.{side}.center")
-                bits = int(round(float(t.reshape(-1)[0]))) if t is not None else 0
-                if bits and nq and (cfg.k_bits if side == "k" else cfg.v_bits) < 16:
-                    # one stored mean per token (TaDA): 16-bit = 2D bytes, 8-bit = D codes + fp16 scale/zero
-                    per_token = 2.0 * info.head_dim if bits == 16 else info.head_dim + 4.0
-                    comps[f"{side}_mean"] = comps.get(f"{side}_mean", 0.0) + nq * per_token
         for name, tensor in self.tensors.items():  # fitted state read at decode time, amortised
             comps["recipe_state"] = comps.get("recipe_state", 0.0) + tensor.numel() * tensor.element_size()
         elements = 2 * info.num_layers * info.num_kv_heads * info.head_dim * context
@@ -424,6 +264,11 @@ def resolve_recipe(spec: str | Path | Recipe) -> Recipe:
     if isinstance(spec, Recipe):
         return spec
     return Recipe.load(str(spec) if not isinstance(spec, Path) else spec)
+
+
+def build_codecs(recipe: Recipe, configs: list[LayerConfig], head_dim: int | None = None) -> list[LayerCodec]:
+    """``recipe.codecs`` for ``len(configs)`` layers (``configs`` must be the recipe's own)."""
+    return recipe.codecs(num_layers=len(configs), head_dim=head_dim)
 
 
 def with_layers(recipe: Recipe, num_layers: int, **changes: Any) -> Recipe:

@@ -13,9 +13,9 @@ quantized from the same consecutive tokens either way, so we precompute every bl
 K/V once and pick, per (i, j), full precision or quantized: two score matrices and a mask,
 one forward per sequence instead of a token-by-token loop.
 
-OTT (the codec's ``outlier_pool`` > 0): a flushed token chosen for the pool at its own flush stays
+OTT (the codec's ``pool_size`` > 0): a flushed token chosen for the pool at its own flush stays
 in full precision forever, and one not chosen is quantized forever, per (batch row, kv head);
-:func:`~kvcalib.calibrate.outliers.trace_outliers` runs the runtime's flushes over the flushed
+:func:`~kvcalib.methods.outliers.trace_outliers` runs the runtime's flushes over the flushed
 keys and gives that set. Those tokens are seen in full precision by every query and are left out
 of their group's range (the codec's ``keep`` mask), exactly as the cache does.
 
@@ -35,9 +35,9 @@ from typing import Iterator
 
 import torch
 
-from kvcalib.calibrate.outliers import EXTRA_CAPACITY, trace_outliers
-from kvcalib.recipe import LayerConfig, quantized_token_count
-from kvcalib.runtime.codec import LayerCodec
+from kvcalib.methods.outliers import EXTRA_CAPACITY, trace_outliers
+from kvcalib.layout import LayerConfig, quantized_token_count
+from kvcalib.codec import LayerCodec
 
 SIM_ATTN = "kvcalib_sim"
 
@@ -108,8 +108,8 @@ def _simulated_attention(module, query, key, value, attention_mask, scaling=None
     if nq_total:
         span = slice(cfg.sinks, cfg.sinks + nq_total)
         keep = None  # (B, H, N) OTT quant mask over the flushed span
-        if codec.outlier_pool:
-            fp, _ = trace_outliers(key[:, :, span], cfg.flush_block, codec.outlier_pool, EXTRA_CAPACITY,
+        if codec.pool_size:
+            fp, _ = trace_outliers(key[:, :, span], cfg.flush_block, codec.pool_size, EXTRA_CAPACITY,
                                    start=cfg.sinks, v=value[:, :, span])  # (B, H, N): kept in the pool
             keep = ~fp
         k_tiers = _blockwise_tiers(codec, "k", k[:, :, span], keep, cfg.flush_block)  # U x (B, H, N, D)

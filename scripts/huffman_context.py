@@ -42,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # kvcalib importable from a checkout
 
-from kvcalib.calibrate.codebooks import (SIDES, StreamLayout, entropy_memory, flush_codes,
+from kvcalib.methods.huffman import (SIDES, StreamLayout, entropy_memory, flush_codes,
                                          strip_codebooks)
 from kvcalib.data import load_texts, pack_samples
 from kvcalib.eval.entropy import _packed_span, _with_books, capture_kv
@@ -50,7 +50,7 @@ from kvcalib.eval.harness import eval_texts
 from kvcalib.models import load_model
 from kvcalib.quant.huffman import build_codebook
 from kvcalib.recipe import Recipe
-from kvcalib.runtime.state import build_codecs
+from kvcalib.recipe import build_codecs
 
 ALPHA = 0.5
 CLASSES = (1, 2, 4, 8)

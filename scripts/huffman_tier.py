@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from kvcalib.calibrate.codebooks import StreamLayout, add_codebooks
+from kvcalib.methods.huffman import StreamLayout, add_codebooks
 from kvcalib.errors import KvcalibError
 from kvcalib.export import ExportConfig
 from kvcalib.progress import ProgressBar, console, status

@@ -945,7 +945,7 @@ def tier_ranges(layer, start: int, n: int, t: int) -> list:
     ``PackedTiers.advance`` put it; the fill quantizes it straight at that tier's bits instead of
     through the requantization chain: the same bytes to read). Untiered: one store, everything."""
     stores = layer.packed.stores
-    sched = layer.codec.schedule
+    sched = getattr(layer.codec.state("schedule"), "schedule", None)
     block = layer.cfg.flush_block
     first = len(sched.tiers) - len(stores) if sched is not None else 0  # schedule index of stored tier 0
     bounds: dict[int, tuple[int, int]] = {}
@@ -1022,7 +1022,8 @@ def build_gemma3_model(dev, max_pos=140000):
 def main_e2e(args) -> None:
     from transformers import DynamicCache
 
-    from kvcalib.recipe import LayerConfig, Recipe
+    from kvcalib.layout import LayerConfig
+    from kvcalib.recipe import Recipe
     from kvcalib.runtime.cache import CompressedCache
 
     out = Path(args.out)
@@ -1055,7 +1056,7 @@ def main_e2e(args) -> None:
         res["sliding_window"] = c.sliding_window
         res["sliding_layers"] = sum(1 for w in c.layer_types if w == "sliding_attention")
     if args.pats:  # PATS middle-heavy: 8 bits from the window to age 1024, 4 to 4096, then 2 (no sinks)
-        from kvcalib.calibrate.schedule import preset_schedule
+        from kvcalib.methods.schedule import preset_schedule
 
         tiers = preset_schedule("middle-heavy", window=128, sinks=0)
         pats = Recipe(name="pats-middle-heavy-g128-w128",

@@ -115,7 +115,8 @@ def eager_steps(dev, contexts, steps: int, graphs: bool = True, done=lambda rows
     """Rows of tokens/s (module docstring); ``done(rows)`` after each (to write them)."""
     from transformers import DynamicCache
 
-    from kvcalib.recipe import LayerConfig, Recipe
+    from kvcalib.layout import LayerConfig
+    from kvcalib.recipe import Recipe
     from kvcalib.runtime.cache import CompressedCache
     from kvcalib.runtime.graphs import GraphDecoder
 

@@ -14,7 +14,8 @@ from dataclasses import replace
 import torch
 sys.path.insert(0, "kernels/bench")
 from bench_decode import build_model, build_gemma3_model, fill_compressed  # noqa: E402
-from kvcalib.recipe import LayerConfig, Recipe
+from kvcalib.layout import LayerConfig
+from kvcalib.recipe import Recipe
 from kvcalib.runtime.cache import CompressedCache
 from kvcalib.runtime.graphs import GraphDecoder
 from kvcalib.runtime import triton_path

@@ -1,25 +1,10 @@
-"""Offline calibration: per layer and K|V, fit the recipe tensors of the five methods.
+"""Offline calibration: per layer and K|V, fit the recipe tensors of the chosen methods.
 
-Each method is one :class:`~kvcalib.calibrate.base.CalibrationMethod` subclass in its own
-module, registered in :data:`METHODS` (insertion order = pipeline order, because later steps
-use what earlier ones fitted):
-
-=========  ==========================  ==================================================
-name       module                      tensors (per layer, ``layers.{i}.`` prefix on export)
-=========  ==========================  ==================================================
-center     :mod:`.center` (TaDA)       ``k.center``/``v.center`` float32 (): mean bits 8|16, 0 = off;
-                                       ``k.center_gain``/``v.center_gain`` float32 ()
-reorder    :mod:`.reorder` (SKVQ)      ``v.perm`` int64 (H, D); ``k.perm`` int64 (H, D) (k_axis='token')
-clip       :mod:`.clip` (SKVQ)         ``k.clip``/``v.clip`` float32 (H, 1), alpha in (0, 1]
-outliers   :mod:`.outliers` (OTT)      ``kv.outlier_pool`` int64 (); ``kv.outlier_gain`` float32 ()
-schedule   :mod:`.schedule` (PATS)     ``kv.schedule`` int64 (N, 3): (age, k_bits, v_bits)
-=========  ==========================  ==================================================
-
-What the runtime must do with each tensor is stated in each module's docstring ("Runtime
-contract"). Every step is pure and seeded; the pure fitting functions
-(:func:`~.reorder.fit_channel_permutation`, :func:`~.clip.fit_clip_alpha`,
-:func:`~.center.fit_centering_gain`, :func:`~.outliers.select_outliers`, :mod:`.schedule`)
-can be used without the classes.
+The methods are the registry of :mod:`kvcalib.methods` (one module each, in pipeline order:
+later methods fit on what earlier ones fitted, e.g. clipping on permuted, centred data). This
+phase runs them over collected statistics: :func:`fit_layer` for one layer, :func:`fit_stats`
+for all layers (``{"layers.{i}.{name}": tensor}``, ready for ``Recipe.tensors``), and
+:func:`finish_recipe` for the methods that work on the whole fitted recipe (Huffman codebooks).
 
 Importing this package imports torch but not scikit-learn or scipy (imported inside the
 KMeans fit only).
@@ -31,59 +16,64 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from kvcalib.calibrate.base import CalibrationError, CalibrationMethod
-from kvcalib.calibrate.center import CenterMethod
-from kvcalib.calibrate.clip import ClipMethod
-from kvcalib.calibrate.outliers import OutlierMethod
-from kvcalib.calibrate.reorder import ReorderMethod
-from kvcalib.calibrate.schedule import ScheduleMethod
-from kvcalib.recipe import LayerConfig
+from kvcalib.codec import LayerCodec
+from kvcalib.layout import LayerConfig
+from kvcalib.methods import CalibrationError, Method, registry
+from kvcalib.methods.base import FitContext
 from kvcalib.stats import CollectedStats, LayerStats
 
-__all__ = ["METHODS", "CalibrationError", "CalibrationMethod", "build_methods", "fit_layer", "fit_stats"]
-
-# name -> class; the order is the pipeline order (center before reorder/clip, which use it)
-METHODS: dict[str, type[CalibrationMethod]] = {
-    cls.name: cls for cls in (CenterMethod, ReorderMethod, ClipMethod, OutlierMethod, ScheduleMethod)
-}
+__all__ = ["CalibrationError", "Method", "build_methods", "fit_layer", "fit_stats", "finish_recipe",
+           "default_methods"]
 
 
-def build_methods(names: Iterable[str | CalibrationMethod]) -> list[CalibrationMethod]:
+def default_methods() -> tuple[str, ...]:
+    """The methods a fit runs when none are named: every registered method that works layer by
+    layer, in pipeline order (not those applied only to a finished, chosen recipe:
+    ``Method.search == "chosen"``, e.g. Huffman codebooks)."""
+    return tuple(name for name, m in registry().items() if m.search != "chosen")
+
+
+def build_methods(names: Iterable[str | Method]) -> list[Method]:
     """Instances (default configuration for names) in pipeline order; unknown names are refused."""
+    methods = registry()
     items = list(names)
-    out: dict[str, CalibrationMethod] = {}
+    out: dict[str, Method] = {}
     for item in items:
-        if isinstance(item, CalibrationMethod):
+        if isinstance(item, Method):
             out[item.name] = item
-        elif item in METHODS:
-            out[item] = METHODS[item]()
+        elif item in methods:
+            out[item] = methods[item]()
         else:
-            raise CalibrationError(f"unknown calibration method {item!r}: use one of {', '.join(METHODS)}")
+            raise CalibrationError(f"unknown calibration method {item!r}: use one of {', '.join(methods)}")
     if len(out) != len(items):
         raise CalibrationError(f"calibration methods listed twice: {[getattr(i, 'name', i) for i in items]}")
-    return [out[name] for name in METHODS if name in out]
+    return [out[name] for name in methods if name in out]
 
 
 def fit_layer(
     layer_stats: LayerStats,
     layer_cfg: LayerConfig,
-    methods: Sequence[str | CalibrationMethod] = tuple(METHODS),
+    methods: Sequence[str | Method] | None = None,
     seed: int = 0,
     *,
     heads: int | None = None,
     head_dim: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Run the steps on one layer, in pipeline order; unprefixed tensor names (``"v.perm"``...)."""
+    """Run the methods (default: :func:`default_methods`, default configuration) on one layer, in
+    pipeline order; unprefixed tensor names (``"v.perm"``...)."""
+    if methods is None:
+        methods = default_methods()
     fitted: dict[str, torch.Tensor] = {}
+    context = FitContext(fitted, codec=lambda tensors: LayerCodec.from_tensors(layer_cfg, tensors, heads, head_dim))
     for method in build_methods(methods):
-        fitted.update(method.fit(layer_stats, layer_cfg, seed, fitted, heads=heads, head_dim=head_dim))
+        fitted.update(method.fit(layer_stats, layer_cfg, seed, heads=heads, head_dim=head_dim, context=context))
     return fitted
 
 
 def fit_stats(
     stats: CollectedStats,
     configs: Sequence[LayerConfig],
-    methods: Sequence[str | CalibrationMethod] = tuple(METHODS),
+    methods: Sequence[str | Method] | None = None,
     seed: int = 0,
 ) -> dict[str, torch.Tensor]:
     """All layers: ``{"layers.{i}.{name}": tensor}``, ready for ``Recipe.tensors``.
@@ -103,3 +93,11 @@ def fit_stats(
             raise CalibrationError(f"layer {i}: {err}") from None
         out.update({f"layers.{i}.{name}": t for name, t in tensors.items()})
     return out
+
+
+def finish_recipe(recipe, stats: CollectedStats, methods: Sequence[str | Method]):
+    """``recipe`` after every method's whole-recipe step (:meth:`~kvcalib.methods.base.Method.finish`),
+    in pipeline order."""
+    for method in build_methods(methods):
+        recipe = method.finish(recipe, stats)
+    return recipe

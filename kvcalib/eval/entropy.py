@@ -9,12 +9,12 @@ recipe's cache stores them:
   collection uses. Each window is ``seq_len`` tokens. Of those, the tokens a cache of that length
   would hold packed (after the sinks; all whole flush blocks that have left the window) are
   quantized one flush block at a time by the recipe's codec. They are coded with the recipe's
-  codebooks in the cache stream layout (:mod:`kvcalib.calibrate.codebooks`) and decoded again
+  codebooks in the cache stream layout (:mod:`kvcalib.methods.huffman`) and decoded again
   (bit-exact, checked). Reported per layer and side: stream bits per symbol, actual against the
   calibration estimate (expected code length under the calibration histogram); the held-out
   order-0 entropy; the fraction of streams stored raw; the exact index bytes. Then the effective
   bits at ``context`` (4096 by default), uncoded against coded, all else counted as
-  ``Recipe.memory`` counts it (:func:`kvcalib.calibrate.codebooks.entropy_memory`).
+  ``Recipe.memory`` counts it (:func:`kvcalib.methods.huffman.entropy_memory`).
 - Drift during generation (KVComp's open question: do codebooks built once stay good?). From an
   evaluation-split prompt, the full-precision model greedily generates ``drift_new_tokens``
   tokens. Prompt plus generation go through one teacher-forced forward, which gives the K/V of
@@ -37,13 +37,14 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from kvcalib.calibrate.codebooks import (SIDES, Key, StreamLayout, add_codebooks,
+from kvcalib.methods.huffman import (SIDES, Key, StreamLayout, add_codebooks,
                                          decode_cache_streams, encode_cache_streams, entropy_memory,
                                          flush_codes, layer_histograms, load_codebooks, strip_codebooks,
                                          symbol_entropy)
 from kvcalib.errors import KvcalibError
 from kvcalib.quant.huffman import build_codebook, symbol_histogram
-from kvcalib.recipe import LayerConfig, Recipe, quantized_token_count
+from kvcalib.layout import LayerConfig, quantized_token_count
+from kvcalib.recipe import Recipe
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvcalib.models import LoadedModel, ModelInfo
@@ -204,14 +205,14 @@ def heldout_bits(recipe: Recipe, info: "ModelInfo", calib_hists: dict[Key, torch
     """Per layer/side held-out bits per symbol vs the calibration estimate, and effective bits.
 
     Args:
-        recipe: the recipe with codebooks (:func:`~kvcalib.calibrate.codebooks.add_codebooks`).
+        recipe: the recipe with codebooks (:func:`~kvcalib.methods.huffman.add_codebooks`).
         info: the model's geometry.
         calib_hists: calibration histograms of every quantized side
-            (:func:`~kvcalib.calibrate.codebooks.layer_histograms`).
+            (:func:`~kvcalib.methods.huffman.layer_histograms`).
         kv_samples: ``(keys, values)`` per held-out window, from :func:`capture_kv`.
         config: lengths, layout, accounting context.
     """
-    from kvcalib.runtime.state import build_codecs
+    from kvcalib.recipe import build_codecs
 
     configs = recipe.layer_configs(info.num_layers)
     codecs = build_codecs(strip_codebooks(recipe), configs, info.head_dim)
@@ -282,7 +283,7 @@ def heldout_bits(recipe: Recipe, info: "ModelInfo", calib_hists: dict[Key, torch
 
 def _with_books(recipe: Recipe, books: dict[Key, Any]) -> Recipe:
     """``recipe`` with a codebook on every side in ``books``."""
-    from kvcalib.calibrate.codebooks import tensor_name
+    from kvcalib.methods.huffman import tensor_name
 
     tensors = dict(recipe.tensors)
     for (i, side), cb in books.items():
@@ -324,7 +325,7 @@ def drift_check(recipe: Recipe, info: "ModelInfo", calib_hists: dict[Key, torch.
         has the per-side held-out and calibration means (symbol-weighted over layers) and the
         largest per-(layer, side) excess over the calibration estimate.
     """
-    from kvcalib.runtime.state import build_codecs
+    from kvcalib.recipe import build_codecs
 
     configs = recipe.layer_configs(info.num_layers)
     codecs = build_codecs(strip_codebooks(recipe), configs, info.head_dim)

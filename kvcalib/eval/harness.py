@@ -264,7 +264,7 @@ def evaluate(config: EvalConfig, loaded: "LoadedModel | None" = None) -> list[Ev
     from kvcalib.models import load_model
     from kvcalib.progress import ProgressBar
     from kvcalib.recipe import resolve_recipe
-    from kvcalib.runtime.state import build_codecs
+    from kvcalib.recipe import build_codecs
 
     if loaded is None:
         loaded = load_model(config.model, device=config.device, dtype=config.dtype)

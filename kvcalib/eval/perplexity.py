@@ -22,8 +22,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvcalib.recipe import LayerConfig
-from kvcalib.runtime.codec import LayerCodec
+from kvcalib.layout import LayerConfig
+from kvcalib.codec import LayerCodec
 
 
 def scored_slice(seq_len: int, prompt_len: int = 1) -> slice:
@@ -56,7 +56,7 @@ def decode_faithful_nll(model, ids: torch.Tensor, configs: Sequence[LayerConfig]
     """Summed negative log-likelihood (nats, float64) and the number of scored tokens.
 
     ``ids`` (N, L) LongTensor of token windows. ``configs``/``codecs``: one per layer (pass
-    :func:`kvcalib.runtime.state.build_codecs` so a fitted recipe's tensors are used);
+    :meth:`kvcalib.recipe.Recipe.codecs` so a fitted recipe's tensors are used);
     ``configs=None`` = plain full-precision forward. Scored positions: :func:`scored_slice`.
     ``on_batch(n_windows_done_in_this_batch)`` is called after each batch (progress).
     """

@@ -67,7 +67,9 @@ class SearchConfig:
     reservoir_blocks: int = 8
     block_len: int = 128
     command: str | None = None  # the command line that started the search (recorded; the CLI sets it)
-    huffman: bool = True  # add Huffman codebooks (KVComp) to the chosen recipe where coding shrinks a side
+    # methods applied to the chosen recipe only (``Method.search == "chosen"``; default: all of them,
+    # today Huffman codebooks where coding shrinks a side); () = none
+    chosen_methods: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name, low in (("samples", 1), ("seq_len", 2), ("score_samples", 1), ("trials", 1), ("context", 1),
@@ -95,6 +97,24 @@ class SearchConfig:
         from kvcalib.optimize.space import check_scored_schedules
 
         check_scored_schedules(self.space, self.seq_len, self.context)  # before any model is loaded
+        if self.chosen_methods is not None:
+            from kvcalib.methods import registry
+
+            self.chosen_methods = tuple(self.chosen_methods)
+            allowed = [name for name, m in registry().items() if m.search == "chosen"]
+            bad = [m for m in self.chosen_methods if m not in allowed]
+            if bad:
+                raise KvcalibError(f"--finish {','.join(bad)}: not a method applied to the chosen recipe; use "
+                                   f"{', '.join(allowed) or 'none'} (or 'none').")
+
+    def finishers(self) -> tuple[str, ...]:
+        """The methods applied to the chosen recipe (:attr:`chosen_methods`, or every registered
+        method whose ``search`` is ``"chosen"``)."""
+        from kvcalib.methods import registry
+
+        if self.chosen_methods is not None:
+            return tuple(self.chosen_methods)
+        return tuple(name for name, m in registry().items() if m.search == "chosen")
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as recorded in ``search.json``: the run folder and storage without
@@ -171,7 +191,6 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
         if info.head_dim % g:
             raise SpaceError(f"search space group {g} does not divide head_dim {info.head_dim} of {info.name}")
     check_scored_schedules(space, int(score_ids.shape[1]), config.context)
-    check_runtime_applies(space)
     objective = SearchObjective(model, info, stats, score_ids, context=config.context, seed=config.seed)
     floor_bits = st.floor_bits(objective, space)
     check_budget(config, space, floor_bits)
@@ -242,14 +261,15 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
         point = Point.from_params(study.trials[chosen["number"]].params, space, n)
         name = f"{info.name}-search-{config.budget_bits:g}b"
         recipe = objective.recipe(point, name, provenance=search_provenance(doc, chosen))
-        if config.huffman and objective.stats is not None:
-            from kvcalib.calibrate.codebooks import add_codebooks
+        if objective.stats is not None:
+            from kvcalib.calibrate import build_methods
 
-            try:
-                recipe = add_codebooks(recipe, objective.stats)
-                doc["huffman"] = recipe.provenance.get("huffman")
-            except KvcalibError as err:  # e.g. all 16-bit, or PATS tiers (one codebook per tier is not built)
-                doc["huffman"] = {"skipped": str(err)}
+            for method in build_methods(config.finishers()):
+                try:
+                    recipe = method.finish(recipe, objective.stats)
+                    doc[method.name] = recipe.provenance.get(method.name)
+                except KvcalibError as err:  # e.g. all 16-bit, or PATS tiers (one codebook per tier is not built)
+                    doc[method.name] = {"skipped": str(err)}
         recipe.save(run_dir / "recipe.safetensors")
         doc["recipe"], doc["recipe_name"] = "recipe.safetensors", name
         report.plot_bits_per_layer(chosen["point"], sensitivity, run_dir / "bits_per_layer.png")
@@ -265,22 +285,6 @@ def check_budget(config: SearchConfig, space: SearchSpace, floor_bits: float) ->
         raise KvcalibError(f"--budget-bits {config.budget_bits:g} is below the floor of the search space: every layer at "
                            f"{min(space.bits)} bits (group {max(space.groups)}, window {min(space.windows)}) already takes "
                            f"{floor_bits:.3f} effective bits at context {config.context}. Pass --budget-bits {math.ceil(floor_bits * 100) / 100:.2f} or more.")
-
-
-def check_runtime_applies(space: SearchSpace) -> None:
-    """Refuse switches whose recipe tensors this kvcalib's runtime would not apply (it refuses
-    to load them): searching them would score recipes that cannot be run."""
-    from kvcalib.optimize.objective import runtime_applies
-
-    wanted = []
-    if "outliers" in space.layer_methods:
-        wanted.append(("outlier_pool", "layer_methods 'outliers'"))
-    if any(s != "none" for s in space.schedules):
-        wanted.append(("schedule", "schedules other than 'none'"))
-    for tensor, what in wanted:
-        if not runtime_applies(tensor):
-            raise SpaceError(f"search space {what}: this kvcalib's runtime does not apply recipe tensor "
-                             f"layers.i.kv.{tensor} yet, so the search cannot score it; remove it from the space.")
 
 
 def _quiet() -> bool:
@@ -371,7 +375,7 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
     t0 = time.perf_counter()
     torch.manual_seed(config.seed)
     if config.out is None:
-        from kvcalib.cli import default_run_dir
+        from kvcalib.paths import default_run_dir
 
         config.out = default_run_dir("search")
     run_dir = Path(config.out)
@@ -383,7 +387,6 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
 
         open_storage(config.storage)
     space: SearchSpace = config.space  # type: ignore[assignment]
-    check_runtime_applies(space)
     loaded = loaded or load_model(config.model, device=config.device, dtype=config.dtype)
     info = loaded.info
     # the floor check runs before any work, so a bad budget costs nothing and touches nothing

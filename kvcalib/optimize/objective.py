@@ -3,7 +3,7 @@
 For a point of the space (:class:`~kvcalib.optimize.space.Point`) we fit its recipe tensors on the
 collected statistics (clip/center/reorder/outliers where the point switches them on, and the
 point's schedule; cached per (layer, config, methods) since trials share them), build the
-runtime codecs (:func:`~kvcalib.runtime.state.build_codecs`, which carries every applied tensor),
+runtime codecs (:meth:`~kvcalib.recipe.Recipe.codecs`, which carries every applied tensor),
 and run
 :func:`~kvcalib.simulate.simulated_logits` on each scoring sequence. The score of one sequence is
 
@@ -29,23 +29,9 @@ import torch
 
 from kvcalib.models import ModelInfo
 from kvcalib.optimize.space import Point
-from kvcalib.recipe import LayerConfig, Recipe
+from kvcalib.layout import LayerConfig
+from kvcalib.recipe import Recipe
 from kvcalib.stats import CollectedStats
-
-
-def runtime_applies(tensor: str) -> bool:
-    """Whether the runtime applies recipe tensor ``layers.{i}.kv.<tensor>`` (``outlier_pool``,
-    ``schedule``): probed on :func:`kvcalib.runtime.state.check_tensor_names`, which refuses
-    tensors it would not apply."""
-    from kvcalib.errors import RecipeError
-    from kvcalib.runtime.state import check_tensor_names
-
-    try:
-        check_tensor_names(Recipe(name="probe", layers=[LayerConfig()], tensors={
-            f"layers.0.kv.{tensor}": torch.zeros((), dtype=torch.int64)}), 1)
-    except RecipeError:
-        return False
-    return True
 
 
 def kl_to_reference(ref_logp: torch.Tensor, logits: torch.Tensor, start: int = 1) -> float:
@@ -85,15 +71,16 @@ class SearchObjective:
     def fitted_tensors(self, point: Point, *, sides: bool = True, layers: bool = True) -> dict[str, torch.Tensor]:
         """Recipe tensors ``layers.{i}.*`` of ``point``.
 
-        ``sides``: the K/V methods (center, reorder, clip), fitted per (layer, side, bits, group,
-        methods) with the other side uncompressed: each fits K and V independently and ignores
-        window and sinks, so trials that share a layer's side share its fit (cached).
-        ``layers``: the whole-layer tensors ``layers.{i}.kv.*``: the OTT outlier pool where the
-        layer switches ``outliers`` on (fitted per layer and bits/groups, cached) and the point's
-        schedule (static tiers, :class:`~kvcalib.calibrate.schedule.ScheduleMethod`).
+        ``sides``: the switched methods that fit K and V apart (``side_scoped``: center,
+        reorder, clip...), fitted together per (layer, side, bits, group, methods) with the other
+        side uncompressed: each fits K and V independently and ignores window and sinks, so
+        trials that share a layer's side share its fit (cached).
+        ``layers``: the whole-layer tensors ``layers.{i}.kv.*``: each switched whole-layer method
+        (e.g. OTT's outlier pool), fitted per layer and bits/groups (cached), and the point's
+        schedule (static tiers, :class:`~kvcalib.methods.schedule.ScheduleMethod`).
         """
         from kvcalib.calibrate import fit_layer
-        from kvcalib.optimize.space import SIDE_METHODS, schedule_ages
+        from kvcalib.optimize.space import schedule_ages, side_scoped
 
         out: dict[str, torch.Tensor] = {}
         configs = point.layer_configs()
@@ -101,8 +88,9 @@ class SearchObjective:
         for i, (cfg, methods) in enumerate(zip(configs, point.methods or ((),) * len(configs))):
             if not cfg.compressed:
                 continue
-            side_methods = tuple(m for m in methods if m in SIDE_METHODS)
-            if (side_methods and sides) or ("outliers" in methods and layers):
+            side_methods = tuple(m for m in methods if side_scoped(m))
+            layer_methods = tuple(m for m in methods if not side_scoped(m))
+            if (side_methods and sides) or (layer_methods and layers):
                 if self.stats is None:
                     raise ValueError("method switches need collected statistics")
             for side, bits in (("k", cfg.k_bits), ("v", cfg.v_bits)):
@@ -118,13 +106,13 @@ class SearchObjective:
                 out.update({f"layers.{i}.{name}": t for name, t in self._fitted[key].items()})
             if not layers:
                 continue
-            if "outliers" in methods:
-                # OTT reads the key reservoir at the layer's key bits/groups (window and sinks unused)
-                key = (i, "outliers", cfg.k_bits, cfg.v_bits, cfg.k_axis, cfg.k_group, cfg.v_group)
+            for method in layer_methods:
+                # e.g. OTT reads the key reservoir at the layer's key bits/groups (window and sinks unused)
+                key = (i, method, cfg.k_bits, cfg.v_bits, cfg.k_axis, cfg.k_group, cfg.v_group)
                 if key not in self._fitted:
                     fitted = fit_layer(self.stats.layers[i], LayerConfig(
                         k_bits=cfg.k_bits, v_bits=cfg.v_bits, k_axis=cfg.k_axis, k_group=cfg.k_group,
-                        v_group=cfg.v_group), ["outliers"], self.seed,
+                        v_group=cfg.v_group), [method], self.seed,
                         heads=self.info.num_kv_heads, head_dim=self.info.head_dim)
                     self._fitted[key] = {k: t for k, t in fitted.items() if k.startswith("kv.")}
                 out.update({f"layers.{i}.{name}": t for name, t in self._fitted[key].items()})
@@ -138,7 +126,7 @@ class SearchObjective:
     def _schedule_tensors(self, i: int, cfg: LayerConfig, ages: tuple[int, ...]) -> dict[str, torch.Tensor]:
         """``kv.schedule`` of one layer: ScheduleMethod on the layer's statistics; without
         statistics (the floor check before collection) the same static tiers directly."""
-        from kvcalib.calibrate.schedule import Schedule, ScheduleMethod
+        from kvcalib.methods.schedule import Schedule, ScheduleMethod
 
         if self.stats is not None:
             fitted = ScheduleMethod(ages).fit(self.stats.layers[i], cfg, self.seed, heads=self.info.num_kv_heads,
@@ -183,12 +171,11 @@ class SearchObjective:
 
         ``report(step, running_mean)`` is called after each sequence (Optuna pruning raises there).
         """
-        from kvcalib.runtime.state import build_codecs
         from kvcalib.simulate import simulated_logits
 
         configs = list(configs)
         rec = Recipe(name="candidate", layers=configs, model=self.info, tensors=dict(tensors or {}))
-        codecs = build_codecs(rec, configs, self.info.head_dim)
+        codecs = rec.codecs(self.info)
         seqs = list(range(self.n_sequences)) if sequences is None else list(sequences)
         total = 0.0
         for step, m in enumerate(seqs):

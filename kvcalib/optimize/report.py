@@ -57,7 +57,11 @@ def plot_pareto(records: Sequence[dict[str, Any]], front: Sequence[int], presets
     plt.close(fig)
 
 
-_METHOD_LETTERS = {"clip": "c", "reorder": "r", "center": "C", "outliers": "o"}
+def _method_letters() -> dict[str, str]:
+    """Each registered method's tag on the bits-per-layer plot (``Method.letter``)."""
+    from kvcalib.methods import registry
+
+    return {name: m.letter or name[0] for name, m in registry().items()}
 
 
 def plot_bits_per_layer(point: dict[str, Any], sensitivity: Sequence[float] | None, path: Path) -> None:
@@ -72,14 +76,17 @@ def plot_bits_per_layer(point: dict[str, Any], sensitivity: Sequence[float] | No
     ax.bar([x - 0.2 for x in xs], k, width=0.4, label="K bits")
     ax.bar([x + 0.2 for x in xs], v, width=0.4, label="V bits")
     methods = point.get("methods") or []
+    letters = _method_letters()
     for x, m in zip(xs, methods):
         if m:
-            ax.annotate("".join(_METHOD_LETTERS.get(s, s[0]) for s in m), (x, max(k[x], v[x]) + 0.2), ha="center",
+            ax.annotate("".join(letters.get(s, s[0]) for s in m), (x, max(k[x], v[x]) + 0.2), ha="center",
                         fontsize=6)
     ax.set_xlabel("layer")
     ax.set_ylabel("bits")
     ax.set_yticks([2, 4, 8])
-    ax.set_title("chosen recipe: bits per layer (c/r/C/o = clip/reorder/center/outliers)")
+    used = sorted({s for m in methods for s in m})
+    legend = "/".join(letters.get(s, s[0]) for s in used) + " = " + "/".join(used) if used else "no method switches"
+    ax.set_title(f"chosen recipe: bits per layer ({legend})")
     if sensitivity:
         ax2 = ax.twinx()
         ax2.plot(xs, [max(s, 1e-9) for s in sensitivity], c="k", lw=1, marker=".", label="sensitivity")

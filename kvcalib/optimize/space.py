@@ -1,14 +1,14 @@
 """The search space: what the search may choose, per layer and globally.
 
 Per layer ``i``: ``k{i}``/``v{i}`` key and value bits in ``bits`` (a subset of {2, 4, 8}), and one
-on/off switch ``{method}{i}`` per method in ``layer_methods`` (a subset of :data:`SEARCH_METHODS`:
-``center``, ``reorder``, ``clip`` fit K and V apart; ``outliers`` is OTT's outlier-token pool,
-``layers.{i}.kv.outlier_pool``, fitted per layer). Global: ``group`` (tokens per key group,
+on/off switch ``{method}{i}`` per method in ``layer_methods`` (a subset of the registry's
+per-layer switches, :func:`layer_switches`: today ``center``, ``reorder``, ``clip``, which fit K
+and V apart, and ``outliers``, OTT's pool, fitted on the whole layer). Global: ``group`` (tokens per key group,
 channels per value group), ``window`` (recent tokens in full precision), ``sinks``, and
 ``schedule`` (PATS age tiers, ``layers.{i}.kv.schedule``; see below).
 
 Every ``window`` must be 0 or at least every ``group`` (the runtime flushes whole groups out of
-the window; see :class:`~kvcalib.recipe.LayerConfig`), so any sampled pair is valid.
+the window; see :class:`~kvcalib.layout.LayerConfig`), so any sampled pair is valid.
 
 A space file is JSON or YAML with any subset of the keys of :class:`SearchSpace`::
 
@@ -24,7 +24,7 @@ ages A, B, ...: 8 -> 4 -> 2), or a PATS name for ages 1024 and 4096 (as ``kvcali
 --schedule``): ``"middle-heavy"`` (both ends kept: the space's ``sinks`` must all be >= 1) or
 ``"old-heavy"`` (no sinks: the space's ``sinks`` must be ``[0]``). ``new-heavy`` (every token at
 the lowest bits from the start) is not a per-layer-bits schedule and is not searched. The tiers
-come from :class:`kvcalib.calibrate.schedule.ScheduleMethod` (``Schedule.from_layer``). The
+come from :class:`kvcalib.methods.schedule.ScheduleMethod` (``Schedule.from_layer``). The
 default space has ``["none"]`` only; outliers are off by default too (``layer_methods: ["clip"]``).
 
 Honesty rule for schedules (:func:`check_scored_schedules`). Effective bits are counted at
@@ -45,16 +45,34 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.errors import KvcalibError
-from kvcalib.recipe import LayerConfig
+from kvcalib.layout import LayerConfig
+from kvcalib.methods.schedule import NO_SCHEDULE, SCHEDULE_PRESETS  # noqa: F401  (the space's schedule names)
+from kvcalib.methods.schedule import schedule_ages as _schedule_ages
 
 SEARCH_BITS = (2, 4, 8)
-SIDE_METHODS = ("center", "reorder", "clip")  # fitted for K and V apart (tensors layers.{i}.k|v.*)
-KV_METHODS = ("outliers",)  # fitted on the whole layer (tensors layers.{i}.kv.*)
-SEARCH_METHODS = SIDE_METHODS + KV_METHODS  # per-layer switches, in calibration pipeline order
-NO_SCHEDULE = "none"
-# name -> ages where bits halve (kvcalib.calibrate.schedule.preset_schedule's ages; the PATS shape
-# comes from the sinks: middle-heavy keeps them, old-heavy has none; checked on the space)
-SCHEDULE_PRESETS = {NO_SCHEDULE: (), "middle-heavy": (1024, 4096), "old-heavy": (1024, 4096)}
+
+
+def layer_switches() -> tuple[str, ...]:
+    """Methods the search may switch on and off per layer (``Method.search == "layer"``), in
+    pipeline order."""
+    from kvcalib.methods import registry
+
+    return tuple(name for name, m in registry().items() if m.search == "layer")
+
+
+def default_layer_methods() -> tuple[str, ...]:
+    """The switches of the default space (``Method.search_default``)."""
+    from kvcalib.methods import registry
+
+    return tuple(name for name, m in registry().items() if m.search == "layer" and m.search_default)
+
+
+def side_scoped(name: str) -> bool:
+    """Whether method ``name`` fits K and V apart (all its tensors are ``layers.{i}.k|v.*``)
+    rather than the whole layer (``layers.{i}.kv.*``)."""
+    from kvcalib.methods import registry
+
+    return all(spec.sides != ("kv",) for spec in registry()[name].tensors)
 
 
 class SpaceError(KvcalibError, ValueError):
@@ -77,28 +95,11 @@ def _int_tuple(name: str, value: Any, allowed: tuple[int, ...] | None = None, lo
 
 
 def schedule_ages(name: str) -> tuple[int, ...]:
-    """Ages (tokens) at which a schedule halves a layer's bits: ``()`` for ``"none"``.
-
-    ``name`` is a key of :data:`SCHEDULE_PRESETS` or ``"ages:A,B,..."`` (strictly increasing
-    positive integers). Raises :class:`SpaceError` otherwise.
-    """
-    if not isinstance(name, str):
-        raise SpaceError(f"search space key 'schedules': {name!r} is not a string")
-    if name in SCHEDULE_PRESETS:
-        return SCHEDULE_PRESETS[name]
-    if name.startswith("ages:"):
-        try:
-            ages = tuple(int(a) for a in name[len("ages:"):].split(","))
-        except ValueError:
-            ages = ()
-        if ages and all(a >= 1 for a in ages) and list(ages) == sorted(set(ages)):
-            return ages
-        raise SpaceError(f"search space key 'schedules': {name!r} must list strictly increasing positive ages, "
-                         "e.g. 'ages:1024,4096'")
-    hint = (" (new-heavy stores every token at the lowest bits from the start: search per-layer bits "
-            "at 2 bits instead)" if name == "new-heavy" else "")
-    raise SpaceError(f"search space key 'schedules': unknown schedule {name!r}{hint}; use "
-                     f"{', '.join(repr(k) for k in SCHEDULE_PRESETS)} or 'ages:A,B,...'")
+    """:func:`kvcalib.methods.schedule.schedule_ages`, refusing with a :class:`SpaceError`."""
+    try:
+        return _schedule_ages(name)
+    except ValueError as err:
+        raise SpaceError(str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class SearchSpace:
     groups: tuple[int, ...] = (32, 64)
     windows: tuple[int, ...] = (64, 128)
     sinks: tuple[int, ...] = (0, 4)
-    layer_methods: tuple[str, ...] = ("clip",)  # per-layer on/off switches
+    layer_methods: tuple[str, ...] = field(default_factory=default_layer_methods)  # per-layer on/off switches
     k_axis: str = "channel"
     schedules: tuple[str, ...] = (NO_SCHEDULE,)  # global choice (module docstring)
 
@@ -122,12 +123,13 @@ class SearchSpace:
         if isinstance(self.layer_methods, str) or not hasattr(self.layer_methods, "__iter__"):
             raise SpaceError(f"search space key 'layer_methods' must be a list, got {self.layer_methods!r}")
         methods = tuple(dict.fromkeys(self.layer_methods))
-        bad = [m for m in methods if m not in SEARCH_METHODS]
+        switches = layer_switches()
+        bad = [m for m in methods if m not in switches]
         if bad:
             hint = " ('schedule' is a global choice: use the 'schedules' key)" if "schedule" in bad else ""
             raise SpaceError(f"search space key 'layer_methods': unknown method(s) {bad}; use a subset of "
-                             f"{list(SEARCH_METHODS)}{hint}")
-        set_(self, "layer_methods", tuple(m for m in SEARCH_METHODS if m in methods))
+                             f"{list(switches)}{hint}")
+        set_(self, "layer_methods", tuple(m for m in switches if m in methods))
         if self.k_axis not in ("channel", "token"):
             raise SpaceError(f"search space key 'k_axis' must be 'channel' or 'token', got {self.k_axis!r}")
         short = [w for w in self.windows if w and w < max(self.groups)]
@@ -234,8 +236,8 @@ def min_scoring_length(space: SearchSpace, context: int) -> int:
     flushed block of a T-token sequence ends at ``sinks + block``, so tier ``age`` holds tokens
     at T once ``T >= sinks + block + age`` (``block`` = key group for per-channel keys).
     """
-    from kvcalib.calibrate.schedule import Schedule, tier_token_counts
-    from kvcalib.recipe import LayerConfig
+    from kvcalib.methods.schedule import Schedule, tier_token_counts
+    from kvcalib.layout import LayerConfig
 
     need = 0
     for name in space.schedules:

@@ -236,7 +236,7 @@ def floor_bits(objective: "SearchObjective", space: SearchSpace) -> float:
 def sensitivity_sweep(objective: "SearchObjective", space: SearchSpace,
                       on_layer: Callable[[int], None] | None = None) -> list[float]:
     """KL on sequence 0 with one layer at the fewest bits (K and V) and every other layer uncompressed."""
-    from kvcalib.recipe import LayerConfig
+    from kvcalib.layout import LayerConfig
 
     floor = space.floor_point(objective.info.num_layers)
     low = floor.layer_configs()[0]

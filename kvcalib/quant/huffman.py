@@ -95,13 +95,13 @@ stream aligned decodes to wrong symbols undetected (Huffman has no checksum).
 
 :func:`decode_bit_ranges` runs the same loop on streams given by explicit ``[start, end)`` bit
 ranges, for layouts that store offsets another way. The KV cache is one such layout
-(:mod:`kvcalib.calibrate.codebooks`): word-aligned chunks, a 32-bit word index per chunk and an
+(:mod:`kvcalib.methods.huffman`): word-aligned chunks, a 32-bit word index per chunk and an
 8- or 16-bit length per stream. ``decode_blocks`` is ``decode_bit_ranges(payload, off[:-1],
 off[1:], ...)``.
 
 Memory: :meth:`EncodedBlocks.nbytes` counts payload, offsets and flags as this in-memory format
 holds them (int64 offsets, one ``bool`` per stream). A GPU layout needs far less; the cache
-layout's bytes are counted by :class:`kvcalib.calibrate.codebooks.CacheStreams`. The codebook
+layout's bytes are counted by :class:`kvcalib.methods.huffman.CacheStreams`. The codebook
 (:meth:`Codebook.nbytes`, ``2**b`` bytes of lengths) is shared, so the caller amortises it.
 """
 
@@ -631,7 +631,7 @@ def decode_bit_ranges(
 
     :func:`decode_blocks` calls this with ``starts = off[:-1]``, ``ends = off[1:]``; layouts
     that store offsets differently (e.g. word-aligned chunks with per-stream lengths, see
-    :mod:`kvcalib.calibrate.codebooks`) compute ``starts``/``ends`` and call it directly.
+    :mod:`kvcalib.methods.huffman`) compute ``starts``/``ends`` and call it directly.
 
     Args:
         payload: ``uint32 (W,)``, bits MSB-first as in the block format; its last word is read

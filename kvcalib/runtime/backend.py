@@ -9,44 +9,9 @@ One seam for the optional GPU dependency: nothing here imports triton at module 
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
-from kvcalib.errors import KvcalibError
-
-BACKENDS = ("auto", "reference", "triton")
-
-
-@functools.lru_cache(maxsize=1)
-def has_triton() -> bool:
-    """True when triton imports (it is only useful with CUDA or TRITON_INTERPRET=1)."""
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def requested_backend() -> str:
-    name = os.environ.get("KVCALIB_BACKEND", "auto").strip().lower() or "auto"
-    if name not in BACKENDS:
-        raise KvcalibError(f"KVCALIB_BACKEND={name!r} is not known: use one of {', '.join(BACKENDS)}.")
-    return name
-
-
-def triton_chosen(x: torch.Tensor) -> bool:
-    """The backend choice for work on ``x``'s device: ``reference`` never, ``triton`` always (it
-    must import), ``auto`` on CUDA tensors when triton imports. Shared by attention and encoding."""
-    name = requested_backend()
-    if name == "reference":
-        return False
-    if name == "triton":
-        if not has_triton():
-            raise KvcalibError("KVCALIB_BACKEND=triton but triton is not installed: pip install triton, or unset KVCALIB_BACKEND.")
-        return True
-    return x.is_cuda and has_triton()
+from kvcalib.accel import requested_backend, triton_chosen
 
 
 def use_triton_for(query: torch.Tensor) -> bool:

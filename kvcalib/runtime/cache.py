@@ -4,11 +4,11 @@ Per layer the cache keeps, for a batch (B, H kv-heads, D head_dim):
 
 - sinks: the first S positions, full precision, (B, H, S, D);
 - packed blocks: older tokens, flushed in blocks of ``flush_block`` tokens (a key group), through
-  the layer's :class:`~kvcalib.runtime.codec.LayerCodec`, held in one store per PATS tier
+  the layer's :class:`~kvcalib.codec.LayerCodec`, held in one store per PATS tier
   (:mod:`kvcalib.runtime.tiers`; one store without a schedule);
 - pending: every later token in full precision, (B, H, U, D), with window <= U < window + block
   after each flush;
-- OTT (when the codec's ``outlier_pool`` > 0, :mod:`kvcalib.runtime.outlier_pool`): the outlier
+- OTT (when the codec's ``pool_size`` > 0, :mod:`kvcalib.runtime.outlier_pool`): the outlier
   pool and extra pool in full precision, and one quant mask per packed block.
 
 A flush of one block (:meth:`CompressedLayer._flush_block`): choose its outliers (OTT), encode K
@@ -41,8 +41,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcalib.errors import KvcalibError
-from kvcalib.recipe import LayerConfig, Recipe, resolve_recipe
-from kvcalib.runtime.codec import LayerCodec
+from kvcalib.layout import LayerConfig
+from kvcalib.recipe import Recipe, resolve_recipe
+from kvcalib.codec import LayerCodec
 from kvcalib.runtime.outlier_pool import OutlierPool, pack_keep
 from kvcalib.runtime.static import StaticState
 from kvcalib.runtime.store import GrowBuffer, PackedStore, PackedView  # noqa: F401  (re-exported)
@@ -89,7 +90,7 @@ class CompressedLayer(CacheLayerMixin):
         self.pend_v: torch.Tensor | None = None
         self.pend_start = 0  # absolute position of pend_k[:, :, 0]
         self.packed = PackedTiers(cfg, self.codec)  # one store per PATS tier
-        self.outliers = OutlierPool(self.codec.outlier_pool)  # OTT pools (inactive at pool 0)
+        self.outliers = OutlierPool(self.codec.pool_size)  # OTT pools (inactive at pool 0)
         self.valid: torch.Tensor | None = None  # (B, n_seen) bool: False = padding
         self.awaiting_attention = False
         self.static: StaticState | None = None  # set in static mode (module docstring)
@@ -365,7 +366,7 @@ class CompressedCache(Cache):
         """
         from kvcalib.models import model_info
         from kvcalib.runtime.attention import use_kvcalib_attention
-        from kvcalib.runtime.state import build_codecs
+        from kvcalib.recipe import build_codecs
 
         recipe = resolve_recipe(recipe)
         info = model_info(model.config, getattr(model.config, "_name_or_path", "model") or "model")

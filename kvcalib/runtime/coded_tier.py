@@ -14,7 +14,7 @@ returns a :class:`CodedCache`: a JSON-able ``document`` and a flat dict of ``ten
 the CPU. For every layer and side with a codebook (``layers.{i}.{k|v}.huffman`` in the recipe,
 or passed in), each store's packed code plane ``uint8 (B, H, N, D * bits / 8)`` is unpacked to
 symbols ``uint8 (B, H, N, D)`` and coded in the cache stream layout of
-:mod:`kvcalib.calibrate.codebooks` (:class:`~kvcalib.calibrate.codebooks.CacheStreams`: word
+:mod:`kvcalib.methods.huffman` (:class:`~kvcalib.methods.huffman.CacheStreams`: word
 aligned chunks, an int32 chunk word per chunk, a uint8/int16 excess per stream, and the raw
 fallback per stream where coding would not shrink it). A side whose coded bytes (payload, index
 and codebook) would not be smaller than its packed bytes stays packed (``side_fallback``).
@@ -66,14 +66,15 @@ from typing import Any, Mapping
 
 import torch
 
-from kvcalib.calibrate.codebooks import (HUFFMAN, HUFFMAN_HIST, CacheStreams, Key, StreamLayout,
+from kvcalib.methods.huffman import (HUFFMAN, HUFFMAN_HIST, CacheStreams, Key, StreamLayout,
                                          decode_cache_streams, encode_cache_streams, load_codebooks)
-from kvcalib.calibrate.outliers import POS_DTYPE, OutlierState
+from kvcalib.methods.outliers import POS_DTYPE, OutlierState
 from kvcalib.errors import KvcalibError
 from kvcalib.io import read_safetensors_document
 from kvcalib.quant.huffman import DEFAULT_MAX_LEN, Codebook, HuffmanError
 from kvcalib.quant.packing import pack_codes, unpack_codes
-from kvcalib.recipe import LayerConfig, Recipe, resolve_recipe
+from kvcalib.layout import LayerConfig
+from kvcalib.recipe import Recipe, resolve_recipe
 from kvcalib.runtime.cache import CompressedCache, CompressedLayer
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CodedCache", "decode_cache", "encode_cache", "load_coded",
@@ -546,7 +547,7 @@ def decode_cache(coded: CodedCache, recipe: Recipe | str | None = None, *, into:
             raise KvcalibError("decode_cache needs the recipe the snapshot was made with (recipe=...), or an empty "
                                "cache built from it (into=...)")
         recipe = resolve_recipe(recipe)
-        from kvcalib.runtime.state import build_codecs
+        from kvcalib.recipe import build_codecs
 
         configs = recipe.layer_configs(n_layers)
         head_dim = next((ld["head_dim"] for ld in doc["layers"] if ld["initialized"]), None)

@@ -82,7 +82,7 @@ class GraphDecoder:
 
     def __init__(self, model, cache, *, capture: bool = True, keep_logits: bool = False,
                  sampling: Sampling | None = None) -> None:
-        from kvcalib.runtime.backend import requested_backend
+        from kvcalib.accel import requested_backend
         from kvcalib.runtime.cache import CompressedCache
 
         if isinstance(cache, CompressedCache) and requested_backend() == "reference":

@@ -1,8 +1,8 @@
 """OTT in the cache: one layer's outlier pools and the per-block quant masks.
 
-This is the runtime side of :mod:`kvcalib.calibrate.outliers` (read its "Runtime contract"):
+This is the runtime side of :mod:`kvcalib.methods.outliers` (read its "Runtime contract"):
 
-- :class:`OutlierPool` holds the layer's :class:`~kvcalib.calibrate.outliers.OutlierState`
+- :class:`OutlierPool` holds the layer's :class:`~kvcalib.methods.outliers.OutlierState`
   (pool and extra pool K/V in full precision, int32 positions, counters), allocated at the first
   flush. :meth:`OutlierPool.select` runs ``select_outliers`` on a group being flushed and returns
   its quant mask; :meth:`OutlierPool.segment` gives the pools to attention (full precision, with
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcalib.calibrate.outliers import EXTRA_CAPACITY, OutlierState, select_outliers
+from kvcalib.methods.outliers import EXTRA_CAPACITY, OutlierState, select_outliers
 
 
 def mask_bytes_per_block(block: int) -> int:

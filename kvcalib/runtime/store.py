@@ -1,7 +1,7 @@
 """Packed storage of one layer's flushed tokens: growable buffers of codes, scales and masks.
 
 A :class:`PackedStore` holds a contiguous run of absolute positions ``[start, start + n)`` at
-one bit width per side (shapes in :mod:`kvcalib.runtime.codec`'s docstring). A layer without a
+one bit width per side (shapes in :mod:`kvcalib.codec`'s docstring). A layer without a
 PATS schedule has one store; with one, :class:`kvcalib.runtime.tiers.PackedTiers` keeps one
 store per quantized tier. When OTT is on, each flushed block also stores its quant mask,
 ``ceil(G / 8)`` bytes per kv head (:mod:`kvcalib.runtime.outlier_pool`).
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcalib.quant.uniform import QuantizedTensor
-from kvcalib.recipe import LayerConfig
-from kvcalib.runtime.codec import PackedBlock
+from kvcalib.layout import LayerConfig
+from kvcalib.codec import PackedBlock
 from kvcalib.runtime.outlier_pool import mask_bytes_per_block, unpack_keep
 
 

@@ -1,6 +1,6 @@
 """PATS in the cache: one layer's packed tokens in one store per stored tier.
 
-This is the runtime side of :mod:`kvcalib.calibrate.schedule` (read its "Runtime contract").
+This is the runtime side of :mod:`kvcalib.methods.schedule` (read its "Runtime contract").
 A layer's codec lists its stored tiers, youngest first (``codec.tiers``: ``(first age, k_bits,
 v_bits)``; one entry without a schedule). :class:`PackedTiers` keeps one
 :class:`~kvcalib.runtime.store.PackedStore` per stored tier:
@@ -25,8 +25,8 @@ from collections.abc import Iterator
 
 import torch
 
-from kvcalib.recipe import LayerConfig
-from kvcalib.runtime.codec import LayerCodec, PackedBlock
+from kvcalib.layout import LayerConfig
+from kvcalib.codec import LayerCodec, PackedBlock
 from kvcalib.runtime.store import PackedStore, PackedView
 from kvcalib.errors import KvcalibError
 

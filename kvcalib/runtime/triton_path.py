@@ -65,7 +65,11 @@ def _reason_unsupported(query: torch.Tensor, layer) -> str | None:
     if not cfg.compressed or cfg.k_bits not in _PACKED_BITS or cfg.v_bits not in _PACKED_BITS:
         return "layer is not packed on both K and V"
     h = layer.sink_k.shape[1]
-    for side, perm in layer.codec.perm.items():
+    for side in ("k", "v"):
+        args = layer.codec.kernel_attend(side, query.device)
+        if args is None:
+            return f"a method state of the {side} side has a transform the kernel does not apply"
+        perm = args.get(f"{side}_perm")
         if perm is not None and tuple(perm.shape) != (h, d):
             return f"{side} permutation of shape {tuple(perm.shape)} for {h} kv heads of {d} channels"
     if hq % h:
@@ -168,8 +172,9 @@ def _store_part(store, cfg, codec, device) -> dict | None:
         packed = {}
     part = dict(packed, k_bits=store.bits["k"], v_bits=store.bits["v"], k_group=cfg.k_group,
                 v_group=cfg.v_group, k_axis=cfg.k_axis, packed_position=view.start, keep=view.keep,
-                keep_block=cfg.flush_block, k_perm=codec.device_perm("k", device),
-                v_perm=codec.device_perm("v", device),
-                k_mean=view.k_mean, v_mean=view.v_mean)  # means of an empty store are ignored
+                keep_block=cfg.flush_block, k_perm=None, v_perm=None,
+                k_mean=view.k_mean, v_mean=view.v_mean)
+    for side in ("k", "v"):  # the method states' kernel arguments (SKVQ permutations...)
+        part.update(codec.kernel_attend(side, device) or {})  # means of an empty store are ignored
     store.kernel_part = (view, device, part)
     return part

@@ -22,9 +22,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcalib.calibrate.outliers import default_pool_sizes
-from kvcalib.recipe import LayerConfig, Recipe, list_presets, load_preset
-from kvcalib.runtime.state import build_codecs
+from kvcalib.methods.outliers import default_pool_sizes
+from kvcalib.layout import LayerConfig
+from kvcalib.recipe import Recipe, list_presets, load_preset
+from kvcalib.recipe import build_codecs
 from kvcalib.simulate import simulated_logits
 from tests.unit.test_cache import decode_logits
 

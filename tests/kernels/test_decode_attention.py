@@ -812,7 +812,7 @@ def test_perm_and_mean_shapes_are_checked():
 
 def test_reference_matches_attend_compressed_on_a_real_layer():
     """The kernel reference and the runtime reference agree (two specifications, one answer)."""
-    from kvcalib.recipe import LayerConfig
+    from kvcalib.layout import LayerConfig
     from kvcalib.runtime.attention import attend_compressed
 
     layer, q, vis = _filled_layer(LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2))
@@ -860,7 +860,7 @@ def _filled_layer(cfg, b=2, h=2, rep=3, d=64, prompt=75, steps=3, pad=(0, 9), dt
     dict(k_bits=4, v_bits=2, k_axis="token", k_group=16, v_group=16, window=0, sinks=3),
 ], ids=["kivi2-sinks", "k4v8-nosinks", "token-keys"])
 def test_triton_path_matches_runtime_reference(cfg):
-    from kvcalib.recipe import LayerConfig
+    from kvcalib.layout import LayerConfig
     from kvcalib.runtime.attention import attend_compressed
     from kvcalib.runtime.triton_path import triton_decode_attention
 
@@ -877,9 +877,9 @@ def test_triton_path_matches_runtime_reference(cfg):
 def test_triton_path_runs_centred_and_permuted_layers(k_center, v_center, perm):
     """TaDA means and SKVQ permutations go through the kernel (not the reference) and agree
     with the runtime reference on the same stored bytes."""
-    from kvcalib.recipe import LayerConfig
+    from kvcalib.layout import LayerConfig
     from kvcalib.runtime.attention import attend_compressed
-    from kvcalib.runtime.codec import LayerCodec
+    from kvcalib.codec import LayerCodec
     from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
 
     cfg = LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2)
@@ -903,9 +903,9 @@ def test_triton_path_runs_centred_and_permuted_layers(k_center, v_center, perm):
 def test_triton_path_runs_ott_layers(cfg):
     """OTT pools go through the kernel (quant masks + pool segment) and agree with the runtime
     reference on the same stored bytes, with left padding; the pools have filled slots."""
-    from kvcalib.recipe import LayerConfig
+    from kvcalib.layout import LayerConfig
     from kvcalib.runtime.attention import attend_compressed
-    from kvcalib.runtime.codec import LayerCodec
+    from kvcalib.codec import LayerCodec
     from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
 
     lc = LayerConfig(**cfg)
@@ -1071,9 +1071,9 @@ def test_out_dtype_is_the_float32_result_rounded_once(out_dtype):
 def _tiered_layer(tiers=(48,), bits=4, ott=0, **kw):
     """A layer whose PATS schedule halves the bits at each age of ``tiers``, after enough steps
     that every stored tier holds blocks."""
-    from kvcalib.calibrate.schedule import Schedule
-    from kvcalib.recipe import LayerConfig
-    from kvcalib.runtime.codec import LayerCodec
+    from kvcalib.methods.schedule import Schedule
+    from kvcalib.layout import LayerConfig
+    from kvcalib.codec import LayerCodec
 
     cfg = LayerConfig(k_bits=bits, v_bits=bits, k_group=16, v_group=16, window=16, sinks=2)
     codec = LayerCodec(cfg, schedule=Schedule.from_layer(cfg, tiers), outlier_pool=ott)
@@ -1099,10 +1099,10 @@ def test_triton_path_runs_pats_tiers(tiers, bits, ott):
 def test_triton_path_runs_tiered_layers_with_mixed_bits():
     """A PATS layer whose stores hold K8/V4, K4/V4 and K2/V2 blocks (K and V at different bits
     in one store) goes through the kernel with the reference's answer."""
-    from kvcalib.calibrate.schedule import Schedule
-    from kvcalib.recipe import LayerConfig
+    from kvcalib.methods.schedule import Schedule
+    from kvcalib.layout import LayerConfig
     from kvcalib.runtime.attention import attend_compressed
-    from kvcalib.runtime.codec import LayerCodec
+    from kvcalib.codec import LayerCodec
     from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
 
     cfg = LayerConfig(k_bits=8, v_bits=4, k_group=16, v_group=16, window=16, sinks=2)
@@ -1125,7 +1125,7 @@ def test_triton_path_runs_sliding_window_layers(window, cfg):
     the window, the rest hidden by the window's bound in ``visible``; a window shorter than the
     pending full-precision one leaves no packed tokens) through the kernel gives the reference's
     answer, padding included."""
-    from kvcalib.recipe import LayerConfig
+    from kvcalib.layout import LayerConfig
     from kvcalib.runtime.attention import attend_compressed
     from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
 
@@ -1151,7 +1151,7 @@ def test_triton_path_runs_sliding_window_layers(window, cfg):
 
 
 def test_triton_path_declines_what_it_does_not_cover():
-    from kvcalib.recipe import LayerConfig
+    from kvcalib.layout import LayerConfig
     from kvcalib.runtime.triton_path import triton_decode_attention
 
     layer, q, vis = _filled_layer(LayerConfig(k_bits=2, v_bits=2, k_group=16, v_group=32, window=16))
@@ -1169,11 +1169,12 @@ def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch, 
     ``ott``: every layer has a 4-slot OTT outlier pool; ``pats``: 4-bit blocks become 2-bit at age 28;
     ``sliding``: a Gemma 3 model, its first layer a 28-token sliding window (blocks dropped, sinks
     gone, the window's bound from transformers' mask), its second global."""
-    from kvcalib.recipe import LayerConfig, Recipe
+    from kvcalib.layout import LayerConfig
+    from kvcalib.recipe import Recipe
     from kvcalib.runtime import triton_path
     from kvcalib.runtime.attention import use_kvcalib_attention
     from kvcalib.runtime.cache import CompressedCache
-    from kvcalib.runtime.codec import LayerCodec
+    from kvcalib.codec import LayerCodec
     from tests.conftest import tiny_model
 
     if fitted == "sliding":
@@ -1200,7 +1201,7 @@ def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch, 
             cache = CompressedCache(cfgs, [LayerCodec(c, outlier_pool=4) for c in cfgs])
             use_kvcalib_attention(model)
         elif fitted == "pats":
-            from kvcalib.calibrate.schedule import Schedule
+            from kvcalib.methods.schedule import Schedule
 
             cfg4 = LayerConfig(k_bits=4, v_bits=4, k_group=16, v_group=32, window=16, sinks=2)
             cfgs = [cfg4] * model.config.num_hidden_layers

@@ -17,7 +17,8 @@ from tests.kernels.triton_setup import kernel_modules
 DEVICE, INTERPRET, _ = kernel_modules("kvcalib_kernels.decode_attention")  # before any kernel import
 
 from kvcalib.errors import KvcalibError  # noqa: E402
-from kvcalib.recipe import LayerConfig, Recipe  # noqa: E402
+from kvcalib.layout import LayerConfig
+from kvcalib.recipe import Recipe  # noqa: E402
 from kvcalib.runtime.cache import CompressedCache  # noqa: E402
 from kvcalib.runtime.graphs import GraphDecoder  # noqa: E402
 from tests.conftest import tiny_model  # noqa: E402
@@ -36,7 +37,7 @@ def _ott_recipe(pool: int = 4) -> Recipe:
 def _pats_recipe(ages=(40,)) -> Recipe:
     """4-bit K/V halved to 2 bits from age 40: with blocks of 16 after a 16-token window and 2
     sinks, blocks reach that age 8 steps after a flush (a tier move between flushes)."""
-    from kvcalib.calibrate.schedule import Schedule
+    from kvcalib.methods.schedule import Schedule
 
     cfg = LayerConfig(k_bits=4, v_bits=4, k_group=16, v_group=16, window=16, sinks=2)
     tiers = Schedule.from_layer(cfg, ages).to_tensor()

@@ -23,7 +23,8 @@ from typer.testing import CliRunner  # noqa: E402
 
 from kvcalib.cli import app  # noqa: E402
 from kvcalib.errors import KvcalibError  # noqa: E402
-from kvcalib.recipe import LayerConfig, Recipe  # noqa: E402
+from kvcalib.layout import LayerConfig
+from kvcalib.recipe import Recipe  # noqa: E402
 from kvcalib.runtime.cache import CompressedCache  # noqa: E402
 from kvcalib.runtime.graphs import GraphDecoder  # noqa: E402
 from kvcalib.runtime.sampling import (  # noqa: E402

@@ -1,7 +1,7 @@
 """Quantize-and-pack kernels vs kvcalib.quant.uniform (+ packing): bit-exact (torch.equal).
 
 With a recipe's fitted state (SKVQ permutation, TaDA centering, OTT keep masks) the specification
-is kvcalib.runtime.codec's ``quantize_reference`` / ``center_reference`` (what LayerCodec encodes).
+is kvcalib.codec's ``quantize_reference`` / ``center_reference`` (what LayerCodec encodes).
 
 Runs on CPU through Triton's interpreter (``TRITON_INTERPRET=1``, set here before any kernel
 module is imported) and on CUDA as is; the full-size grid is marked ``gpu``.
@@ -16,7 +16,7 @@ from tests.kernels.triton_setup import kernel_modules
 
 DEVICE, INTERPRET, (qp,) = kernel_modules("kvcalib_kernels.quant_pack")  # before any kernel import
 
-from kvcalib.runtime.codec import quantize_reference  # noqa: E402
+from kvcalib.codec import quantize_reference  # noqa: E402
 from kvcalib_kernels.reference import (center_pack_reference, quantize_pack_keys_reference,  # noqa: E402
                                        quantize_pack_values_reference)
 

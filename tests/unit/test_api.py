@@ -48,7 +48,8 @@ def test_import_stays_light():
 
 def test_public_objects_are_the_library_ones():
     from kvcalib.errors import KvcalibError
-    from kvcalib.recipe import LayerConfig, Recipe
+    from kvcalib.layout import LayerConfig
+    from kvcalib.recipe import Recipe
     from kvcalib.runtime.cache import CompressedCache
 
     assert kvcalib.Recipe is Recipe and kvcalib.LayerConfig is LayerConfig

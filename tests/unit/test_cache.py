@@ -8,7 +8,8 @@ import torch
 
 from kvcalib.errors import KvcalibError
 from kvcalib.models import model_info
-from kvcalib.recipe import LayerConfig, Recipe, layer_bytes
+from kvcalib.layout import LayerConfig, layer_bytes
+from kvcalib.recipe import Recipe
 from kvcalib.runtime.cache import CompressedCache
 from kvcalib.simulate import simulated_logits
 from tests.conftest import TINY_ARCHS, tiny_model
@@ -200,7 +201,7 @@ def test_triton_path_covers_centred_permuted_and_clipped_layers(monkeypatch):
     kernel tests compare it with the reference; PATS tiers: tests/unit/test_outlier_runtime.py)."""
     pytest.importorskip("triton")
     from kvcalib.runtime.cache import CompressedLayer
-    from kvcalib.runtime.codec import LayerCodec
+    from kvcalib.codec import LayerCodec
     from kvcalib.runtime.triton_path import _reason_unsupported
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")

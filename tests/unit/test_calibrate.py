@@ -15,9 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvcalib.calibrate import METHODS, CalibrationError, build_methods, fit_layer, fit_stats
-from kvcalib.calibrate.base import CalibrationMethod, fake_quantize, validate_layer_stats
-from kvcalib.calibrate.center import (
+from kvcalib.calibrate import CalibrationError, build_methods, fit_layer, fit_stats
+from kvcalib.methods import registry
+
+METHODS = registry()
+from kvcalib.methods.base import Method, fake_quantize, validate_layer_stats
+from kvcalib.methods.center import (
     CenterMethod,
     center,
     centering_errors,
@@ -27,8 +30,8 @@ from kvcalib.calibrate.center import (
     quantize_mean,
     uncenter,
 )
-from kvcalib.calibrate.clip import DEFAULT_GRID, choose_alpha, clip_errors, fit_clip_alpha
-from kvcalib.calibrate.outliers import (
+from kvcalib.methods.clip import DEFAULT_GRID, choose_alpha, clip_errors, fit_clip_alpha
+from kvcalib.methods.outliers import (
     OutlierMethod,
     OutlierState,
     default_pool_sizes,
@@ -37,7 +40,7 @@ from kvcalib.calibrate.outliers import (
     select_outliers,
     trace_outliers,
 )
-from kvcalib.calibrate.reorder import (
+from kvcalib.methods.reorder import (
     ReorderMethod,
     apply_perm,
     channel_features,
@@ -46,7 +49,7 @@ from kvcalib.calibrate.reorder import (
     fit_channel_permutation,
     invert_perm,
 )
-from kvcalib.calibrate.schedule import (
+from kvcalib.methods.schedule import (
     PRESETS,
     Schedule,
     Tier,
@@ -68,7 +71,7 @@ from kvcalib.quant.uniform import (
     quantize_keys,
     quantize_values,
 )
-from kvcalib.recipe import LayerConfig, layer_bytes
+from kvcalib.layout import LayerConfig, layer_bytes
 from kvcalib.stats import CollectedStats, LayerStats, RunningChannelStats
 
 
@@ -117,26 +120,36 @@ SHAPES = {
 # ====================================================================== registry and base class
 
 
+def _context(cfg):
+    """What the fitting pipeline hands a method: a fresh FitContext with the layer's codec
+    factory (Huffman codebooks encode the reservoir with it)."""
+    from kvcalib.codec import LayerCodec
+    from kvcalib.methods.base import FitContext
+
+    return FitContext({}, codec=lambda tensors: LayerCodec.from_tensors(cfg, tensors))
+
+
 def test_registry_order_and_names():
-    assert list(METHODS) == ["center", "reorder", "clip", "outliers", "schedule"]
+    assert list(METHODS) == ["center", "reorder", "clip", "outliers", "schedule", "huffman"]
     for name, cls in METHODS.items():
-        assert issubclass(cls, CalibrationMethod) and cls.name == name
-        assert cls.tensors and all(isinstance(doc, str) for doc in cls.tensors.values())
+        assert issubclass(cls, Method) and cls.name == name
+        assert cls.tensors and all(isinstance(spec.doc, str) and spec.doc for spec in cls.tensors)
 
 
 @pytest.mark.parametrize("name", list(METHODS))
 @pytest.mark.parametrize("cfg", [CFG, CFG_TOKEN_K], ids=["k-channel", "k-token"])
 def test_method_produces_declared_finite_tensors(name, cfg):
     stats = default_stats()
-    method = METHODS[name]()
-    out = method.fit(stats, cfg, seed=0)
+    # Huffman leaves sides uncoded where coding would not shrink them (Gaussian 2-bit codes): code all
+    method = METHODS[name](**({"only_if_smaller": False} if name == "huffman" else {}))
+    out = method.fit(stats, cfg, seed=0, context=_context(cfg))
     assert out, f"{name} produced nothing for a quantized layer"
-    assert set(out) <= set(method.tensors)
+    assert set(out) <= set(method.tensor_keys())
     for key, t in out.items():
         assert not t.is_floating_point() or torch.isfinite(t).all(), key
         if key in SHAPES:
             assert tuple(t.shape) == SHAPES[key](2, 16), key
-    again = method.fit(stats, cfg, seed=0)
+    again = method.fit(stats, cfg, seed=0, context=_context(cfg))
     assert all(torch.equal(out[k], again[k]) for k in out), "same seed must give the same tensors"
 
 
@@ -184,7 +197,7 @@ def test_method_constant_channels_never_nan(name):
     k[..., :4] = -1.25  # constant channels, zero range everywhere
     stats = make_stats(k, k.clone())
     cfg = LayerConfig(k_bits=2, v_bits=2, k_group=8, v_group=4, window=8)
-    out = METHODS[name]().fit(stats, cfg)
+    out = METHODS[name]().fit(stats, cfg, context=_context(cfg))
     for key, t in out.items():
         assert not t.is_floating_point() or torch.isfinite(t).all(), key
     if "v.clip" in out:
@@ -431,7 +444,7 @@ def test_clip_key_permutation_is_applied_to_queries():
 
 
 def test_clip_chunking_does_not_change_errors(monkeypatch):
-    import kvcalib.calibrate.clip as clip_mod
+    import kvcalib.methods.clip as clip_mod
 
     k, v, q = _heavy_tailed(nb=4, seed=3)
     e_all = clip_errors(k, v, q, 0.25, 4, 8, "k")

@@ -15,8 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcalib.calibrate.base import CalibrationError, reservoir_to_bhtd
-from kvcalib.calibrate.codebooks import (HUFFMAN, HUFFMAN_HIST, CacheStreams, StreamLayout, add_codebooks,
+from kvcalib.methods.base import CalibrationError, reservoir_to_bhtd
+from kvcalib.methods.huffman import (HUFFMAN, HUFFMAN_HIST, CacheStreams, StreamLayout, add_codebooks,
                                          codebook_bits, decode_cache_streams, decode_side, encode_cache_streams,
                                          encode_side, entropy_memory, flush_codes, implied_bits, layer_histograms,
                                          load_codebooks, side_coded_bytes, strip_codebooks, tensor_name,
@@ -25,8 +25,9 @@ from kvcalib.errors import RecipeError
 from kvcalib.models import model_info
 from kvcalib.quant.huffman import HuffmanError, build_codebook, symbol_histogram
 from kvcalib.quant.packing import unpack_codes
-from kvcalib.recipe import LayerConfig, Recipe, quantized_token_count
-from kvcalib.runtime.state import build_codecs
+from kvcalib.layout import LayerConfig, quantized_token_count
+from kvcalib.recipe import Recipe
+from kvcalib.recipe import build_codecs
 from kvcalib.stats import CollectedStats, LayerStats
 from tests.conftest import tiny_config
 

@@ -29,11 +29,11 @@ qp = importlib.import_module("kvcalib_kernels.quant_pack")
 if INTERPRET and type(qp._quant_keys_kernel).__name__ != "InterpretedFunction":
     qp = importlib.reload(qp)  # imported earlier without the interpreter
 
-from kvcalib.calibrate.schedule import Schedule  # noqa: E402
+from kvcalib.methods.schedule import Schedule  # noqa: E402
 from kvcalib.errors import KvcalibError  # noqa: E402
-from kvcalib.recipe import LayerConfig  # noqa: E402
+from kvcalib.layout import LayerConfig  # noqa: E402
 from kvcalib.runtime.cache import CompressedLayer  # noqa: E402
-from kvcalib.runtime.codec import LayerCodec, use_triton_encode  # noqa: E402
+from kvcalib.codec import LayerCodec, use_triton_encode  # noqa: E402
 
 # the cache-level tests below feed CPU tensors: the kernels run on them only through the interpreter
 # (on a CUDA machine, which runs without it, the GPU-marked test at the end covers the same ground)

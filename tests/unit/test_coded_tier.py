@@ -11,12 +11,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvcalib.calibrate.codebooks import StreamLayout, tensor_name
+from kvcalib.methods.huffman import StreamLayout, tensor_name
 from kvcalib.errors import KvcalibError
 from kvcalib.models import model_info
 from kvcalib.quant.huffman import HuffmanError, build_codebook, symbol_histogram
 from kvcalib.quant.packing import unpack_codes
-from kvcalib.recipe import LayerConfig, Recipe
+from kvcalib.layout import LayerConfig
+from kvcalib.recipe import Recipe
 from kvcalib.runtime.cache import CompressedCache
 from kvcalib.runtime.coded_tier import (METADATA_KEY, CodedCache, decode_cache, encode_cache, load_coded,
                                         save_coded)

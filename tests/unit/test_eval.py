@@ -17,7 +17,8 @@ from kvcalib.eval.agreement import agreement, agreement_stats, greedy_decode, gr
 from kvcalib.eval.gsm8k import build_gsm8k_prompt, extract_answer, is_correct, normalize_number
 from kvcalib.eval.passkey import NEEDLE, build_passkey_prompt, build_passkey_prompts, extract_passkey, run_passkey
 from kvcalib.eval.perplexity import decode_faithful_nll, perplexity, scored_slice
-from kvcalib.recipe import LayerConfig, Recipe, quantized_token_count, resolve_recipe
+from kvcalib.layout import LayerConfig, quantized_token_count
+from kvcalib.recipe import Recipe, resolve_recipe
 from kvcalib.runtime.cache import CompressedCache
 from tests.conftest import TINY_ARCHS, corpus_lines as _corpus, tiny_config, tiny_loaded_model, tiny_model
 

@@ -8,9 +8,10 @@ import torch
 from kvcalib.collection import collect_stats
 from kvcalib.errors import KvcalibError
 from kvcalib.export import ExportConfig, export_recipe, parse_bits
-from kvcalib.recipe import LayerConfig, Recipe
+from kvcalib.layout import LayerConfig
+from kvcalib.recipe import Recipe
 from kvcalib.runtime.cache import CompressedCache
-from kvcalib.runtime.state import build_codecs
+from kvcalib.recipe import build_codecs
 from kvcalib.simulate import simulated_logits
 from tests.conftest import tiny_model
 from tests.unit.test_cache import decode_logits
@@ -63,7 +64,7 @@ def test_fitted_state_simulation_matches_decode(run_dir):
 
 
 def test_centering_and_perm_round_trip_exactly_at_16_bit_mean():
-    from kvcalib.runtime.codec import LayerCodec
+    from kvcalib.codec import LayerCodec
 
     cfg = LayerConfig(k_bits=8, v_bits=8, k_group=8, v_group=8, window=8)
     perm = torch.stack([torch.randperm(16) for _ in range(2)])
@@ -96,7 +97,7 @@ def test_export_outliers_follow_the_fitted_gain(run_dir, tmp_path):
     assert rec.provenance["outliers"] == 3 and "outliers" in rec.provenance["methods"]
     assert rec.name == "k2v2-g8-ott3"
     codecs = build_codecs(back, back.layers, 16)
-    assert [c.outlier_pool for c in codecs] == [int(back.tensors[f"layers.{i}.kv.outlier_pool"]) for i in range(2)]
+    assert [c.pool_size for c in codecs] == [int(back.tensors[f"layers.{i}.kv.outlier_pool"]) for i in range(2)]
 
 
 def test_export_schedule_writes_tiers_that_start_at_the_bits(run_dir, tmp_path):
@@ -113,8 +114,11 @@ def test_export_schedule_writes_tiers_that_start_at_the_bits(run_dir, tmp_path):
     assert bits < flat_bits - 2.0, "at 4096 tokens nearly every block is at 2 bits"
     old = ExportConfig(bits="k8v4", group=8, window=8, schedule="old-heavy", schedule_ages=(16, 32))
     new = ExportConfig(bits="k2v2", group=8, schedule="new-heavy")
-    assert old.sinks == 0 and old.layer_schedule.tiers == cfg.layer_schedule.tiers
-    assert (new.window, new.sinks) == (0, 4) and new.layer_schedule.to_tensor().tolist() == [[0, 2, 2]]
+    def layer_schedule(c):
+        return c.method("schedule").schedule_for(c.layer)
+
+    assert old.sinks == 0 and layer_schedule(old).tiers == layer_schedule(cfg).tiers
+    assert (new.window, new.sinks) == (0, 4) and layer_schedule(new).to_tensor().tolist() == [[0, 2, 2]]
 
 
 def test_exported_ott_and_pats_recipe_simulates_as_it_decodes(run_dir, tmp_path):
@@ -183,7 +187,7 @@ def test_cli_export_huffman_adds_loadable_codebooks(run_dir, tmp_path):
     and inspect reports their expected bits per symbol below the fixed width."""
     from typer.testing import CliRunner
 
-    from kvcalib.calibrate.codebooks import load_codebooks
+    from kvcalib.methods.huffman import load_codebooks
     from kvcalib.cli import app
 
     out, _ = run_dir

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 from kvcalib.cli import app
 from kvcalib.inspect import diff_recipes, inspect_recipe, provenance_summary
 from kvcalib.models import model_info
-from kvcalib.recipe import LayerConfig, Recipe
+from kvcalib.layout import LayerConfig
+from kvcalib.recipe import Recipe
 from tests.conftest import tiny_config
 
 
@@ -80,7 +81,7 @@ def test_inspect_report_and_cli_show_origin(tmp_path):
 def _coded_recipe(tmp_path, store_histograms=False, corrupt=False):
     from tests.unit.test_codebooks import CONFIGS, _recipe, _stats
 
-    from kvcalib.calibrate.codebooks import add_codebooks
+    from kvcalib.methods.huffman import add_codebooks
 
     rec = add_codebooks(_recipe(), _stats(), store_histograms=store_histograms, only_if_smaller=False)
     if corrupt:
@@ -93,9 +94,9 @@ def _coded_recipe(tmp_path, store_histograms=False, corrupt=False):
 def test_inspect_shows_huffman_bits_and_coded_effective_bits(tmp_path):
     import pytest
 
-    from kvcalib.calibrate.codebooks import codebook_bits, entropy_memory
+    from kvcalib.methods.huffman import codebook_bits, entropy_memory
     from kvcalib.errors import RecipeError
-    from kvcalib.inspect import huffman_lines
+    from kvcalib.inspect import method_lines as huffman_lines
 
     path, rec, configs = _coded_recipe(tmp_path)
     report = inspect_recipe(path, context=512)
@@ -125,7 +126,7 @@ def test_inspect_shows_huffman_bits_and_coded_effective_bits(tmp_path):
 
 
 def test_inspect_without_codebooks_has_no_huffman_section(tmp_path):
-    from kvcalib.inspect import huffman_lines
+    from kvcalib.inspect import method_lines as huffman_lines
 
     pa, _ = _recipes(tmp_path)
     report = inspect_recipe(pa)

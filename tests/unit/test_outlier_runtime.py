@@ -6,15 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcalib.calibrate.outliers import EXTRA_CAPACITY, trace_outliers
+from kvcalib.methods.outliers import EXTRA_CAPACITY, trace_outliers
 from kvcalib.errors import RecipeError
 from kvcalib.models import model_info
-from kvcalib.recipe import LayerConfig, Recipe
+from kvcalib.layout import LayerConfig
+from kvcalib.recipe import Recipe
 from kvcalib.runtime.attention import attend_compressed
 from kvcalib.runtime.cache import CompressedCache, CompressedLayer
-from kvcalib.runtime.codec import LayerCodec
+from kvcalib.codec import LayerCodec
 from kvcalib.runtime.outlier_pool import pack_keep, unpack_keep
-from kvcalib.runtime.state import build_codecs
+from kvcalib.recipe import build_codecs
 from kvcalib.simulate import simulated_logits
 from tests.conftest import tiny_model
 from tests.unit.test_cache import decode_logits
@@ -189,7 +190,7 @@ def test_triton_path_takes_outlier_and_tiered_layers(monkeypatch):
     """The kernel reads OTT pools and quant masks, and PATS tiers (one call per store); a tier
     whose bits the kernel cannot read sends the layer to the reference. Decided before any
     triton import."""
-    from kvcalib.calibrate.schedule import Schedule
+    from kvcalib.methods.schedule import Schedule
     from kvcalib.runtime.triton_path import _reason_unsupported
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")

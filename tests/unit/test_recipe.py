@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 from kvcalib.errors import RecipeError
 from kvcalib.models import ModelInfo
-from kvcalib.recipe import METADATA_KEY, LayerConfig, Recipe, list_presets, load_preset
+from kvcalib.layout import LayerConfig
+from kvcalib.recipe import METADATA_KEY, Recipe, list_presets, load_preset
 
 INFO = ModelInfo("smollm2-135m", "llama", 30, 9, 3, 64, 8192, (None,) * 30, "cc1cfbf31f103bfa")
 

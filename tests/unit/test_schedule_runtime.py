@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcalib.calibrate.schedule import Schedule, requantize, tier_token_counts
+from kvcalib.methods.schedule import Schedule, requantize, tier_token_counts
 from kvcalib.errors import RecipeError
 from kvcalib.models import model_info
 from kvcalib.quant.uniform import quantize_keys, quantize_values
-from kvcalib.recipe import LayerConfig, Recipe
+from kvcalib.layout import LayerConfig
+from kvcalib.recipe import Recipe
 from kvcalib.runtime.cache import CompressedCache, CompressedLayer
-from kvcalib.runtime.codec import LayerCodec
-from kvcalib.runtime.state import build_codecs
+from kvcalib.codec import LayerCodec
+from kvcalib.recipe import build_codecs
 from kvcalib.simulate import simulated_logits
 from tests.conftest import tiny_model
 from tests.unit.test_cache import decode_logits
@@ -142,7 +143,7 @@ def test_schedule_sinks_come_from_the_layer_and_side_is_checked():
     no_sinks = LayerConfig(k_bits=8, v_bits=4, k_group=8, v_group=8, window=8)
     rec = tier_recipe(no_sinks, TIERS)
     codecs = build_codecs(rec, [no_sinks] * 2)
-    assert codecs[0].schedule.sinks == 0 and codecs[0].tiers == [(8, 8, 4), (24, 4, 4), (48, 2, 2)]
+    assert codecs[0].state("schedule").schedule.sinks == 0 and codecs[0].tiers == [(8, 8, 4), (24, 4, 4), (48, 2, 2)]
     rec = Recipe(name="bad", layers=[CFG, CFG], tensors={"layers.0.v.schedule": torch.tensor(TIERS)})
     with pytest.raises(RecipeError, match=r"layers\.0\.kv\.schedule"):
         build_codecs(rec, [CFG, CFG])

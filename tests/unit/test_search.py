@@ -105,7 +105,7 @@ def _floor(tiny, space=TINY_SPACE, context=256):
 # ------------------------------------------------------------------ objective
 def test_objective_kl_zero_for_fp16_positive_for_2bit(tiny):
     from kvcalib.optimize.space import Point
-    from kvcalib.recipe import LayerConfig
+    from kvcalib.layout import LayerConfig
 
     obj, _ = _floor(tiny)
     fp = [LayerConfig()] * 2
@@ -327,9 +327,9 @@ def test_old_search_json_still_reads():
 
 
 def test_schedule_scoring_length_rule():
-    from kvcalib.calibrate.schedule import Schedule, tier_token_counts
+    from kvcalib.methods.schedule import Schedule, tier_token_counts
     from kvcalib.optimize.space import SearchSpace, SpaceError, check_scored_schedules, min_scoring_length
-    from kvcalib.recipe import LayerConfig
+    from kvcalib.layout import LayerConfig
 
     space = SearchSpace(sinks=(4,), schedules=("none", "middle-heavy"))
     # 4 sinks + one 64-token key group + age 1024 (the age-4096 tier holds nothing at context 4096)
@@ -378,7 +378,7 @@ def test_space_samples_outliers_and_schedule():
 
 
 def test_objective_fits_outlier_pool_and_schedule(tiny):
-    from kvcalib.calibrate.schedule import Schedule
+    from kvcalib.methods.schedule import Schedule
     from kvcalib.optimize.space import Point
 
     obj, _ = _floor(tiny)
@@ -400,28 +400,6 @@ def test_objective_fits_outlier_pool_and_schedule(tiny):
     assert torch.equal(bare.fitted_tensors(q)["layers.1.kv.schedule"], t["layers.1.kv.schedule"])
 
 
-def test_space_switch_the_runtime_does_not_apply_is_refused(tiny, tmp_path):
-    """Outlier pools and schedules are searched only once the runtime applies their tensors."""
-    from kvcalib.optimize import SearchConfig, check_runtime_applies, search_with
-    from kvcalib.optimize.objective import runtime_applies
-    from kvcalib.optimize.space import SearchSpace, SpaceError
-
-    for tensor, space in (("outlier_pool", {**TINY_SPACE, "layer_methods": ["outliers"]}),
-                          ("schedule", {**TINY_SPACE, "schedules": ["none", "ages:17"]})):
-        if runtime_applies(tensor):
-            check_runtime_applies(SearchSpace.from_dict(space))
-            continue
-        with pytest.raises(SpaceError, match=f"does not apply recipe tensor layers.i.kv.{tensor}"):
-            check_runtime_applies(SearchSpace.from_dict(space))
-        model, info, stats, ids = tiny
-        _, floor = _floor(tiny)
-        cfg = SearchConfig(**_config(tmp_path, budget_bits=floor + 1, space=space, seq_len=40))
-        with pytest.raises(SpaceError):
-            search_with(cfg, model, info, stats, ids, tmp_path / "run", progress=False)
-        assert not (tmp_path / "run" / "study.db").exists()
-
-
-# ------------------------------------------------------------------ interrupted searches
 def _interrupt_after(monkeypatch, n_calls: int):
     """Make the n-th trial's KL computation raise KeyboardInterrupt (Ctrl-C in the middle of a trial)."""
     from kvcalib.optimize.objective import SearchObjective
@@ -571,15 +549,12 @@ def test_outputs_hold_no_machine_paths(searched):
 
 
 def test_search_with_outliers_and_schedule(tiny, tmp_path):
-    """Once the runtime applies them: the objective scores what the switches change (KL and
-    bits), and a search over them writes a recipe carrying their tensors."""
+    """The objective scores what the switches change (KL and bits), and a search over them
+    writes a recipe carrying their tensors."""
     from kvcalib.optimize import SearchConfig, search_with
-    from kvcalib.optimize.objective import runtime_applies
     from kvcalib.optimize.space import Point
     from kvcalib.recipe import Recipe
 
-    if not (runtime_applies("outlier_pool") and runtime_applies("schedule")):
-        pytest.skip("the runtime does not apply layers.i.kv.outlier_pool / kv.schedule yet")
     model, info, stats, ids = tiny
     obj, floor = _floor(tiny)
     plain = Point(8, 8, 0, (8, 8), (8, 8), ((), ()), "channel", "none")

@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 
 from kvcalib.errors import KvcalibError
-from kvcalib.recipe import LayerConfig, Recipe
+from kvcalib.layout import LayerConfig
+from kvcalib.recipe import Recipe
 from kvcalib.serving import (FP8_E4M3_MAX, SCALES_FILE, export_compressed_tensors, kv_cache_scheme,
                              recipe_to_serving)
 from kvcalib.stats import CollectedStats, LayerStats

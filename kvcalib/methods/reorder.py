@@ -54,18 +54,22 @@ Convention (what the runtime must do with ``{k|v}.perm``, int64 ``(H, D)``)::
 from __future__ import annotations
 
 import warnings
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from kvcalib.calibrate.base import (
+from kvcalib.layout import LayerConfig
+from kvcalib.methods.base import (
     CalibrationError,
-    CalibrationMethod,
+    FitContext,
+    Flag,
     LayerGeometry,
+    Method,
+    MethodState,
+    TensorSpec,
     check_side,
     reservoir_to_bhtd,
 )
-from kvcalib.recipe import LayerConfig
 from kvcalib.stats import LayerStats
 
 __all__ = [
@@ -76,6 +80,7 @@ __all__ = [
     "apply_perm",
     "invert_perm",
     "check_perm",
+    "PermState",
     "ReorderMethod",
 ]
 
@@ -99,7 +104,7 @@ def channel_features(layer_stats: LayerStats, side: str, centered: bool = False)
     """
     check_side(side)
     if centered:
-        from kvcalib.calibrate.center import center
+        from kvcalib.methods.center import center
 
         res = reservoir_to_bhtd(getattr(layer_stats, f"reservoir_{side}"))  # (NB, H, BL, D)
         if res.shape[1] < 2:
@@ -243,22 +248,65 @@ def _balanced_kmeans(x: torch.Tensor, n_clusters: int, group: int, seed: int, n_
     return torch.from_numpy(perm)
 
 
-class ReorderMethod(CalibrationMethod):
+class PermState(MethodState):
+    """Channel permutations of one layer, int64 ``(H, D)`` per permuted side (the convention above)."""
+
+    def __init__(self, perms: dict[str, torch.Tensor]) -> None:
+        self.perm = {side: p.long() for side, p in perms.items() if p is not None}  # side -> (H, D)
+        self.inv = {side: invert_perm(p) for side, p in self.perm.items()}  # side -> (H, D)
+        self._device: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> torch.Tensor:
+        return apply_perm(x, self.perm[side]) if side in self.perm else x
+
+    def decode(self, side: str, y: torch.Tensor, stored: dict[str, Any]) -> torch.Tensor:
+        return apply_perm(y, self.inv[side]) if side in self.inv else y
+
+    def device_perm(self, side: str, device: torch.device) -> torch.Tensor | None:
+        """The side's permutation on ``device`` as int32 (H, D), copied once per device (the
+        quantize-and-pack and decode-attention kernels read it); None when not permuted."""
+        if side not in self.perm:
+            return None
+        key = (side, device)
+        if key not in self._device:
+            self._device[key] = self.perm[side].to(device=device, dtype=torch.int32).contiguous()
+        return self._device[key]
+
+    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> dict[str, Any] | None:
+        perm = self.device_perm(side, x.device)
+        if perm is None:
+            return {}
+        if perm.shape[-1] != x.shape[-1]:
+            return None  # the reference names the mismatch
+        return {"perm": perm}  # (H, D) int32: the kernel gathers the input channels
+
+    def kernel_attend(self, side: str, device: torch.device) -> dict[str, Any] | None:
+        perm = self.device_perm(side, device)
+        return {} if perm is None else {f"{side}_perm": perm}
+
+
+class ReorderMethod(Method):
     """SKVQ channel reordering for the sides whose groups span channels.
 
     Produces ``v.perm`` when values are quantized (``v_bits < 16``) with more than one channel
     group, and ``k.perm`` when keys are quantized per token (``k_axis="token"``) with more than
     one group. Per-channel keys (KIVI layout) get no permutation: it would change nothing.
-    With centering fitted before (``{side}.center > 0`` in ``fitted``), features come from the
-    centred reservoir.
+    With centering fitted before (``{side}.center > 0`` in the fitted tensors), features come
+    from the centred reservoir.
     """
 
     name: ClassVar[str] = "reorder"
-    tensors: ClassVar[dict[str, str]] = {
-        "k.perm": "int64 (H, D): key channel permutation (k_axis='token' only); permute k and q",
-        "v.perm": "int64 (H, D): value channel permutation; permute v, un-permute the output",
-    }
+    summary: ClassVar[str] = "SKVQ channel reordering (KMeans) so similar channels share a group"
+    order: ClassVar[int] = 20
+    tensors: ClassVar[tuple[TensorSpec, ...]] = (
+        TensorSpec("perm", ("k", "v"), "int64", "(H, D)",
+                   "channel permutation per kv head (keys: k_axis='token' only); permute x and q, "
+                   "un-permute the output"),
+    )
     needs_reservoir: ClassVar[bool] = False
+    search: ClassVar[str | None] = "layer"
+    letter: ClassVar[str] = "r"
+    flags: ClassVar[tuple[Flag, ...]] = (Flag("reorder", bool, "SKVQ channel reordering (KMeans) for per-token groups."),)
 
     def __init__(self, n_init: int = 3) -> None:
         if isinstance(n_init, bool) or not isinstance(n_init, int) or n_init < 1:
@@ -266,7 +314,7 @@ class ReorderMethod(CalibrationMethod):
         self.n_init = n_init
 
     def _fit(self, layer_stats: LayerStats, layer_cfg: LayerConfig, seed: int,
-             fitted: dict[str, torch.Tensor], geom: LayerGeometry) -> dict[str, torch.Tensor]:
+             context: FitContext, geom: LayerGeometry) -> dict[str, torch.Tensor]:
         out = {}
         sides = []
         if layer_cfg.v_bits < 16 and geom.head_dim // layer_cfg.v_group > 1:
@@ -274,9 +322,31 @@ class ReorderMethod(CalibrationMethod):
         if layer_cfg.k_bits < 16 and layer_cfg.k_axis == "token" and geom.head_dim // layer_cfg.k_group > 1:
             sides.append(("k", layer_cfg.k_group))
         for side, group in sides:
-            centered = float(fitted.get(f"{side}.center", torch.tensor(0.0))) > 0 and geom.heads > 1
+            centered = float(context.fitted.get(f"{side}.center", torch.tensor(0.0))) > 0 and geom.heads > 1
             if centered and geom.blocks == 0:
                 raise CalibrationError("centered reordering needs a non-empty reservoir")
             feats = channel_features(layer_stats, side, centered=centered)  # (H, D, F)
             out[f"{side}.perm"] = fit_channel_permutation(feats, group, seed, self.n_init)  # (H, D)
         return out
+
+    @classmethod
+    def load(cls, tensors: dict[str, torch.Tensor], cfg: LayerConfig, heads: int | None,
+             head_dim: int | None) -> PermState | None:
+        perms = {}
+        for side in ("k", "v"):
+            t = tensors.get(f"{side}.perm")
+            if t is None:
+                continue
+            ok = t.dim() == 2 and not t.is_floating_point() and t.dtype != torch.bool and bool(
+                (torch.sort(t.long(), dim=-1).values == torch.arange(t.shape[-1])).all())
+            if not ok or (head_dim is not None and t.shape[-1] != head_dim) or (heads is not None and t.shape[0] != heads):
+                raise ValueError(f"{side}.perm must be an (H, head_dim) = ({heads}, {head_dim}) permutation per head, "
+                                 f"got {t.dtype} {tuple(t.shape)}")
+            perms[side] = t
+        return PermState(perms) if perms else None
+
+    @classmethod
+    def from_arguments(cls, cfg: LayerConfig, arguments: dict[str, Any]) -> PermState | None:
+        perms = {side: arguments.pop(f"{side}_perm", None) for side in ("k", "v")}
+        perms = {side: p for side, p in perms.items() if p is not None}
+        return PermState(perms) if perms else None

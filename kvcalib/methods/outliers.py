@@ -54,19 +54,24 @@ with :func:`trace_outliers`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from kvcalib.calibrate.base import (
+from kvcalib.errors import KvcalibError
+from kvcalib.layout import LayerConfig
+from kvcalib.methods.base import (
     CalibrationError,
-    CalibrationMethod,
+    FitContext,
+    Flag,
     LayerGeometry,
+    Method,
+    MethodState,
+    TensorSpec,
     reservoir_to_bhtd,
     validate_reservoir,
 )
 from kvcalib.quant.uniform import quantize_dequantize_keys
-from kvcalib.recipe import LayerConfig
 from kvcalib.stats import LayerStats
 
 __all__ = [
@@ -79,12 +84,14 @@ __all__ = [
     "default_pool_sizes",
     "pool_bytes",
     "outlier_gain",
+    "PoolState",
     "OutlierMethod",
 ]
 
 DEFAULT_POOL = 3  # OTT's outlier_num
 EXTRA_CAPACITY = 32  # OTT's extra pool for evicted outlier tokens
 POS_DTYPE = torch.int32  # pool positions as stored and accounted (pool_bytes pos_bytes=4)
+MAX_OUTLIER_POOL = 1024  # full-precision pool slots per kv head; beyond this a pool defeats compression
 
 
 @dataclass
@@ -382,7 +389,34 @@ def outlier_gain(reservoir_k: torch.Tensor, bits: int, group: int, pool_size: in
     return 1.0 - (traced / nq) / (plain / (nb * h * t))
 
 
-class OutlierMethod(CalibrationMethod):
+class PoolState(MethodState):
+    """An OTT pool of ``pool_size`` tokens per kv head: the cache keeps the pools
+    (:mod:`kvcalib.runtime.outlier_pool`), the simulation traces them (runtime contract above)."""
+
+    def __init__(self, pool_size: int) -> None:
+        self.pool_size = int(pool_size)
+
+    def bytes(self, cfg: LayerConfig, heads: int, head_dim: int, kept: int, packed: int) -> dict[str, float]:
+        if not packed:  # the cache allocates the pools at the first flush
+            return {}
+        blocks = packed // cfg.flush_block
+        mask_tokens = blocks * ((cfg.flush_block + 7) // 8) * 8  # whole bytes per block
+        ott = pool_bytes(heads, head_dim, self.pool_size, EXTRA_CAPACITY, mask_tokens, 2)
+        return {"outlier_pool": ott["fp_k_v"], "outlier_positions": ott["positions"] + ott["counters"],
+                "outlier_masks": ott["masks"]}
+
+
+def _check_pool_size(size: Any, cfg: LayerConfig, what: str) -> int:
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_OUTLIER_POOL:
+        raise ValueError(f"{what} is {size!r}; the outlier pool size must be >= 0 and <= "
+                         f"{MAX_OUTLIER_POOL} (0 = off, OTT uses {DEFAULT_POOL})")
+    if size and not cfg.compressed:
+        raise ValueError(f"{what} is {size} but the layer keeps K and V at 16 bits (nothing is flushed): "
+                         "set it to 0 or drop it")
+    return size
+
+
+class OutlierMethod(Method):
     """Decide the OTT pool size per layer: ``pool`` when tracing reduces the per-token key error
     by at least ``min_gain`` on the reservoir, else 0 (OTT's "none in the first layers", found
     from data rather than by layer index; :func:`default_pool_sizes` is the static rule).
@@ -393,10 +427,18 @@ class OutlierMethod(CalibrationMethod):
     """
 
     name: ClassVar[str] = "outliers"
-    tensors: ClassVar[dict[str, str]] = {
-        "kv.outlier_pool": "int64 (): outlier pool size P for this layer (0 = off); extra pool 32",
-        "kv.outlier_gain": "float32 (): relative per-token key error reduction from tracing P outliers",
-    }
+    summary: ClassVar[str] = "OTT outlier-token pool: the few smallest-norm keys of each flush in full precision"
+    order: ClassVar[int] = 40
+    tensors: ClassVar[tuple[TensorSpec, ...]] = (
+        TensorSpec("outlier_pool", ("kv",), "int64", "()", "outlier pool size P for this layer (0 = off); extra pool 32"),
+        TensorSpec("outlier_gain", ("kv",), "float32", "()",
+                   "relative per-token key error reduction from tracing P outliers", applied=False),
+    )
+    search: ClassVar[str | None] = "layer"
+    letter: ClassVar[str] = "o"
+    flags: ClassVar[tuple[Flag, ...]] = (Flag(
+        "outliers", int, "OTT outlier-token pool size (3 = OTT's default): N tokens per layer and kv head in full "
+        "precision, on layers where tracing them cuts the key error by >= 5% (0 = off).", tag="ott{}"),)
 
     def __init__(self, pool: int = DEFAULT_POOL, min_gain: float = 0.05,
                  extra_capacity: int = EXTRA_CAPACITY) -> None:
@@ -409,7 +451,7 @@ class OutlierMethod(CalibrationMethod):
         self.pool, self.min_gain, self.extra_capacity = pool, float(min_gain), extra_capacity
 
     def _fit(self, layer_stats: LayerStats, layer_cfg: LayerConfig, seed: int,
-             fitted: dict[str, torch.Tensor], geom: LayerGeometry) -> dict[str, torch.Tensor]:
+             context: FitContext, geom: LayerGeometry) -> dict[str, torch.Tensor]:
         if not layer_cfg.compressed:
             return {}
         if layer_cfg.k_bits >= 16 or layer_cfg.k_axis != "channel":  # OTT does not apply: say so
@@ -420,3 +462,34 @@ class OutlierMethod(CalibrationMethod):
         size = self.pool if gain >= self.min_gain else 0
         return {"kv.outlier_pool": torch.tensor(size, dtype=torch.int64),
                 "kv.outlier_gain": torch.tensor(gain, dtype=torch.float32)}
+
+    @classmethod
+    def load(cls, tensors: dict[str, torch.Tensor], cfg: LayerConfig, heads: int | None,
+             head_dim: int | None) -> PoolState | None:
+        t = tensors.get("kv.outlier_pool")
+        if t is None:
+            return None
+        if t.numel() != 1 or t.is_floating_point() or t.dtype == torch.bool:
+            raise ValueError(f"kv.outlier_pool must be an integer scalar (the OTT pool size), got {t.dtype} of "
+                             f"shape {tuple(t.shape)}")
+        size = _check_pool_size(int(t.reshape(-1)[0]), cfg, "kv.outlier_pool")
+        return PoolState(size) if size else None
+
+    @classmethod
+    def from_arguments(cls, cfg: LayerConfig, arguments: dict[str, Any]) -> PoolState | None:
+        size = arguments.pop("outlier_pool", 0)
+        try:
+            size = _check_pool_size(size, cfg, "outlier_pool")
+        except ValueError as err:
+            raise KvcalibError(str(err)) from None
+        return PoolState(size) if size else None
+
+    @classmethod
+    def from_flags(cls, values: dict[str, Any], layer: LayerConfig) -> "OutlierMethod | None":
+        pool = values.get("outliers")
+        if pool is None:
+            return None
+        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 0:
+            raise KvcalibError(f"--outliers {pool!r} is not a pool size: pass an integer >= 0 "
+                               "(3 is OTT's default, 0 turns it off).")
+        return cls(pool=pool) if pool else None

@@ -69,9 +69,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvcalib.calibrate.base import CalibrationError, CalibrationMethod, LayerGeometry, check_side, fake_quantize
+from kvcalib.errors import KvcalibError
+from kvcalib.layout import LayerConfig, layer_bytes
+from kvcalib.methods.base import (CalibrationError, FitContext, Flag, LayerGeometry, Method, MethodState, TensorSpec,
+                                  check_side, fake_quantize)
 from kvcalib.quant.uniform import QuantizedTensor, dequantize, quantize_keys, quantize_values
-from kvcalib.recipe import LayerConfig
 from kvcalib.stats import LayerStats
 
 __all__ = [
@@ -87,7 +89,11 @@ __all__ = [
     "truncated_width",
     "tier_token_counts",
     "schedule_bytes",
+    "TierState",
     "ScheduleMethod",
+    "NO_SCHEDULE",
+    "SCHEDULE_PRESETS",
+    "schedule_ages",
 ]
 
 TIER_BITS = (2, 4, 8, 16)  # 16 = full precision
@@ -400,64 +406,215 @@ def schedule_bytes(schedule: Schedule, context: int, heads: int, head_dim: int, 
                    v_group: int = 32, k_axis: str = "channel", fp_bytes: int = 2) -> dict[str, float]:
     """Bytes one sequence's K and V of one layer hold at ``context`` under ``schedule``, by component.
 
-    Components as ``recipe.layer_bytes``: ``full_precision`` (sinks, window and pending tokens,
-    and any side at 16 bits), ``k_codes``/``v_codes`` (each block at its tier's bits),
-    ``k_scales``/``v_scales`` (float16 scale + zero per group: keys per channel = one pair per
-    channel per block of ``k_group`` tokens; per-token layouts = one pair per ``group`` channels
-    per token). A one-tier-quantized schedule gives exactly ``recipe.layer_bytes``.
+    Components as :func:`kvcalib.layout.layer_bytes` (which this is, with the schedule's stored
+    tiers): ``full_precision`` (sinks, window and pending tokens, and any side at 16 bits),
+    ``k_codes``/``v_codes`` (each block at its tier's bits), ``k_scales``/``v_scales``. A
+    one-tier-quantized schedule gives exactly the untiered ``layer_bytes``.
     """
     _check_int("heads", heads, 1)
     _check_int("head_dim", head_dim, 1)
+    _check_int("context", context)
+    if fp_bytes != 2:
+        raise CalibrationError(f"full-precision segments are accounted at 2 bytes, got fp_bytes={fp_bytes}")
     if head_dim % v_group or (k_axis == "token" and head_dim % k_group):
         raise CalibrationError(f"groups (k {k_group}, v {v_group}) must divide head_dim {head_dim}")
-    where = tier_token_counts(schedule, context, k_group, k_axis)
-    hd = heads * head_dim
-    out = {"full_precision": float(2 * where["full_precision"] * hd * fp_bytes)}
-    for tier, n in zip(schedule.tiers, where["tiers"]):
-        if n == 0:
-            continue
-        for side, bits, group in (("k", tier.k_bits, k_group), ("v", tier.v_bits, v_group)):
-            if bits >= 16:
-                out["full_precision"] += n * hd * fp_bytes
-                continue
-            out[f"{side}_codes"] = out.get(f"{side}_codes", 0.0) + n * hd * bits / 8
-            if side == "k" and k_axis == "channel":
-                pairs = (n // k_group) * hd
-            else:
-                pairs = n * heads * (head_dim // group)
-            out[f"{side}_scales"] = out.get(f"{side}_scales", 0.0) + pairs * 2 * SCALE_BYTES
-    return out
+    first = next((t for t in schedule.tiers if t.quantized), None)
+    if first is None:
+        return {"full_precision": float(2 * context * heads * head_dim * fp_bytes)}
+    cfg = LayerConfig(k_bits=first.k_bits, v_bits=first.v_bits, k_axis=k_axis, k_group=k_group, v_group=v_group,
+                      sinks=schedule.sinks, window=first.age)
+    return layer_bytes(cfg, heads, head_dim, context, tiers=stored_tiers(schedule))
 
 
-class ScheduleMethod(CalibrationMethod):
+def stored_tiers(schedule: Schedule) -> list[tuple[int, int, int]]:
+    """The schedule's stored tiers ``(first age, k_bits, v_bits)``, youngest first: its first
+    quantized tier (the layer config) and every later one."""
+    first = next(i for i, t in enumerate(schedule.tiers) if t.quantized)
+    return [(t.age, t.k_bits, t.v_bits) for t in schedule.tiers[first:]]
+
+
+class TierState(MethodState):
+    """A layer's PATS schedule: the cache keeps one packed store per stored tier and moves blocks
+    down as they age (:mod:`kvcalib.runtime.tiers`); the accounting counts each block at its tier."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.stored_tiers = stored_tiers(schedule)
+
+
+# ---------------------------------------------------------------------- search space: schedules
+NO_SCHEDULE = "none"
+# name -> ages where bits halve (preset_schedule's ages; the PATS shape comes from the sinks:
+# middle-heavy keeps them, old-heavy has none; checked on the space)
+SCHEDULE_PRESETS = {NO_SCHEDULE: (), "middle-heavy": (1024, 4096), "old-heavy": (1024, 4096)}
+
+
+def schedule_ages(name: str) -> tuple[int, ...]:
+    """Ages (tokens) at which a search-space schedule halves a layer's bits: ``()`` for ``"none"``.
+
+    ``name`` is a key of :data:`SCHEDULE_PRESETS` or ``"ages:A,B,..."`` (strictly increasing
+    positive integers). Raises ``ValueError`` otherwise.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"search space key 'schedules': {name!r} is not a string")
+    if name in SCHEDULE_PRESETS:
+        return SCHEDULE_PRESETS[name]
+    if name.startswith("ages:"):
+        try:
+            ages = tuple(int(a) for a in name[len("ages:"):].split(","))
+        except ValueError:
+            ages = ()
+        if ages and all(a >= 1 for a in ages) and list(ages) == sorted(set(ages)):
+            return ages
+        raise ValueError(f"search space key 'schedules': {name!r} must list strictly increasing positive ages, "
+                         "e.g. 'ages:1024,4096'")
+    hint = (" (new-heavy stores every token at the lowest bits from the start: search per-layer bits "
+            "at 2 bits instead)" if name == "new-heavy" else "")
+    raise ValueError(f"search space key 'schedules': unknown schedule {name!r}{hint}; use "
+                     f"{', '.join(repr(k) for k in SCHEDULE_PRESETS)} or 'ages:A,B,...'")
+
+
+# ---------------------------------------------------------------------- export flags
+EXPORT_AGES = (1024, 4096)  # ages where a preset halves the bits (preset_schedule's)
+EXPORT_SINKS = 4  # sinks of the presets that keep the oldest end (preset_schedule's)
+
+
+def _parse_ages(text: str | None) -> tuple[int, ...]:
+    """``"1024,4096"`` -> (1024, 4096) for ``export --schedule-ages``."""
+    if text is None:
+        return EXPORT_AGES
+    if isinstance(text, (tuple, list)):
+        return tuple(text)
+    try:
+        return tuple(int(a) for a in str(text).split(",") if a.strip())
+    except ValueError:
+        raise KvcalibError(f"--schedule-ages {text!r} is not a comma-separated list of integers (e.g. 1024,4096).") from None
+
+
+class ScheduleMethod(Method):
     """Attach a PATS-style age schedule to a quantized layer (static: nothing is fitted from data).
 
     The schedule is the layer's own config (sinks, window, bits) followed by halving the bits at
     each age in ``ages`` (:meth:`Schedule.from_layer`), validated against the layer; produces
-    ``kv.schedule``.
+    ``kv.schedule``. ``preset="new-heavy"`` instead stores every non-sink token at the layer's
+    bits from the start (one tier at age 0; the layer's window must be 0).
     """
 
     name: ClassVar[str] = "schedule"
-    tensors: ClassVar[dict[str, str]] = {
-        "kv.schedule": "int64 (N, 3): tiers (age, k_bits, v_bits), youngest first; sinks from the LayerConfig",
-    }
+    summary: ClassVar[str] = "PATS position-adaptive tiers: packed blocks move to fewer bits as they age"
+    order: ClassVar[int] = 50
+    tensors: ClassVar[tuple[TensorSpec, ...]] = (
+        TensorSpec("schedule", ("kv",), "int64", "(N, 3)",
+                   "tiers (age, k_bits, v_bits), youngest first; sinks from the LayerConfig"),
+    )
     needs_reservoir: ClassVar[bool] = False
+    letter: ClassVar[str] = "s"
+    flags: ClassVar[tuple[Flag, ...]] = (
+        Flag("schedule", str, "PATS position-adaptive tiers: old-heavy | middle-heavy | new-heavy. Starts at --bits "
+             "after --window, halves the bits at each of --schedule-ages (8 -> 4 -> 2).", tag="{}"),
+        Flag("schedule_ages", str, "Token ages where --schedule halves the bits, comma-separated, increasing, above "
+             "--window (default 1024,4096)."),
+    )
 
-    def __init__(self, ages: Sequence[int] = (1024, 4096)) -> None:
+    def __init__(self, ages: Sequence[int] = (1024, 4096), preset: str | None = None) -> None:
         ages = tuple(ages)
         for a in ages:
             _check_int("schedule age", a, 1)
         if list(ages) != sorted(set(ages)):
             raise ValueError(f"schedule ages must strictly increase, got {list(ages)}")
+        if preset is not None and preset not in PRESETS:
+            raise ValueError(f"unknown schedule preset {preset!r}: use one of {', '.join(PRESETS)}")
         self.ages = ages
+        self.preset = preset
 
-    def _fit(self, layer_stats: LayerStats, layer_cfg: LayerConfig, seed: int,
-             fitted: dict[str, torch.Tensor], geom: LayerGeometry) -> dict[str, torch.Tensor]:
-        if not layer_cfg.compressed:
-            return {}
+    def schedule_for(self, layer_cfg: LayerConfig) -> Schedule:
+        """The schedule this method attaches to a compressed layer (checked against it)."""
         try:
-            schedule = Schedule.from_layer(layer_cfg, self.ages)
+            if self.preset == "new-heavy":
+                schedule = Schedule((Tier(0, layer_cfg.k_bits, layer_cfg.v_bits),), layer_cfg.sinks)
+            else:
+                schedule = Schedule.from_layer(layer_cfg, self.ages)
         except ValueError as err:
             raise CalibrationError(f"schedule: {err}") from None
         schedule.check_layer(layer_cfg)
-        return {"kv.schedule": schedule.to_tensor()}
+        return schedule
+
+    def _fit(self, layer_stats: LayerStats, layer_cfg: LayerConfig, seed: int,
+             context: FitContext, geom: LayerGeometry) -> dict[str, torch.Tensor]:
+        if not layer_cfg.compressed:
+            return {}
+        return {"kv.schedule": self.schedule_for(layer_cfg).to_tensor()}
+
+    @classmethod
+    def load(cls, tensors: dict[str, torch.Tensor], cfg: LayerConfig, heads: int | None,
+             head_dim: int | None) -> TierState | None:
+        t = tensors.get("kv.schedule")
+        if t is None:
+            return None
+        try:
+            schedule = Schedule.from_tensor(t, sinks=cfg.sinks)
+            schedule.check_layer(cfg)
+        except KvcalibError as err:
+            raise ValueError(f"kv.schedule (rows age, k_bits, v_bits) is invalid: {err}. Re-export the recipe "
+                             "(kvcalib export --schedule ...)") from None
+        return TierState(schedule) if cfg.compressed else None
+
+    @classmethod
+    def from_arguments(cls, cfg: LayerConfig, arguments: dict[str, Any]) -> TierState | None:
+        schedule = arguments.pop("schedule", None)
+        if schedule is None:
+            return None
+        if not isinstance(schedule, Schedule):
+            raise KvcalibError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+        schedule.check_layer(cfg)  # first quantized tier == config (sinks, window, bits)
+        # nothing is ever stored packed on an uncompressed layer: the schedule has nothing to act on
+        return TierState(schedule) if cfg.compressed else None
+
+    # ------------------------------------------------------------------ export flags
+    @classmethod
+    def export_layer(cls, values: dict[str, Any], window: int | None, sinks: int | None) -> tuple[int | None, int | None]:
+        """Window and sinks: defaults, or what the schedule preset needs (a contradiction is refused)."""
+        sched = values.get("schedule")
+        if sched is None:
+            if values.get("schedule_ages") is not None:
+                raise KvcalibError("--schedule-ages sets the ages of --schedule: pass --schedule too, or drop it.")
+            return window, sinks
+        if sched not in PRESETS:
+            raise KvcalibError(f"--schedule {sched!r} is not known: use one of {', '.join(PRESETS)}.")
+        want_sinks = EXPORT_SINKS if sched in ("middle-heavy", "new-heavy") else 0
+        if sinks is None:
+            sinks = want_sinks
+        elif sched == "old-heavy" and sinks:
+            raise KvcalibError(f"--schedule old-heavy truncates the oldest tokens most, so it keeps no sinks, "
+                               f"but --sinks is {sinks}: drop --sinks, or use --schedule middle-heavy.")
+        elif sched in ("middle-heavy", "new-heavy") and not sinks:
+            raise KvcalibError(f"--schedule {sched} keeps the oldest tokens (sinks) in full precision, but --sinks "
+                               f"is 0: leave --sinks out ({EXPORT_SINKS}) or pass --sinks >= 1 (or use old-heavy).")
+        if window is None:
+            window = 0 if sched == "new-heavy" else None
+        elif sched == "new-heavy" and window:
+            raise KvcalibError(f"--schedule new-heavy stores every non-sink token at --bits from the moment it is "
+                               f"written (no full-precision window), but --window is {window}: leave "
+                               "--window out or pass --window 0.")
+        return window, sinks
+
+    @classmethod
+    def from_flags(cls, values: dict[str, Any], layer: LayerConfig) -> "ScheduleMethod | None":
+        sched = values.get("schedule")
+        if sched is None:
+            return None
+        ages = _parse_ages(values.get("schedule_ages"))
+        if sched != "new-heavy":
+            bad = [a for a in ages if isinstance(a, bool) or not isinstance(a, int)]
+            if bad or list(ages) != sorted(set(ages)) or (ages and ages[0] <= layer.window):
+                raise KvcalibError(f"--schedule-ages {','.join(map(str, ages))} must be strictly increasing "
+                                   f"integers above the window ({layer.window}), e.g. 1024,4096.")
+        if not layer.compressed:
+            raise KvcalibError(f"--schedule {sched} moves quantized tokens to fewer bits as they age, but "
+                               f"the layer keeps K and V in full precision: pass --bits k8v8, k4v4, ...")
+        method = cls(ages if sched != "new-heavy" else EXPORT_AGES, preset=sched)
+        try:
+            method.schedule_for(layer)
+        except KvcalibError as err:
+            raise KvcalibError(f"--schedule {sched}: {err}.") from None
+        return method

@@ -32,7 +32,7 @@ not 1: the fit finds that, and picks 1.0 at 8 bits (the grid's nearest point).
 Runtime contract for ``{k|v}.clip`` (stored float32 ``(H, 1)``, values in (0, 1]): pass it as
 ``clip=`` to ``quantize_keys`` / ``quantize_values`` of the matching side at every flush; it
 broadcasts as ``(1, H, 1, 1)`` over the parameter shape ``(B, H, groups, D|D/G)``
-(``kvcalib.runtime.state`` does this). Fitted after the permutation (and on centred deviations
+(:class:`ClipState` does this). Fitted after the permutation (and on centred deviations
 when centering is on), it must be applied to the permuted (centred) data, as it was fitted.
 """
 
@@ -40,26 +40,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from kvcalib.calibrate.base import (
+from kvcalib.layout import LayerConfig
+from kvcalib.methods.base import (
     CalibrationError,
-    CalibrationMethod,
+    FitContext,
+    Flag,
     LayerGeometry,
+    Method,
+    MethodState,
+    TensorSpec,
     check_side,
     fake_quantize,
     reservoir_to_bhtd,
     usable_tokens,
     validate_reservoir,
 )
-from kvcalib.calibrate.center import center
-from kvcalib.calibrate.reorder import apply_perm, check_perm
-from kvcalib.recipe import LayerConfig
+from kvcalib.methods.center import center
+from kvcalib.methods.reorder import apply_perm, check_perm
 from kvcalib.stats import LayerStats
 
-__all__ = ["DEFAULT_GRID", "OBJECTIVES", "clip_errors", "choose_alpha", "fit_clip_alpha", "ClipMethod"]
+__all__ = ["DEFAULT_GRID", "OBJECTIVES", "clip_errors", "choose_alpha", "fit_clip_alpha", "ClipState", "ClipMethod"]
 
 DEFAULT_GRID = tuple(round(1.0 - 0.05 * i, 2) for i in range(11))  # 1.0, 0.95, ..., 0.5
 OBJECTIVES = ("output", "mse")
@@ -229,18 +233,51 @@ def fit_clip_alpha(
     return choose_alpha(errs, grid)
 
 
-class ClipMethod(CalibrationMethod):
+class ClipState(MethodState):
+    """Clip scales of one layer per clipped side: a float, or a tensor broadcastable to the
+    quantizer's per-group parameter shape (B, H, groups, D|D/G)."""
+
+    def __init__(self, alphas: dict[str, float | torch.Tensor]) -> None:
+        self.alpha = {side: a for side, a in alphas.items() if a is not None}
+        self._device: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def clip(self, side: str) -> float | torch.Tensor | None:
+        return self.alpha.get(side)
+
+    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> dict[str, Any] | None:
+        """The side's alpha on the block's device as float32, checked and copied once per device
+        (a host-to-device copy at every flush would stall it)."""
+        alpha = self.alpha.get(side)
+        if alpha is None:
+            return {}
+        if not isinstance(alpha, torch.Tensor):
+            return {"clip": alpha}
+        key = (side, x.device)
+        if key not in self._device:
+            a = alpha.detach().to(dtype=torch.float32)
+            if not bool(((a > 0) & (a <= 1)).all()):  # once: the kernels run with validate=False
+                raise ValueError(f"{side} clip values must lie in (0, 1] (1 means no clipping)")
+            self._device[key] = a.to(x.device)
+        return {"clip": self._device[key]}
+
+
+class ClipMethod(Method):
     """SKVQ clip scales per kv head for every quantized side.
 
-    Uses ``{side}.perm`` and ``{side}.center`` from earlier steps when present, so the alpha is
+    Uses ``{side}.perm`` and ``{side}.center`` from earlier methods when present, so the alpha is
     fitted on the data the runtime will quantize.
     """
 
     name: ClassVar[str] = "clip"
-    tensors: ClassVar[dict[str, str]] = {
-        "k.clip": "float32 (H, 1): clip alpha in (0, 1] per kv head for keys",
-        "v.clip": "float32 (H, 1): clip alpha in (0, 1] per kv head for values",
-    }
+    summary: ClassVar[str] = "SKVQ clip scales per kv head, fitted on the attention output"
+    order: ClassVar[int] = 30
+    tensors: ClassVar[tuple[TensorSpec, ...]] = (
+        TensorSpec("clip", ("k", "v"), "float32", "(H, 1)", "clip alpha in (0, 1] per kv head"),
+    )
+    search: ClassVar[str | None] = "layer"
+    search_default: ClassVar[bool] = True
+    letter: ClassVar[str] = "c"
+    flags: ClassVar[tuple[Flag, ...]] = (Flag("clip", bool, "SKVQ clip scales fitted on the attention output."),)
 
     def __init__(self, grid: Sequence[float] = DEFAULT_GRID, objective: str = "output") -> None:
         try:
@@ -252,8 +289,9 @@ class ClipMethod(CalibrationMethod):
         self.objective = objective
 
     def _fit(self, layer_stats: LayerStats, layer_cfg: LayerConfig, seed: int,
-             fitted: dict[str, torch.Tensor], geom: LayerGeometry) -> dict[str, torch.Tensor]:
+             context: FitContext, geom: LayerGeometry) -> dict[str, torch.Tensor]:
         out = {}
+        fitted = context.fitted
         objective = self.objective if geom.q_heads else "mse"  # no queries collected: raw error
         for side, bits, group in (("k", layer_cfg.k_bits, layer_cfg.k_group),
                                   ("v", layer_cfg.v_bits, layer_cfg.v_group)):
@@ -265,3 +303,31 @@ class ClipMethod(CalibrationMethod):
                                    fitted.get(f"{side}.perm"), layer_cfg.k_axis, objective, center_bits)
             out[f"{side}.clip"] = alpha[:, None].contiguous()  # (H, 1)
         return out
+
+    @classmethod
+    def load(cls, tensors: dict[str, torch.Tensor], cfg: LayerConfig, heads: int | None,
+             head_dim: int | None) -> ClipState | None:
+        alphas = {}
+        for side in ("k", "v"):
+            t = tensors.get(f"{side}.clip")
+            if t is None:
+                continue
+            if not t.is_floating_point():
+                raise ValueError(f"{side}.clip must be floating point, got {t.dtype}")
+            h_ok = heads is None or t.shape[:1] == (heads,)
+            d_ok = t.dim() == 2 and (t.shape[1] == 1 or (head_dim is not None and t.shape[1] == head_dim))
+            if not (h_ok and d_ok):
+                raise ValueError(f"{side}.clip must have shape (H, 1) = ({heads}, 1) (or (H, head_dim)), "
+                                 f"got {tuple(t.shape)}")
+            t = t.float()
+            if t.numel() and (t.min() <= 0 or t.max() > 1):
+                raise ValueError(f"{side}.clip must lie in (0, 1]")
+            # stored per (head, channel-or-1); quantizers broadcast over (B, H, groups, D)
+            alphas[side] = t[None, :, None, :]
+        return ClipState(alphas) if alphas else None
+
+    @classmethod
+    def from_arguments(cls, cfg: LayerConfig, arguments: dict[str, Any]) -> ClipState | None:
+        alphas = {side: arguments.pop(f"{side}_clip", 1.0) for side in ("k", "v")}
+        alphas = {side: a for side, a in alphas.items() if isinstance(a, torch.Tensor) or a != 1.0}
+        return ClipState(alphas) if alphas else None

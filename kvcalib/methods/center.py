@@ -36,22 +36,26 @@ leaves centering off.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from kvcalib.calibrate.base import (
+from kvcalib.layout import LayerConfig
+from kvcalib.methods.base import (
     CalibrationError,
-    CalibrationMethod,
+    FitContext,
+    Flag,
     LayerGeometry,
+    Method,
+    MethodState,
+    TensorSpec,
     check_side,
     fake_quantize,
     reservoir_to_bhtd,
     usable_tokens,
     validate_reservoir,
 )
-from kvcalib.quant.uniform import quantize_dequantize_values
-from kvcalib.recipe import LayerConfig
+from kvcalib.quant.uniform import QuantizedTensor, dequantize_values, quantize_dequantize_values, quantize_values
 from kvcalib.stats import LayerStats
 
 __all__ = [
@@ -64,6 +68,8 @@ __all__ = [
     "centering_errors",
     "fit_centering_gain",
     "independent_heads_gain",
+    "center_reference",
+    "CenterState",
     "CenterMethod",
 ]
 
@@ -201,7 +207,60 @@ def independent_heads_gain(heads: int) -> float:
     return 1.0 / heads if heads >= 2 else 0.0
 
 
-class CenterMethod(CalibrationMethod):
+def center_reference(x: torch.Tensor, mean_bits: int
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, QuantizedTensor | None]:
+    """TaDA's stored mean of ``x`` (B, H, N, D): ``(mean_hat, mean16, mean_q)``.
+
+    ``mean_hat`` float32 (B, 1, N, D) is the stored mean dequantized (the deviations are taken
+    from it); ``mean_bits == 16``: ``mean16`` float16 (B, 1, N, D) is what is stored; ``8``:
+    ``mean_q`` holds 8-bit per-token codes of ``mean_hat`` over one group of D channels. The
+    specification of :func:`kvcalib_kernels.quant_pack.center_pack`.
+    """
+    mean_hat, _ = center(x, mean_bits)  # (B, 1, N, D) as stored
+    if mean_bits == 16:
+        return mean_hat, mean_hat.to(torch.float16), None
+    return mean_hat, None, quantize_values(mean_hat, 8, mean_hat.shape[-1])
+
+
+class CenterState(MethodState):
+    """Mean bits per centred side of one layer (``{"k": 16}``...): the runtime contract above."""
+
+    def __init__(self, bits: dict[str, int]) -> None:
+        self.bits = {side: b for side, b in bits.items() if b}  # side -> 8 | 16
+
+    def encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> torch.Tensor:
+        if side not in self.bits:
+            return x
+        mean, stored["mean"], stored["mean_q"] = center_reference(x, self.bits[side])  # (B, 1, N, D)
+        return x.float() - mean  # (B, H, N, D) deviations from the stored mean
+
+    def decode(self, side: str, y: torch.Tensor, stored: dict[str, Any]) -> torch.Tensor:
+        if stored.get("mean") is not None:
+            return y + stored["mean"].float()
+        if stored.get("mean_q") is not None:
+            return y + dequantize_values(stored["mean_q"])
+        return y
+
+    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> dict[str, Any] | None:
+        if side not in self.bits:
+            return {}
+        from kvcalib_kernels import quant_pack
+
+        if x.shape[1] > quant_pack.MAX_CENTER_HEADS:
+            return None
+        mean, stored["mean"], stored["mean_q"] = quant_pack.center_pack(x, self.bits[side], validate=False)
+        return {"mean": mean, "center": self.bits[side]}  # (B, 1, N, D): the kernel subtracts it
+
+    def kernel_attend(self, side: str, device: torch.device) -> dict[str, Any] | None:
+        return {}  # the kernel reads the stored means from the packed store's view
+
+    def bytes(self, cfg: LayerConfig, heads: int, head_dim: int, kept: int, packed: int) -> dict[str, float]:
+        # one stored mean per packed token (TaDA): 16-bit = 2D bytes, 8-bit = D codes + fp16 scale/zero
+        return {f"{side}_mean": packed * mean_bytes_per_token(head_dim, bits)
+                for side, bits in self.bits.items() if packed and cfg.bits(side) < 16}
+
+
+class CenterMethod(Method):
     """Decide TaDA centering per layer and side from its measured error reduction.
 
     Produces, for each quantized side: ``{side}.center`` = ``mean_bits`` when the relative error
@@ -212,12 +271,16 @@ class CenterMethod(CalibrationMethod):
     """
 
     name: ClassVar[str] = "center"
-    tensors: ClassVar[dict[str, str]] = {
-        "k.center": "float32 (): mean bits (8 or 16) when keys are centred, 0 = off",
-        "k.center_gain": "float32 (): relative key quantization error reduction from centering",
-        "v.center": "float32 (): mean bits (8 or 16) when values are centred, 0 = off",
-        "v.center_gain": "float32 (): relative value quantization error reduction from centering",
-    }
+    summary: ClassVar[str] = "TaDA mean-centering across kv heads where it pays"
+    order: ClassVar[int] = 10
+    tensors: ClassVar[tuple[TensorSpec, ...]] = (
+        TensorSpec("center", ("k", "v"), "float32", "()", "mean bits (8 or 16) when the side is centred, 0 = off"),
+        TensorSpec("center_gain", ("k", "v"), "float32", "()",
+                   "relative quantization error reduction from centering", applied=False),
+    )
+    search: ClassVar[str | None] = "layer"
+    letter: ClassVar[str] = "C"
+    flags: ClassVar[tuple[Flag, ...]] = (Flag("center", bool, "TaDA mean-centering across kv heads where it pays."),)
 
     def __init__(self, mean_bits: int = 8, min_gain: float = 0.1) -> None:
         if mean_bits not in MEAN_BITS:
@@ -228,7 +291,7 @@ class CenterMethod(CalibrationMethod):
         self.min_gain = float(min_gain)
 
     def _fit(self, layer_stats: LayerStats, layer_cfg: LayerConfig, seed: int,
-             fitted: dict[str, torch.Tensor], geom: LayerGeometry) -> dict[str, torch.Tensor]:
+             context: FitContext, geom: LayerGeometry) -> dict[str, torch.Tensor]:
         out = {}
         for side, bits, group in (("k", layer_cfg.k_bits, layer_cfg.k_group),
                                   ("v", layer_cfg.v_bits, layer_cfg.v_group)):
@@ -240,3 +303,27 @@ class CenterMethod(CalibrationMethod):
             out[f"{side}.center"] = torch.tensor(float(self.mean_bits if on else 0))
             out[f"{side}.center_gain"] = torch.tensor(gain, dtype=torch.float32)
         return out
+
+    @classmethod
+    def load(cls, tensors: dict[str, torch.Tensor], cfg: LayerConfig, heads: int | None,
+             head_dim: int | None) -> CenterState | None:
+        bits = {}
+        for side in ("k", "v"):
+            t = tensors.get(f"{side}.center")
+            if t is None:
+                continue
+            if t.numel() != 1:
+                raise ValueError(f"{side}.center must be a scalar (the mean bits), got shape {tuple(t.shape)}")
+            b = int(round(float(t.reshape(-1)[0])))
+            if b not in (0, *MEAN_BITS):
+                raise ValueError(f"{side}.center must be 0, 8 or 16 (mean bits), got {b}")
+            bits[side] = b
+        return CenterState(bits) if any(bits.values()) else None
+
+    @classmethod
+    def from_arguments(cls, cfg: LayerConfig, arguments: dict[str, Any]) -> CenterState | None:
+        bits = {side: int(arguments.pop(f"{side}_center", 0) or 0) for side in ("k", "v")}
+        for side, b in bits.items():
+            if b not in (0, *MEAN_BITS):
+                raise CalibrationError(f"{side}_center must be 0, 8 or 16 (mean bits), got {b}")
+        return CenterState(bits) if any(bits.values()) else None

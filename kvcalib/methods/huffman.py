@@ -8,8 +8,8 @@ Codebooks
 ---------
 For every layer ``i`` and side ``s`` in ``{k, v}`` quantized below 16 bits, :func:`layer_histograms`
 quantizes the reservoir of the collected statistics with the recipe's codec
-(:func:`kvcalib.runtime.state.build_codecs`: centering, channel permutation and clipping
-applied exactly as the runtime applies them). It cuts the reservoir into flush-sized blocks
+(``Recipe.codecs``: centering, channel permutation and clipping applied exactly as the
+runtime applies them). It cuts the reservoir into flush-sized blocks
 (``LayerConfig.flush_block`` tokens, the unit the cache quantizes) and quantizes them as a
 batch. It unpacks the codes and counts the symbols: ``int64 (2**bits,)``.
 :func:`add_codebooks` turns each histogram into a length-limited canonical code
@@ -100,15 +100,19 @@ the estimate is slightly off for such recipes, but every code still decodes corr
 from __future__ import annotations
 
 import math
+import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
-from kvcalib.calibrate.base import CalibrationError, reservoir_to_bhtd
 from kvcalib.errors import RecipeError
+from kvcalib.layout import LayerConfig, MemoryBreakdown, quantized_token_count
+from kvcalib.methods.base import (CalibrationError, FitContext, Flag, LayerGeometry, Method, TensorSpec,
+                                  reservoir_to_bhtd)
 from kvcalib.models import ModelInfo
 from kvcalib.quant.huffman import (
     DEFAULT_MAX_LEN,
@@ -122,8 +126,10 @@ from kvcalib.quant.huffman import (
     symbol_histogram,
 )
 from kvcalib.quant.packing import unpack_codes
-from kvcalib.recipe import LayerConfig, MemoryBreakdown, Recipe, quantized_token_count
-from kvcalib.stats import CollectedStats
+from kvcalib.stats import CollectedStats, LayerStats
+
+if TYPE_CHECKING:  # pragma: no cover - the recipe format sits above the methods
+    from kvcalib.recipe import Recipe
 
 __all__ = [
     "HUFFMAN",
@@ -149,6 +155,7 @@ __all__ = [
     "symbol_entropy",
     "tensor_name",
     "to_cache_streams",
+    "HuffmanMethod",
 ]
 
 HUFFMAN = "huffman"  # layers.{i}.{k|v}.huffman: uint8 code lengths (2**bits,)
@@ -190,7 +197,7 @@ def flush_blocks(x: torch.Tensor, flush: int) -> torch.Tensor:
 
 def side_codes(codec: Any, side: str, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Unpacked codes ``uint8 (B, H, N, D)`` (stored channel order) of ``x`` ``(B, H, N, D)`` as
-    ``codec`` (a :class:`~kvcalib.runtime.codec.LayerCodec`) stores side ``side``. ``N`` must be
+    ``codec`` (a :class:`~kvcalib.codec.LayerCodec`) stores side ``side``. ``N`` must be
     a multiple of the flush block (keys quantized per channel need whole groups)."""
     if side not in SIDES:
         raise ValueError(f"side must be 'k' or 'v', got {side!r}")
@@ -218,8 +225,8 @@ def strip_codebooks(recipe: Recipe) -> Recipe:
     """A copy of ``recipe`` without Huffman tensors and provenance (the same recipe, uncoded)."""
     tensors = {k: v for k, v in recipe.tensors.items() if k.split(".")[-1] not in (HUFFMAN, HUFFMAN_HIST)}
     prov = {k: v for k, v in recipe.provenance.items() if k != HUFFMAN}
-    return Recipe(name=recipe.name, layers=None if recipe.layers is None else list(recipe.layers),
-                  default_layer=recipe.default_layer, model=recipe.model, tensors=tensors, provenance=prov)
+    return dataclasses.replace(recipe, layers=None if recipe.layers is None else list(recipe.layers),
+                               tensors=tensors, provenance=prov)
 
 
 def _refuse_tiered(recipe: Recipe) -> None:
@@ -234,10 +241,8 @@ def _refuse_tiered(recipe: Recipe) -> None:
 
 
 def _codecs(recipe: Recipe, info: ModelInfo) -> tuple[list[LayerConfig], list[Any]]:
-    from kvcalib.runtime.state import build_codecs
-
     configs = recipe.layer_configs(info.num_layers)
-    return configs, build_codecs(strip_codebooks(recipe), configs, info.head_dim)
+    return configs, strip_codebooks(recipe).codecs(info)
 
 
 def layer_histograms(recipe: Recipe, stats: CollectedStats) -> dict[Key, torch.Tensor]:
@@ -254,18 +259,29 @@ def layer_histograms(recipe: Recipe, stats: CollectedStats) -> dict[Key, torch.T
     configs, codecs = _codecs(recipe, info)
     out: dict[Key, torch.Tensor] = {}
     for i, (cfg, codec, layer) in enumerate(zip(configs, codecs, stats.layers)):
-        for side in SIDES:
-            bits = _side_bits(cfg, side)
-            if bits >= 16:
-                continue
-            res = layer.reservoir_k if side == "k" else layer.reservoir_v  # (NB, BL, H, D)
-            if res.dim() != 4 or res.shape[0] == 0:
-                raise CalibrationError(
-                    f"layer {i}: the statistics hold no reservoir blocks, so there are no symbols to "
-                    "count: collect with --reservoir-blocks >= 1"
-                )
-            x = flush_blocks(reservoir_to_bhtd(res), cfg.flush_block)  # (NB*n, H, F, D)
-            out[(i, side)] = symbol_histogram(side_codes(codec, side, x), bits)  # (2**bits,)
+        try:
+            hists = side_histograms(codec, layer)
+        except CalibrationError as err:
+            raise CalibrationError(f"layer {i}: {err}") from None
+        out.update({(i, side): h for side, h in hists.items()})
+    return out
+
+
+def side_histograms(codec: Any, layer: LayerStats) -> dict[str, torch.Tensor]:
+    """Symbol histograms ``int64 (2**bits,)`` of one layer's quantized sides: its reservoir cut
+    into flush blocks and encoded by ``codec`` (the layer's LayerCodec) exactly as the cache does."""
+    cfg = codec.cfg
+    out: dict[str, torch.Tensor] = {}
+    for side in SIDES:
+        bits = _side_bits(cfg, side)
+        if bits >= 16:
+            continue
+        res = layer.reservoir_k if side == "k" else layer.reservoir_v  # (NB, BL, H, D)
+        if res.dim() != 4 or res.shape[0] == 0:
+            raise CalibrationError("the statistics hold no reservoir blocks, so there are no symbols to "
+                                   "count: collect with --reservoir-blocks >= 1")
+        x = flush_blocks(reservoir_to_bhtd(res), cfg.flush_block)  # (NB*n, H, F, D)
+        out[side] = symbol_histogram(side_codes(codec, side, x), bits)  # (2**bits,)
     return out
 
 
@@ -288,7 +304,7 @@ def add_codebooks(recipe: Recipe, stats: CollectedStats, max_len: int = DEFAULT_
         stats: collected statistics whose reservoir supplies the symbols.
         max_len: code length limit (decode-table width); 12 by default.
         store_histograms: also store ``layers.{i}.{s}.huffman_hist``. The runtime's list of
-            tensor names (``kvcalib.runtime.state``) must accept that name first.
+            tensors (the method declares it, informative) accepts it.
         layout: the stream layout the cache will use (default :class:`StreamLayout`()); it sets
             the index overhead that ``only_if_smaller`` weighs.
         only_if_smaller: give a side a codebook only when its calibration estimate plus the
@@ -325,7 +341,7 @@ def add_codebooks(recipe: Recipe, stats: CollectedStats, max_len: int = DEFAULT_
         bits_ps[side][i] = round(bps, 4)
     provenance = dict(base.provenance)
     provenance[HUFFMAN] = {
-        "made_by": "kvcalib.calibrate.codebooks.add_codebooks",
+        "made_by": "kvcalib.methods.huffman.add_codebooks",
         "max_len": max_len,
         "reservoir_blocks": int(stats.layers[0].reservoir_k.shape[0]) if stats.layers else 0,
         "block_len": int(stats.layers[0].reservoir_k.shape[1]) if stats.layers else 0,
@@ -335,7 +351,8 @@ def add_codebooks(recipe: Recipe, stats: CollectedStats, max_len: int = DEFAULT_
         "layout": {"tokens_per_stream": layout.tokens_per_stream, "chunk_tokens": layout.chunk_tokens},
         "uncoded": uncoded,  # "layer.side" left uncoded: coding would not make them smaller
     }
-    return Recipe(name=recipe.name, layers=list(configs), model=info, tensors=tensors, provenance=provenance)
+    return dataclasses.replace(recipe, layers=list(configs), default_layer=None, model=info, tensors=tensors,
+                               provenance=provenance)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -788,3 +805,212 @@ def entropy_memory(recipe: Recipe, info: ModelInfo, bits_per_symbol: Mapping[Key
             del comps[f"{side}_codes"]
     coded = MemoryBreakdown(context, uncoded.elements, comps)
     return CodedMemory(context, uncoded, coded, sides)
+
+
+# ----------------------------------------------------------------------------------------------
+# kvcalib inspect
+
+
+def inspect_section(recipe: Recipe, info: ModelInfo, context: int, layers: list[dict[str, Any]],
+                    elements_per_layer: int) -> dict[str, Any] | None:
+    """Per-layer bits/symbol and coded effective bits (added to ``layers`` in place) and the coded
+    memory of a recipe with codebooks; None without."""
+    configs = recipe.layer_configs(info.num_layers)
+    bits, source = codebook_bits(recipe, configs)  # validates the codebooks (RecipeError)
+    if not bits:
+        return None
+    layout = StreamLayout()
+    prov = recipe.provenance.get(HUFFMAN)
+    if isinstance(prov, dict) and isinstance(prov.get("layout"), dict):
+        try:
+            layout = StreamLayout(**prov["layout"])
+        except (TypeError, ValueError):
+            pass  # an unreadable note: account the default layout
+    coded = entropy_memory(recipe, info, bits, context, layout)
+    delta = [0.0] * info.num_layers  # coded - raw bytes of each layer
+    for side in coded.sides:
+        delta[side["layer"]] += side["coded_bytes"] - side["raw_bytes"]
+    for row in layers:
+        i = row["layer"]
+        row["k_huffman_bits"] = bits.get((i, "k"))
+        row["v_huffman_bits"] = bits.get((i, "v"))
+        row["coded_effective_bits"] = row["effective_bits"] + 8.0 * delta[i] / elements_per_layer
+    return {
+        "estimate": source,
+        "coded_sides": len(bits),
+        "quantized_sides": sum((c.k_bits < 16) + (c.v_bits < 16) for c in configs),
+        "layout": {"tokens_per_stream": layout.tokens_per_stream, "chunk_tokens": layout.chunk_tokens},
+        "effective_bits": coded.coded.effective_bits,
+        "uncoded_effective_bits": coded.uncoded.effective_bits,
+        "reduction_pct": 100.0 * coded.reduction,
+        "total_bytes": coded.coded.total_bytes,
+        "components": coded.coded.components,
+    }
+
+
+def huffman_lines(report: dict[str, Any]) -> list[str]:
+    """Human-readable lines for the Huffman part of an :func:`inspect_recipe` report (empty
+    without codebooks): a summary, then bits/symbol per layer as ``layer: K|V`` (``-`` uncoded)."""
+    h = report.get("huffman")
+    if not h:
+        return []
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    lines = [
+        f"Huffman-coded effective bits at {report['context']}: {h['effective_bits']:.3f} "
+        f"(uncoded {h['uncoded_effective_bits']:.3f}, {h['reduction_pct']:.1f}% saved); "
+        f"{h['coded_sides']} of {h['quantized_sides']} quantized sides coded; bits/symbol: {h['estimate']}; "
+        f"streams of {h['layout']['tokens_per_stream']} token(s) in {h['layout']['chunk_tokens']}-token chunks",
+        "bits/symbol K|V (coded eff. bits) per layer: " + ", ".join(
+            f"{r['layer']}: {fmt(r['k_huffman_bits'])}|{fmt(r['v_huffman_bits'])} ({r['coded_effective_bits']:.3f})"
+            for r in report["layers"]),
+    ]
+    return lines
+
+
+def inspect_lines(report: dict[str, Any]) -> list[str]:
+    """Human-readable lines for the Huffman part of an inspect report (empty without codebooks):
+    a summary, then bits/symbol per layer as ``layer: K|V`` (``-`` uncoded)."""
+    h = report.get(HUFFMAN)
+    if not h:
+        return []
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    return [
+        f"Huffman-coded effective bits at {report['context']}: {h['effective_bits']:.3f} "
+        f"(uncoded {h['uncoded_effective_bits']:.3f}, {h['reduction_pct']:.1f}% saved); "
+        f"{h['coded_sides']} of {h['quantized_sides']} quantized sides coded; bits/symbol: {h['estimate']}; "
+        f"streams of {h['layout']['tokens_per_stream']} token(s) in {h['layout']['chunk_tokens']}-token chunks",
+        "bits/symbol K|V (coded eff. bits) per layer: " + ", ".join(
+            f"{r['layer']}: {fmt(r['k_huffman_bits'])}|{fmt(r['v_huffman_bits'])} ({r['coded_effective_bits']:.3f})"
+            for r in report["layers"]),
+    ]
+
+
+def origin_line(note: dict[str, Any]) -> str:
+    """One line from ``provenance["huffman"]`` (written by ``add_codebooks``)."""
+    parts = []
+    if "max_len" in note:
+        parts.append(f"max_len {note['max_len']}")
+    if note.get("reservoir_blocks"):
+        parts.append(f"from {note['reservoir_blocks']} reservoir blocks of {note.get('block_len', '?')} tokens")
+    per = note.get("bits_per_symbol")
+    if isinstance(per, dict):
+        for side in ("k", "v"):
+            vals = [v for v in per.get(side) or [] if isinstance(v, (int, float))]
+            if vals:
+                parts.append(f"{side.upper()} {sum(vals) / len(vals):.3f} bits/symbol (calibration, mean of {len(vals)} layers)")
+    if note.get("uncoded"):
+        parts.append(f"left uncoded: {len(note['uncoded'])} sides")
+    return "; ".join(parts) or json.dumps(note, sort_keys=True)
+
+
+
+# ----------------------------------------------------------------------------------------------
+# the method
+
+
+class HuffmanMethod(Method):
+    """KVComp's entropy coding: Huffman codebooks of the codes the recipe's codec stores.
+
+    Codebooks depend on every other fitted tensor of the layer (the codes are what centering,
+    permutation and clipping produce), and whether a side is worth coding on the index overhead
+    of the stream layout, so this method works on the whole fitted recipe: its per-layer fit
+    adds nothing and :meth:`finish` runs :func:`add_codebooks`. The fixed-width runtime does not
+    read the codebooks (they are informative for it); the coded storage tier
+    (:mod:`kvcalib.runtime.coded_tier`) and ``kvcalib inspect`` do. The search adds them to its
+    chosen recipe (``search = "chosen"``): coding changes memory, never quality.
+    """
+
+    name: ClassVar[str] = "huffman"
+    summary: ClassVar[str] = "KVComp Huffman codebooks of the quantized symbols (entropy-coded storage tier)"
+    order: ClassVar[int] = 90
+    tensors: ClassVar[tuple[TensorSpec, ...]] = (
+        TensorSpec(HUFFMAN, SIDES, "uint8", "(2**bits,)", "code length of each symbol (canonical code)", applied=False),
+        TensorSpec(HUFFMAN_HIST, SIDES, "int64", "(2**bits,)", "calibration symbol histogram", applied=False),
+    )
+    search: ClassVar[str | None] = "chosen"
+    letter: ClassVar[str] = "h"
+    flags: ClassVar[tuple[Flag, ...]] = (Flag(
+        "huffman", bool, "KVComp: add Huffman codebooks of the quantized symbols (fitted on the statistics; sides "
+        "where coding would not shrink stay uncoded).", tag=""),)
+
+    def __init__(self, max_len: int = DEFAULT_MAX_LEN, store_histograms: bool = False,
+                 only_if_smaller: bool = True) -> None:
+        self.max_len = max_len
+        self.store_histograms = store_histograms
+        self.only_if_smaller = only_if_smaller
+
+    def _fit(self, layer_stats: LayerStats, layer_cfg: LayerConfig, seed: int,
+             context: FitContext, geom: LayerGeometry) -> dict[str, torch.Tensor]:
+        """The layer's codebooks, from its reservoir encoded by the layer's codec as fitted so far
+        (the rule of :func:`add_codebooks`: a side is coded only when that shrinks it)."""
+        if "kv.schedule" in context.fitted:
+            raise CalibrationError("a position-adaptive schedule stores older blocks at fewer bits: Huffman "
+                                   "codebooks are built for one bit width per side, not per schedule tier; use a "
+                                   "recipe without --schedule")
+        if not layer_cfg.compressed:
+            return {}
+        if context.codec is None:
+            raise CalibrationError("Huffman codebooks need the layer's codec: fit through kvcalib.calibrate")
+        base = {k: t for k, t in context.fitted.items() if k.split(".", 1)[-1] not in (HUFFMAN, HUFFMAN_HIST)}
+        layout = StreamLayout()
+        out: dict[str, torch.Tensor] = {}
+        for side, hist in side_histograms(context.codec(base), layer_stats).items():
+            cb = build_codebook(hist, max_len=self.max_len)
+            overhead = layout.overhead_bits(geom.head_dim, layer_cfg.bits(side))
+            if self.only_if_smaller and cb.expected_bits(hist) + overhead >= layer_cfg.bits(side):
+                continue  # coding would not shrink this side
+            out[f"{side}.{HUFFMAN}"] = cb.lengths.clone()
+            if self.store_histograms:
+                out[f"{side}.{HUFFMAN_HIST}"] = hist.clone()
+        return out
+
+    def finish(self, recipe: Recipe, stats: CollectedStats) -> Recipe:
+        """The recipe with its codebooks and their provenance note (:func:`add_codebooks`, which
+        refits them with the same rule on the finished recipe)."""
+        return add_codebooks(recipe, stats, self.max_len, store_histograms=self.store_histograms,
+                             only_if_smaller=self.only_if_smaller)
+
+    @classmethod
+    def inspect(cls, recipe: Recipe, info: ModelInfo, context: int, layers: list[dict[str, Any]],
+                elements_per_layer: int) -> dict[str, Any] | None:
+        return inspect_section(recipe, info, context, layers, elements_per_layer)
+
+    @classmethod
+    def inspect_lines(cls, report: dict[str, Any]) -> list[str]:
+        return inspect_lines(report)
+
+    @classmethod
+    def origin(cls, note: dict[str, Any]) -> str | None:
+        return origin_line(note)
+
+    @classmethod
+    def load(cls, tensors: dict[str, torch.Tensor], cfg: LayerConfig, heads: int | None,
+             head_dim: int | None) -> None:
+        for side in SIDES:  # validated here so every loaded recipe's codebooks are usable
+            bits = cfg.bits(side)
+            for kind in (HUFFMAN, HUFFMAN_HIST):
+                t = tensors.get(f"{side}.{kind}")
+                if t is None:
+                    continue
+                if bits >= 16:
+                    raise ValueError(f"{side}.{kind}: the layer keeps {side.upper()} at 16 bits, which has no codes "
+                                     "to entropy-code; remove the tensor")
+                if t.dim() != 1 or t.numel() != 1 << bits:
+                    raise ValueError(f"{side}.{kind} has shape {tuple(t.shape)}; the layer stores {bits}-bit "
+                                     f"{side.upper()} codes, so it needs ({1 << bits},) entries (one per symbol)")
+                if kind == HUFFMAN:
+                    if t.dtype != torch.uint8:
+                        raise ValueError(f"{side}.{kind} must be uint8 code lengths, got {t.dtype}")
+                    try:
+                        Codebook.from_lengths(t, max_len=DEFAULT_MAX_LEN)
+                    except HuffmanError as err:
+                        raise ValueError(f"{side}.{kind}: {err}") from None
+                elif t.is_floating_point() or t.dtype == torch.bool or t.is_complex() or bool((t < 0).any()):
+                    raise ValueError(f"{side}.{kind} must hold non-negative integer counts (int64), got {t.dtype}")
+        return None

@@ -1,0 +1,501 @@
+"""The method contract: one base class that every compression method implements in one file.
+
+A method (SKVQ's reordering, OTT's outlier pool, PATS's tiers...) is a :class:`Method` subclass in
+its own module of :mod:`kvcalib.methods`, and that file declares its whole contract:
+
+- what it **fits** from collected statistics (:meth:`Method._fit`: one layer's
+  :class:`~kvcalib.stats.LayerStats` and :class:`~kvcalib.layout.LayerConfig` -> recipe tensors,
+  named without the ``layers.{i}.`` prefix, e.g. ``"v.perm"``, ``"kv.outlier_pool"``); fitting
+  is pure: no I/O, no global state, the seed is the only source of randomness;
+- the **recipe tensors** it writes (:attr:`Method.tensors`: name, sides, dtype, shape, whether
+  the runtime applies it or it only informs the search);
+- its **state** at run time (:meth:`Method.load`: the layer's tensors validated into a
+  :class:`MethodState`, or None when the method is off for the layer), and through the state's
+  hooks: its **transform at encode / decode / attend** (reference path and kernel seams), the
+  cache structure it asks for (a full-precision token pool, stored tiers), and the **bytes** it
+  costs in the memory accounting;
+- its **search switch** (:attr:`Method.search`) and its **CLI flags** (:attr:`Method.flags`,
+  turned into a configured instance by :meth:`Method.from_flags`).
+
+Everything else -- recipe loading, the codec, the cache, memory accounting, the search space,
+export, the report and the CLI -- iterates :func:`kvcalib.methods.registry` and never names a
+method. Modules of this layer import only :mod:`kvcalib.quant`, :mod:`kvcalib.layout`,
+:mod:`kvcalib.stats` and :mod:`kvcalib.errors` (and the kernels, lazily, in kernel seams).
+
+:meth:`Method.fit` validates the statistics (geometry, finiteness, reservoir) before
+:meth:`Method._fit` runs and the produced tensors (declared names, finiteness) after, so every
+method refuses the same bad input the same way.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvcalib.errors import KvcalibError
+from kvcalib.quant.uniform import quantize_dequantize_keys, quantize_dequantize_values
+from kvcalib.layout import LayerConfig
+from kvcalib.stats import LayerStats
+
+__all__ = [
+    "CalibrationError",
+    "LayerGeometry",
+    "Method",
+    "MethodState",
+    "TensorSpec",
+    "Flag",
+    "FitContext",
+    "validate_layer_stats",
+    "validate_reservoir",
+    "reservoir_to_bhtd",
+    "fake_quantize",
+    "usable_tokens",
+    "check_side",
+    "SIDES",
+]
+
+SIDES = ("k", "v")
+STAT_KEYS = ("min", "max", "mean", "absmax", "sq_mean")
+
+
+class CalibrationError(KvcalibError, ValueError):
+    """Calibration input that cannot be fitted (wrong shapes, empty reservoir, NaN/inf...).
+
+    Both a :class:`~kvcalib.errors.KvcalibError` (the CLI prints it as one line) and a
+    ``ValueError`` (what the quantization core raises for bad arguments), so callers may catch
+    either.
+    """
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """Shapes read off one layer's statistics."""
+
+    heads: int  # H, kv heads
+    head_dim: int  # D
+    q_heads: int  # Hq = H * rep (0 when the reservoir holds no queries)
+    blocks: int  # NB, reservoir blocks (0 = empty reservoir)
+    block_len: int  # BL, consecutive tokens per block
+
+    @property
+    def rep(self) -> int:
+        """Query heads per kv head (GQA ratio)."""
+        return self.q_heads // self.heads if self.q_heads else 0
+
+
+def check_side(side: str) -> str:
+    if side not in SIDES:
+        raise CalibrationError(f"side must be 'k' or 'v', got {side!r}")
+    return side
+
+
+def validate_reservoir(
+    reservoir: torch.Tensor, name: str, heads: int | None = None, head_dim: int | None = None
+) -> tuple[int, int, int, int]:
+    """Check a reservoir ``(NB, BL, H, D)``: 4-D, floating, non-empty, finite. Returns its shape."""
+    if not isinstance(reservoir, torch.Tensor) or not reservoir.is_floating_point():
+        raise CalibrationError(f"{name} must be a floating tensor (NB, BL, H, D), got {type(reservoir).__name__}"
+                               f"{'' if not isinstance(reservoir, torch.Tensor) else ' ' + str(reservoir.dtype)}")
+    if reservoir.dim() != 4:
+        raise CalibrationError(f"{name} must have shape (NB, BL, H, D), got {tuple(reservoir.shape)}")
+    nb, bl, h, d = reservoir.shape
+    if nb == 0 or bl == 0:
+        raise CalibrationError(
+            f"{name} is empty (shape {tuple(reservoir.shape)}): collect statistics with "
+            "--reservoir-blocks >= 1 and enough samples to fill at least one block"
+        )
+    if heads is not None and h != heads:
+        raise CalibrationError(f"{name} has {h} heads, expected {heads}: statistics from another model?")
+    if head_dim is not None and d != head_dim:
+        raise CalibrationError(f"{name} has head_dim {d}, expected {head_dim}: statistics from another model?")
+    if not bool(torch.isfinite(reservoir).all()):
+        raise CalibrationError(
+            f"{name} holds NaN or inf: collect again in float32 (--dtype fp32) or check the model"
+        )
+    return nb, bl, h, d
+
+
+def validate_layer_stats(
+    stats: LayerStats,
+    heads: int | None = None,
+    head_dim: int | None = None,
+    *,
+    need_reservoir: bool = False,
+) -> LayerGeometry:
+    """Check one layer's statistics are self-consistent, finite and of the expected geometry.
+
+    Args:
+        stats: the layer's statistics.
+        heads, head_dim: the model's kv heads and head_dim when known (``ModelInfo``); a mismatch
+            means statistics of another model and is refused.
+        need_reservoir: refuse an empty reservoir (steps that fit on token blocks).
+
+    Raises :class:`CalibrationError` naming the offending field.
+    """
+    if not isinstance(stats, LayerStats):
+        raise CalibrationError(f"expected LayerStats, got {type(stats).__name__}")
+    shape: tuple[int, ...] | None = None
+    for side in SIDES:
+        group = getattr(stats, side)
+        for key in STAT_KEYS:
+            t = group.get(key)
+            if t is None:
+                raise CalibrationError(f"statistics field {side}.{key} is missing: collect again")
+            if t.dim() != 2:
+                raise CalibrationError(f"statistics field {side}.{key} must be (H, D), got {tuple(t.shape)}")
+            if shape is None:
+                shape = tuple(t.shape)
+            elif tuple(t.shape) != shape:
+                raise CalibrationError(
+                    f"statistics field {side}.{key} has shape {tuple(t.shape)}, the other fields {shape}: "
+                    "the statistics file mixes models"
+                )
+            if not bool(torch.isfinite(t).all()):
+                raise CalibrationError(f"statistics field {side}.{key} holds NaN or inf: collect again in fp32")
+    h, d = shape  # type: ignore[misc]
+    if heads is not None and h != heads:
+        raise CalibrationError(f"statistics have {h} kv heads, the model has {heads}: statistics from another model")
+    if head_dim is not None and d != head_dim:
+        raise CalibrationError(f"statistics have head_dim {d}, the model has {head_dim}: statistics from another model")
+    rk, rv, rq = stats.reservoir_k, stats.reservoir_v, stats.reservoir_q
+    for name, r in (("reservoir_k", rk), ("reservoir_v", rv), ("reservoir_q", rq)):
+        if r.dim() != 4:
+            raise CalibrationError(f"{name} must be 4-D (NB, BL, heads, D), got {tuple(r.shape)}")
+    nb, bl = int(rk.shape[0]), int(rk.shape[1])
+    if tuple(rk.shape[2:]) != (h, d) or tuple(rv.shape) != tuple(rk.shape):
+        raise CalibrationError(
+            f"reservoir shapes k {tuple(rk.shape)} / v {tuple(rv.shape)} do not match the (H, D) = {(h, d)} "
+            "of the statistics: statistics from another model"
+        )
+    hq = int(rq.shape[2])
+    if rq.shape[0] != nb or rq.shape[1] != bl or rq.shape[3] != d or (hq and hq % h):
+        raise CalibrationError(
+            f"reservoir_q {tuple(rq.shape)} does not fit reservoir_k {tuple(rk.shape)}: expected "
+            f"({nb}, {bl}, Hq, {d}) with Hq a multiple of {h}"
+        )
+    if need_reservoir:
+        validate_reservoir(rk, "reservoir_k")
+        validate_reservoir(rv, "reservoir_v")
+    if not (isinstance(stats.scaling, int | float) and stats.scaling > 0 and stats.scaling < float("inf")):
+        raise CalibrationError(f"statistics scaling must be a positive finite float, got {stats.scaling!r}")
+    return LayerGeometry(heads=h, head_dim=d, q_heads=hq, blocks=nb, block_len=bl)
+
+
+def reservoir_to_bhtd(reservoir: torch.Tensor) -> torch.Tensor:
+    """``(NB, BL, H, D)`` float16 reservoir -> ``(NB, H, BL, D)`` float32 (blocks become the batch)."""
+    return reservoir.float().transpose(1, 2).contiguous()
+
+
+def usable_tokens(block_len: int, side: str, group: int, k_axis: str = "channel") -> int:
+    """Tokens of a block that quantize: keys per channel need whole groups of ``group`` tokens.
+
+    Per-channel keys (``side="k"``, ``k_axis="channel"``) use the first ``(BL // group) * group``
+    tokens; every other layout quantizes each token alone and uses all ``BL``. Raises when a
+    block is shorter than one key group.
+    """
+    if check_side(side) == "k" and k_axis == "channel":
+        n = (block_len // group) * group
+        if n == 0:
+            raise CalibrationError(
+                f"reservoir blocks of {block_len} tokens are shorter than one key group ({group} tokens): "
+                f"collect with --block-len >= {group}"
+            )
+        return n
+    return block_len
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    side: str,
+    bits: int,
+    group: int,
+    k_axis: str = "channel",
+    clip: float | torch.Tensor = 1.0,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What decoding sees for ``x (..., T, D)`` stored in the runtime's layout, float32 ``(..., T, D)``.
+
+    Keys with ``k_axis="channel"``: per channel over groups of ``group`` consecutive tokens
+    (``T % group == 0``). Keys with ``k_axis="token"`` and values: per token over groups of
+    ``group`` channels. ``bits >= 16`` returns ``x`` as float32 (not quantized).
+    """
+    if bits >= 16:
+        return x.float()
+    if check_side(side) == "k" and k_axis == "channel":
+        return quantize_dequantize_keys(x, bits, group, clip=clip, valid=valid)
+    return quantize_dequantize_values(x, bits, group, clip=clip, valid=valid)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One recipe tensor a method writes, per layer: ``layers.{i}.{side}.{name}``.
+
+    ``sides``: ``("k", "v")`` for tensors fitted per side, ``("kv",)`` for whole-layer tensors.
+    ``applied``: the runtime reads it (else it only informs the search, the report or
+    ``inspect``). ``dtype`` and ``shape`` document it; :meth:`Method.load` checks them.
+    """
+
+    name: str
+    sides: tuple[str, ...]
+    dtype: str
+    shape: str
+    doc: str
+    applied: bool = True
+
+    def keys(self) -> list[str]:
+        """Unprefixed tensor names (``"k.clip"``, ``"v.clip"``)."""
+        return [f"{side}.{self.name}" for side in self.sides]
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One ``kvcalib export`` option a method adds (``--{name}``; underscores become dashes).
+
+    ``kind`` is the option's type (``bool`` switches default to off; ``int``/``str`` default to
+    None = not given). :meth:`Method.from_flags` turns the parsed values into a configured method.
+    ``tag``: how a given value appears in an exported recipe's default name (a format string of the
+    value, e.g. ``"ott{}"``); None: a switch shows its name, a valued flag nothing.
+    """
+
+    name: str
+    kind: type
+    help: str
+    tag: str | None = None
+
+    def name_tag(self, value: Any) -> str | None:
+        """This flag's part of a recipe name for ``value`` (None: no part)."""
+        if value is None or value is False:
+            return None
+        if self.tag is not None:
+            return self.tag.format(value)
+        return self.name if self.kind is bool else None
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+@dataclass
+class FitContext:
+    """What the fitting pipeline hands every method besides the statistics.
+
+    ``fitted``: tensors fitted for this layer by earlier methods (unprefixed names); e.g. clipping
+    is fitted on the permuted and centred data when a permutation or centering came first.
+    ``codec``: a callable ``(tensors) -> LayerCodec`` building the layer's codec from fitted
+    tensors (for methods that need the exact stored codes, e.g. Huffman), supplied by the
+    pipeline so this layer never imports the codec.
+    """
+
+    fitted: dict[str, torch.Tensor]
+    codec: Any = None
+
+
+class MethodState:
+    """A method's fitted state for one layer, and the hooks that apply it.
+
+    The codec calls the hooks of every active state in registry order on encode and in reverse
+    order on decode; the cache asks for the structure they need; the memory accounting adds
+    their bytes. Every hook defaults to "changes nothing", so a state overrides only what its
+    method does. Tensors are ``(B, H, N, D)``: batch, kv heads, tokens, head_dim.
+    """
+
+    #: full-precision token pool per kv head the cache must keep (OTT); 0 = none
+    pool_size: int = 0
+    #: stored tiers ``[(first age, k_bits, v_bits), ...]`` youngest first (PATS); None = one tier
+    stored_tiers: list[tuple[int, int, int]] | None = None
+
+    # -- reference codec (the specification every kernel path is tested against)
+    def encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> torch.Tensor:
+        """``x`` (B, H, N, D) before quantization -> the tensor the next step quantizes.
+        ``stored`` collects per-block side data the block keeps (e.g. TaDA's means)."""
+        return x
+
+    def decode(self, side: str, y: torch.Tensor, stored: dict[str, Any]) -> torch.Tensor:
+        """Dequantized ``y`` (B, H, N, D) -> the next step's input (reverse of :meth:`encode`)."""
+        return y
+
+    def clip(self, side: str) -> float | torch.Tensor | None:
+        """A clip scale for the quantizer's range (SKVQ), or None."""
+        return None
+
+    # -- kernel seams: a dict of kernel arguments, or None when the kernels cannot apply this state
+    def _transforms(self) -> bool:
+        cls = type(self)
+        return cls.encode is not MethodState.encode or cls.decode is not MethodState.decode
+
+    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> dict[str, Any] | None:
+        """Arguments for the quantize-and-pack kernels (``perm``, ``mean``, ``clip``) of block ``x``;
+        may fill ``stored`` as :meth:`encode` does. Default: nothing to pass for a state without a
+        transform, None (run the reference) for one with a transform the kernels do not know."""
+        return None if self._transforms() else {}
+
+    def kernel_attend(self, side: str, device: torch.device) -> dict[str, Any] | None:
+        """Arguments for the decode-attention kernel (``k_perm``...). Default as :meth:`kernel_encode`."""
+        return None if self._transforms() else {}
+
+    # -- memory accounting
+    def bytes(self, cfg: LayerConfig, heads: int, head_dim: int, kept: int, packed: int) -> dict[str, float]:
+        """Bytes this state adds to one sequence's layer cache holding ``kept`` tokens, ``packed``
+        of them in packed storage, by component name."""
+        return {}
+
+
+class Method(abc.ABC):
+    """One compression method: fitting, recipe tensors, state and hooks, search switch, flags.
+
+    Class attributes:
+        name: registry key; also the search switch and provenance name.
+        summary: one line for help texts and reports (what it does, which paper).
+        order: pipeline position (later methods fit on what earlier ones fitted).
+        tensors: every recipe tensor the method may write (:class:`TensorSpec`).
+        needs_reservoir: whether fitting reads reservoir token blocks (an empty reservoir is
+            then refused) rather than the per-channel moments only.
+        search: ``"layer"``: a per-layer on/off switch of the search space (``layer_methods``);
+            ``"chosen"``: applied to the search's chosen recipe only (it changes memory, never
+            quality: Huffman codebooks); None: not searched.
+        search_default: in the default search space's ``layer_methods``.
+        letter: its tag on the bits-per-layer plot.
+        flags: the ``kvcalib export`` options it adds.
+
+    Configuration lives in the subclass's constructor (validated there); fitted state is only
+    what :meth:`fit` returns.
+    """
+
+    name: ClassVar[str]
+    summary: ClassVar[str] = ""
+    order: ClassVar[int] = 100
+    tensors: ClassVar[tuple[TensorSpec, ...]] = ()
+    needs_reservoir: ClassVar[bool] = True
+    search: ClassVar[str | None] = None
+    search_default: ClassVar[bool] = False
+    letter: ClassVar[str] = ""
+    flags: ClassVar[tuple[Flag, ...]] = ()
+
+    # ------------------------------------------------------------------ declared tensors
+    @classmethod
+    def tensor_keys(cls) -> dict[str, TensorSpec]:
+        """Unprefixed tensor name -> its spec (``"k.clip"`` -> the clip spec)."""
+        return {key: spec for spec in cls.tensors for key in spec.keys()}
+
+    # ------------------------------------------------------------------ offline: fit
+    def fit(
+        self,
+        layer_stats: LayerStats,
+        layer_cfg: LayerConfig,
+        seed: int = 0,
+        fitted: dict[str, torch.Tensor] | None = None,
+        *,
+        heads: int | None = None,
+        head_dim: int | None = None,
+        context: FitContext | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Fit this method on one layer.
+
+        Args:
+            layer_stats: the layer's statistics.
+            layer_cfg: the layer's configuration (bits, groups, axis, window, sinks).
+            seed: the only source of randomness.
+            fitted: tensors already fitted for this layer by earlier methods (same unprefixed
+                names); ignored when ``context`` is given (it carries them).
+            heads, head_dim: the model's geometry when known; statistics of another shape are
+                refused.
+            context: the pipeline's :class:`FitContext`.
+
+        Returns:
+            ``{name: tensor}`` with names from :attr:`tensors`; possibly empty when the method
+            does not apply to this layer (e.g. nothing is quantized).
+        """
+        if not isinstance(layer_cfg, LayerConfig):
+            raise CalibrationError(f"layer_cfg must be a LayerConfig, got {type(layer_cfg).__name__}")
+        geom = validate_layer_stats(layer_stats, heads, head_dim, need_reservoir=self.needs_reservoir)
+        try:
+            layer_cfg.check_head_dim(geom.head_dim)
+        except ValueError as err:
+            raise CalibrationError(f"{self.name}: layer config does not fit head_dim {geom.head_dim}: {err}") from None
+        if context is None:
+            context = FitContext(dict(fitted or {}))
+        out = self._fit(layer_stats, layer_cfg, int(seed), context, geom)
+        unknown = sorted(set(out) - set(self.tensor_keys()))
+        if unknown:  # a programming error in the subclass, not user input
+            raise RuntimeError(f"{type(self).__name__} produced undeclared tensors {unknown}")
+        for key, t in out.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise RuntimeError(f"{type(self).__name__} produced non-finite {key}")
+        return out
+
+    @abc.abstractmethod
+    def _fit(
+        self,
+        layer_stats: LayerStats,
+        layer_cfg: LayerConfig,
+        seed: int,
+        context: FitContext,
+        geom: LayerGeometry,
+    ) -> dict[str, torch.Tensor]:
+        """The fit itself, on validated input (``context.fitted``: earlier methods' tensors)."""
+
+    def finish(self, recipe: Any, stats: LayerStats | Any) -> Any:
+        """The whole fitted recipe after every layer's fit, for methods that need it all (e.g.
+        codebooks of the codes the other methods produce). Default: unchanged."""
+        return recipe
+
+    # ------------------------------------------------------------------ recipe -> state
+    @classmethod
+    def load(cls, tensors: dict[str, torch.Tensor], cfg: LayerConfig, heads: int | None,
+             head_dim: int | None) -> MethodState | None:
+        """This method's state for one layer from its tensors (unprefixed names, only those this
+        method declares), or None when it is off there. Raise ``ValueError`` naming the tensor
+        and the expected value for anything invalid (the recipe turns it into a RecipeError that
+        names the layer). ``heads``/``head_dim`` are None for a model-agnostic preset.
+        Default: a method with no applied tensors has no run-time state."""
+        return None
+
+    @classmethod
+    def from_arguments(cls, cfg: LayerConfig, arguments: dict[str, Any]) -> MethodState | None:
+        """This method's state from the codec's keyword arguments (``LayerCodec(cfg, k_clip=...)``):
+        pop the keywords it owns from ``arguments``, return its state or None."""
+        return None
+
+    # ------------------------------------------------------------------ kvcalib inspect
+    #: ``inspect(recipe, info, context, layers, elements_per_layer) -> dict | None``: this method's
+    #: section of the inspect report (None: the recipe does not use it); may add per-layer fields
+    #: to ``layers``. A method without a section leaves it None here.
+    inspect: ClassVar[Any] = None
+
+    @classmethod
+    def inspect_lines(cls, report: dict[str, Any]) -> list[str]:
+        """Human-readable lines of this method's section of an inspect report."""
+        return []
+
+    @classmethod
+    def origin(cls, note: dict[str, Any]) -> str | None:
+        """One line summarising ``provenance[name]`` when the method records a dict there
+        (None: shown as it is)."""
+        return None
+
+    # ------------------------------------------------------------------ CLI
+    @classmethod
+    def from_flags(cls, values: dict[str, Any], layer: LayerConfig) -> "Method | None":
+        """A configured instance from its ``kvcalib export`` flags (``values``: flag name -> parsed
+        value, None/False when not given), or None when the flags leave it off. Raise
+        :class:`~kvcalib.errors.KvcalibError` for a bad value, naming the flag and the fix."""
+        flag = cls.flags[0].name if cls.flags else None
+        return cls() if flag is not None and values.get(flag) else None
+
+    @classmethod
+    def export_layer(cls, values: dict[str, Any], window: int | None, sinks: int | None) -> tuple[int | None, int | None]:
+        """Window and sinks ``kvcalib export`` should use given this method's flags (a method whose
+        structure fixes them, e.g. a PATS preset, overrides; None = the command's default)."""
+        return window, sinks
+
+    def config(self) -> dict[str, Any]:
+        """The method's configuration (recorded next to its outputs for provenance)."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self).items()}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+

@@ -1,14 +1,16 @@
-"""The README's "Use it from Python" examples run as written on the embedded model.
+"""The Python examples of the README and of docs/python_api.md run as written on the embedded model.
 
-The ```python blocks of docs/python_api.md (the section's source) and, where README.md has the
-section, of README.md are executed in order, one shared namespace per document, in a fresh
-folder (they write runs/ and serve/ relative to the working directory).
+docs/python_api.md: the ```python blocks of its "Use it from Python" section (decode, collect,
+evaluate, recipes, serving export). README.md: every ```python block (the first screen's short
+decode example). Each document's blocks run in order, in one shared namespace, in a fresh folder
+(they write runs/ and serve/ relative to the working directory).
 """
 
 from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -50,33 +52,55 @@ def test_block_extraction_stops_at_the_next_section():
     assert python_blocks(md) == ["# a comment, not a heading\nx = 1\n", "y = 2\n"]
 
 
-def _documents() -> list[tuple[str, list[str]]]:
-    docs = [("docs/python_api.md", python_blocks((ROOT / "docs" / "python_api.md").read_text()))]
-    readme = ROOT / "README.md"
-    if readme.is_file():
-        blocks = python_blocks(readme.read_text())
-        if blocks and blocks != docs[0][1]:  # the README pastes this section: run it once if identical
-            docs.append(("README.md", blocks))
-    return docs
+@dataclass(frozen=True)
+class Document:
+    """One document's Python examples and what running them must show."""
+
+    name: str
+    blocks: list[str]
+    min_blocks: int  # the examples the document promises
+    needed_calls: tuple[str, ...]  # API calls its examples must show
+    needed_output: tuple[str, ...]  # text the examples must print
+    needed_files: tuple[str, ...] = ()  # files (relative to the working folder) they must write
 
 
-@pytest.mark.parametrize("name,blocks", _documents(), ids=lambda v: v if isinstance(v, str) else "")
-def test_python_examples_run(name, blocks, tmp_path, monkeypatch, capsys):
-    assert len(blocks) >= 3, f"{name}: expected the cache, collect and evaluate examples"
-    joined = "\n".join(blocks)
-    for needed in ("CompressedCache.from_recipe", "generate(", "kvcalib.collect(", "kvcalib.evaluate("):
-        assert needed in joined, f"{name} lacks an example of {needed}"
+def _documents() -> list[Document]:
+    api = (ROOT / "docs" / "python_api.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    return [
+        Document("docs/python_api.md", python_blocks(api), 3,
+                 ("CompressedCache.from_recipe", "generate(", "kvcalib.collect(", "kvcalib.evaluate("),
+                 ("bits per K/V element", "full precision"), ("runs/smol/stats.safetensors",)),
+        # the README's example decodes "The capital of France is" and prints the prompt with its continuation
+        Document("README.md", _BLOCK.findall(readme), 1, ("CompressedCache.from_recipe", "generate("),
+                 ("The capital of France is",)),
+    ]
+
+
+def test_every_document_has_its_examples():
+    for doc in _documents():
+        assert len(doc.blocks) >= doc.min_blocks, f"{doc.name}: {len(doc.blocks)} python blocks, expected >= {doc.min_blocks}"
+        joined = "\n".join(doc.blocks)
+        for needed in doc.needed_calls:
+            assert needed in joined, f"{doc.name} lacks an example of {needed}"
+
+
+@pytest.mark.parametrize("doc", _documents(), ids=lambda d: d.name)
+def test_python_examples_run(doc, tmp_path, monkeypatch, capsys):
+    assert len(doc.blocks) >= doc.min_blocks, f"{doc.name}: too few python blocks"
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__readme__"}
     t0 = time.perf_counter()
-    for i, code in enumerate(blocks):
+    for i, code in enumerate(doc.blocks):
         try:
-            exec(compile(code, f"{name}[python block {i + 1}]", "exec"), namespace)
+            exec(compile(code, f"{doc.name}[python block {i + 1}]", "exec"), namespace)
         except Exception as err:  # name the block that failed
-            raise AssertionError(f"{name}: python block {i + 1} failed: {type(err).__name__}: {err}\n{code}") from err
+            raise AssertionError(f"{doc.name}: python block {i + 1} failed: {type(err).__name__}: {err}\n{code}") from err
     wall = time.perf_counter() - t0
     out = capsys.readouterr().out
-    assert "bits per K/V element" in out and "full precision" in out
-    assert (tmp_path / "runs" / "smol" / "stats.safetensors").is_file()
-    # ~45 s on 2 idle CPU cores; the guard is loose because shared machines run slower
-    assert wall < 180, f"{name}: the examples took {wall:.0f} s; keep them small"
+    for text in doc.needed_output:
+        assert text in out, f"{doc.name}: the examples did not print {text!r}"
+    for rel in doc.needed_files:
+        assert (tmp_path / rel).is_file(), f"{doc.name}: the examples did not write {rel}"
+    # ~45 s on 2 idle CPU cores for docs/python_api.md; the guard is loose because shared machines run slower
+    assert wall < 180, f"{doc.name}: the examples took {wall:.0f} s; keep them small"

@@ -15,7 +15,6 @@ import torch
 from kvcalib import methods
 from kvcalib.calibrate import fit_stats
 from kvcalib.codec import LayerCodec
-from kvcalib.collection import collect_stats
 from kvcalib.errors import RecipeError
 from kvcalib.export import ExportConfig, export_recipe
 from kvcalib.layout import LayerConfig
@@ -23,8 +22,9 @@ from kvcalib.models import model_info
 from kvcalib.quant.uniform import quantize_dequantize_keys, quantize_dequantize_values
 from kvcalib.recipe import Recipe
 from kvcalib.simulate import simulated_logits
-from tests.conftest import tiny_model
+from kvcalib.stats import CollectedStats
 from tests.unit.test_cache import decode_logits
+from tests.unit.test_export import run_dir  # noqa: F401  (the shared statistics fixture)
 from tests.unit.toy_method import EqualizeMethod
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,14 +39,10 @@ def toy():
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    model = tiny_model("llama", heads=8, kv_heads=4)
-    g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, 128, (64,), generator=g) for _ in range(6)]
-    stats = collect_stats(model, seqs, reservoir_blocks=4, block_len=32, name="tiny", progress=False)
-    out = tmp_path_factory.mktemp("run")
-    stats.save(out / "stats.safetensors")
-    return out, model, stats
+def toy_run(run_dir):
+    """test_export's statistics of a tiny llama (run folder, model) and the statistics loaded."""
+    out, model = run_dir
+    return out, model, CollectedStats.load(out)
 
 
 def test_unregistered_toy_is_unknown_everywhere():
@@ -56,8 +52,8 @@ def test_unregistered_toy_is_unknown_everywhere():
         rec.codecs(num_layers=1)
 
 
-def test_toy_is_fitted_saved_loaded_and_validated(toy, run_dir, tmp_path):
-    out, model, stats = run_dir
+def test_toy_is_fitted_saved_loaded_and_validated(toy, toy_run, tmp_path):
+    out, model, stats = toy_run
     info = stats.model
     tensors = fit_stats(stats, [CFG] * info.num_layers, ["equalize"])
     assert sorted(tensors) == [f"layers.{i}.{s}.equalize" for i in range(info.num_layers) for s in "kv"]
@@ -77,8 +73,8 @@ def test_toy_is_fitted_saved_loaded_and_validated(toy, run_dir, tmp_path):
         bad.codecs(info)
 
 
-def test_toy_bytes_are_accounted(toy, run_dir):
-    _, _, stats = run_dir
+def test_toy_bytes_are_accounted(toy, toy_run):
+    _, _, stats = toy_run
     info = stats.model
     plain = Recipe(name="plain", layers=[CFG] * info.num_layers, model=info)
     toyed = Recipe(name="toy", layers=[CFG] * info.num_layers, model=info,
@@ -90,8 +86,8 @@ def test_toy_bytes_are_accounted(toy, run_dir):
     assert toyed.memory(info, 4).components.get("equalize_tables") is None  # nothing packed yet: no tables
 
 
-def test_toy_transform_is_applied_by_the_codec_and_decodes_as_simulated(toy, run_dir):
-    _, model, stats = run_dir
+def test_toy_transform_is_applied_by_the_codec_and_decodes_as_simulated(toy, toy_run):
+    _, model, stats = toy_run
     info = stats.model
     h, d = info.num_kv_heads, info.head_dim
     scale = torch.exp2(torch.randint(-3, 4, (h, d)).float())  # (H, D)
@@ -112,12 +108,12 @@ def test_toy_transform_is_applied_by_the_codec_and_decodes_as_simulated(toy, run
     assert float((plain - dec).abs().max()) > 1e-3, "the toy transform changes what is decoded"
 
 
-def test_toy_is_a_search_switch(toy, run_dir, tmp_path):
+def test_toy_is_a_search_switch(toy, toy_run, tmp_path):
     from kvcalib.optimize import SearchConfig, search_with
     from kvcalib.optimize.objective import SearchObjective
     from kvcalib.optimize.space import Point, SearchSpace
 
-    _, model, stats = run_dir
+    _, model, stats = toy_run
     info = model_info(model.config, "tiny")
     space = SearchSpace(groups=(8,), windows=(8,), sinks=(0,), layer_methods=("equalize", "clip"))
     assert space.layer_methods == ("clip", "equalize")  # pipeline order
@@ -136,9 +132,9 @@ def test_toy_is_a_search_switch(toy, run_dir, tmp_path):
     assert any(any("equalize" in m for m in t["point"]["methods"]) for t in doc["trials"] if t.get("point"))
 
 
-def test_toy_flag_on_the_command_line(run_dir, tmp_path):
+def test_toy_flag_on_the_command_line(toy_run, tmp_path):
     """A process that registers the toy before the CLI is built gets ``kvcalib export --equalize``."""
-    out, _, _ = run_dir
+    out, _, _ = toy_run
     path = tmp_path / "cli.safetensors"
     code = ("import sys; from kvcalib import methods; from tests.unit.toy_method import EqualizeMethod; "
             "methods.register(EqualizeMethod); from kvcalib.cli import main; "

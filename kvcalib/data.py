@@ -7,8 +7,10 @@
                     split ``calib`` = BoolQ *test* passages, split ``eval`` = BoolQ *dev* passages;
                     deduplicated, and calibration passages sharing any 13-word span with an
                     evaluation passage are dropped, so the two splits are disjoint by construction
-``longtext``        the Britannica 11th-edition article on Shakespeare as one long document
-                    (~60k tokens; scan markers removed): long-context tests
+``longtext``        long public-domain documents for long contexts, disjoint by author: split
+                    ``eval`` = the Britannica 11th-edition article on Shakespeare as one document
+                    (~60k tokens; scan markers removed); split ``calib`` = Milton's *Paradise
+                    Lost* (~120k tokens) and *Areopagitica* (~25k), two documents
 ``gsm8k-100``       100 GSM8K test problems, "question\\nsolution" per text (see
                     :func:`load_gsm8k_100` for accuracy). Calibrating on these and scoring accuracy
                     on them leaks: calibrate on ``embedded`` when you evaluate GSM8K.
@@ -23,7 +25,7 @@ anything else       a Hugging Face dataset id (``id`` or ``id:config``), ``datas
 
 Splits: ``calib`` and ``eval`` map to each source's calibration / held-out split (hub: ``train``
 and ``validation``, or ``test`` where that is the customary held-out split); any other string is
-passed to ``datasets`` as it is (``train[:1000]``). Local files and the single-document sources
+passed to ``datasets`` as it is (``train[:1000]``). Local files and ``gsm8k-100``
 are used whole whatever the split: pass different files for calibration and evaluation.
 
 The hub is reached only through ``datasets``, imported inside the functions that need it; when
@@ -131,7 +133,7 @@ class TextSource:
             calib, evaluation = _boolq_splits()
             texts = list(calib if self.split == "calib" else evaluation)
         elif self.kind == "longtext":
-            texts = [_britannica_text()]
+            texts = [_britannica_text()] if self.split == "eval" else list(_milton_texts())
         elif self.kind == "gsm8k-100":
             texts = [f"{p.question}\n{p.answer_text}" for p in load_gsm8k_100()]
         elif self.kind == "file":
@@ -161,9 +163,9 @@ def resolve_text_source(data: str, split: str = "calib", text_field: str | None 
             raise KvcalibError(
                 f"--text-field does not apply to --data {data} (its text is fixed). Fix: drop it."
             )
-        if data == "embedded" and split not in SPLITS:
+        if data in ("embedded", "longtext") and split not in SPLITS:
             raise KvcalibError(
-                f"--data embedded has splits {' and '.join(SPLITS)}, not {split!r}. "
+                f"--data {data} has splits {' and '.join(SPLITS)}, not {split!r}. "
                 f"Fix: use one of them."
             )
         return TextSource(kind=data, data=data, split=split)
@@ -455,6 +457,16 @@ def _boolq_splits() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 _SCAN_MARKER = re.compile(r"^(#{2,4} .*|p\.\d+:\d+)\s*$")
+
+
+@functools.lru_cache(maxsize=1)
+def _milton_texts() -> tuple[str, ...]:
+    """Paradise Lost and Areopagitica as two documents (long calibration text; no overlap with
+    the Britannica evaluation document: another author and subject)."""
+    from kvcalib.assets import embedded_text_file
+
+    return tuple(embedded_text_file(name).read_text(encoding="utf-8", errors="replace").strip() + "\n"
+                 for name in ("paradise-lost", "areopagitica"))
 
 
 @functools.lru_cache(maxsize=1)

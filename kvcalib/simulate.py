@@ -53,31 +53,58 @@ class SimulationState:
 _STATE: SimulationState | None = None
 
 
-def quantized_mask(cfg: LayerConfig, t: int, prompt_len: int, device=None) -> torch.Tensor:
-    """(T, T) bool: True where query i sees key j quantized (see module docstring)."""
+# score elements (batch x query heads x query chunk x keys) per query chunk of the simulation:
+# 2**25 float32 = 128 MiB a matrix, a few of them alive at once, so a 32k-token forward of a
+# model with 14 query heads runs in chunks of ~70 queries and stays within a few hundred MiB
+# per layer instead of the dense (T, T) matrices (56 GiB per layer at 32k)
+SCORE_BUDGET = 1 << 25
+
+
+def packed_counts(cfg: LayerConfig, t: int, device=None) -> torch.Tensor:
+    """(T,) int64: tokens in packed storage after ``i`` tokens, for i in 0..T-1
+    (:func:`~kvcalib.layout.quantized_token_count`, vectorised)."""
     i = torch.arange(t, device=device)
-    nq = torch.tensor([quantized_token_count(cfg, int(x)) for x in range(t)], device=device)  # (T,)
-    j = torch.arange(t, device=device)
-    quant = (j[None, :] >= cfg.sinks) & (j[None, :] < cfg.sinks + nq[:, None])  # (T, T)
+    if not cfg.compressed:
+        return torch.zeros_like(i)
+    pending = i - i.clamp(max=cfg.sinks)
+    return ((pending - cfg.window).clamp_min(0) // cfg.flush_block) * cfg.flush_block
+
+
+def quantized_mask(cfg: LayerConfig, t: int, prompt_len: int, device=None, rows: slice | None = None,
+                   keys: int | None = None) -> torch.Tensor:
+    """(Tq, Tk) bool: True where query i sees key j quantized (see module docstring); queries
+    ``rows`` (default all T), keys ``0..keys-1`` (default T)."""
+    rows = rows or slice(0, t)
+    keys = t if keys is None else keys
+    i = torch.arange(rows.start, rows.stop, device=device)  # (Tq,)
+    nq = packed_counts(cfg, t, device)[rows]  # (Tq,)
+    j = torch.arange(keys, device=device)  # (Tk,)
+    quant = (j[None, :] >= cfg.sinks) & (j[None, :] < cfg.sinks + nq[:, None])  # (Tq, Tk)
     return quant & (i[:, None] >= prompt_len)
 
 
-def stored_tier_index(cfg: LayerConfig, codec: LayerCodec, t: int, device=None) -> torch.Tensor:
-    """(T, T) int64: the stored tier (index into ``codec.tiers``) in which query i sees key j,
+def stored_tier_index(cfg: LayerConfig, codec: LayerCodec, t: int, device=None, rows: slice | None = None,
+                      keys: int | None = None) -> torch.Tensor:
+    """(Tq, Tk) int64: the stored tier (index into ``codec.tiers``) in which query i sees key j,
     for keys j that are packed by then (elsewhere meaningless): the last tier whose first age is
     ``<= i - e_j``, ``e_j`` the end of j's flush block (module docstring)."""
+    rows = rows or slice(0, t)
+    keys = t if keys is None else keys
     block = cfg.flush_block
-    i = torch.arange(t, device=device)  # (T,)
-    j = torch.arange(t, device=device)
-    block_end = cfg.sinks + ((j - cfg.sinks).clamp_min(0) // block + 1) * block  # (T,) e_j
-    age = i[:, None] - block_end[None, :]  # (T, T)
+    i = torch.arange(rows.start, rows.stop, device=device)  # (Tq,)
+    j = torch.arange(keys, device=device)  # (Tk,)
+    block_end = cfg.sinks + ((j - cfg.sinks).clamp_min(0) // block + 1) * block  # (Tk,) e_j
+    age = i[:, None] - block_end[None, :]  # (Tq, Tk)
     ages = torch.tensor([a for a, _, _ in codec.tiers], device=device)  # (U,) increasing
-    return (torch.searchsorted(ages, age.contiguous(), right=True) - 1).clamp_min(0)  # (T, T)
+    return (torch.searchsorted(ages, age.contiguous(), right=True) - 1).clamp_min(0)  # (Tq, Tk)
 
 
 def _simulated_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                          softcap=None, **kwargs):
-    """AttentionInterface function for the simulation; query (B, Hq, T, D), key/value (B, H, T, D)."""
+    """AttentionInterface function for the simulation; query (B, Hq, T, D), key/value (B, H, T, D).
+
+    Queries run in chunks (:data:`SCORE_BUDGET`), each over the keys it may see causally, so
+    memory grows linearly with T, never with T x T."""
     state = _STATE
     layer = int(module.layer_idx)
     cfg, codec = state.configs[layer], state.codecs[layer]
@@ -90,21 +117,12 @@ def _simulated_attention(module, query, key, value, attention_mask, scaling=None
     acc_dtype = compute_dtype(query.dtype)
     q = query.to(acc_dtype).reshape(b, h, rep, t, d)  # (B, H, rep, T, D)
     k, v = key.to(acc_dtype), value.to(acc_dtype)  # (B, H, T, D)
-    if attention_mask is not None:
-        vis = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask  # (B|1, T, T)
-        if vis.dtype != torch.bool:
-            vis = vis > torch.finfo(vis.dtype).min / 2
-    else:
-        pos = torch.arange(t, device=query.device)
-        vis = pos[None, :] <= pos[:, None]
-        if state.sliding[layer] is not None:
-            vis &= pos[None, :] > pos[:, None] - state.sliding[layer]
-        vis = vis[None]
-    scores = torch.einsum("bhrtd,bhnd->bhrtn", q, k) * scale  # (B, H, rep, T, T)
+    window = state.sliding[layer]
     nq_total = quantized_token_count(cfg, t) if cfg.compressed else 0
-    # sel[u] (B|1, H|1, 1, T, T) bool: query i sees key j quantized, at stored tier u
-    sel: list[torch.Tensor] = []
+    # per stored tier u: K/V as decoding sees them, and which (b, h, key) slots are packed at all
+    k_hats: list[torch.Tensor] = []  # U x (B, H, T, D)
     v_hats: list[torch.Tensor] = []
+    slot = None  # (B, H, T) bool
     if nq_total:
         span = slice(cfg.sinks, cfg.sinks + nq_total)
         keep = None  # (B, H, N) OTT quant mask over the flushed span
@@ -114,36 +132,68 @@ def _simulated_attention(module, query, key, value, attention_mask, scaling=None
             keep = ~fp
         k_tiers = _blockwise_tiers(codec, "k", k[:, :, span], keep, cfg.flush_block)  # U x (B, H, N, D)
         v_tiers = _blockwise_tiers(codec, "v", v[:, :, span], keep, cfg.flush_block)
-        qmask2 = quantized_mask(cfg, t, state.prompt_len, query.device)  # (T, T)
-        slot = torch.zeros(b, h, t, dtype=torch.bool, device=query.device)  # (B, H, T) quantized slots
-        slot[:, :, span] = True if keep is None else keep
-        qmask = qmask2[None, None, None] & slot[:, :, None, None, :]  # (B, H, 1, T, T)
-        tier, used = None, range(len(codec.tiers))
-        if len(codec.tiers) > 1:
-            tier = stored_tier_index(cfg, codec, t, query.device)  # (T, T)
-            used = set(tier[qmask2].unique().tolist())  # tiers some query reaches (one sync per layer)
-        for u, (k_u, v_u) in enumerate(zip(k_tiers, v_tiers)):
-            if u not in used:
-                continue
-            m = qmask if tier is None else qmask & (tier == u)  # (B, H, 1, T, T)
-            k_hat = k.clone()
+        for k_u, v_u in zip(k_tiers, v_tiers):
+            k_hat, v_hat = k.clone(), v.clone()
             k_hat[:, :, span] = k_u.to(acc_dtype)
-            v_hat = v.clone()
             v_hat[:, :, span] = v_u.to(acc_dtype)
-            scores = torch.where(m, torch.einsum("bhrtd,bhnd->bhrtn", q, k_hat) * scale, scores)
-            sel.append(m)
+            k_hats.append(k_hat)
             v_hats.append(v_hat)
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~vis[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0
-    p_fp = probs
-    out = 0.0
-    for m, v_hat in zip(sel, v_hats):
-        p_u = probs * m
-        p_fp = p_fp - p_u  # exact: each probability is either kept whole or removed whole
-        out = out + torch.einsum("bhrtn,bhnd->bhrtd", p_u, v_hat)
-    out = torch.einsum("bhrtn,bhnd->bhrtd", p_fp, v) + out
+        slot = torch.zeros(b, h, t, dtype=torch.bool, device=query.device)
+        slot[:, :, span] = True if keep is None else keep
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask  # (B|1, T, T)
+        if mask.dtype != torch.bool:
+            mask = mask > torch.finfo(mask.dtype).min / 2
+    out = torch.empty(b, h, rep, t, d, dtype=acc_dtype, device=query.device)  # (B, H, rep, T, D)
+    chunk = max(1, SCORE_BUDGET // max(1, b * hq * t))
+    for q0 in range(0, t, chunk):
+        q1 = min(t, q0 + chunk)
+        keys = t if mask is not None else q1  # causal: a chunk sees no later key
+        rows = slice(q0, q1)
+        qc = q[:, :, :, rows]  # (B, H, rep, C, D)
+        if mask is not None:
+            vis = mask[:, q0:q1, :keys][:, None, None]  # (B|1, 1, 1, C, K)
+        else:
+            qpos = torch.arange(q0, q1, device=query.device)[:, None]  # (C, 1)
+            kpos = torch.arange(keys, device=query.device)[None, :]  # (1, K)
+            vis = kpos <= qpos
+            if window is not None:
+                vis &= kpos > qpos - window
+            vis = vis[None, None, None]  # (1, 1, 1, C, K)
+        scores = torch.einsum("bhrtd,bhnd->bhrtn", qc, k[:, :, :keys]) * scale  # (B, H, rep, C, K)
+        sel: list[torch.Tensor] = []  # per used tier: (B, H, 1, C, K) seen quantized at that tier
+        used_v: list[torch.Tensor] = []
+        if nq_total:
+            qmask2 = quantized_mask(cfg, t, state.prompt_len, query.device, rows, keys)  # (C, K)
+            qmask = qmask2[None, None, None] & slot[:, :, None, None, :keys]  # (B, H, 1, C, K)
+            tier = None
+            used = range(len(codec.tiers))
+            if len(codec.tiers) > 1:
+                tier = stored_tier_index(cfg, codec, t, query.device, rows, keys)  # (C, K)
+                used = set(tier[qmask2].unique().tolist())  # tiers some query of the chunk reaches
+            for u in range(len(codec.tiers)):
+                if u not in used:
+                    continue
+                m = qmask if tier is None else qmask & (tier == u)  # (B, H, 1, C, K)
+                scores = torch.where(m, torch.einsum("bhrtd,bhnd->bhrtn", qc, k_hats[u][:, :, :keys]) * scale,
+                                     scores)
+                sel.append(m)
+                used_v.append(v_hats[u][:, :, :keys])
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~vis, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0
+        del scores
+        p_fp = probs
+        acc = torch.einsum("bhrtn,bhnd->bhrtd", probs, v[:, :, :keys]) if not sel else 0.0
+        if sel:
+            for m, v_hat in zip(sel, used_v):
+                p_u = probs * m
+                p_fp = p_fp - p_u  # exact: each probability is either kept whole or removed whole
+                acc = acc + torch.einsum("bhrtn,bhnd->bhrtd", p_u, v_hat)
+            acc = torch.einsum("bhrtn,bhnd->bhrtd", p_fp, v[:, :, :keys]) + acc
+        out[:, :, :, rows] = acc
     out = out.reshape(b, hq, t, d).transpose(1, 2)  # (B, T, Hq, D)
     return out.to(query.dtype), None
 
@@ -194,8 +244,11 @@ def simulating(model, configs: list[LayerConfig], codecs: list[LayerCodec] | Non
 
 @torch.no_grad()
 def simulated_logits(model, input_ids: torch.Tensor, configs: list[LayerConfig],
-                     codecs: list[LayerCodec] | None = None, prompt_len: int = 1) -> torch.Tensor:
-    """Logits (B, T, V) (float32, or float64 for a float64 model) of a decode-faithful teacher-forced forward over ``input_ids`` (B, T)."""
+                     codecs: list[LayerCodec] | None = None, prompt_len: int = 1,
+                     logits_to_keep: int = 0) -> torch.Tensor:
+    """Logits (B, T, V) (float32, or float64 for a float64 model) of a decode-faithful
+    teacher-forced forward over ``input_ids`` (B, T); with ``logits_to_keep`` = N > 0 only the last
+    N positions' (B, N, V) (a long window's full logits would not fit in memory)."""
     with simulating(model, configs, codecs, prompt_len):
-        out = model(input_ids=input_ids, use_cache=False)
+        out = model(input_ids=input_ids, use_cache=False, **({"logits_to_keep": logits_to_keep} if logits_to_keep else {}))
     return out.logits.to(torch.float64 if out.logits.dtype == torch.float64 else torch.float32)

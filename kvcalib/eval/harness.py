@@ -168,6 +168,9 @@ class EvalResult:
     ppl_fp: float | None = None
     ppl_delta_pct: float | None = None
     ppl_tokens: int | None = None  # scored tokens
+    # NLL by token position (equal-width buckets over the window): [{"start", "end", "tokens", "nll",
+    # "nll_fp", "ppl", "ppl_fp", "delta_pct"}]: where in a long context the compressed cache costs
+    ppl_by_position: list[dict[str, Any]] | None = None
     agreement: float | None = None
     first_divergence: float | None = None
     agreement_tokens: int | None = None  # generated tokens per prompt
@@ -188,9 +191,9 @@ class EvalResult:
 def eval_texts(data: str, text_field: str | None = None) -> list[str]:
     """The texts of ``data``'s evaluation split, never its calibration split.
 
-    For ``embedded`` data this is verified (no passage of the calibration split is returned).
-    Single-document sources (``longtext``, local files, ``gsm8k-100``) are used whole whatever
-    the split: a warning says so, since calibrating on the same source would leak.
+    For ``embedded`` and ``longtext`` data this is verified (no text of the calibration split is
+    returned). Local files and ``gsm8k-100`` are used whole whatever the split: a warning says so,
+    since calibrating on the same source would leak.
     """
     from kvcalib.data import load_texts, resolve_text_source
 
@@ -198,7 +201,7 @@ def eval_texts(data: str, text_field: str | None = None) -> list[str]:
     if source.split != EVAL_SPLIT:  # pragma: no cover - guards against a future change in data.py
         raise RuntimeError(f"kvcalib bug: evaluation text resolved to split {source.split!r}")
     texts = source.load()
-    if source.kind == "embedded":
+    if source.kind in ("embedded", "longtext"):
         if set(texts) & set(load_texts(data, "calib")):
             raise RuntimeError("kvcalib bug: evaluation texts overlap the calibration split")
     elif source.kind != "hub":
@@ -277,6 +280,8 @@ def evaluate(config: EvalConfig, loaded: "LoadedModel | None" = None) -> list[Ev
     recipes: list[Recipe] = [resolve_recipe(r) for r in config.recipes]
     for r in recipes:
         r.check_model(info)  # refuse another model's recipe before any compute
+    if "ppl" in config.metrics:
+        _check_memory(config, model, info, recipes)
     names = _unique_names([r.name for r in recipes])
     inputs = _build_inputs(config, tok)
 
@@ -303,6 +308,24 @@ def evaluate(config: EvalConfig, loaded: "LoadedModel | None" = None) -> list[Ev
     return results
 
 
+def _check_memory(config: EvalConfig, model, info, recipes: Sequence[Recipe]) -> None:
+    """Refuse a perplexity window the machine cannot hold, before any compute (one clear line)."""
+    from kvcalib.eval.perplexity import free_memory_bytes, simulation_bytes
+
+    device = next(model.parameters()).device
+    free = free_memory_bytes(device)
+    if free is None:
+        return
+    tiers = max([len(c.tiers) for r in recipes for c in r.codecs(info)] or [1])
+    param_bytes = next(model.parameters()).element_size()
+    need = simulation_bytes(model.config, config.ppl_seq_len, config.batch_size, tiers, param_bytes)
+    if need > 0.9 * free:
+        raise EvalConfigError(
+            f"a decode-faithful forward of {config.batch_size} x {config.ppl_seq_len} tokens needs about "
+            f"{need / 2**30:.1f} GiB of working memory and {device} has {free / 2**30:.1f} GiB free: lower "
+            "--ppl-seq-len or --batch-size, or evaluate on a machine with more memory (a GPU)")
+
+
 def _unique_names(names: Sequence[str]) -> list[str]:
     out: list[str] = []
     for n in names:
@@ -319,13 +342,13 @@ def _full_precision(config: EvalConfig, model, tok, inputs: _Inputs, steps: _Ste
     from kvcalib.eval.agreement import greedy_generate
     from kvcalib.eval.gsm8k import gsm8k_accuracy
     from kvcalib.eval.passkey import run_passkey
-    from kvcalib.eval.perplexity import decode_faithful_nll
+    from kvcalib.eval.perplexity import position_nll_windows
 
     fp: dict[str, Any] = {}
     label = "full precision"
     if inputs.ppl_ids is not None:
-        fp["nll"] = decode_faithful_nll(model, inputs.ppl_ids, None, None, 1, config.batch_size,
-                                        steps.unit(f"{label}: ppl", inputs.ppl_ids.shape[0]))
+        fp["per_position"] = position_nll_windows(model, inputs.ppl_ids, None, None, 1, config.batch_size,
+                                                  steps.unit(f"{label}: ppl", inputs.ppl_ids.shape[0]))  # (N, S)
     if inputs.prompts is not None:
         fp["tokens"] = greedy_generate(model, inputs.prompts, config.agreement_tokens, None, config.batch_size,
                                        steps.unit(f"{label}: agreement", inputs.prompts.shape[0]))  # (N, T)
@@ -345,7 +368,7 @@ def _score_recipe(config: EvalConfig, model, tok, inputs: _Inputs, fp: dict[str,
     from kvcalib.eval.agreement import agreement_stats, greedy_generate
     from kvcalib.eval.gsm8k import gsm8k_accuracy
     from kvcalib.eval.passkey import run_passkey
-    from kvcalib.eval.perplexity import decode_faithful_nll
+    from kvcalib.eval.perplexity import position_nll_windows
 
     lossless = not any(c.compressed for c in configs)
     clock = time.perf_counter()
@@ -357,17 +380,19 @@ def _score_recipe(config: EvalConfig, model, tok, inputs: _Inputs, fp: dict[str,
         clock = now
 
     if inputs.ppl_ids is not None:
-        fp_nll, n_tok = fp["nll"]
+        fp_per = fp["per_position"]  # (N, S)
         done = steps.unit(f"{name}: ppl", inputs.ppl_ids.shape[0])
         if lossless:  # exact attention: the plain forward's numbers (see module docstring)
-            nll = fp_nll
+            per = fp_per
             done(inputs.ppl_ids.shape[0])
         else:
-            nll, n = decode_faithful_nll(model, inputs.ppl_ids, configs, codecs, 1, config.batch_size, done)
-            assert n == n_tok, "recipes must be scored on the same tokens"
-        res.ppl, res.ppl_fp = math.exp(nll / n_tok), math.exp(fp_nll / n_tok)
+            per = position_nll_windows(model, inputs.ppl_ids, configs, codecs, 1, config.batch_size, done)  # (N, S)
+            assert per.shape == fp_per.shape, "recipes must be scored on the same tokens"
+        n_tok = per.numel()
+        res.ppl, res.ppl_fp = math.exp(float(per.sum()) / n_tok), math.exp(float(fp_per.sum()) / n_tok)
         res.ppl_delta_pct = 100.0 * (res.ppl / res.ppl_fp - 1.0)
         res.ppl_tokens = n_tok
+        res.ppl_by_position = position_table(per, fp_per, inputs.ppl_ids.shape[1])
         lap("ppl")
     if inputs.prompts is not None:
         cand = greedy_generate(model, inputs.prompts, config.agreement_tokens, recipe, config.batch_size,
@@ -386,6 +411,51 @@ def _score_recipe(config: EvalConfig, model, tok, inputs: _Inputs, fp: dict[str,
                            steps.unit(f"{name}: gsm8k", fp["gsm8k"].n_problems))
         res.gsm8k, res.gsm8k_fp, res.gsm8k_problems = g.accuracy, fp["gsm8k"].accuracy, g.n_problems
         lap("gsm8k")
+
+
+POSITION_BUCKETS = 16  # equal-width position buckets of a perplexity window
+
+
+def position_table(per: "torch.Tensor", fp_per: "torch.Tensor", seq_len: int) -> list[dict[str, Any]]:
+    """NLL by position of a recipe beside full precision: ``per``/``fp_per`` (N, S) NLL of tokens
+    1..L-1 of each window (scored from the first prediction on), in :data:`POSITION_BUCKETS`
+    equal-width buckets of token positions."""
+    from kvcalib.eval.perplexity import position_buckets
+
+    step = max(1, -(-seq_len // POSITION_BUCKETS))
+    edges = list(range(0, seq_len, step)) + [seq_len]
+    rows = []
+    for mine, base in zip(position_buckets(per, 0, edges), position_buckets(fp_per, 0, edges)):
+        rows.append({"start": mine["start"], "end": mine["end"], "tokens": mine["tokens"], "nll": mine["nll"],
+                     "nll_fp": base["nll"], "ppl": mine["ppl"], "ppl_fp": base["ppl"],
+                     "delta_pct": 100.0 * (mine["ppl"] / base["ppl"] - 1.0)})
+    return rows
+
+
+def plot_positions(results: Sequence[EvalResult], path: Path | str, title: str = "") -> None:
+    """PNG: perplexity change vs full precision (%) by token position, one line per recipe."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvcalib.io import atomic_path
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for r in results:
+        rows = r.ppl_by_position or []
+        if rows:
+            xs = [(b["start"] + b["end"]) / 2 for b in rows]
+            ax.plot(xs, [b["delta_pct"] for b in rows], marker=".", label=f"{r.name} ({r.effective_bits:.2f} b)")
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("token position in the window")
+    ax.set_ylabel("perplexity vs full precision (%)")
+    ax.set_title(title or "where the compressed cache costs")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(Path(path)) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
 
 
 # ------------------------------------------------------------------ output
@@ -434,4 +504,5 @@ def results_table_rows(results: Sequence[EvalResult]) -> list[list[Any]]:
 
 
 __all__ = ["DEFAULT_METRICS", "METRICS", "EvalConfig", "EvalConfigError", "EvalResult", "eval_texts",
-           "evaluate", "results_table_columns", "results_table_rows", "write_json"]
+           "evaluate", "plot_positions", "position_table", "results_table_columns", "results_table_rows",
+           "write_json"]

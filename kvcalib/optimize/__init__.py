@@ -46,8 +46,12 @@ class SearchConfig:
     text_field: str | None = None
     out: Path | None = None  # run folder (default artifacts/runs/search-<time>)
     samples: int = 8  # collection windows
-    seq_len: int = 256  # tokens per window (collection and scoring)
+    seq_len: int = 256  # tokens per window (collection, and scoring unless score_seq_len is set)
     score_samples: int = 2  # held calibration windows scored by the objective
+    # long-context scoring: windows of score_seq_len tokens whose last score_last tokens are decode
+    # steps after a compressed prompt (None: seq_len, every position after the first)
+    score_seq_len: int | None = None
+    score_last: int | None = None
     trials: int = 30  # finished trials the study should hold
     budget_bits: float = 3.0
     context: int = 4096  # effective bits accounted at this context length
@@ -85,6 +89,12 @@ class SearchConfig:
             raise KvcalibError("--study must be a non-empty name.")
         if self.block_len > self.seq_len:
             self.block_len = self.seq_len
+        if self.score_seq_len is not None and (not isinstance(self.score_seq_len, int) or self.score_seq_len < 2):
+            raise KvcalibError(f"--score-seq-len must be an integer >= 2, got {self.score_seq_len!r}.")
+        if self.score_last is not None and (not isinstance(self.score_last, int)
+                                            or not 1 <= self.score_last < self.scoring_length):
+            raise KvcalibError(f"--score-last must be an integer in [1, {self.scoring_length}) (the scored decode steps "
+                               f"at the end of each {self.scoring_length}-token scoring window), got {self.score_last!r}.")
         if self.space is None:
             self.space = SearchSpace()
         elif isinstance(self.space, (str, Path)):
@@ -96,7 +106,7 @@ class SearchConfig:
             self.out = Path(self.out)
         from kvcalib.optimize.space import check_scored_schedules
 
-        check_scored_schedules(self.space, self.seq_len, self.context)  # before any model is loaded
+        check_scored_schedules(self.space, self.scoring_length, self.context)  # before any model is loaded
         if self.chosen_methods is not None:
             from kvcalib.methods import registry
 
@@ -106,6 +116,11 @@ class SearchConfig:
             if bad:
                 raise KvcalibError(f"--finish {','.join(bad)}: not a method applied to the chosen recipe; use "
                                    f"{', '.join(allowed) or 'none'} (or 'none').")
+
+    @property
+    def scoring_length(self) -> int:
+        """Tokens per scoring window: ``score_seq_len``, else ``seq_len``."""
+        return self.score_seq_len or self.seq_len
 
     def finishers(self) -> tuple[str, ...]:
         """The methods applied to the chosen recipe (:attr:`chosen_methods`, or every registered
@@ -191,7 +206,8 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
         if info.head_dim % g:
             raise SpaceError(f"search space group {g} does not divide head_dim {info.head_dim} of {info.name}")
     check_scored_schedules(space, int(score_ids.shape[1]), config.context)
-    objective = SearchObjective(model, info, stats, score_ids, context=config.context, seed=config.seed)
+    objective = SearchObjective(model, info, stats, score_ids, context=config.context, seed=config.seed,
+                                score_last=config.score_last)
     floor_bits = st.floor_bits(objective, space)
     check_budget(config, space, floor_bits)
     url = st.storage_url(config.storage, run_dir)
@@ -252,6 +268,7 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
         "study": config.study, "storage": describe_storage(config.storage), "budget_bits": config.budget_bits,
         "context": config.context,
         "floor_bits": floor_bits, "score_sequences": objective.n_sequences, "score_seq_len": int(score_ids.shape[1]),
+        "score_last": config.score_last,
         "stats_samples": (extra or {}).get("stats_samples"), "sensitivity": sensitivity, "presets": presets,
         "trials": records, "pareto": front, "chosen": chosen["number"] if chosen else None,
         "recovered": recovered, "recipe": None, "recipe_name": None, "seconds": round(time.perf_counter() - t0, 1),
@@ -389,6 +406,10 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
     space: SearchSpace = config.space  # type: ignore[assignment]
     loaded = loaded or load_model(config.model, device=config.device, dtype=config.dtype)
     info = loaded.info
+    longest = max(config.scoring_length, config.eval_seq_len if config.eval else 0)
+    if info.max_positions and longest > info.max_positions:
+        raise KvcalibError(f"the search scores or evaluates {longest}-token windows but {info.name} supports "
+                           f"{info.max_positions} positions: lower --score-seq-len / --eval-seq-len.")
     # the floor check runs before any work, so a bad budget costs nothing and touches nothing
     from kvcalib.optimize.objective import SearchObjective
     from kvcalib.optimize.study import floor_bits
@@ -404,7 +425,7 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
     if stats.model.config_hash != info.config_hash or stats.model.num_layers != info.num_layers:
         raise KvcalibError(f"the statistics in {run_dir} are from {stats.model.name}, not {info.name}: pass --model {stats.model.name} or another --out.")
     run = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
-    score_ids = scoring_sequences(run, loaded.tokenizer, config.score_samples, config.seq_len)
+    score_ids = scoring_sequences(run, loaded.tokenizer, config.score_samples, config.scoring_length)
     stats_samples = int(run.get("samples_packed", run.get("config", {}).get("samples", 0)) or 0)
     doc = search_with(config, loaded.model, info, stats, score_ids, run_dir, progress=progress,
                       extra={"stats_samples": stats_samples})

@@ -9,6 +9,11 @@ and run
 
     KL = mean over positions t in [prompt_len, T) of  sum_v p_fp(v | <t) (log p_fp - log p_hat)
 
+For long contexts (``score_last`` = N) the window's first T - N tokens are the prompt -- attended in
+full precision by themselves, then compressed, as a long prompt is in use -- and the KL is the mean
+over the last N positions, the decode steps at the target context; only those positions' logits
+are computed (``logits_to_keep``), so a 32k window costs no (T, V) tensor.
+
 the next-token distribution's divergence from full precision, exactly as token-by-token decoding
 through the compressed cache would produce it (one teacher-forced forward). The full-precision
 log-probabilities are computed once per sequence and cached (float32 ``(T, V)`` each).
@@ -53,12 +58,18 @@ class SearchObjective:
     """
 
     def __init__(self, model, info: ModelInfo, stats: CollectedStats | None, ids: torch.Tensor, *,
-                 context: int = 4096, seed: int = 0, prompt_len: int = 1) -> None:
+                 context: int = 4096, seed: int = 0, prompt_len: int = 1, score_last: int | None = None) -> None:
         if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 2:
             raise ValueError(f"ids must be (M >= 1, T >= 2) token ids, got {tuple(ids.shape)}")
+        if score_last is not None:
+            if not 1 <= score_last < ids.shape[1]:
+                raise ValueError(f"score_last must lie in [1, {ids.shape[1]}), got {score_last}")
+            prompt_len = ids.shape[1] - score_last  # the rest is a long prompt, compressed after its attention
         self.model, self.info, self.stats = model, info, stats
         self.ids = ids  # (M, T)
         self.context, self.seed, self.prompt_len = context, seed, prompt_len
+        # logits kept per forward: only the scored positions of a long window (None: all)
+        self.keep = score_last
         self._ref: dict[int, torch.Tensor] = {}  # sequence -> (T, V) float32 log-probs
         self._fitted: dict[tuple, dict[str, torch.Tensor]] = {}
         self.simulations = 0  # forwards run (for timing reports)
@@ -155,8 +166,9 @@ class SearchObjective:
     def reference(self, m: int) -> torch.Tensor:
         """Full-precision next-token log-probs of sequence ``m``, (T, V) float32 (computed once)."""
         if m not in self._ref:
+            keep = {"logits_to_keep": self.keep} if self.keep else {}
             with torch.no_grad():
-                logits = self.model(input_ids=self.ids[m:m + 1].to(self._device), use_cache=False).logits[0]
+                logits = self.model(input_ids=self.ids[m:m + 1].to(self._device), use_cache=False, **keep).logits[0]
             self._ref[m] = torch.log_softmax(logits.float(), dim=-1).cpu()  # (T, V)
         return self._ref[m]
 
@@ -182,9 +194,9 @@ class SearchObjective:
             ref = self.reference(m)
             if any(c.compressed for c in configs):
                 logits = simulated_logits(self.model, self.ids[m:m + 1].to(self._device), configs, codecs,
-                                          self.prompt_len)[0].cpu()  # (T, V)
+                                          self.prompt_len, self.keep or 0)[0].cpu()  # (T | keep, V)
                 self.simulations += 1
-                total += kl_to_reference(ref, logits, self.prompt_len)
+                total += kl_to_reference(ref, logits, 0 if self.keep else self.prompt_len)
             if report is not None:
                 report(step, total / (step + 1))
         return total / max(len(seqs), 1)

@@ -422,7 +422,19 @@ def test_gsm8k_100():
 
 @pytest.mark.embedded
 def test_longtext_is_one_clean_document():
-    (doc,) = load_texts("longtext")
+    (doc,) = load_texts("longtext", "eval")
     assert len(doc.split()) > 40_000
     assert "### START" not in doc and "#### Source" not in doc and "\np.772:0" not in doc
     assert doc.startswith("Shakespeare, William (1564")
+
+
+@pytest.mark.embedded
+def test_longtext_calibration_is_disjoint_long_milton():
+    """Long calibration text (Milton) shares no 13-word span with the Britannica evaluation text."""
+    from kvcalib.data import _ngrams
+
+    calib = load_texts("longtext", "calib")
+    (evaluation,) = load_texts("longtext", "eval")
+    assert len(calib) == 2 and calib[0].startswith("PARADISE LOST") and sum(len(t.split()) for t in calib) > 90_000
+    shared = set().union(*(_ngrams(t) for t in calib)) & _ngrams(evaluation)
+    assert not shared

@@ -1,0 +1,127 @@
+"""Long-context scoring stays exact while its memory stays linear in the context (issue 33).
+
+- the decode-faithful simulation in query chunks equals one chunk, in float64, for sinks, OTT
+  pools, PATS tiers and sliding-window layers;
+- position_nll (the decoder's hidden states, the head applied a chunk at a time) equals the
+  cross-entropy of the model's own full logits, Gemma's final softcapping included;
+- position buckets average exactly the tokens they hold.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvcalib.simulate as simulate
+from kvcalib.eval import perplexity
+from kvcalib.eval.perplexity import position_buckets, position_nll, position_nll_windows, scored_slice
+from kvcalib.layout import LayerConfig
+from kvcalib.recipe import Recipe
+from tests.conftest import tiny_model
+
+CFG = LayerConfig(k_bits=4, v_bits=2, k_group=8, v_group=8, window=8, sinks=2)
+
+
+def _recipe(n: int) -> Recipe:
+    tiers = torch.tensor([[0, 16, 16], [8, 4, 2], [24, 2, 2]])  # (N, 3): blocks change tiers within 60 tokens
+    tensors = {}
+    for i in range(n):
+        tensors[f"layers.{i}.kv.outlier_pool"] = torch.tensor(2)
+        tensors[f"layers.{i}.kv.schedule"] = tiers
+    return Recipe(name="long", layers=[CFG] * n, tensors=tensors)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_chunked_simulation_equals_one_chunk_in_float64(arch, monkeypatch):
+    model = tiny_model(arch).double()
+    rec = _recipe(2)
+    ids = torch.randint(0, 128, (2, 60), generator=torch.Generator().manual_seed(2))
+    codecs = rec.codecs(num_layers=2, head_dim=16)
+    whole = simulate.simulated_logits(model, ids, rec.layers, codecs, prompt_len=5)
+    monkeypatch.setattr(simulate, "SCORE_BUDGET", 2 * 4 * 60 * 7)  # chunks of 7 queries, the last one short
+    chunked = simulate.simulated_logits(model, ids, rec.layers, codecs, prompt_len=5)
+    assert float((chunked - whole).abs().max()) <= 1e-12 * float(whole.abs().max())
+    plain = simulate.simulated_logits(model, ids, [LayerConfig()] * 2, prompt_len=5)
+    assert float((plain - whole).abs().max()) > 1e-3, "the recipe must change the logits for this test to bite"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_position_nll_equals_full_logits(arch, monkeypatch):
+    model = tiny_model(arch)
+    if arch == "gemma3":
+        model.config.final_logit_softcapping = 3.0  # exercise the softcap branch: logits reach ~10 here
+    ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(perplexity, "LOGIT_CHUNK", 5)
+    got = position_nll(model, ids)  # (2, 36)
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits.float()  # (2, 37, V)
+    want = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    assert got.shape == (2, 36) and torch.allclose(got, want.double(), atol=1e-5, rtol=1e-5)
+    # decode-faithful through a recipe: the same NLL as the simulated full logits
+    rec = _recipe(2)
+    codecs = rec.codecs(num_layers=2, head_dim=16)
+    sim = simulate.simulated_logits(model, ids, rec.layers, codecs, prompt_len=1)
+    want = torch.nn.functional.cross_entropy(sim[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    assert torch.allclose(position_nll(model, ids, rec.layers, codecs), want.double(), atol=1e-4, rtol=1e-4)
+
+
+def test_position_nll_refuses_a_head_it_cannot_reproduce():
+    from kvcalib.errors import KvcalibError
+
+    model = tiny_model("llama")
+    head = model.get_output_embeddings()
+    forward = model.forward
+
+    def scaled(*args, **kwargs):  # a model whose own logits are scaled after the head (Cohere-like)
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * 2.0
+        return out
+
+    model.forward = scaled
+    with pytest.raises(KvcalibError, match="post-processes its logits"):
+        position_nll(model, torch.randint(0, 128, (1, 12)))
+    assert head is model.get_output_embeddings()
+
+
+def test_windows_and_buckets():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (3, 40), generator=torch.Generator().manual_seed(5))
+    per = position_nll_windows(model, ids, prompt_len=4, batch_size=2)  # (3, S)
+    span = scored_slice(40, 4)
+    assert per.shape == (3, span.stop - span.start)
+    buckets = position_buckets(per, span.start, [0, 10, 20, 64])
+    assert [b["tokens"] for b in buckets] == [3 * 6, 3 * 10, 3 * 20]  # tokens 4..9, 10..19, 20..39
+    assert math.isclose(sum(b["nll"] * b["tokens"] for b in buckets) / per.numel(), float(per.mean()), rel_tol=1e-12)
+
+
+def test_objective_scores_the_last_positions_after_a_compressed_prompt():
+    """score_last = N: the window's first T - N tokens are a prompt (full precision by themselves,
+    then compressed) and the KL averages the last N positions, from kept logits only; it equals the
+    full-logits objective with prompt_len = T - N."""
+    from kvcalib.models import model_info
+    from kvcalib.optimize.objective import SearchObjective
+    from kvcalib.optimize.space import Point
+
+    model = tiny_model("llama")
+    info = model_info(model.config, "tiny")
+    ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(6))
+    point = Point(8, 8, 2, (2, 4), (2, 2), ((), ()))
+    long = SearchObjective(model, info, None, ids, context=256, score_last=16)
+    full = SearchObjective(model, info, None, ids, context=256, prompt_len=48)
+    assert long.reference(0).shape[0] == 16 and full.reference(0).shape[0] == 64
+    a, b = long.kl(point), full.kl(point)
+    assert a > 0 and math.isclose(a, b, rel_tol=1e-4)
+    with pytest.raises(ValueError, match="score_last"):
+        SearchObjective(model, info, None, ids, score_last=64)
+
+
+def test_search_config_checks_long_scoring(tmp_path):
+    from kvcalib.errors import KvcalibError
+    from kvcalib.optimize import SearchConfig
+
+    cfg = SearchConfig(out=tmp_path / "r", seq_len=256, score_seq_len=8192, score_last=1024, context=8192)
+    assert cfg.scoring_length == 8192
+    with pytest.raises(KvcalibError, match="--score-last"):
+        SearchConfig(out=tmp_path / "r", seq_len=256, score_last=256)

@@ -382,8 +382,15 @@ def inspect(
                 ["layer", "K bits", "V bits", "K axis", "K group", "V group", "window", "sinks",
                  "eff. bits"], rows)
     mem = report["memory"]
-    print(f"effective bits per element at {context}: {mem['effective_bits']:.3f} "
-          f"(bf16 = 16.0); KV bytes per sequence: {mem['total_bytes']:,.0f}")
+    print(f"effective bits per element at {context}: {mem['effective_bits']:.3f} (bf16 = 16.0); compression vs "
+          f"the model's bf16 cache ({mem['bf16_bytes']:,.0f} bytes): {mem['compression_ratio']:.2f}x; "
+          f"KV bytes per sequence: {mem['total_bytes']:,.0f}")
+    if mem["held_tokens"] != len(report["layers"]) * context:
+        print(f"sliding-window layers hold only their window: elements counted over the {mem['held_tokens']:,} "
+              f"tokens the {len(report['layers'])} layers hold, not {len(report['layers'])} x {context}")
+    if report["recorded_bits_factor"] != 1.0:
+        print(f"note: the bits this recipe records (provenance) were counted the old way ({report['recorded_accounting']}: "
+              f"every layer at {context} tokens); multiply them by {report['recorded_bits_factor']:.4f} to compare")
     print("bytes by component: " + ", ".join(f"{k} {v:,.0f}" for k, v in mem["components"].items()))
     from kvcalib.inspect import method_lines
 
@@ -422,8 +429,9 @@ def _inspect_diff(a: str, b: str, model: Optional[str], context: int, as_json: b
     else:
         print(f"{na} and {nb} have the same configuration and fitted tensors in all {report['num_layers']} layers.")
     s = report["summary"]
-    print(f"effective bits at {context}: {na} {report['a']['effective_bits']:.3f}, {nb} "
-          f"{report['b']['effective_bits']:.3f} (delta {s['effective_bits_delta']:+.3f}); "
+    print(f"effective bits at {context}: {na} {report['a']['effective_bits']:.3f} "
+          f"({report['a']['compression_ratio']:.2f}x vs bf16), {nb} {report['b']['effective_bits']:.3f} "
+          f"({report['b']['compression_ratio']:.2f}x) (delta {s['effective_bits_delta']:+.3f}); "
           f"differing layers: {s['differing_layers']}, identical: {s['identical_layers']}")
     if s["fields"]:
         print("layers differing by field: " + ", ".join(f"{k} {v}" for k, v in s["fields"].items()))

@@ -115,7 +115,7 @@ def search(
     data: str = typer.Option("embedded", help="Calibration text (--data of `kvcalib collect`); its eval split is used for the held-out proof."),
     text_field: Optional[str] = typer.Option(None, help="Column holding the text in .jsonl/.parquet/hub datasets."),
     out: Optional[Path] = typer.Option(None, "--out", help="Run folder (new, or one from `kvcalib collect`, or an interrupted search with --resume). Default: artifacts/runs/search-<time>."),
-    budget_bits: float = typer.Option(3.0, help="Memory budget: effective bits per element at --context (bf16 = 16)."),
+    budget_bits: float = typer.Option(3.0, help="Memory budget: effective bits per element at --context (bf16 = 16 on every model, so B bits is 16/B times smaller than the model's bf16 cache)."),
     trials: int = typer.Option(30, help="Finished trials the study should hold (all workers together)."),
     samples: int = typer.Option(8, help="Calibration windows for the statistics (collect phase)."),
     seq_len: int = typer.Option(256, help="Tokens per calibration / scoring window."),
@@ -158,8 +158,9 @@ def search(
     if result.table:
         print(result.table)
     if result.recipe_path is not None:
-        print(f"chosen: trial {result.chosen_trial}, KL {result.kl:.4g} at {result.effective_bits:.3f} effective bits "
-              f"(budget {budget_bits:g}, floor {result.floor_bits:.3f}); {result.n_trials} trials, {result.seconds:.0f} s")
+        print(f"chosen: trial {result.chosen_trial}, KL {result.kl:.4g} at {result.effective_bits:.3f} effective bits, "
+              f"{16.0 / result.effective_bits:.2f}x smaller than bf16 (budget {budget_bits:g}, floor "
+              f"{result.floor_bits:.3f}); {result.n_trials} trials, {result.seconds:.0f} s")
         print(f"recipe: {result.recipe_path}")
     else:
         print(f"no finished trial is within {budget_bits:g} bits yet: run more trials with --resume")

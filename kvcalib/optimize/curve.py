@@ -86,7 +86,6 @@ def write_plan(run: Path, model: str, budgets: list[tuple[str, float]], preset_b
                settings: dict[str, Any], context: int = 4096) -> dict[str, Any]:
     from kvcalib.io import write_json_atomic
 
-
     plan = {"format": "kvcalib-search-curve-plan", "accounting": ACCOUNTING, "model": model, "context": context,
             "budgets": [{"label": label, "budget": b} for label, b in budgets],
             "preset_bits": preset_bits, "settings": settings}

@@ -130,7 +130,7 @@ def at_equal_memory(recipe_bits: float, recipe_score: float | None, other_bits: 
     same = isclose_bits(other_bits, recipe_bits)
     if other_bits < recipe_bits and not same:
         return NOT_COMPARABLE
-    memory = "same bits" if same else f"it holds {other_bits / recipe_bits:.2f}x the memory"
+    memory = "same bits" if same else f"it holds {other_bits / recipe_bits:.3f}x the memory"
     if recipe_score is None or other_score is None:
         return f"comparable ({memory})"
     verdict = "win" if recipe_score < other_score else "loss" if recipe_score > other_score else "tie"

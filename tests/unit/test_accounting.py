@@ -188,8 +188,8 @@ def test_presets_with_fewer_bits_are_not_comparable():
     from kvcalib.optimize.report import NOT_COMPARABLE, at_equal_memory, held_out_rows
 
     assert at_equal_memory(2.656, 0.004, 1.219, 5.6) == NOT_COMPARABLE  # issue 38's gemma3 table
-    assert at_equal_memory(3.0, 4.9, 3.40625, 10.8) == "win (it holds 1.14x the memory)"
-    assert at_equal_memory(3.0, 4.9, 5.34375, 0.12) == "loss (it holds 1.78x the memory)"
+    assert at_equal_memory(3.0, 4.9, 3.40625, 10.8) == "win (it holds 1.135x the memory)"
+    assert at_equal_memory(3.0, 4.9, 5.34375, 0.12) == "loss (it holds 1.781x the memory)"
     assert at_equal_memory(3.0, 1.0, 3.0, 1.0) == "tie (same bits)"
     assert at_equal_memory(3.0, None, 3.0, 1.0) == "comparable (same bits)"
     held = [{"name": "chosen", "effective_bits": 2.656, "ppl_delta_pct": 0.004},
@@ -197,7 +197,7 @@ def test_presets_with_fewer_bits_are_not_comparable():
             {"name": "cheap", "effective_bits": 1.219, "ppl_delta_pct": 5.6}]
     cols, rows = held_out_rows(held, {}, "chosen")
     assert cols[-1] == "chosen vs it"
-    assert [r[-1] for r in rows] == ["chosen", "win (it holds 1.69x the memory)", NOT_COMPARABLE]
+    assert [r[-1] for r in rows] == ["chosen", "win (it holds 1.694x the memory)", NOT_COMPARABLE]
     assert held_out_rows(held, {})[0][-1] == "Δppl %"  # no chosen row: no comparison column
 
 
@@ -219,7 +219,7 @@ def test_curve_marks_a_cheaper_preset_not_comparable(tmp_path):
     target = doc["targets"][0]
     assert target["comparable"] is False and target["met"] is None
     verdicts = {c["preset"]: c["verdict"] for c in doc["comparisons"]}
-    assert verdicts == {"kivi-2": "not comparable (fewer bits)", "fp16": "loss (it holds 4.57x the memory)"}
+    assert verdicts == {"kivi-2": "not comparable (fewer bits)", "fp16": "loss (it holds 4.571x the memory)"}
     md = curve.markdown(doc)
     assert "**not comparable (the preset holds fewer bits)**" in md and "## At equal memory" in md
     # a run planned with the first accounting on a sliding model (fp16 under 16 bits) is refused
@@ -267,7 +267,7 @@ def test_sliding_search_records_accounting_and_compares_at_equal_memory(sliding_
     report = (run / "report.md").read_text()
     assert "i.e. 1.78x smaller than the model's bf16 cache" in report
     assert f"{16 / chosen['effective_bits']:.2f}x smaller than bf16" in report
-    assert f"| fp16 | 16 | 0 | loss (it holds {16 / chosen['effective_bits']:.2f}x the memory) |" in report
+    assert f"| fp16 | 16 | 0 | loss (it holds {16 / chosen['effective_bits']:.3f}x the memory) |" in report
 
 
 def test_export_reads_an_old_search_json_converted(sliding_search, tmp_path):

@@ -115,7 +115,7 @@ def search(
     data: str = typer.Option("embedded", help="Calibration text (--data of `kvcalib collect`); its eval split is used for the held-out proof."),
     text_field: Optional[str] = typer.Option(None, help="Column holding the text in .jsonl/.parquet/hub datasets."),
     out: Optional[Path] = typer.Option(None, "--out", help="Run folder (new, or one from `kvcalib collect`, or an interrupted search with --resume). Default: artifacts/runs/search-<time>."),
-    budget_bits: float = typer.Option(3.0, help="Memory budget: effective bits per element at --context (bf16 = 16)."),
+    budget_bits: float = typer.Option(3.0, help="Memory budget: effective bits per element at --context (bf16 = 16 on every model, so B bits is 16/B times smaller than the model's bf16 cache)."),
     trials: int = typer.Option(30, help="Finished trials the study should hold (all workers together)."),
     samples: int = typer.Option(8, help="Calibration windows for the statistics (collect phase)."),
     seq_len: int = typer.Option(256, help="Tokens per calibration / scoring window."),
@@ -161,8 +161,9 @@ def search(
     if result.table:
         print(result.table)
     if result.recipe_path is not None:
-        print(f"chosen: trial {result.chosen_trial}, KL {result.kl:.4g} at {result.effective_bits:.3f} effective bits "
-              f"(budget {budget_bits:g}, floor {result.floor_bits:.3f}); {result.n_trials} trials, {result.seconds:.0f} s")
+        print(f"chosen: trial {result.chosen_trial}, KL {result.kl:.4g} at {result.effective_bits:.3f} effective bits, "
+              f"{16.0 / result.effective_bits:.2f}x smaller than bf16 (budget {budget_bits:g}, floor "
+              f"{result.floor_bits:.3f}); {result.n_trials} trials, {result.seconds:.0f} s")
         print(f"recipe: {result.recipe_path}")
     else:
         print(f"no finished trial is within {budget_bits:g} bits yet: run more trials with --resume")
@@ -401,8 +402,15 @@ def inspect(
                 ["layer", "K bits", "V bits", "K axis", "K group", "V group", "window", "sinks",
                  "eff. bits"], rows)
     mem = report["memory"]
-    print(f"effective bits per element at {context}: {mem['effective_bits']:.3f} "
-          f"(bf16 = 16.0); KV bytes per sequence: {mem['total_bytes']:,.0f}")
+    print(f"effective bits per element at {context}: {mem['effective_bits']:.3f} (bf16 = 16.0); compression vs "
+          f"the model's bf16 cache ({mem['bf16_bytes']:,.0f} bytes): {mem['compression_ratio']:.2f}x; "
+          f"KV bytes per sequence: {mem['total_bytes']:,.0f}")
+    if mem["held_tokens"] != len(report["layers"]) * context:
+        print(f"sliding-window layers hold only their window: elements counted over the {mem['held_tokens']:,} "
+              f"tokens the {len(report['layers'])} layers hold, not {len(report['layers'])} x {context}")
+    if report["recorded_bits_factor"] != 1.0:
+        print(f"note: the bits this recipe records (provenance) were counted the old way ({report['recorded_accounting']}: "
+              f"every layer at {context} tokens); multiply them by {report['recorded_bits_factor']:.4f} to compare")
     print("bytes by component: " + ", ".join(f"{k} {v:,.0f}" for k, v in mem["components"].items()))
     from kvcalib.inspect import method_lines
 
@@ -441,8 +449,9 @@ def _inspect_diff(a: str, b: str, model: Optional[str], context: int, as_json: b
     else:
         print(f"{na} and {nb} have the same configuration and fitted tensors in all {report['num_layers']} layers.")
     s = report["summary"]
-    print(f"effective bits at {context}: {na} {report['a']['effective_bits']:.3f}, {nb} "
-          f"{report['b']['effective_bits']:.3f} (delta {s['effective_bits_delta']:+.3f}); "
+    print(f"effective bits at {context}: {na} {report['a']['effective_bits']:.3f} "
+          f"({report['a']['compression_ratio']:.2f}x vs bf16), {nb} {report['b']['effective_bits']:.3f} "
+          f"({report['b']['compression_ratio']:.2f}x) (delta {s['effective_bits_delta']:+.3f}); "
           f"differing layers: {s['differing_layers']}, identical: {s['identical_layers']}")
     if s["fields"]:
         print("layers differing by field: " + ", ".join(f"{k} {v}" for k, v in s["fields"].items()))

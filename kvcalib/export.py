@@ -142,7 +142,11 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
                         force: bool = False) -> tuple[Recipe, dict]:
     """Pick another point of a finished ``kvcalib search`` (``RUN_DIR/search.json``) without searching:
     the lowest-KL complete trial at or under ``budget_bits``, or trial number ``trial``. Its recipe
-    tensors are refitted from ``RUN_DIR``'s statistics exactly as the search fitted them."""
+    tensors are refitted from ``RUN_DIR``'s statistics exactly as the search fitted them.
+
+    ``budget_bits`` is in today's accounting (``kvcalib.layout.ACCOUNTING``); a ``search.json``
+    written before it (every layer counted at the full context) is read converted
+    (:func:`kvcalib.optimize.current_accounting`), so the same budget means the same memory."""
     from kvcalib.optimize.objective import SearchObjective
     from kvcalib.optimize.space import Point, SearchSpace
     from kvcalib.optimize.study import choose
@@ -160,17 +164,18 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise KvcalibError(f"{path} is not readable JSON ({err}): run the search again with --resume.") from None
+    from kvcalib.optimize import current_accounting, search_provenance
+
+    stats = CollectedStats.load(run_dir)
+    doc = current_accounting(doc, stats.model.sliding_window)
     record = choose(doc["trials"], budget_bits, trial)
     space = SearchSpace.from_dict(doc["space"])
-    stats = CollectedStats.load(run_dir)
     p = record["point"]
     point = Point.from_dict(p, space)  # old search.json files (no schedule) read as schedule "none"
     import torch
 
     objective = SearchObjective(None, stats.model, stats, torch.zeros(1, 2, dtype=torch.long),
                                 context=int(doc["context"]), seed=int(doc["config"]["seed"]))
-    from kvcalib.optimize import search_provenance
-
     name = f"{stats.model.name}-search-trial{record['number']}"
     recipe = objective.recipe(point, name, provenance=search_provenance(doc, record))
     bits = recipe.memory(stats.model, int(doc["context"])).effective_bits

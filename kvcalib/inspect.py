@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from kvcalib.models import DEFAULT_MODEL, ModelInfo
-from kvcalib.layout import layer_bytes
+from kvcalib.layout import ACCOUNTING, held_elements, held_tokens, layer_bytes, legacy_bits_factor
 from kvcalib.recipe import Recipe, resolve_recipe
 
 
@@ -31,7 +31,7 @@ def _model_info_for(recipe: Recipe, model: str | None) -> ModelInfo:
 
 
 def _method_sections(recipe: Recipe, info: ModelInfo, context: int, layers: list[dict[str, Any]],
-                     elements_per_layer: int) -> dict[str, Any]:
+                     elements_per_layer: list[int]) -> dict[str, Any]:
     """Each registered method's own report section (``Method.inspect``), keyed by its name."""
     from kvcalib.methods import registry
 
@@ -50,12 +50,10 @@ def inspect_recipe(spec: str, model: str | None = None, context: int = 4096) -> 
     recipe = resolve_recipe(spec)
     info = _model_info_for(recipe, model)
     recipe.check_model(info)
-    layers = []
-    elements_per_layer = 2 * info.num_kv_heads * info.head_dim * context
-    for i, cfg in enumerate(recipe.layer_configs(info.num_layers)):
-        nbytes = sum(layer_bytes(cfg, info.num_kv_heads, info.head_dim, context, info.sliding_window[i]).values())
-        layers.append({"layer": i, **cfg.to_dict(), "sliding_window": info.sliding_window[i],
-                       "effective_bits": 8.0 * nbytes / elements_per_layer})
+    elements_per_layer = _layer_elements(info, context)
+    layers = [{"layer": i, **cfg.to_dict(), "sliding_window": info.sliding_window[i],
+               "held_tokens": held_tokens(context, info.sliding_window[i]), "effective_bits": bits}
+              for i, (cfg, bits) in enumerate(zip(recipe.layer_configs(info.num_layers), _layer_bits(recipe, info, context)))]
     mem = recipe.memory(info, context)
     return {
         "name": recipe.name,
@@ -64,7 +62,13 @@ def inspect_recipe(spec: str, model: str | None = None, context: int = 4096) -> 
         "context": context,
         "layers": layers,
         "memory": {"effective_bits": mem.effective_bits, "total_bytes": mem.total_bytes,
+                   "compression_ratio": mem.compression_ratio, "bf16_bytes": mem.bf16_bytes,
+                   "held_tokens": sum(r["held_tokens"] for r in layers), "accounting": ACCOUNTING,
                    "components": mem.components},
+        # how the bits the provenance records were counted; the factor turns them into this accounting
+        "recorded_accounting": recipe.accounting,
+        "recorded_bits_factor": (1.0 if recipe.accounting == ACCOUNTING
+                                 else legacy_bits_factor(context, info.sliding_window)),
         **_method_sections(recipe, info, context, layers, elements_per_layer),
         "tensors": {k: list(v.shape) for k, v in recipe.tensors.items()},
         "provenance": recipe.provenance,
@@ -134,11 +138,17 @@ def _fitted(recipe: Recipe, layer: int) -> list[str]:
     return sorted(name[len(prefix):] for name in recipe.tensors if name.startswith(prefix))
 
 
+def _layer_elements(info: ModelInfo, context: int) -> list[int]:
+    """K/V elements each layer holds at ``context`` (a sliding layer its window): the denominator of
+    its effective bits, as the whole cache's (:func:`~kvcalib.layout.held_elements`)."""
+    return [held_elements(info.num_kv_heads, info.head_dim, context, [w]) for w in info.sliding_window]
+
+
 def _layer_bits(recipe: Recipe, info: ModelInfo, context: int) -> list[float]:
-    """Effective bits per element of each layer at ``context`` (payload, scales, full-precision parts)."""
-    per_layer = 2 * info.num_kv_heads * info.head_dim * context
-    return [8.0 * sum(layer_bytes(cfg, info.num_kv_heads, info.head_dim, context, info.sliding_window[i]).values()) / per_layer
-            for i, cfg in enumerate(recipe.layer_configs(info.num_layers))]
+    """Effective bits per element of each layer at ``context`` (payload, scales, full-precision
+    parts) over the tokens the layer holds: 16.0 for a bf16 layer, sliding or not."""
+    return [8.0 * sum(layer_bytes(cfg, info.num_kv_heads, info.head_dim, context, info.sliding_window[i]).values()) / elements
+            for i, (cfg, elements) in enumerate(zip(recipe.layer_configs(info.num_layers), _layer_elements(info, context)))]
 
 
 def diff_recipes(a: str | Recipe, b: str | Recipe, model: str | None = None, context: int = 4096) -> dict[str, Any]:
@@ -176,9 +186,12 @@ def diff_recipes(a: str | Recipe, b: str | Recipe, model: str | None = None, con
                        if ra.provenance.get(k) != rb.provenance.get(k))
     return {
         "a": {"name": ra.name, "model": ra.model.name if ra.model else None, "effective_bits": mem_a.effective_bits,
-              "total_bytes": mem_a.total_bytes, "origin": provenance_summary(ra.provenance)},
+              "compression_ratio": mem_a.compression_ratio, "total_bytes": mem_a.total_bytes,
+              "origin": provenance_summary(ra.provenance)},
         "b": {"name": rb.name, "model": rb.model.name if rb.model else None, "effective_bits": mem_b.effective_bits,
-              "total_bytes": mem_b.total_bytes, "origin": provenance_summary(rb.provenance)},
+              "compression_ratio": mem_b.compression_ratio, "total_bytes": mem_b.total_bytes,
+              "origin": provenance_summary(rb.provenance)},
+        "accounting": ACCOUNTING,
         "model": info.name,
         "context": context,
         "num_layers": info.num_layers,

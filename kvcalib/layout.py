@@ -10,7 +10,17 @@ the recipe format, the runtime and the offline phases all read it, and it reads 
 - :func:`layer_bytes`: bytes one sequence's K and V of one layer hold, by component, with the
   packed blocks at the bits of the stored tier their age puts them in (one tier without a
   position-adaptive schedule).
-- :class:`MemoryBreakdown`: the whole cache at context T, and its effective bits per element.
+- :func:`held_tokens` / :func:`held_elements`: the tokens a layer must hold at context T (a
+  sliding-window layer only its window) and the K/V elements a bf16 cache of the model holds.
+- :class:`MemoryBreakdown`: the whole cache at context T, its effective bits per element and its
+  compression against the model's own bf16 cache.
+
+Memory accounting (:data:`ACCOUNTING`): effective bits = 8 x bytes held / (2 x kv_heads x
+head_dim x sum over layers of the tokens the layer holds), so bf16 is 16.0 on every model and a
+number of bits means the same compression everywhere (16 / bits). The first accounting
+(:data:`LEGACY_ACCOUNTING`) divided by 2 x layers x kv_heads x head_dim x T, counting tokens a
+sliding-window layer never holds: bf16 read 4.33 on gemma3-270m at 4096 (issue 38). On a model
+without sliding layers, or at a context within every window, the two are the same number.
 """
 
 from __future__ import annotations
@@ -25,6 +35,11 @@ VALID_BITS = (2, 4, 8, 16)  # 16 = kept in full precision (not quantized)
 KEY_AXES = ("channel", "token")  # keys per channel over token groups (KIVI) or per token
 FP_BITS = 16  # full-precision segments are accounted at 16 bits, as stored on GPU (bf16/fp16)
 SCALE_BYTES = 2  # scales and zero-points are float16
+
+# How a number of effective bits was accounted (recorded in recipes, search.json and result files).
+ACCOUNTING = "held-tokens"  # denominator: the tokens each layer holds (sliding layers their window)
+LEGACY_ACCOUNTING = "all-layers-at-context"  # the first one: every layer counted at T (before issue 38)
+ACCOUNTINGS = (ACCOUNTING, LEGACY_ACCOUNTING)
 
 # A stored tier: (first age in tokens, k_bits, v_bits). Packed blocks move to later tiers as
 # they age (PATS); without a schedule a layer has the one tier (window, k_bits, v_bits).
@@ -119,12 +134,33 @@ class LayerConfig:
             raise RecipeError(f"recipe field {where}: {err}") from None
 
 
+def held_tokens(context: int, sliding: int | None) -> int:
+    """Tokens a layer must hold after ``context`` tokens: all of them, or a sliding-window
+    layer's last ``sliding``."""
+    return context if sliding is None else min(context, sliding)
+
+
+def held_elements(heads: int, head_dim: int, context: int, windows: Sequence[int | None]) -> int:
+    """K and V elements one sequence's bf16 cache holds at ``context``: 2 x heads x head_dim x
+    the sum over layers (``windows``: each layer's sliding window or None) of :func:`held_tokens`.
+    The denominator of effective bits (:data:`ACCOUNTING`)."""
+    return 2 * heads * head_dim * sum(held_tokens(context, w) for w in windows)
+
+
+def legacy_bits_factor(context: int, windows: Sequence[int | None]) -> float:
+    """Multiply a number of effective bits of :data:`LEGACY_ACCOUNTING` by this to get the same
+    bytes in :data:`ACCOUNTING` (the bytes are the same; only the denominator changed):
+    layers x T / sum of held tokens. Exactly 1.0 when every layer holds all ``context`` tokens."""
+    held = sum(held_tokens(context, w) for w in windows)
+    return 1.0 if held == len(windows) * context else len(windows) * context / held
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes one sequence's cache holds at context T, by component (all layers, K and V)."""
 
     context: int
-    elements: int  # 2 * layers * kv_heads * head_dim * T
+    elements: int  # K/V elements the model's bf16 cache holds at T: :func:`held_elements`
     components: dict[str, float]
 
     @property
@@ -133,8 +169,18 @@ class MemoryBreakdown:
 
     @property
     def effective_bits(self) -> float:
-        """8 x bytes / elements (docs/design.md); bf16 everywhere is 16.0."""
+        """8 x bytes / elements held (:data:`ACCOUNTING`); bf16 is 16.0 on every model."""
         return 8.0 * self.total_bytes / self.elements
+
+    @property
+    def bf16_bytes(self) -> float:
+        """Bytes of the model's own bf16 cache at the same context (sliding layers their window)."""
+        return float(self.elements * FP_BITS // 8)
+
+    @property
+    def compression_ratio(self) -> float:
+        """How many times smaller than the model's bf16 cache (16 / effective bits)."""
+        return self.bf16_bytes / self.total_bytes
 
 
 def quantized_token_count(cfg: LayerConfig, t: int) -> int:
@@ -179,7 +225,7 @@ def layer_bytes(cfg: LayerConfig, heads: int, head_dim: int, t: int, sliding: in
     hold one pair per channel per ``k_group`` tokens; per-token layouts one pair per group of
     channels per token).
     """
-    kept = t if sliding is None else min(t, sliding)
+    kept = held_tokens(t, sliding)
     fp_bytes = FP_BITS // 8
     hd = heads * head_dim
     tiers = list(tiers) if tiers else [(cfg.window, cfg.k_bits, cfg.v_bits)]

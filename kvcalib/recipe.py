@@ -5,7 +5,9 @@ Layout (no pickle)::
     tensors   layers.{i}.{k|v}.{name}   fitted state (permutations, clip scales, codebooks...)
     metadata  "kvcalib_recipe": JSON document
               {
-                "format": "kvcalib-recipe", "schema_version": 1,
+                "format": "kvcalib-recipe", "schema_version": 2,
+                "accounting": "held-tokens" (how the effective bits the provenance records
+                              were counted: kvcalib.layout.ACCOUNTING),
                 "name": str,
                 "model": ModelInfo dict or null (null = a model-agnostic preset),
                 "layers": [LayerConfig dict, ...] (one per layer), or
@@ -15,6 +17,11 @@ Layout (no pickle)::
 
 Loading validates every field and fails with :class:`RecipeError` naming the field and the value
 expected. A fitted recipe is refused for a model whose geometry or config hash differs.
+
+Schema 1 (before issue 38) had no ``accounting`` field: its provenance numbers (``effective_bits``,
+``budget_bits``) were counted with :data:`~kvcalib.layout.LEGACY_ACCOUNTING`, and it still loads
+with that accounting. ``Recipe.memory`` always counts with the current accounting; ``accounting``
+only says what the recorded numbers mean.
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ import torch
 from kvcalib.codec import LayerCodec
 from kvcalib.errors import KvcalibError, RecipeError
 from kvcalib.io import read_safetensors_document
-from kvcalib.layout import LayerConfig, MemoryBreakdown, layer_bytes, quantized_token_count
+from kvcalib.layout import (ACCOUNTING, ACCOUNTINGS, LEGACY_ACCOUNTING, LayerConfig, MemoryBreakdown, held_elements,
+                            held_tokens, layer_bytes, quantized_token_count)
 from kvcalib.models import ModelInfo
 
 RECIPE_FORMAT = "kvcalib-recipe"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READ_VERSIONS = (1, 2)  # 1: no "accounting" field (read as LEGACY_ACCOUNTING)
 METADATA_KEY = "kvcalib_recipe"
 
 
@@ -48,10 +57,15 @@ class Recipe:
     model: ModelInfo | None = None  # None: model-agnostic preset
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
+    # how the effective bits in ``provenance`` were counted (kvcalib.layout.ACCOUNTINGS); a copy of
+    # a recipe keeps its provenance, so it keeps this too
+    accounting: str = ACCOUNTING
 
     def __post_init__(self) -> None:
         if (self.layers is None) == (self.default_layer is None):
             raise RecipeError("a recipe needs exactly one of `layers` (fitted) or `default_layer` (preset)")
+        if self.accounting not in ACCOUNTINGS:
+            raise RecipeError(f"recipe accounting must be one of {ACCOUNTINGS}, got {self.accounting!r}")
 
     @property
     def is_preset(self) -> bool:
@@ -125,12 +139,14 @@ class Recipe:
         Per layer: :func:`~kvcalib.layout.layer_bytes` over the tokens the layer keeps (a sliding
         layer its window), each packed block at the bits of its stored tier (PATS), plus what
         every method state adds (``MethodState.bytes``: TaDA means, OTT pools and masks...);
-        fitted tensors the runtime reads are amortised as ``recipe_state``.
+        fitted tensors the runtime reads are amortised as ``recipe_state``. The elements are
+        those the model's bf16 cache holds (:func:`~kvcalib.layout.held_elements`), so the fp16
+        preset is 16.0 bits on every model.
         """
         comps: dict[str, float] = {}
         for i, (cfg, codec) in enumerate(zip(self.layer_configs(info.num_layers), self.codecs(info))):
             window = info.sliding_window[i]
-            kept = context if window is None else min(context, window)
+            kept = held_tokens(context, window)
             parts = [layer_bytes(cfg, info.num_kv_heads, info.head_dim, context, window, codec.tiers)]
             packed = quantized_token_count(cfg, kept)
             parts += [state.bytes(cfg, info.num_kv_heads, info.head_dim, kept, packed)
@@ -140,14 +156,14 @@ class Recipe:
                     comps[key] = comps.get(key, 0.0) + val
         for name, tensor in self.tensors.items():  # fitted state read at decode time, amortised
             comps["recipe_state"] = comps.get("recipe_state", 0.0) + tensor.numel() * tensor.element_size()
-        elements = 2 * info.num_layers * info.num_kv_heads * info.head_dim * context
-        return MemoryBreakdown(context, elements, comps)
+        return MemoryBreakdown(context, held_elements(info.num_kv_heads, info.head_dim, context, info.sliding_window), comps)
 
     # ------------------------------------------------------------------ file I/O
     def metadata(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "format": RECIPE_FORMAT,
             "schema_version": SCHEMA_VERSION,
+            "accounting": self.accounting,
             "name": self.name,
             "model": self.model.to_dict() if self.model else None,
             "provenance": self.provenance,
@@ -175,12 +191,20 @@ class Recipe:
             raise RecipeError(f"{where}: the recipe document must be a JSON object")
         if doc.get("format") != RECIPE_FORMAT:
             raise RecipeError(f"{where}: field format is {doc.get('format')!r}, expected {RECIPE_FORMAT!r}")
-        if doc.get("schema_version") != SCHEMA_VERSION:
+        version = doc.get("schema_version")
+        if isinstance(version, bool) or version not in READ_VERSIONS:
             raise RecipeError(
-                f"{where}: field schema_version is {doc.get('schema_version')!r}, this kvcalib reads "
-                f"{SCHEMA_VERSION}: re-export the recipe with this version"
+                f"{where}: field schema_version is {version!r}, this kvcalib reads "
+                f"{' or '.join(map(str, READ_VERSIONS))}: re-export the recipe with this version"
             )
         allowed = {"format", "schema_version", "name", "model", "provenance", "layers", "default_layer"}
+        if version >= 2:
+            allowed.add("accounting")
+            accounting = doc.get("accounting")
+            if accounting not in ACCOUNTINGS:
+                raise RecipeError(f"{where}: field accounting is {accounting!r}, expected one of {list(ACCOUNTINGS)}")
+        else:
+            accounting = LEGACY_ACCOUNTING
         unknown = sorted(set(doc) - allowed)
         if unknown:
             raise RecipeError(f"{where}: unknown fields {unknown}; allowed: {sorted(allowed)}")
@@ -206,10 +230,11 @@ class Recipe:
             layers = [LayerConfig.from_dict(d, f"layers[{i}]") for i, d in enumerate(doc["layers"])]
             if model is not None and len(layers) != model.num_layers:
                 raise RecipeError(f"{where}: field layers has {len(layers)} entries, expected model.num_layers = {model.num_layers}")
-            recipe = cls(name=name, layers=layers, model=model, tensors=tensors, provenance=provenance)
+            recipe = cls(name=name, layers=layers, model=model, tensors=tensors, provenance=provenance,
+                         accounting=accounting)
         else:
             recipe = cls(name=name, default_layer=LayerConfig.from_dict(doc["default_layer"], "default_layer"),
-                         model=model, tensors=tensors, provenance=provenance)
+                         model=model, tensors=tensors, provenance=provenance, accounting=accounting)
         for key, tensor in tensors.items():
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise RecipeError(f"{where}: tensor {key} holds NaN or inf; re-export the recipe")
@@ -275,7 +300,7 @@ def with_layers(recipe: Recipe, num_layers: int, **changes: Any) -> Recipe:
     """A fitted-style copy with one explicit LayerConfig per layer (changes applied to all)."""
     layers = [replace(c, **changes) for c in recipe.layer_configs(num_layers)]
     return Recipe(name=recipe.name, layers=layers, model=recipe.model, tensors=dict(recipe.tensors),
-                  provenance=dict(recipe.provenance))
+                  provenance=dict(recipe.provenance), accounting=recipe.accounting)
 
 
 def isclose_bits(a: float, b: float) -> bool:

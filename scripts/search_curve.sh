@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # Issue 5's curve benchmark: searched recipes at several memory budgets against the presets, on
-# held-out perplexity. For MODEL (an embedded alias: smollm2-135m, qwen2.5-coder-0.5b):
+# held-out perplexity. For MODEL (an embedded alias: smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m):
+#
+#   Effective bits count the tokens each layer holds (a sliding-window layer its window), so bf16
+#   is 16 and a budget B is 16/B times smaller than the model's bf16 cache on every model; the
+#   report compares each searched point with a preset only at the same or more bits (a cheaper
+#   preset is "not comparable (fewer bits)").
 #
 #   1. budgets: KIVI-2's and KIVI-4's effective bits exactly, per-token-4's, 3.0, 4.0 and just
 #      above the floor of the search space (python -m kvcalib.optimize.curve plan);

@@ -43,7 +43,7 @@ from kvcalib.methods.huffman import (SIDES, Key, StreamLayout, add_codebooks,
                                          symbol_entropy)
 from kvcalib.errors import KvcalibError
 from kvcalib.quant.huffman import build_codebook, symbol_histogram
-from kvcalib.layout import LayerConfig, quantized_token_count
+from kvcalib.layout import LayerConfig, held_tokens, quantized_token_count
 from kvcalib.recipe import Recipe
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -289,7 +289,7 @@ def _with_books(recipe: Recipe, books: dict[Key, Any]) -> Recipe:
     for (i, side), cb in books.items():
         tensors[tensor_name(i, side)] = cb.lengths.clone()
     return Recipe(name=recipe.name, layers=recipe.layers, default_layer=recipe.default_layer, model=recipe.model,
-                  tensors=tensors, provenance=recipe.provenance)
+                  tensors=tensors, provenance=recipe.provenance, accounting=recipe.accounting)
 
 
 def _entropy_bound(uncoded, info: "ModelInfo", configs: list[LayerConfig], entropies: dict[Key, float],
@@ -300,8 +300,7 @@ def _entropy_bound(uncoded, info: "ModelInfo", configs: list[LayerConfig], entro
     saved = 0.0
     for (i, side), ent in entropies.items():
         cfg = configs[i]
-        kept = context if info.sliding_window[i] is None else min(context, info.sliding_window[i])
-        nq = quantized_token_count(cfg, kept)
+        nq = quantized_token_count(cfg, held_tokens(context, info.sliding_window[i]))
         bits = cfg.k_bits if side == "k" else cfg.v_bits
         saved += nq * info.num_kv_heads * info.head_dim * max(bits - ent, 0.0) / 8
     return 8.0 * (uncoded.total_bytes - saved) / uncoded.elements

@@ -15,7 +15,9 @@ exactly those inputs. Per recipe:
 - ``gsm8k``: :mod:`kvcalib.eval.gsm8k`, only when asked (``gsm8k_fp`` likewise).
 - ``effective_bits`` and ``kv_bytes``: ``Recipe.memory(info, context_len)``, i.e. the accounted
   bytes of K and V for **one sequence** at ``context_len`` tokens (DESIGN.md, memory
-  accounting; bf16 = 16.0 bits), independent of the lengths used for the quality metrics.
+  accounting; bf16 = 16.0 bits on every model: a sliding-window layer counts the tokens it holds),
+  independent of the lengths used for the quality metrics; ``compression_ratio`` against the
+  model's own bf16 cache beside it, and ``accounting`` naming how the bits were counted.
 
 Randomness: ``torch.manual_seed(seed)`` once; data seeds derive from ``seed`` (windows ``seed``,
 agreement prompts ``seed + 1``, passkey ``seed + 2``).
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from kvcalib.errors import KvcalibError
+from kvcalib.layout import ACCOUNTING
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -164,6 +167,8 @@ class EvalResult:
     context_len: int
     effective_bits: float  # at context_len, per sequence
     kv_bytes: float  # K and V bytes of one sequence at context_len
+    compression_ratio: float | None = None  # the model's bf16 cache bytes / kv_bytes, at context_len
+    accounting: str = ACCOUNTING  # how effective_bits was counted (kvcalib.layout.ACCOUNTINGS)
     ppl: float | None = None
     ppl_fp: float | None = None
     ppl_delta_pct: float | None = None
@@ -296,7 +301,8 @@ def evaluate(config: EvalConfig, loaded: "LoadedModel | None" = None) -> list[Ev
                 t0 = time.perf_counter()
                 mem = recipe.memory(info, config.context_len)
                 res = EvalResult(name=name, recipe=_spec(spec), context_len=config.context_len,
-                                 effective_bits=mem.effective_bits, kv_bytes=mem.total_bytes)
+                                 effective_bits=mem.effective_bits, kv_bytes=mem.total_bytes,
+                                 compression_ratio=mem.compression_ratio)
                 configs = recipe.layer_configs(info.num_layers)
                 codecs = build_codecs(recipe, configs)
                 _score_recipe(config, model, tok, inputs, fp, recipe, configs, codecs, res, steps, name)

@@ -462,7 +462,9 @@ class Method(abc.ABC):
     # ------------------------------------------------------------------ kvcalib inspect
     #: ``inspect(recipe, info, context, layers, elements_per_layer) -> dict | None``: this method's
     #: section of the inspect report (None: the recipe does not use it); may add per-layer fields
-    #: to ``layers``. A method without a section leaves it None here.
+    #: to ``layers``. ``elements_per_layer[i]``: the K/V elements layer i holds at ``context`` (the
+    #: denominator of its effective bits; a sliding layer holds its window only). A method without
+    #: a section leaves it None here.
     inspect: ClassVar[Any] = None
 
     @classmethod

@@ -110,7 +110,7 @@ import numpy as np
 import torch
 
 from kvcalib.errors import RecipeError
-from kvcalib.layout import LayerConfig, MemoryBreakdown, quantized_token_count
+from kvcalib.layout import LayerConfig, MemoryBreakdown, held_tokens, quantized_token_count
 from kvcalib.methods.base import (CalibrationError, FitContext, Flag, LayerGeometry, Method, TensorSpec,
                                   reservoir_to_bhtd)
 from kvcalib.models import ModelInfo
@@ -787,8 +787,7 @@ def entropy_memory(recipe: Recipe, info: ModelInfo, bits_per_symbol: Mapping[Key
     for (i, side), cb in sorted(books.items()):
         cfg = configs[i]
         bits = _side_bits(cfg, side)
-        kept = context if info.sliding_window[i] is None else min(context, info.sliding_window[i])
-        nq = quantized_token_count(cfg, kept)
+        nq = quantized_token_count(cfg, held_tokens(context, info.sliding_window[i]))
         raw = nq * info.num_kv_heads * info.head_dim * bits / 8
         est = side_coded_bytes(nq, info.num_kv_heads, info.head_dim, bits, bits_per_symbol[(i, side)], layout)
         table = float(_TABLE_ENTRY_BYTES * (1 << int(cb.lengths.max()))) if nq else 0.0
@@ -812,9 +811,10 @@ def entropy_memory(recipe: Recipe, info: ModelInfo, bits_per_symbol: Mapping[Key
 
 
 def inspect_section(recipe: Recipe, info: ModelInfo, context: int, layers: list[dict[str, Any]],
-                    elements_per_layer: int) -> dict[str, Any] | None:
+                    elements_per_layer: list[int]) -> dict[str, Any] | None:
     """Per-layer bits/symbol and coded effective bits (added to ``layers`` in place) and the coded
-    memory of a recipe with codebooks; None without."""
+    memory of a recipe with codebooks; None without. ``elements_per_layer[i]``: the K/V elements
+    layer i holds at ``context`` (a sliding layer its window)."""
     configs = recipe.layer_configs(info.num_layers)
     bits, source = codebook_bits(recipe, configs)  # validates the codebooks (RecipeError)
     if not bits:
@@ -834,7 +834,7 @@ def inspect_section(recipe: Recipe, info: ModelInfo, context: int, layers: list[
         i = row["layer"]
         row["k_huffman_bits"] = bits.get((i, "k"))
         row["v_huffman_bits"] = bits.get((i, "v"))
-        row["coded_effective_bits"] = row["effective_bits"] + 8.0 * delta[i] / elements_per_layer
+        row["coded_effective_bits"] = row["effective_bits"] + 8.0 * delta[i] / elements_per_layer[i]
     return {
         "estimate": source,
         "coded_sides": len(bits),
@@ -978,7 +978,7 @@ class HuffmanMethod(Method):
 
     @classmethod
     def inspect(cls, recipe: Recipe, info: ModelInfo, context: int, layers: list[dict[str, Any]],
-                elements_per_layer: int) -> dict[str, Any] | None:
+                elements_per_layer: list[int]) -> dict[str, Any] | None:
         return inspect_section(recipe, info, context, layers, elements_per_layer)
 
     @classmethod

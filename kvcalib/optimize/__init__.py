@@ -12,6 +12,9 @@ Phases, all into one run folder (never overwritten; ``resume`` continues it):
 4. outputs: ``search.json`` (every trial), ``recipe.safetensors`` (lowest KL at or under the
    budget), ``pareto.png``, ``bits_per_layer.png``, ``report.md`` (:mod:`.report`); they record
    the run folder and storage without machine paths, and the command line (:mod:`.provenance`);
+   ``search.json`` (version 2) names its memory accounting (``kvcalib.layout.ACCOUNTING``: bf16 is
+   16 bits on every model, so a budget means the same compression, 16 / budget, everywhere);
+   :func:`current_accounting` reads a version-1 file's numbers in today's accounting;
 5. held-out proof: :func:`kvcalib.eval.harness.evaluate` (ppl) of the chosen recipe and the
    presets on the evaluation split.
 
@@ -32,7 +35,10 @@ from typing import Any, Callable, Sequence
 from kvcalib.errors import KvcalibError
 from kvcalib.optimize.space import Point, SearchSpace, SpaceError
 
-__all__ = ["SearchConfig", "SearchResult", "SearchSpace", "Point", "SpaceError", "search", "search_with"]
+__all__ = ["SearchConfig", "SearchResult", "SearchSpace", "Point", "SpaceError", "current_accounting", "search",
+           "search_with"]
+
+SEARCH_VERSION = 2  # 2: the "accounting" field (issue 38); 1: every layer counted at the full context
 
 PRESETS = ("kivi-2", "kivi-4", "pertoken-4")
 
@@ -192,6 +198,7 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     document (also written to ``run_dir``), with ``recipe.safetensors``, plots and ``report.md``."""
     from kvcalib import __version__
     from kvcalib.io import write_json_atomic
+    from kvcalib.layout import ACCOUNTING, legacy_bits_factor
     from kvcalib.optimize import report, study as st
     from kvcalib.optimize.objective import SearchObjective
     from kvcalib.optimize.provenance import describe_storage, display_path
@@ -217,7 +224,8 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     warm_n = 5
     study = st.open_study(url, config.study, space, n, sampler=st.make_sampler(config.seed, config.budget_bits, warm_n),
                           pruner=st.make_pruner(objective.n_sequences),
-                          must_exist=config.resume and default_storage)
+                          must_exist=config.resume and default_storage,
+                          legacy_same=legacy_bits_factor(config.context, info.sliding_window) == 1.0)
     # an interrupted run's unfinished trials run again; RUNNING ones only in a study we own
     recovered = st.recover_interrupted(study, running=default_storage) if (config.resume or not default_storage) else []
     sensitivity = study.user_attrs.get("sensitivity")
@@ -262,7 +270,7 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     except KvcalibError:
         chosen = None
     doc: dict[str, Any] = {
-        "format": "kvcalib-search", "version": 1, "kvcalib_version": __version__,
+        "format": "kvcalib-search", "version": SEARCH_VERSION, "accounting": ACCOUNTING, "kvcalib_version": __version__,
         "run_dir": display_path(run_dir), "command": config.command,
         "config": config.to_dict(), "model": info.to_dict(), "space": space.to_dict(),
         "study": config.study, "storage": describe_storage(config.storage), "budget_bits": config.budget_bits,
@@ -290,7 +298,8 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
         recipe.save(run_dir / "recipe.safetensors")
         doc["recipe"], doc["recipe_name"] = "recipe.safetensors", name
         report.plot_bits_per_layer(chosen["point"], sensitivity, run_dir / "bits_per_layer.png")
-    report.plot_pareto(records, front, presets, config.budget_bits, doc["chosen"], run_dir / "pareto.png")
+    report.plot_pareto(records, front, presets, config.budget_bits, doc["chosen"], run_dir / "pareto.png",
+                       context=config.context)
     write_json_atomic(run_dir / "search.json", doc)
     report.write_report(doc, run_dir / "report.md")
     return doc
@@ -361,6 +370,44 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
+def current_accounting(doc: dict[str, Any], sliding_window: Sequence[int | None] | None = None) -> dict[str, Any]:
+    """``doc`` (a ``search.json`` document) with every effective-bits number in today's accounting
+    (``kvcalib.layout.ACCOUNTING``). A version-1 file counted every layer at the full context; its
+    bytes are the same, so its numbers convert exactly by ``legacy_bits_factor`` (1.0, and ``doc``
+    unchanged but for the field, on a model without sliding-window layers). ``sliding_window``:
+    the model's per-layer windows (default: the document's ``model``). A converted copy says so in
+    ``accounting_converted``."""
+    import copy
+
+    from kvcalib.layout import ACCOUNTING, ACCOUNTINGS, LEGACY_ACCOUNTING, legacy_bits_factor
+
+    accounting = doc.get("accounting", LEGACY_ACCOUNTING)
+    if accounting == ACCOUNTING:
+        return doc
+    if accounting not in ACCOUNTINGS:
+        raise KvcalibError(f"search.json names accounting {accounting!r}, which this kvcalib does not know "
+                           f"({', '.join(ACCOUNTINGS)}): use the kvcalib that wrote it, or search again.")
+    windows = sliding_window if sliding_window is not None else (doc.get("model") or {}).get("sliding_window")
+    if windows is None:
+        raise KvcalibError("search.json records no model geometry to convert its effective bits: search again.")
+    factor = legacy_bits_factor(int(doc["context"]), windows)
+    out = copy.deepcopy(doc)
+    out["accounting"] = ACCOUNTING
+    if factor == 1.0:
+        return out
+
+    def scale(v: Any) -> Any:
+        return v * factor if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+    for key in ("budget_bits", "floor_bits"):
+        out[key] = scale(out.get(key))
+    for rows in (out.get("trials") or [], out.get("presets") or [], out.get("held_out") or []):
+        for row in rows:
+            row["effective_bits"] = scale(row.get("effective_bits"))
+    out["accounting_converted"] = {"from": accounting, "factor": factor}
+    return out
+
+
 def search_provenance(doc: dict[str, Any], chosen: dict[str, Any]) -> dict[str, Any]:
     """What a searched recipe records about its origin (also for ``kvcalib export --trial``;
     ``doc`` may be a ``search.json`` written before ``run_dir``/``command`` existed)."""
@@ -377,7 +424,8 @@ def search_provenance(doc: dict[str, Any], chosen: dict[str, Any]) -> dict[str, 
             "objective_value": chosen["kl"], "effective_bits": chosen["effective_bits"], "trial": chosen["number"],
             "trials": len(doc["trials"]), "budget_bits": doc["budget_bits"], "context": doc["context"],
             "study": doc["study"], "storage": storage, "run": doc.get("run_dir"), "command": doc.get("command"),
-            "schedule": (chosen.get("point") or {}).get("schedule", "none")}
+            "schedule": (chosen.get("point") or {}).get("schedule", "none"),
+            **({"accounting_converted": doc["accounting_converted"]} if doc.get("accounting_converted") else {})}
 
 
 def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> SearchResult:

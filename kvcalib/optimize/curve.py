@@ -13,8 +13,14 @@ against the presets, on held-out perplexity. ``scripts/search_curve.sh MODEL`` d
    ``kvcalib eval`` call (identical held-out inputs) into ``RUN/eval.json``;
 3. ``python -m kvcalib.optimize.curve report --run RUN`` (:func:`write_curve`) writes
    ``search-curve-<model>.json``, ``.png`` (held-out ppl delta vs effective bits: the searched
-   points as a line, presets as marked points) and ``.md`` (the table and the issue's targets,
-   met or not) into ``artifacts/results``.
+   points as a line, presets as marked points) and ``.md`` (the table, every searched point
+   against every preset at equal memory, and the issue's targets, met or not) into
+   ``artifacts/results``.
+
+Effective bits are in ``kvcalib.layout.ACCOUNTING`` (bf16 = 16 on every model); the plan and the
+curve document record it. A searched point is compared with a preset only where the preset holds
+the same or more bits (:func:`kvcalib.optimize.report.at_equal_memory`); a cheaper preset is
+"not comparable (fewer bits)" and a target judged on one is not met or missed but not comparable.
 
 Paths in the outputs are relative (:mod:`.provenance`). Matplotlib is imported inside the plot.
 """
@@ -29,6 +35,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvcalib.errors import KvcalibError
+from kvcalib.layout import ACCOUNTING
 
 PLAN = "curve-plan.json"
 CURVE_PRESETS = ("fp16", "kivi-2", "kivi-4", "pertoken-4")
@@ -79,7 +86,7 @@ def write_plan(run: Path, model: str, budgets: list[tuple[str, float]], preset_b
                settings: dict[str, Any], context: int = 4096) -> dict[str, Any]:
     from kvcalib.io import write_json_atomic
 
-    plan = {"format": "kvcalib-search-curve-plan", "model": model, "context": context,
+    plan = {"format": "kvcalib-search-curve-plan", "accounting": ACCOUNTING, "model": model, "context": context,
             "budgets": [{"label": label, "budget": b} for label, b in budgets],
             "preset_bits": preset_bits, "settings": settings}
     Path(run).mkdir(parents=True, exist_ok=True)
@@ -98,6 +105,7 @@ def collect_curve(run: Path) -> dict[str, Any]:
         results = json.loads((run / "eval.json").read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise KvcalibError(f"{run} is not a finished search-curve run ({err}): run scripts/search_curve.sh") from None
+    check_accounting(plan, run)
     by_recipe = {Path(r["recipe"]).name if r["recipe"].endswith(".safetensors") else r["recipe"]: r for r in results}
     fp = next((r for r in results if r["name"] == "fp16"), None)
     points = []
@@ -119,28 +127,72 @@ def collect_curve(run: Path) -> dict[str, Any]:
     presets = [{"name": r["name"], "effective_bits": r["effective_bits"], "ppl": r.get("ppl"),
                 "ppl_delta_pct": r.get("ppl_delta_pct")}
                for r in results if r["recipe"] in CURVE_PRESETS or r["name"] in CURVE_PRESETS]
-    doc = {"format": "kvcalib-search-curve", "version": 1, "model": plan["model"], "context": plan["context"],
+    doc = {"format": "kvcalib-search-curve", "version": 2, "accounting": ACCOUNTING, "model": plan["model"],
+           "context": plan["context"],
            "settings": plan.get("settings", {}), "run": display_path(run),  # recipe/search_run paths are in it
            "ppl_fp": fp.get("ppl") if fp else next((r.get("ppl_fp") for r in results if r.get("ppl_fp")), None),
            "points": points, "presets": presets}
     doc["targets"] = targets(doc)
+    doc["comparisons"] = comparisons(doc)
     return doc
+
+
+def check_accounting(plan: dict[str, Any], run: Path) -> None:
+    """Refuse a run planned with another accounting whose numbers differ from today's. A plan
+    without the field was made with the first accounting (every layer at the full context); its
+    numbers are today's exactly when the fp16 preset was 16.0 bits there (no sliding-window layer
+    holds fewer tokens than the context)."""
+    from kvcalib.layout import LEGACY_ACCOUNTING
+
+    accounting = plan.get("accounting", LEGACY_ACCOUNTING)
+    if accounting == ACCOUNTING:
+        return
+    fp16 = (plan.get("preset_bits") or {}).get("fp16")
+    if accounting == LEGACY_ACCOUNTING and fp16 is not None and float(fp16) == 16.0:
+        return
+    raise KvcalibError(f"{run} was planned with the {accounting!r} accounting (fp16 at {fp16} bits), whose budgets "
+                       f"and bits differ from today's {ACCOUNTING!r} on this model: run scripts/search_curve.sh again "
+                       "in a new run folder.")
+
+
+def comparisons(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every searched point against every preset, at equal memory: the verdict of
+    :func:`kvcalib.optimize.report.at_equal_memory` on held-out Δppl (``not comparable (fewer
+    bits)`` where the preset holds fewer bits than the point)."""
+    from kvcalib.optimize.report import at_equal_memory
+
+    out = []
+    for p in doc["points"]:
+        if p.get("effective_bits") is None:
+            continue
+        for q in doc["presets"]:
+            out.append({"point": p["label"], "preset": q["name"], "point_bits": p["effective_bits"],
+                        "preset_bits": q["effective_bits"], "point_ppl_delta_pct": p.get("ppl_delta_pct"),
+                        "preset_ppl_delta_pct": q.get("ppl_delta_pct"),
+                        "verdict": at_equal_memory(p["effective_bits"], p.get("ppl_delta_pct"), q["effective_bits"],
+                                                   q.get("ppl_delta_pct"))})
+    return out
 
 
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 5's three held-out targets, each with the numbers it was judged on and ``met``
     (None where a number is missing)."""
+    from kvcalib.optimize.report import NOT_COMPARABLE, at_equal_memory
+
     pts = {p["label"]: p for p in doc["points"]}
     pre = {p["name"]: p for p in doc["presets"]}
     out = []
     for name, rule in (("kivi-2", "lower"), ("kivi-4", "lower or equal")):
         p, q = pts.get(name), pre.get(name)
-        ok = None
-        if p and q and p.get("ppl") is not None and q.get("ppl") is not None:
+        ok, comparable = None, None
+        if p and q and p.get("effective_bits") is not None and q.get("effective_bits") is not None:
+            comparable = at_equal_memory(p["effective_bits"], None, q["effective_bits"], None) != NOT_COMPARABLE
+        if comparable and p.get("ppl") is not None and q.get("ppl") is not None:
             ok = p["ppl"] < q["ppl"] if rule == "lower" else p["ppl"] <= q["ppl"]
         out.append({"target": f"searched at {name}'s effective bits has {rule} held-out ppl than {name}",
                     "searched_ppl": p.get("ppl") if p else None, "preset_ppl": q.get("ppl") if q else None,
-                    "effective_bits": p.get("effective_bits") if p else None, "met": ok})
+                    "effective_bits": p.get("effective_bits") if p else None,
+                    "preset_bits": q.get("effective_bits") if q else None, "comparable": comparable, "met": ok})
     under = [p for p in doc["points"] if p.get("effective_bits") is not None and p["effective_bits"] <= TARGET_FP_BITS + 1e-9
              and p.get("ppl_delta_pct") is not None]
     best = min(under, key=lambda p: p["ppl_delta_pct"], default=None)
@@ -172,12 +224,23 @@ def markdown(doc: dict[str, Any]) -> str:
              f"KL on {s.get('score_samples', '?')} x {s.get('seq_len', '?')} held calibration tokens, statistics from "
              f"{s.get('samples', '?')} x {s.get('seq_len', '?')}), and the presets; effective bits at context "
              f"{doc['context']}, everything counted. Full-precision ppl: {num(doc.get('ppl_fp'))}.", "",
-             markdown_table(["recipe", "budget", "eff. bits", "search KL", "held-out ppl", "Δppl %", "trial"], rows), "",
-             "## Issue 5 targets", ""]
+             markdown_table(["recipe", "budget", "eff. bits", "search KL", "held-out ppl", "Δppl %", "trial"], rows), ""]
+    names = [q["name"] for q in doc["presets"]]
+    cells = {(c["point"], c["preset"]): c["verdict"] for c in doc.get("comparisons", [])}
+    labelled = [p for p in doc["points"] if any((p["label"], n) in cells for n in names)]
+    if labelled:
+        lines += ["## At equal memory", "",
+                  "Each searched point against each preset on held-out Δppl, from the searched point's side: a preset "
+                  "is compared only where it holds the same or more effective bits.", "",
+                  markdown_table(["searched", *names], [[f"@ {p['label']} ({num(p['effective_bits'])} bits)",
+                                                         *[cells.get((p["label"], n), "-") for n in names]]
+                                                        for p in labelled]), ""]
+    lines += ["## Issue 5 targets", ""]
     for t in doc["targets"]:
-        mark = {True: "met", False: "not met", None: "not measured"}[t["met"]]
+        mark = "not comparable (the preset holds fewer bits)" if t.get("comparable") is False else \
+            {True: "met", False: "not met", None: "not measured"}[t["met"]]
         detail = ", ".join(f"{k} {num(v, 4) if isinstance(v, float) else v}" for k, v in t.items()
-                           if k not in ("target", "met") and v is not None)
+                           if k not in ("target", "met", "comparable") and v is not None)
         lines.append(f"- {t['target']}: **{mark}** ({detail})")
     lines += ["", f"Made by `scripts/search_curve.sh {doc['model']}`; run folder `{doc['run']}`.", ""]
     return "\n".join(lines)
@@ -208,7 +271,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
                                               if p.get("ppl_delta_pct") is not None and p["effective_bits"] < 16.0]
     if ys:
         ax.set_ylim(min(0.0, 1.5 * min(ys)), 2.0 * max(max(ys), TARGET_FP_PCT))
-    ax.set_xlabel(f"effective bits per element (context {doc['context']}, everything counted)")
+    ax.set_xlabel(f"effective bits per element (context {doc['context']}, everything counted; bf16 = 16)")
     ax.set_ylabel("held-out perplexity vs full precision (%)")
     ax.set_title(f"{doc['model']}: searched recipes vs presets (held-out)")
     ax.legend(fontsize=8)

@@ -1,5 +1,9 @@
 """Search outputs for people: ``pareto.png``, ``bits_per_layer.png`` and ``report.md``.
 
+Comparisons are made at equal memory (:func:`at_equal_memory`): the chosen recipe is set beside a
+preset only where the preset holds the same or more effective bits; a cheaper preset is marked
+"not comparable (fewer bits)", never counted as a loss or a win (issue 38).
+
 Matplotlib is imported inside the functions (Agg backend: no display needed).
 """
 
@@ -7,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Sequence
+
+NOT_COMPARABLE = "not comparable (fewer bits)"
 
 
 def _plt():
@@ -19,8 +25,9 @@ def _plt():
 
 
 def plot_pareto(records: Sequence[dict[str, Any]], front: Sequence[int], presets: Sequence[dict[str, Any]],
-                budget: float, chosen: int | None, path: Path) -> None:
-    """Effective bits vs KL of every scored trial, the front, the budget and the presets."""
+                budget: float, chosen: int | None, path: Path, context: int = 4096) -> None:
+    """Effective bits vs KL of every scored trial, the front, the budget and the presets (a preset
+    with fewer bits than the chosen trial is drawn hollow: it is not comparable with it)."""
     from kvcalib.io import atomic_path
 
     plt = _plt()
@@ -38,16 +45,20 @@ def plot_pareto(records: Sequence[dict[str, Any]], front: Sequence[int], presets
     fr = [by_num[n] for n in front if n in by_num]
     if fr:
         ax.step([r["effective_bits"] for r in fr], [max(r["kl"], floor) for r in fr], where="post", c="tab:blue", lw=1)
+    chosen_bits = by_num[chosen]["effective_bits"] if chosen is not None and chosen in by_num else None
     for p in presets:
         if p.get("kl") is not None:
-            ax.scatter([p["effective_bits"]], [max(p["kl"], floor)], marker="s", s=40, c="tab:red")
-            ax.annotate(p["name"], (p["effective_bits"], max(p["kl"], floor)), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            cheaper = chosen_bits is not None and at_equal_memory(chosen_bits, None, p["effective_bits"], None) == NOT_COMPARABLE
+            ax.scatter([p["effective_bits"]], [max(p["kl"], floor)], marker="s", s=40,
+                       facecolors="none" if cheaper else "tab:red", edgecolors="tab:red")
+            ax.annotate(p["name"] + (" (fewer bits)" if cheaper else ""), (p["effective_bits"], max(p["kl"], floor)),
+                        textcoords="offset points", xytext=(4, 4), fontsize=8)
     if chosen is not None and chosen in by_num:
         c = by_num[chosen]
         ax.scatter([c["effective_bits"]], [max(c["kl"], floor)], marker="*", s=160, c="tab:green", label=f"chosen (trial {chosen})", zorder=5)
     ax.axvline(budget, ls="--", c="0.4", lw=1, label=f"budget {budget:g} bits")
     ax.set_yscale("log")
-    ax.set_xlabel("effective bits per element (context 4096)")
+    ax.set_xlabel(f"effective bits per element (context {context}; bf16 = 16, compression = 16 / bits)")
     ax.set_ylabel("KL(full || compressed), nats/token")
     ax.set_title("search: quality vs memory")
     ax.legend(fontsize=8)
@@ -108,11 +119,38 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
-def held_out_rows(held_out: Sequence[dict[str, Any]], kl_by_name: dict[str, float]) -> tuple[list[str], list[list[Any]]]:
+def at_equal_memory(recipe_bits: float, recipe_score: float | None, other_bits: float,
+                    other_score: float | None) -> str:
+    """How another recipe (a preset) compares with ``recipe`` at equal memory, from the recipe's
+    side: ``NOT_COMPARABLE`` when the other holds fewer effective bits (its quality was bought with
+    less memory), else ``win`` / ``loss`` / ``tie`` on the scores (lower is better: KL, ppl delta)
+    or ``comparable`` without them, with how much memory the other holds."""
+    from kvcalib.recipe import isclose_bits
+
+    same = isclose_bits(other_bits, recipe_bits)
+    if other_bits < recipe_bits and not same:
+        return NOT_COMPARABLE
+    memory = "same bits" if same else f"it holds {other_bits / recipe_bits:.3f}x the memory"
+    if recipe_score is None or other_score is None:
+        return f"comparable ({memory})"
+    verdict = "win" if recipe_score < other_score else "loss" if recipe_score > other_score else "tie"
+    return f"{verdict} ({memory})"
+
+
+def held_out_rows(held_out: Sequence[dict[str, Any]], kl_by_name: dict[str, float],
+                  chosen_name: str | None = None) -> tuple[list[str], list[list[Any]]]:
+    """The held-out table; with ``chosen_name`` (the searched recipe's row) a last column says how
+    each other row compares with it at equal memory (:func:`at_equal_memory`, on Δppl)."""
     cols = ["recipe", "eff. bits", "search KL", "held-out ppl", "ppl fp", "Δppl %"]
     rows = [[h["name"], round(h["effective_bits"], 3), kl_by_name.get(h["name"], "-"),
              h.get("ppl") if h.get("ppl") is not None else "-", h.get("ppl_fp") if h.get("ppl_fp") is not None else "-",
              round(h["ppl_delta_pct"], 3) if h.get("ppl_delta_pct") is not None else "-"] for h in held_out]
+    ref = next((h for h in held_out if h["name"] == chosen_name), None)
+    if ref is not None:
+        cols.append("chosen vs it")
+        for h, row in zip(held_out, rows):
+            row.append("chosen" if h is ref else at_equal_memory(ref["effective_bits"], ref.get("ppl_delta_pct"),
+                                                                 h["effective_bits"], h.get("ppl_delta_pct")))
     return cols, rows
 
 
@@ -139,8 +177,9 @@ def write_report(doc: dict[str, Any], path: Path) -> str:
         kl_by_name[doc.get("recipe_name", "searched")] = c["kl"]
     lines = [f"# kvcalib search: {doc['model']['name']}", ""]
     cfg = doc["config"]
-    lines += [f"- budget: **{doc['budget_bits']:g}** effective bits per element at context {doc['context']} "
-              f"(floor of the space: {doc['floor_bits']:.3f}; bf16 = 16)",
+    lines += [f"- budget: **{doc['budget_bits']:g}** effective bits per element at context {doc['context']}, i.e. "
+              f"{16.0 / doc['budget_bits']:.2f}x smaller than the model's bf16 cache (bf16 = 16; a sliding-window "
+              f"layer counts the tokens it holds; floor of the space: {doc['floor_bits']:.3f})",
               f"- objective: decode-faithful KL(full || compressed) on {doc['score_sequences']} held calibration "
               f"sequence(s) of {doc['score_seq_len']} tokens, disjoint from the {doc['stats_samples']} "
               f"collection sample(s); data `{cfg['data']}`, seed {cfg['seed']}",
@@ -153,19 +192,25 @@ def write_report(doc: dict[str, Any], path: Path) -> str:
     if doc.get("command"):
         lines.append(f"- made by: `{doc['command']}`")
     lines.append("")
+    if doc.get("accounting_converted"):
+        conv = doc["accounting_converted"]
+        lines += [f"- effective bits converted from the {conv['from']!r} accounting this run was searched with "
+                  f"(x {conv['factor']:.4f}: same bytes, sliding layers counted over the tokens they hold)"]
     if c is not None:
-        lines += [f"**Chosen: trial {chosen}**, KL {c['kl']:.4g} at {c['effective_bits']:.3f} effective bits "
-                  f"(group {c['point']['group']}, window {c['point']['window']}, sinks {c['point']['sinks']}"
+        lines += [f"**Chosen: trial {chosen}**, KL {c['kl']:.4g} at {c['effective_bits']:.3f} effective bits, "
+                  f"{16.0 / c['effective_bits']:.2f}x smaller than bf16 (group {c['point']['group']}, window {c['point']['window']}, sinks {c['point']['sinks']}"
                   + (f", schedule {c['point']['schedule']}" if c["point"].get("schedule", "none") != "none" else "")
                   + f") -> [`{doc.get('recipe')}`]({doc.get('recipe')})", ""]
     table = ""
     if doc.get("held_out"):
-        cols, rows = held_out_rows(doc["held_out"], kl_by_name)
+        cols, rows = held_out_rows(doc["held_out"], kl_by_name, doc.get("recipe_name"))
         table = markdown_table(cols, rows)
         ho = doc.get("held_out_config", {})
         lines += ["## Held-out proof", "",
                   f"Decode-faithful perplexity on {ho.get('ppl_samples')} sequence(s) of {ho.get('ppl_seq_len')} tokens "
-                  f"of the evaluation split (never seen by collection or search); effective bits at {doc['context']}.", "",
+                  f"of the evaluation split (never seen by collection or search); effective bits at {doc['context']}. "
+                  f"The chosen recipe is compared only with presets at the same or more bits (win/loss on Δppl); "
+                  f"a preset with fewer bits is {NOT_COMPARABLE}.", "",
                   table, ""]
     lines += ["## Quality vs memory", "", "![pareto](pareto.png)", "", "## Bits per layer", "",
               "![bits per layer](bits_per_layer.png)", ""]
@@ -177,9 +222,12 @@ def write_report(doc: dict[str, Any], path: Path) -> str:
                                    round(sum(r["point"]["k_bits"]) / len(r["point"]["k_bits"]), 2),
                                    round(sum(r["point"]["v_bits"]) / len(r["point"]["v_bits"]), 2)] for r in front]), ""]
     if doc.get("presets"):
-        lines += ["## Presets on the same objective", "",
-                  markdown_table(["preset", "eff. bits", "KL"], [[p["name"], round(p["effective_bits"], 3), p["kl"]]
-                                                              for p in doc["presets"]]), ""]
+        cols, rows = ["preset", "eff. bits", "KL"], [[p["name"], round(p["effective_bits"], 3), p["kl"]] for p in doc["presets"]]
+        if c is not None:  # the chosen trial's KL against each preset's, at equal memory only
+            cols.append(f"chosen (KL {c['kl']:.4g}) vs it")
+            for p, row in zip(doc["presets"], rows):
+                row.append(at_equal_memory(c["effective_bits"], c["kl"], p["effective_bits"], p.get("kl")))
+        lines += ["## Presets on the same objective", "", markdown_table(cols, rows), ""]
     lines += ["Every trial is in [`search.json`](search.json).", ""]
     with atomic_path(Path(path)) as tmp:
         tmp.write_text("\n".join(lines))

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 PRUNE_MARGIN = 1.25
 DEFAULT_STUDY = "kvcalib-search"
 ATTR_SPACE = "space_fingerprint"
+ATTR_ACCOUNTING = "accounting"  # kvcalib.layout.ACCOUNTING of the trials' effective bits
 
 
 # ------------------------------------------------------------------ storage
@@ -84,9 +85,16 @@ def open_storage(url: str):
 
 
 def open_study(storage_url_: str, name: str, space: SearchSpace, num_layers: int, *, sampler=None,
-               pruner=None, create: bool = True, must_exist: bool = False) -> "optuna.Study":
-    """Create or load study ``name``; refuse a study made over another space (nothing is changed)."""
+               pruner=None, create: bool = True, must_exist: bool = False, legacy_same: bool = False) -> "optuna.Study":
+    """Create or load study ``name``; refuse a study made over another space (nothing is changed).
+
+    A study records the memory accounting of its trials' effective bits (``ATTR_ACCOUNTING``). One
+    made before it did counted every layer at the full context: it is adopted when that gives the
+    same numbers (``legacy_same``: no sliding-window layer holds fewer tokens at the context) and
+    refused otherwise, since its budget constraint and its trials' bits would mix two scales."""
     import optuna
+
+    from kvcalib.layout import ACCOUNTING, LEGACY_ACCOUNTING
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our progress line says what happens
     storage = open_storage(storage_url_)
@@ -99,6 +107,12 @@ def open_study(storage_url_: str, name: str, space: SearchSpace, num_layers: int
                 f"study {name!r} in {storage_url_} was made with another search space (fingerprint {got}, "
                 f"this one {fingerprint}): pass the same --space and model, or another --study name. "
                 "The existing study was not changed.")
+        got = existing[name].user_attrs.get(ATTR_ACCOUNTING, LEGACY_ACCOUNTING)
+        if got != ACCOUNTING and not (got == LEGACY_ACCOUNTING and legacy_same):
+            raise KvcalibError(
+                f"study {name!r} in {storage_url_} counted effective bits as {got!r} (every layer at the full "
+                f"context), which differs on this model's sliding-window layers from today's {ACCOUNTING!r}: "
+                "search again in another --out (kvcalib export RUN --budget-bits still reads the old run, converted).")
     elif must_exist:
         raise KvcalibError(f"no study {name!r} in {storage_url_} to resume: drop --resume to start one.")
     elif not create:
@@ -108,6 +122,8 @@ def open_study(storage_url_: str, name: str, space: SearchSpace, num_layers: int
                                     pruner=pruner, load_if_exists=True)
     except Exception as err:  # storage errors surface here for lazily-connecting backends
         raise KvcalibError(f"cannot open study {name!r} in {storage_url_}: {type(err).__name__}: {err}") from None
+    if existing.get(name) is None or existing[name].user_attrs.get(ATTR_ACCOUNTING) != ACCOUNTING:
+        study.set_user_attr(ATTR_ACCOUNTING, ACCOUNTING)  # new, or an old one whose numbers are the same
     if name not in existing:
         study.set_user_attr(ATTR_SPACE, fingerprint)
         study.set_user_attr("space", space.to_dict())

@@ -41,7 +41,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcalib.errors import KvcalibError
-from kvcalib.layout import LayerConfig
+from kvcalib.layout import LayerConfig, held_elements
 from kvcalib.recipe import Recipe, resolve_recipe
 from kvcalib.codec import LayerCodec
 from kvcalib.runtime.outlier_pool import OutlierPool, pack_keep
@@ -420,7 +420,9 @@ class CompressedCache(Cache):
         return total
 
     def effective_bits(self) -> float:
-        """8 x held bytes / (2 x layers x kv_heads x head_dim x T x batch) at the current length.
+        """8 x held bytes / (2 x kv_heads x head_dim x batch x the sum over layers of the tokens
+        each must hold) at the current length T: a sliding-window layer counts min(T, window)
+        (``kvcalib.layout.ACCOUNTING``, as ``Recipe.memory``).
 
         Full-precision segments count at their real element size (fp32 on CPU doubles them);
         ``Recipe.memory`` gives the accounting at 16-bit storage for any context.
@@ -430,5 +432,5 @@ class CompressedCache(Cache):
         for layer in self.layers:
             if layer.is_initialized:
                 b, h, _, d = layer.sink_k.shape
-                elements += 2 * b * h * d * layer.n_seen
+                elements += b * held_elements(h, d, layer.n_seen, [layer.sliding_window])
         return 8.0 * held / max(elements, 1)

@@ -300,6 +300,9 @@ def test_evaluate_tiny_end_to_end(tiny_loaded, tmp_path):
     data = json.loads(out.read_text())
     for key in ("name", "ppl", "ppl_fp", "ppl_delta_pct", "agreement", "effective_bits", "kv_bytes", "context_len"):
         assert key in data[0] and key in data[1]
+    # result files say how their bits were counted, with the compression against the model's bf16 cache
+    assert data[0]["accounting"] == data[1]["accounting"] == "held-tokens"
+    assert data[0]["compression_ratio"] == 1.0 and data[1]["compression_ratio"] == pytest.approx(16.0 / lossy.effective_bits)
     assert json.loads((out.parent / "eval.config.json").read_text())["recipes"] == ["fp16", "tiny-2bit"]
 
 

@@ -432,25 +432,42 @@ def _inspect_diff(a: str, b: str, model: Optional[str], context: int, as_json: b
         print(f"{report[side]['name']} made from: " + ("; ".join(f"{k}: {v}" for k, v in origin) if origin else "no provenance recorded"))
 
 
+BENCHMARKS = ("grid", "latency", "sweep", "fitted", "groups", "combine", "e2e", "host", "accuracy", "huffman", "report")
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             epilog="Examples (on a CUDA machine):\n\n    kvcalib bench --mode micro --quick\n\n    kvcalib bench --mode e2e --context 32768\n\nResults go to artifacts/bench/ (decode_attention.json/md/png, e2e.json/md).")
+             epilog="Examples (from the repository root, on a CUDA machine):\n\n    kvcalib bench grid --rows quick"
+                    "\n\n    kvcalib bench e2e --context 32768\n\n    kvcalib bench report   (any machine: tables from "
+                    "the JSON in artifacts/bench/)\n\nResults go to artifacts/bench/ (decode_attention.json/md/png, "
+                    "e2e.json/md, ...).")
 @user_errors
-def bench(ctx: typer.Context) -> None:
+def bench(ctx: typer.Context,
+          name: str = typer.Argument(..., help="benchmark script: " + ", ".join(BENCHMARKS))) -> None:
     """GPU decode-attention and end-to-end benchmarks against bf16 (DESIGN.md protocol).
 
-    Arguments are passed to kernels/bench/bench_decode.py (--mode micro|latency|splits|tune|fitted|groups|e2e|report,
-    --quick, --out DIR, ...).
+    Runs ``python -m benchmarks.NAME [ARGS...]`` of a source checkout (the benchmarks are not part
+    of the installed package): run it from the repository root. Arguments after NAME go to the
+    script (``--out DIR``, ``--rows all|ab|quick``, ...; ``python -m benchmarks.NAME --help`` lists them).
     """
-    import torch
+    import subprocess
 
+    if name not in BENCHMARKS:
+        raise KvcalibError(f"unknown benchmark {name!r}: use one of {', '.join(BENCHMARKS)}")
+    root = Path.cwd()
+    if not (root / "benchmarks" / f"{name}.py").is_file():
+        raise KvcalibError(f"no benchmarks/{name}.py under {root}: the benchmarks ship with the source, not the "
+                           "installed package; run `kvcalib bench` from the repository root")
     args = list(ctx.args)
-    report_only = "report" in args
-    if not report_only and not torch.cuda.is_available():
-        raise KvcalibError("kvcalib bench needs a CUDA GPU (the Triton kernels are what it measures); "
-                           "on a CPU machine use `kvcalib bench --mode report` to rebuild tables from JSON.")
-    from kvcalib_kernels.bench.bench_decode import main as bench_main
+    if name != "report":
+        import torch
 
-    bench_main(args)
+        if not torch.cuda.is_available():
+            raise KvcalibError(f"kvcalib bench {name} needs a CUDA GPU (the Triton kernels are what it measures); "
+                               "on a CPU machine `kvcalib bench report` rebuilds the tables from the JSON.")
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], cwd=root)
+    if done.returncode:
+        raise typer.Exit(done.returncode)
+
 
 def main() -> None:
     """Console-script entry point."""

@@ -1,39 +1,29 @@
-"""Where a CUDA-graph decode step's GPU time goes, and an A/B of two launch details (GPU only).
+"""Where a CUDA-graph decode step's GPU time goes (GPU only).
 
 Random-weight Mistral-7B and Gemma-3-1B shapes at 32k context, batch 1 and 8, 2-bit group-128
 recipe, steps replayed by ``GraphDecoder``: a torch.profiler run gives the kernels of a step (GPU
-time and launches per step, averaged over 60 steps); then, twice each, tokens/s of three
-variants: ``fp32_out`` the combine writing float32 and a cast kernel after it (before), ``new``
-the combine storing the query's dtype, ``pdl`` that plus programmatic dependent launch of the
-combine (``DecodeConfig.pdl``). Writes ``$OUT/profile_step.json``.
+time and launches per step, averaged over 60 steps), then tokens/s of two more runs of 100 steps.
+Writes ``$OUT/profile_step.json``. (The run in ``artifacts/bench/HISTORY.md`` also timed two
+launch variants since removed: a float32 combine output with a cast kernel after it, and the
+combine as a programmatic dependent launch.)
 
-    python kernels/bench/profile_step.py      (from the repository root, as scripts/gpu_bench.sh sets up)
+    python -m experiments.profile_step      (from the repository root, as scripts/gpu_bench.sh sets up)
 """
-import json, os, sys, statistics
-from dataclasses import replace
+import json
+import os
+import statistics
+
 import torch
-sys.path.insert(0, "kernels/bench")
-from bench_decode import build_model, build_gemma3_model, fill_compressed  # noqa: E402
+
+from benchmarks.e2e import build_gemma3_model, build_model, fill_compressed
 from kvcalib.recipe import LayerConfig, Recipe
 from kvcalib.runtime.cache import CompressedCache
 from kvcalib.runtime.graphs import GraphDecoder
-from kvcalib.runtime import triton_path
-import kvcalib_kernels.decode_attention as da
 
 OUT = os.environ.get("OUT", "/tmp/out")
 dev = torch.device("cuda")
 T = 32768
 rec = Recipe(name="k2", default_layer=LayerConfig(k_bits=2, v_bits=2, k_group=128, v_group=128, window=128))
-real_parts = da.decode_attention_parts
-
-
-def set_variant(name):
-    da.DEFAULT_CONFIG = replace(da.DecodeConfig(), pdl=(name == "pdl"))
-    if name == "fp32_out":  # the previous behaviour: float32 out of the combine, a cast kernel after
-        triton_path.decode_attention_parts = lambda q, parts, out_dtype=None, **kw: real_parts(q, parts, **kw)
-    else:
-        triton_path.decode_attention_parts = real_parts
-
 
 def run(model, b, steps, prof=False):
     c = model.config
@@ -63,12 +53,11 @@ def run(model, b, steps, prof=False):
     return times, None
 
 
-res = {"ab": [], "profiles": {}}
+res = {"runs": [], "profiles": {}}
 lines = []
 for mname, b in (("mistral", 1), ("mistral", 8), ("gemma3", 1), ("gemma3", 8)):
     model = build_model(dev, max_pos=T + 200) if mname == "mistral" else build_gemma3_model(dev, max_pos=T + 200)
     steps = 100
-    set_variant("new")
     times, agg = run(model, b, 60, prof=True)
     tot = sum(v[1] for v in agg.values()) / 60
     top = sorted(agg.items(), key=lambda kv: -kv[1][1])[:25]
@@ -80,15 +69,13 @@ for mname, b in (("mistral", 1), ("mistral", 8), ("gemma3", 1), ("gemma3", 8)):
     for k, v in top[:14]:
         print(f"   {v[1]/60:8.1f} us  x{v[0]/60:5.1f}  {k[:90]}", flush=True)
     for rep in range(2):
-        for var in ("fp32_out", "new", "pdl"):
-            set_variant(var)
-            times, _ = run(model, b, steps)
-            med = statistics.median(times[2:]) * 1e3
-            tps = b * len(times[2:]) / sum(times[2:])
-            res["ab"].append({"model": mname, "batch": b, "variant": var, "rep": rep, "median_step_ms": med,
-                              "tokens_per_s": tps, "step_ms": [round(x * 1e3, 3) for x in times]})
-            lines.append(f"{mname:8s} b{b:<2d} {var:9s} rep{rep}: median step {med:7.3f} ms  {tps:8.1f} tok/s")
-            print(lines[-1], flush=True)
+        times, _ = run(model, b, steps)
+        med = statistics.median(times[2:]) * 1e3
+        tps = b * len(times[2:]) / sum(times[2:])
+        res["runs"].append({"model": mname, "batch": b, "rep": rep, "median_step_ms": med,
+                            "tokens_per_s": tps, "step_ms": [round(x * 1e3, 3) for x in times]})
+        lines.append(f"{mname:8s} b{b:<2d} rep{rep}: median step {med:7.3f} ms  {tps:8.1f} tok/s")
+        print(lines[-1], flush=True)
     del model
     torch.cuda.empty_cache()
     json.dump(res, open(f"{OUT}/profile_step.json", "w"), indent=1)

@@ -1,17 +1,15 @@
-"""Compile kvcalib_kernels.decode_attention's split kernel for sm_90 (H100/H200) on a machine with
-no GPU, with the ptxas/nvdisasm bundled in the triton wheel, and report TTGIR op counts, shared
-memory, register use and the SASS instruction mix of the main (packed) loop. Costs no device time.
+"""Compile the decode split kernel (kvcalib_kernels.decode.split_kernel) for sm_90 (H100/H200) on a
+machine with no GPU, with the ptxas/nvdisasm bundled in the triton wheel, and report TTGIR op
+counts, shared memory, register use and the SASS instruction mix of the main (packed) loop, as
+the launcher would run it (its rules pick the paths). Costs no device time.
 
-    python scripts/compile_sm90.py BITS BLOCK_N WARPS UNPACK [STAGES [MIN_ROWS [MAXNREG]]]   e.g.  2 64 1 5
-    KV_FITTED=perm,mean8 python scripts/compile_sm90.py ...   (with SKVQ permutations / TaDA means)
-    KV_GROUPS=32,32 python scripts/compile_sm90.py 4 64 1 5 2 4   (key group, value group; default 128,128)
-    KV_PAIRS=1 ...   (DecodeConfig.key_group_pairs: two key groups per block)
+    python -m experiments.compile_sm90 BITS BLOCK_N WARPS UNPACK [STAGES]      e.g.  2 64 1 5
+    KV_FITTED=perm,mean8 python -m experiments.compile_sm90 ...   (with SKVQ permutations / TaDA means)
+    KV_GROUPS=32,32 python -m experiments.compile_sm90 4 64 1 5   (key group, value group; default 128,128)
     KV_SHAPE=3,3,64 ...   (kv heads, query heads per kv head, head_dim; default Mistral's 8,4,128)
-    KV_UNITS=0 ...   (DecodeConfig.value_units off: value codes read as bytes)
-    KV_SUMDOTS=0 ...   (DecodeConfig.value_sum_products off: folded value sums by reductions)
-    KV_EARLY=0|2 ...   (DecodeConfig.early_value_scales: value scales loaded at use / a block ahead)
-    KV_VT=0|1 ...   (DecodeConfig.value_products_t off / on wherever it applies; unset: its default rule)
-    KV_WHOLE=0|1 ...   (DecodeConfig.whole_blocks off / on where every block is whole; unset: its default rule)
+
+(The instruction counts in artifacts/bench/HISTORY.md came from earlier versions of this script,
+whose environment variables also forced settings since removed from the kernel.)
 
 Shapes: Mistral-7B (8 kv heads, 4 query heads each, head_dim 128) or $KV_SHAPE, key/value group 128 (or
 $KV_GROUPS), batch 8.
@@ -23,12 +21,10 @@ OUT_DIR = os.environ.get("OUT_DIR", "/tmp/compile_sm90")
 os.makedirs(OUT_DIR, exist_ok=True)
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import kvcalib_kernels.decode_attention as da
+from kvcalib_kernels.decode import combine, plan, split_kernel
 
 bits, block_n, warps, unpack = (int(x) for x in sys.argv[1:5])
 stages = int(sys.argv[5]) if len(sys.argv) > 5 else 2
-min_rows = int(sys.argv[6]) if len(sys.argv) > 6 else 16
-maxnreg = int(sys.argv[7]) if len(sys.argv) > 7 else None
 rec = {}
 class Rec:
     def __getitem__(self, grid):
@@ -39,16 +35,14 @@ class RecLaunch:  # stands in for kvcalib_kernels.launch.FastLauncher: launcher(
     def __init__(self, record): self.record = record
     def __call__(self, grid, args, meta):
         if self.record and "args" not in rec: rec["args"], rec["kw"] = args, meta
-real = da._decode_split_kernel
-da._decode_split_kernel = Rec()
-da._combine_kernel = Rec().__class__()  # ignore
-da._SPLIT, da._COMBINE = RecLaunch(True), RecLaunch(False)
-da.fast_unpack_available = lambda *a, **k: True
-da._lanes_verified = lambda *a, **k: True  # no GPU here to check the lane order on
-_orig_plan = da._plan.__wrapped__
-def _plan(d, rep, kb, vb, kg, vg, ax, qd, fd, dev_type, idx, cfg, interp):
-    return _orig_plan(d, rep, kb, vb, kg, vg, ax, qd, fd, "cuda", idx, cfg, interp)
-da._plan = _plan
+real = split_kernel._decode_split_kernel
+plan._SPLIT, combine._COMBINE = RecLaunch(True), RecLaunch(False)
+plan.fast_unpack_available = lambda *a, **k: True
+plan._lanes_verified = lambda *a, **k: True  # no GPU here to check the lane order on
+_orig_plan = plan._plan.__wrapped__
+def _plan(d, rep, kb, vb, kg, vg, ax, qd, fd, dev_type, idx, cfg, interp, halves=True):
+    return _orig_plan(d, rep, kb, vb, kg, vg, ax, qd, fd, "cuda", idx, cfg, interp, halves)
+plan._plan = _plan
 b, n = 8, 4096
 h, rep, d = (int(x) for x in os.environ.get("KV_SHAPE", "8,4,128").split(","))  # kv heads, GQA, head_dim
 kg, vg = (int(x) for x in os.environ.get("KV_GROUPS", "128,128").split(","))
@@ -57,13 +51,7 @@ kc = torch.zeros(b, h, n, d * bits // 8, dtype=torch.uint8); vc = kc.clone()
 ks = torch.zeros(b, h, n // kg, d, dtype=torch.float16); kz = ks.clone()
 vs = torch.zeros(b, h, n, d // vg, dtype=torch.float16); vz = vs.clone()
 w = torch.zeros(b, h, 128, d, dtype=torch.bfloat16)
-cfg = da.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, unpack=unpack, min_rows=min_rows,
-                      maxnreg=maxnreg, key_group_pairs=os.environ.get("KV_PAIRS", "0") == "1",
-                      value_units=os.environ.get("KV_UNITS", "1") == "1",
-                      value_sum_products=os.environ.get("KV_SUMDOTS", "1") == "1",
-                      early_value_scales=int(os.environ.get("KV_EARLY", "1")),
-                      value_products_t={"0": False, "1": True}.get(os.environ.get("KV_VT", ""), None),
-                      whole_blocks={"0": False, "1": True}.get(os.environ.get("KV_WHOLE", ""), None))
+cfg = plan.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, unpack=unpack)
 # KV_FITTED="perm,mean8" (or mean16): SKVQ permutations of K and V, TaDA means of K and V
 fitted = os.environ.get("KV_FITTED", "")
 extra = {}
@@ -76,7 +64,7 @@ elif "mean8" in fitted:
                                          torch.zeros(b, 1, n, 1, dtype=torch.float16),
                                          torch.zeros(b, 1, n, 1, dtype=torch.float16))
 try:
-    da._launch(q, kc, ks, kz, vc, vs, vz, **extra, k_bits=bits, v_bits=bits, k_group=kg, v_group=vg, k_axis="channel",
+    plan._launch(q, kc, ks, kz, vc, vs, vz, **extra, k_bits=bits, v_bits=bits, k_group=kg, v_group=vg, k_axis="channel",
                scaling=d ** -0.5, softcap=None, packed_start=None, packed_end=None, packed_position=0,
                fp_segments=[(w, w)], fp_positions=[n], mask=None, config=cfg)
 except Exception as e:

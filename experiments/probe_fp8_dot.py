@@ -2,7 +2,7 @@
 tile shape of the decode kernel's key product (64 tokens x 128 channels @ 128 x 8 query rows)?
 Compiled offline with the ptxas/nvdisasm bundled in the triton wheel (no GPU needed).
 
-    python scripts/probe_fp8_dot.py
+    python -m experiments.probe_fp8_dot
 
 Why it matters: a float8 operand holds four 2-bit codes per 32-bit register, so one LOP3 would
 unpack four codes instead of two (the float16 lanes' floor). That only pays if the MMA reads

@@ -1,7 +1,7 @@
 """Accuracy of the fused decode kernel on keys with outlier channels, against the float32
 reference and against the same attention computed by PyTorch in float16 and bfloat16.
 
-Data: the Huffman benchmark's draw (:func:`kvcalib_kernels.bench.bench_huffman.draw_kv`: Laplace keys
+Data: the Huffman benchmark's draw (:func:`benchmarks.huffman.draw_kv`: Laplace keys
 with per-channel location and spread, every 32nd channel 4x wider; Gaussian values), quantized
 per channel (keys) / per token (values) in groups of 128; Mistral-7B shape, batch 1, 32k context
 (the last 128 tokens a bf16 window). Each row: the largest absolute error of the kernel (default
@@ -9,7 +9,7 @@ per channel (keys) / per token (values) in groups of 128; Mistral-7B shape, batc
 ``decode_attention_reference_in`` in float32 on the same packed values, and the largest output
 magnitude.
 
-    python kernels/bench/bench_accuracy.py --out DIR      (CUDA; writes DIR/accuracy.json)
+    python -m benchmarks.accuracy --out DIR      (CUDA, repository root; writes DIR/accuracy.json)
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kvcalib_kernels.bench.bench_huffman import GROUP, draw_kv, quantize
+from benchmarks.huffman import GROUP, draw_kv, quantize
 
 
 def main() -> None:
@@ -56,7 +56,7 @@ def main() -> None:
               f"{err['kernel']:.5f}, torch float16 {err['torch_float16']:.5f}, torch bfloat16 {err['torch_bfloat16']:.5f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"gpu": torch.cuda.get_device_name(0), "command": "python kernels/bench/bench_accuracy.py --out DIR",
+    doc = {"gpu": torch.cuda.get_device_name(0), "command": "python -m benchmarks.accuracy --out DIR",
            "rows": rows}
     tmp = out / "accuracy.json.tmp"
     tmp.write_text(json.dumps(doc, indent=1))

@@ -33,7 +33,7 @@ path and the files; timings are left null).
 GPU run (from the repository root; kvcalib_kernels is kernels/ under its install name)::
 
     KK=/tmp/kk && mkdir -p $KK && ln -sfn $PWD/kernels $KK/kvcalib_kernels && \\
-    PYTHONPATH=$PWD:$KK python3 kernels/bench/bench_huffman.py --out "$OUT"
+    python -m benchmarks.huffman --out "$OUT"      (repository root; scripts/gpu_bench.sh huffman)
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def run(args) -> None:
         raise SystemExit(f"context - window = {n} must be a multiple of the key group {GROUP}")
     gpu = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (interpreter smoke run)"
     meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "smoke": smoke,
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "model": MODEL,
+            "command": " ".join(["python -m benchmarks.huffman", *sys.argv[1:]]), "model": MODEL,
             "shape": {"q_heads": hq, "kv_heads": h, "head_dim": D, "batch": b, "context": ctx, "window": window,
                       "k_group": GROUP, "v_group": GROUP},
             "data": "keys Laplace (per-channel location/spread, outlier channels), values Gaussian; "

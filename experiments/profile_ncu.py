@@ -12,8 +12,8 @@ instructions with the most stall samples, in the main loop and in the whole kern
 often each ran: a key group's fold runs every other block, outside the loop's most-run lines).
 
     ncu --profile-from-start off -k regex:_decode_split_kernel --set full --clock-control none \\
-        -o $OUT/split python kernels/bench/profile_ncu.py
-    python kernels/bench/profile_ncu.py --summarize $OUT
+        -o $OUT/split python -m experiments.profile_ncu
+    python -m experiments.profile_ncu --summarize $OUT
 """
 import csv
 import json
@@ -115,8 +115,7 @@ CASES = os.environ.get("NCU_CASES", "mistral-7b:8:32768:2:128:128,mistral-7b:8:3
 def main() -> None:
     import torch
 
-    sys.path.insert(0, "kernels/bench")
-    from bench_decode import MODELS, WINDOW, kernel_call, packed_inputs
+    from benchmarks.common import MODELS, WINDOW, kernel_call, packed_inputs
 
     dev = torch.device("cuda")
     for case in CASES.split(","):

@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import (WINDOW, _write_json, bf16_variants, build_model, decode_steps, device_info,  # noqa: E402
-                          fill_compressed, fill_dynamic, host_us, kernel_call, log, packed_inputs)
+from benchmarks.common import (WINDOW, _write_json, bf16_variants, device_info, host_us, kernel_call, log,
+                               packed_inputs)
+from benchmarks.e2e import build_model, decode_steps, fill_compressed, fill_dynamic
 
 CALLS = 300  # calls per host-time measurement
 
@@ -47,18 +47,30 @@ SHAPES = {  # name: transformers config fields of a model of that shape (random 
 }
 
 
+def _internals():
+    """The decode launcher's pieces in the kernels tree imported (``scripts/gpu_bench.sh`` may link
+    an older one): ``decode.plan`` / ``decode.splits`` / ``decode.combine``, or
+    ``decode_attention`` itself in trees from before that split."""
+    try:
+        from kvcalib_kernels.decode import combine, plan, splits
+    except ImportError:
+        import kvcalib_kernels.decode_attention as da
+
+        return da
+    return SimpleNamespace(_SPLIT=plan._SPLIT, _COMBINE=combine._COMBINE, DEFAULT_CONFIG=plan.DEFAULT_CONFIG,
+                           _prepare=plan._prepare, _partials=splits._partials, _combine=combine._combine)
+
+
 def _launchers():
     """The decode kernel's FastLaunchers (none in a checkout from before them)."""
-    import kvcalib_kernels.decode_attention as da
-
+    da = _internals()
     return [x for x in (getattr(da, "_SPLIT", None), getattr(da, "_COMBINE", None)) if x is not None]
 
 
 def stages(q, packed, window, n, d) -> dict:
     """Host microseconds of each stage of one call, each timed alone (a checkout without the
     stage functions: empty)."""
-    import kvcalib_kernels.decode_attention as da
-
+    da = _internals()
     if not hasattr(da, "_SPLIT"):
         return {}
     kw = dict(k_bits=2, v_bits=2, k_group=128, v_group=min(128, d), k_axis="channel", scaling=d ** -0.5,
@@ -169,7 +181,7 @@ def main_run(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
-    res = {"tag": args.tag, "device": device_info(), "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
+    res = {"tag": args.tag, "device": device_info(), "command": " ".join(["python -m benchmarks.host", *sys.argv[1:]])}
     path = out / f"host{'_' + args.tag if args.tag else ''}.json"
     res["per_call"] = per_call(dev)
     _write_json(path, res)

@@ -7,18 +7,16 @@ and 2-bit group 128 (the grid's), each ``DecodeConfig`` of ``$CFGS`` (JSON list,
 the median device time of every kernel over 50 eager calls (torch.profiler / CUPTI) and the
 CUDA-graph time of a call (8 rotating input sets, as the grid). Writes ``$OUT/profile_calls.json``.
 
-    python kernels/bench/profile_calls.py      (from the repository root, as scripts/gpu_bench.sh sets up)
+    python -m experiments.profile_calls      (from the repository root, as scripts/gpu_bench.sh sets up)
 """
 import json
 import os
-import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, "kernels/bench")
-from bench_decode import MODELS, WINDOW, bf16_variants, device_info, graph_ms_per_call, kernel_call, packed_inputs  # noqa: E402
-from kvcalib_kernels.decode_attention import DecodeConfig  # noqa: E402
+from benchmarks.common import MODELS, WINDOW, bf16_variants, device_info, graph_ms_per_call, kernel_call, packed_inputs
+from kvcalib_kernels.decode_attention import DecodeConfig
 
 OUT = os.environ.get("OUT", "/tmp/out")
 LAYOUTS = ((4, 32, 32), (4, 128, 128), (2, 128, 128))  # (bits, key group, value group)
@@ -70,7 +68,7 @@ def main() -> None:
     path = os.path.join(OUT, "profile_calls.json")
     with open(path + ".tmp", "w") as f:
         json.dump({"rows": rows, "gpu": device_info(),
-                   "command": "python kernels/bench/profile_calls.py (MODELS=" + os.environ.get("MODELS", "qwen2.5-1.5b")
+                   "command": "python -m experiments.profile_calls (MODELS=" + os.environ.get("MODELS", "qwen2.5-1.5b")
                    + " CTXS=" + os.environ.get("CTXS", "4096,16384,32768") + " BATCH=" + os.environ.get("BATCH", "1") + " CFGS='" + json.dumps(configs) + "')"}, f, indent=1)
     os.replace(path + ".tmp", path)
 

@@ -89,7 +89,7 @@ for st in $STAGES; do
       for side in before after; do
         tree="${KV_KERNELS:-kernels}"; [ "$side" = before ] && tree="$before"
         use_kernels "$tree"
-        KV_KERNELS_LABEL="$side: $tree" timeout "${KV_AB_TIMEOUT:-240}" $PY -m benchmarks.grid --rows ab --tag "$side" \
+        KV_KERNELS_LABEL="$side: $tree" timeout "${KV_AB_TIMEOUT:-170}" $PY -m benchmarks.grid --rows ab --tag "$side" \
           --no-sweep --no-quant --bf16 sdpa_enable_gqa --out "$OUT" > "$OUT/ab_$side.log" 2>&1
         echo "ab $side ($tree) exit $? at +$(( $(date +%s) - T0 )) s"; tail -n 3 "$OUT/ab_$side.log"
       done

@@ -8,12 +8,11 @@ the split kernel). Writes ``combine_sweep.json``.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import _write_json, device_info, graph_ms_per_call, log
+from benchmarks.common import _write_json, device_info, graph_ms_per_call, log, main_with_out
 
 COMBINE_SHAPES = ((12, 130, 128), (12, 258, 128), (12, 530, 128), (12, 1026, 128), (32, 132, 128), (32, 258, 128),
                   (32, 530, 128), (9, 354, 64), (72, 46, 64), (96, 130, 128), (96, 34, 128), (256, 18, 128),
@@ -63,9 +62,7 @@ def main_combine(args) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="artifacts/bench")
-    main_combine(ap.parse_args(argv))
+    main_with_out(main_combine, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ explicit-matmul form, and flash-attn's kvcache kernel if importable), and the by
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -311,3 +312,11 @@ def bf16_sdpa_graph_ms(b, h, hq, ctx, d, dev) -> float:
     del kvs
     torch.cuda.empty_cache()
     return ms
+
+
+def main_with_out(run, doc: str, argv=None) -> None:
+    """The command line of a benchmark whose one option is ``--out`` (the JSON folder): parse
+    ``argv``, then ``run(args)``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", default="artifacts/bench")
+    run(ap.parse_args(argv))

@@ -7,13 +7,12 @@ group 128, default config) against the plain kernel and bf16 SDPA. Writes ``deco
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
 from benchmarks.common import (MODELS, WINDOW, _input_sets, _write_json, bf16_bytes, bf16_sdpa_graph_ms, cfg_dict,
-                               graph_ms_per_call, log, packed_bytes, packed_inputs)
+                               graph_ms_per_call, log, main_with_out, packed_bytes, packed_inputs)
 
 
 FITTED_VARIANTS = {  # name: (K and V permuted, mean bits of K and V: 0 off, 8 or 16, OTT pool slots)
@@ -151,9 +150,7 @@ def main_fitted(args) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="artifacts/bench")
-    main_fitted(ap.parse_args(argv))
+    main_with_out(main_fitted, __doc__, argv)
 
 
 if __name__ == "__main__":

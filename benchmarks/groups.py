@@ -6,13 +6,12 @@ kernel (CUDA-graph time, Mistral shape, against bf16 SDPA). Writes ``decode_grou
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
 from benchmarks.common import (MODELS, WINDOW, _input_sets, _write_json, bf16_bytes, bf16_sdpa_graph_ms,
-                               graph_ms_per_call, kernel_call, log, packed_bytes, packed_inputs)
+                               graph_ms_per_call, kernel_call, log, main_with_out, packed_bytes, packed_inputs)
 
 
 GROUP_VARIANTS = ((128, 128), (32, 128), (128, 32), (32, 32), (128, 16))  # (k_group, v_group)
@@ -83,9 +82,7 @@ def main_groups(args) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="artifacts/bench")
-    main_groups(ap.parse_args(argv))
+    main_with_out(main_groups, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -82,8 +82,9 @@ import triton.language as tl
 
 from kvcalib.quant.huffman import Codebook, EncodedBlocks
 from kvcalib_kernels.decode.combine import _combine
-from kvcalib_kernels.decode.common import (LOG2E, _check_fp, _column, _dot, _dummy, _fp_chunk, _interpreting,
-                                           _pow2_divisor, _softcap, _tl_dtype)
+from kvcalib_kernels.decode.common import (LOG2E, _check_fp, _column, _dot, _dummy, _fp_chunk, _fp_segment_args,
+                                           _interpreting, _packed_range, _pow2_divisor, _softcap, _tl_dtype,
+                                           _visibility)
 from kvcalib_kernels.decode.splits import SplitRule, _work_split
 from kvcalib_kernels.huffman_decode import (MAX_INDEX_BITS, DecodeTable, _check_block_tensors, _check_device,
                                             _dec_chunk, _dec_start, choose_step, decode_table,
@@ -570,31 +571,9 @@ def _launch(q, k_blocks, k_scale, k_zero, v_blocks, v_scale, v_zero, *, k_codebo
         k_step = v_step = 1
         ks = kz = vs = vz = _dummy(dev, torch.float16)
         kss = vss = (0, 0, 0)
-    has_range = packed_start is not None or packed_end is not None
-    if has_range:
-        lo = (torch.zeros(bsz, dtype=torch.int32, device=dev) if packed_start is None
-              else packed_start.to(device=dev, dtype=torch.int32).contiguous())
-        hi = (torch.full((bsz,), n, dtype=torch.int32, device=dev) if packed_end is None
-              else packed_end.to(device=dev, dtype=torch.int32).clamp(max=n).contiguous())
-    else:
-        lo = hi = _dummy(dev, torch.int32)
-    has_mask = mask is not None
-    if has_mask:
-        if mask.dim() != 2 or mask.shape[0] not in (1, bsz):
-            raise ValueError(f"mask must be (B|1, L) bool, got {tuple(mask.shape)}")
-        mk = mask if mask.stride(1) == 1 else mask.contiguous()
-        mk = mk.view(torch.uint8) if mk.dtype == torch.bool else mk.to(torch.uint8)
-        stride_mb = 0 if mk.shape[0] == 1 else mk.stride(0)
-    else:
-        mk, stride_mb = _dummy(dev, torch.uint8), 0
-    segs = []
-    for i in range(2):
-        if i < len(fp):
-            fk, fv = fp[i]
-            segs.append((fk, fv, *fk.stride()[:3], *fv.stride()[:3], f_lens[i], int(fp_pos[i])))
-        else:
-            z = _dummy(dev, fp_dtype)
-            segs.append((z, z, 0, 0, 0, 0, 0, 0, 0, 0))
+    has_range, lo, hi = _packed_range(packed_start, packed_end, bsz, n, dev)
+    has_mask, mk, stride_mb = _visibility(mask, bsz, dev)
+    segs = _fp_segment_args(fp, fp_pos, f_lens, fp_dtype, dev)
     n_f1 = chunks[0] if fp else 0
     if softcap:
         qk_scale, cap = float(scaling), float(softcap)

@@ -45,6 +45,46 @@ def _tl_dtype(dt: torch.dtype):
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dt]
 
 
+def _packed_range(packed_start, packed_end, bsz: int, n: int, dev):
+    """The kernels' valid packed range per batch row: (has_range, lo, hi), lo/hi int32 (B,) on
+    ``dev`` (dummies without a range: the kernel does not read them)."""
+    if packed_start is None and packed_end is None:
+        dummy = _dummy(dev, torch.int32)
+        return False, dummy, dummy
+    lo = (torch.zeros(bsz, dtype=torch.int32, device=dev) if packed_start is None
+          else packed_start.to(device=dev, dtype=torch.int32).contiguous())
+    hi = (torch.full((bsz,), n, dtype=torch.int32, device=dev) if packed_end is None
+          else packed_end.to(device=dev, dtype=torch.int32).clamp(max=n).contiguous())
+    return True, lo, hi
+
+
+def _visibility(mask, bsz: int, dev):
+    """The kernels' visibility mask over absolute positions: (has_mask, uint8 (B|1, L) with a
+    contiguous last dim, batch stride: 0 when one row is shared)."""
+    if mask is None:
+        return False, _dummy(dev, torch.uint8), 0
+    if mask.dim() != 2 or mask.shape[0] not in (1, bsz):
+        raise ValueError(f"mask must be (B|1, L) bool, got {tuple(mask.shape)}")
+    mk = mask if mask.stride(1) == 1 else mask.contiguous()
+    mk = mk.view(torch.uint8) if mk.dtype == torch.bool else mk.to(torch.uint8)
+    return True, mk, 0 if mk.shape[0] == 1 else mk.stride(0)
+
+
+def _fp_segment_args(fp, fp_pos, f_lens, fp_dtype, dev) -> list[tuple]:
+    """The kernels' arguments of full-precision segments 1 and 2 (sinks, window): per segment
+    (k, v, k strides (B, H, F), v strides, tokens, absolute position of its first token), dummies
+    where a segment is absent."""
+    args = []
+    for i in range(2):
+        if i < len(fp):
+            fk, fv = fp[i]
+            args.append((fk, fv, *fk.stride()[:3], *fv.stride()[:3], f_lens[i], int(fp_pos[i])))
+        else:
+            z = _dummy(dev, fp_dtype)
+            args.append((z, z, 0, 0, 0, 0, 0, 0, 0, 0))
+    return args
+
+
 def _check_fp(pair, b: int, h: int, d: int, i: int):
     k, v = pair
     if k.dim() != 4 or v.shape != k.shape or k.shape[0] != b or k.shape[1] != h or k.shape[3] != d:

@@ -18,9 +18,9 @@ where the packed K and V codes are replaced by Huffman streams (block format v1 
 Launches: ``_huffman_split_kernel`` twice -- grid ``(B * H, S_packed)`` for the packed splits
 (same split-K scheme as decode_attention.py: all ``R = Hq / H`` query heads of kv head ``h`` in
 one program, so each stream is decoded once per GQA group), then grid ``(B * H, S_fp)`` with
-``FP_ONLY`` for the full-precision chunks through decode_attention's ``_fp_chunk`` (apart so
-that the decode loop does not inherit the fp branch's register allocation) -- then
-decode_attention's ``_combine`` (log-sum-exp merge of all partials).
+``FP_ONLY`` for the full-precision chunks through :func:`kvcalib_kernels.decode.common._fp_chunk`
+(apart so that the decode loop does not inherit the fp branch's register allocation) -- then
+:func:`kvcalib_kernels.decode.combine._combine` (log-sum-exp merge of all partials).
 
 How the codes get from the stream to the tensor cores (the choice the fixed-width kernel does
 not have to make): a program walks its split in blocks of ``BLOCK_N`` tokens; every token of a
@@ -44,7 +44,7 @@ selects per code; (c) consuming each code at once for keys (``score += q_s[:, c]
 works for keys but not for values, whose accumulator column is the code's channel (a ``tl.where``
 over ``D`` columns per code again). Chunks of 32 bound the live tile to 16 registers per lane.
 
-Performance status (H200, Mistral-7B shape, batch 8, 32k context, ``kernels/bench/bench_huffman.py``):
+Performance status (H200, Mistral-7B shape, batch 8, 32k context, ``benchmarks/huffman.py``):
 correct, but slower than the fixed-width kernel it replaces: ~0.79 ms (2-bit) / ~1.26 ms
 (4-bit) against ~0.21 ms fixed-width and ~0.25 ms bf16 SDPA; also slower than the unfused path
 (standalone decoder ~0.17 / ~0.33 ms per side + fixed-width kernel). The decode is a chain of
@@ -81,9 +81,11 @@ import triton
 import triton.language as tl
 
 from kvcalib.quant.huffman import Codebook, EncodedBlocks
-from kvcalib_kernels.decode_attention import (LOG2E, _check_fp, _combine, _dot, _dummy,
-                                              _fp_chunk, _interpreting, _pow2_divisor, _q_plane, _scaled_p,
-                                              _softcap, _tl_dtype, _work_split, _zero_column)
+from kvcalib_kernels.decode.combine import _combine
+from kvcalib_kernels.decode.common import (LOG2E, _check_fp, _column, _dot, _dummy, _fp_chunk, _fp_segment_args,
+                                           _interpreting, _packed_range, _pow2_divisor, _softcap, _tl_dtype,
+                                           _visibility)
+from kvcalib_kernels.decode.splits import SplitRule, _work_split
 from kvcalib_kernels.huffman_decode import (MAX_INDEX_BITS, DecodeTable, _check_block_tensors, _check_device,
                                             _dec_chunk, _dec_start, choose_step, decode_table,
                                             funnel_shift_available, validate_streams)
@@ -92,6 +94,26 @@ __all__ = ["HuffmanAttentionConfig", "decode_attention_huffman", "supports"]
 
 
 # ---------------------------------------------------------------- device helpers
+
+
+@triton.jit
+def _q_plane(q_rows, r_ok, offs_p, COL0: tl.constexpr, qk_scale):
+    """Channels [COL0, COL0 + P) of the query rows, float32, times qk_scale: (R_PAD, P)."""
+    return tl.load(q_rows[:, None] + COL0 + offs_p[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+
+
+@triton.jit
+def _scaled_p(p, vs_rows, row_ok, DOT_T: tl.constexpr):
+    """``p * scale`` of one value group as DOT_T (R_PAD, BLOCK_N); vs_rows (BLOCK_N,) pointers to
+    each token's scale of that group. (The zero term is accumulated apart.)"""
+    vs = tl.load(vs_rows, mask=row_ok, other=0.0).to(tl.float32)  # (BLOCK_N,)
+    return (p * vs[None, :]).to(DOT_T)
+
+
+@triton.jit
+def _zero_column(zacc, offs_z, G: tl.constexpr):
+    """Column G of zacc (R_PAD, ZP) as (R_PAD, 1)."""
+    return _column(zacc, offs_z, G)[:, None]
 
 
 @triton.jit
@@ -343,8 +365,8 @@ class HuffmanAttentionConfig:
       key-scale fold needs a block inside one key group), at least 32. ``num_warps`` is clamped to
       ``block_n / 32``: each thread decodes one key and one value stream per step (or several).
     - ``num_warps``, ``num_stages``: launch options of the split kernel.
-    - ``programs_per_sm``, ``whole_waves``, ``min_split_blocks``, ``min_splits``, ``min_programs``, ``num_splits``, ``fp_block``: the split-K work
-      division, as in :class:`kvcalib_kernels.decode_attention.DecodeConfig` (the fp chunks run
+    - ``programs_per_sm``, ``whole_waves``, ``min_split_blocks``, ``min_splits``, ``min_programs``, ``num_splits``,
+      ``fp_block``: the split-K work division (:class:`kvcalib_kernels.decode.splits.SplitRule`; the fp chunks run
       as a second launch of the same kernel, with 4 warps: see the launcher).
     - ``max_index_bits``: decode 4 or 2 symbols per table lookup when that table has at most
       ``2**max_index_bits`` entries (at the default 12: 4 for 2-bit codes, 2 for 4-bit codes whose
@@ -362,9 +384,15 @@ class HuffmanAttentionConfig:
     fp_block: int = 64
     min_split_blocks: int = 4
     min_splits: int = 1  # not re-tuned for this kernel: the split rule it was measured with
-    min_programs: int = 0  # likewise (DecodeConfig's few-rows rule, off)
+    min_programs: int = 0  # likewise (the few-rows rule of the fixed-width kernel, off)
     max_index_bits: int = MAX_INDEX_BITS
     asm: bool | None = None
+
+    @property
+    def split_rule(self) -> SplitRule:
+        """The split-K fields as :func:`kvcalib_kernels.decode.splits._split_plan` reads them."""
+        return SplitRule(self.programs_per_sm, self.num_splits, self.whole_waves, self.min_split_blocks,
+                         self.min_splits, self.min_programs)
 
     def __post_init__(self) -> None:
         mib = self.max_index_bits
@@ -524,7 +552,7 @@ def _launch(q, k_blocks, k_scale, k_zero, v_blocks, v_scale, v_zero, *, k_codebo
     # ---- work split
     f_lens = [s[0].shape[2] for s in fp]
     splits, split_size, chunks, s_tot, (m_part, l_part, o_part, out) = _work_split(
-        n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config)
+        n, block_n, f_lens, fp_block, bsz, h, hq, d, dev, config.split_rule)
     if s_tot == 0:
         return out.zero_()
 
@@ -543,31 +571,9 @@ def _launch(q, k_blocks, k_scale, k_zero, v_blocks, v_scale, v_zero, *, k_codebo
         k_step = v_step = 1
         ks = kz = vs = vz = _dummy(dev, torch.float16)
         kss = vss = (0, 0, 0)
-    has_range = packed_start is not None or packed_end is not None
-    if has_range:
-        lo = (torch.zeros(bsz, dtype=torch.int32, device=dev) if packed_start is None
-              else packed_start.to(device=dev, dtype=torch.int32).contiguous())
-        hi = (torch.full((bsz,), n, dtype=torch.int32, device=dev) if packed_end is None
-              else packed_end.to(device=dev, dtype=torch.int32).clamp(max=n).contiguous())
-    else:
-        lo = hi = _dummy(dev, torch.int32)
-    has_mask = mask is not None
-    if has_mask:
-        if mask.dim() != 2 or mask.shape[0] not in (1, bsz):
-            raise ValueError(f"mask must be (B|1, L) bool, got {tuple(mask.shape)}")
-        mk = mask if mask.stride(1) == 1 else mask.contiguous()
-        mk = mk.view(torch.uint8) if mk.dtype == torch.bool else mk.to(torch.uint8)
-        stride_mb = 0 if mk.shape[0] == 1 else mk.stride(0)
-    else:
-        mk, stride_mb = _dummy(dev, torch.uint8), 0
-    segs = []
-    for i in range(2):
-        if i < len(fp):
-            fk, fv = fp[i]
-            segs.append((fk, fv, *fk.stride()[:3], *fv.stride()[:3], f_lens[i], int(fp_pos[i])))
-        else:
-            z = _dummy(dev, fp_dtype)
-            segs.append((z, z, 0, 0, 0, 0, 0, 0, 0, 0))
+    has_range, lo, hi = _packed_range(packed_start, packed_end, bsz, n, dev)
+    has_mask, mk, stride_mb = _visibility(mask, bsz, dev)
+    segs = _fp_segment_args(fp, fp_pos, f_lens, fp_dtype, dev)
     n_f1 = chunks[0] if fp else 0
     if softcap:
         qk_scale, cap = float(scaling), float(softcap)

@@ -35,7 +35,7 @@ lane running the table lookups of its stream in order. What keeps one lookup che
 its own registers) and stored as one contiguous ``NL * K``-byte row segment per lane: with a
 row-only mask and an aligned chunk start this is a vector store, no layout conversion.
 
-Performance (H200, ``kernels/bench/bench_huffman.py``: 2**28 codes of real quantizer output, one
+Performance (H200, ``benchmarks/huffman.py``: 2**28 codes of real quantizer output, one
 stream per 128-code token): ~1.5 TB/s of decoded uint8 codes for 2-bit codebooks (4 codes per
 lookup), ~0.8 TB/s for 4-bit ones (1-2 per lookup) -- 0.17 / 0.33 ms for the K side of a
 Mistral-7B layer at batch 8 x 32k. Chunks of 64 codes per store matter (16: 3x slower).

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from kvcalib.quant.uniform import (QuantizedTensor, dequantize_keys, dequantize_values,
-                                   quantize_keys, quantize_values)
+                                   quantize_dequantize_values, quantize_keys, quantize_values)
 
 __all__ = [
     "decode_attention_huffman_reference",
@@ -324,39 +324,53 @@ def decode_attention_parts_reference(q: torch.Tensor, parts, *, config=None, ret
 # ---------------------------------------------------------------- quantize and pack
 
 
+def _centred_permuted(x: torch.Tensor, perm: torch.Tensor | None, mean: torch.Tensor | None) -> torch.Tensor:
+    """``x`` (B, H, T, D) minus TaDA's stored ``mean`` (float32 (B, 1, T, D)), then channels in
+    stored order: stored channel j of head h = input channel ``perm[h, j]`` (SKVQ)."""
+    if mean is not None:
+        x = x.float() - mean  # (B, H, T, D) deviations from the stored mean
+    if perm is not None:
+        x = torch.gather(x, -1, perm.long().to(x.device)[:, None, :].expand(x.shape))  # (B, H, T, D)
+    return x
+
+
 def quantize_pack_keys_reference(k: torch.Tensor, bits: int, group: int, clip=1.0,
                                  valid: torch.Tensor | None = None, *, perm: torch.Tensor | None = None,
                                  mean: torch.Tensor | None = None) -> QuantizedTensor:
-    """Per-channel keys over groups of ``group`` tokens, after TaDA's ``mean`` and SKVQ's ``perm``:
-    :func:`kvcalib.codec.quantize_reference` (:func:`kvcalib.quant.uniform.quantize_keys`).
+    """Per-channel keys over groups of ``group`` tokens, after TaDA's ``mean`` and SKVQ's ``perm``
+    (:func:`kvcalib.quant.uniform.quantize_keys`; the runtime codec's ``quantize_reference``).
 
     k ``(B, H, T, D)`` -> codes uint8 ``(B, H, T, D * bits / 8)``, scale/zero float16
     ``(B, H, T / group, D)``.
     """
-    from kvcalib.codec import quantize_reference
-
-    return quantize_reference(k, bits, group, True, clip, valid, perm=perm, mean=mean)
+    return quantize_keys(_centred_permuted(k, perm, mean), bits, group, clip=clip, valid=valid)
 
 
 def quantize_pack_values_reference(v: torch.Tensor, bits: int, group: int, clip=1.0,
                                    valid: torch.Tensor | None = None, *, perm: torch.Tensor | None = None,
                                    mean: torch.Tensor | None = None) -> QuantizedTensor:
-    """Per-token values over groups of ``group`` channels, after ``mean`` and ``perm``:
-    :func:`kvcalib.codec.quantize_reference` (:func:`kvcalib.quant.uniform.quantize_values`).
+    """Per-token values over groups of ``group`` channels, after ``mean`` and ``perm``
+    (:func:`kvcalib.quant.uniform.quantize_values`; the runtime codec's ``quantize_reference``).
 
     v ``(B, H, T, D)`` -> codes uint8 ``(B, H, T, D * bits / 8)``, scale/zero float16
     ``(B, H, T, D / group)``.
     """
-    from kvcalib.codec import quantize_reference
-
-    return quantize_reference(v, bits, group, False, clip, valid, perm=perm, mean=mean)
+    return quantize_values(_centred_permuted(v, perm, mean), bits, group, clip=clip, valid=valid)
 
 
 def center_pack_reference(x: torch.Tensor, mean_bits: int):
-    """TaDA's stored mean over kv heads: :func:`kvcalib.methods.center.center_reference`."""
-    from kvcalib.methods.center import center_reference
-
-    return center_reference(x, mean_bits)
+    """TaDA's stored mean over kv heads of ``x`` (B, H, N, D): ``(mean_hat, mean16, mean_q)`` as
+    the runtime codec's ``center_reference`` returns it. ``mean_hat`` float32 (B, 1, N, D) is the
+    stored mean dequantized; ``mean_bits == 16``: ``mean16`` float16 (B, 1, N, D) is what is
+    stored; ``8``: ``mean_q`` holds 8-bit per-token codes of ``mean_hat`` over one group of D."""
+    mean = x.float().mean(dim=1, keepdim=True)  # (B, 1, N, D)
+    if mean_bits == 16:
+        mean_hat = mean.to(torch.float16).float()
+        return mean_hat, mean_hat.to(torch.float16), None
+    if mean_bits != 8:
+        raise ValueError(f"mean_bits must be 8 or 16, got {mean_bits!r}")
+    mean_hat = quantize_dequantize_values(mean, 8, mean.shape[-1])  # (B, 1, N, D)
+    return mean_hat, None, quantize_values(mean_hat, 8, mean_hat.shape[-1])
 
 
 # ---------------------------------------------------------------- Huffman-coded cache

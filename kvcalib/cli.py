@@ -460,25 +460,61 @@ def _inspect_diff(a: str, b: str, model: Optional[str], context: int, as_json: b
         print(f"{report[side]['name']} made from: " + ("; ".join(f"{k}: {v}" for k, v in origin) if origin else "no provenance recorded"))
 
 
+BENCHMARKS = ("grid", "latency", "sweep", "fitted", "groups", "combine", "e2e", "host", "accuracy", "huffman", "report")
+# --mode of the former kernels/bench/bench_decode.py -> the script and its leading arguments
+BENCH_MODES = {"micro": ("grid",), "latency": ("latency", "--mode", "latency"), "splits": ("latency", "--mode", "splits"),
+               "tune": ("latency", "--mode", "tune")}
+
+
+def _bench_command(args: list[str]) -> tuple[str, list[str]]:
+    """(script, its arguments) of ``kvcalib bench``'s arguments: ``NAME ARGS...``, or the former
+    ``--mode MODE ARGS...`` (``micro`` is the grid, its ``--quick`` the grid's ``--rows quick``)."""
+    if args[:1] == ["--mode"] and len(args) > 1:
+        script, *lead = BENCH_MODES.get(args[1], (args[1],))
+        rest = args[2:]
+        if script == "grid":
+            rest = [x for a in rest for x in (("--rows", "quick") if a == "--quick" else (a,))]
+        return script, [*lead, *rest]
+    if args and not args[0].startswith("-"):
+        return args[0], args[1:]
+    raise KvcalibError(f"kvcalib bench needs a benchmark name: kvcalib bench NAME [ARGS...], NAME one of "
+                       f"{', '.join(BENCHMARKS)}")
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             epilog="Examples (on a CUDA machine):\n\n    kvcalib bench --mode micro --quick\n\n    kvcalib bench --mode e2e --context 32768\n\nResults go to artifacts/bench/ (decode_attention.json/md/png, e2e.json/md).")
+             epilog="Examples (from the repository root, on a CUDA machine):\n\n    kvcalib bench grid --rows quick"
+                    "\n\n    kvcalib bench e2e --context 32768\n\n    kvcalib bench report   (any machine: tables from "
+                    "the JSON in artifacts/bench/)\n\nResults go to artifacts/bench/ (decode_attention.json/md/png, "
+                    "e2e.json/md, ...).")
 @user_errors
 def bench(ctx: typer.Context) -> None:
-    """GPU decode-attention and end-to-end benchmarks against bf16 (DESIGN.md protocol).
+    """GPU decode-attention and end-to-end benchmarks against bf16 (DESIGN.md protocol): kvcalib bench NAME [ARGS...].
 
-    Arguments are passed to kernels/bench/bench_decode.py (--mode micro|latency|splits|tune|fitted|groups|e2e|report,
-    --quick, --out DIR, ...).
+    Runs ``python -m benchmarks.NAME [ARGS...]`` of a source checkout (the benchmarks are not part
+    of the installed package): run it from the repository root. NAME: grid, latency, sweep, fitted,
+    groups, combine, e2e, host, accuracy, huffman or report; ARGS go to the script (``--out DIR``,
+    ...; ``python -m benchmarks.NAME --help`` lists them). ``--mode micro|latency|splits|tune|...``
+    (the former spelling) maps to the same scripts.
     """
-    import torch
+    import subprocess
 
-    args = list(ctx.args)
-    report_only = "report" in args
-    if not report_only and not torch.cuda.is_available():
-        raise KvcalibError("kvcalib bench needs a CUDA GPU (the Triton kernels are what it measures); "
-                           "on a CPU machine use `kvcalib bench --mode report` to rebuild tables from JSON.")
-    from kvcalib_kernels.bench.bench_decode import main as bench_main
+    name, args = _bench_command(list(ctx.args))
+    if name not in BENCHMARKS:
+        raise KvcalibError(f"unknown benchmark {name!r}: use one of {', '.join(BENCHMARKS)}")
+    if name != "report":
+        import torch
 
-    bench_main(args)
+        if not torch.cuda.is_available():
+            raise KvcalibError(f"kvcalib bench {name} needs a CUDA GPU (the Triton kernels are what it measures); "
+                               "on a CPU machine `kvcalib bench report` rebuilds the tables from the JSON.")
+    root = Path.cwd()
+    if not (root / "benchmarks" / f"{name}.py").is_file():
+        raise KvcalibError(f"no benchmarks/{name}.py under {root}: the benchmarks ship with the source, not the "
+                           "installed package; run `kvcalib bench` from the repository root")
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], cwd=root)
+    if done.returncode:
+        raise typer.Exit(done.returncode)
+
 
 def main() -> None:
     """Console-script entry point."""

@@ -18,7 +18,9 @@ import torch
 from tests.kernels.triton_setup import kernel_modules
 
 # the interpreter must be chosen before a @triton.jit function is defined
-DEVICE, INTERPRET, (da,) = kernel_modules("kvcalib_kernels.decode_attention")
+DEVICE, INTERPRET, (da, plan, splits, combine) = kernel_modules(
+    "kvcalib_kernels.decode_attention", "kvcalib_kernels.decode.plan", "kvcalib_kernels.decode.splits",
+    "kvcalib_kernels.decode.combine")
 from kvcalib.quant.uniform import quantize_keys, quantize_values  # noqa: E402
 from kvcalib_kernels.reference import decode_attention_reference, decode_attention_reference_in  # noqa: E402
 
@@ -116,11 +118,11 @@ def test_unpack_modes(unpack):
 def _meta(args, kw, config) -> dict:
     """The launch options and constexprs the launcher picks for this case."""
     part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
-    return da._prepare(args[0], **part, config=config).meta
+    return plan._prepare(args[0], **part, config=config).meta
 
 
 def _v_units_chosen(args, kw, config) -> bool:
-    """Whether the kernel reads this case's value codes as int16 units (DecodeConfig.value_units)."""
+    """Whether the kernel reads this case's value codes as int16 units (the launcher's rule)."""
     return _meta(args, kw, config)["V_UNITS"]
 
 
@@ -132,10 +134,10 @@ def _v_units_chosen(args, kw, config) -> bool:
     dict(d=128, v_bits=4, v_group=32, perm=True, mean=8), dict(d=128, v_bits=4, v_group=32, mean=16, spare=2),
 ], ids=["d128-2b", "d128-4b", "d128-8b", "d64-4b", "d64-8b-views", "d128-2b-perm", "d128-4b-perm-mean8",
         "d128-4b-g32", "d128-8b-g32", "d128-8b-g64", "d128-4b-g32-perm-mean8", "d128-4b-g32-mean16-views"])
-def test_value_units_match_byte_tiles(case):
+def test_value_units_pass_the_tolerance_rule(case):
     """Value codes read as int16 units (two bytes each, unpacked elementwise into both bytes'
-    planes, two accumulators per plane) give the byte-tile result and pass the tolerance rule;
-    with SKVQ permutations (and TaDA means beside them) and strided views too."""
+    planes, two accumulators per plane) pass the tolerance rule; with SKVQ permutations (and
+    TaDA means beside them) and strided views too."""
     case = dict(case)
     perm, mean = case.pop("perm", False), case.pop("mean", 0)
     args, kw = make_case(k_bits=2, dtype=torch.float16, b=2, h=2, rep=3, n=80, **case)
@@ -152,10 +154,8 @@ def test_value_units_match_byte_tiles(case):
         codes = ((vm - lo) / scale.float()).round().clamp(0, 255).to(torch.uint8)
         kw["v_mean"] = (codes.to(DEVICE), scale.to(DEVICE), lo.half().to(DEVICE))
     units = replace(SMALL, unpack=6)
-    bytes_ = replace(units, value_units=False)
-    assert _v_units_chosen(args, kw, units) and not _v_units_chosen(args, kw, bytes_)
-    out = check(args, kw, units)
-    assert float((out - da.decode_attention(*args, **kw, config=bytes_)).abs().max()) < 2e-3
+    assert _v_units_chosen(args, kw, units)
+    check(args, kw, units)
 
 
 @pytest.mark.parametrize("case", [
@@ -165,28 +165,26 @@ def test_value_units_match_byte_tiles(case):
     dict(d=128, v_bits=2, v_group=128, mean=True),
 ], ids=["d128-2b", "d128-4b-g64", "d128-8b", "d128-2b-g64-perm", "d64-2b-g32-bytes", "d64-4b-pairs",
         "d128-4b-no-lanes", "d128-2b-mean"])
-def test_value_sum_products_match_reductions(case):
-    """Folded value planes with their lane terms taken by products (DecodeConfig.value_sum_products)
-    give the reductions' result and pass the tolerance rule: one group per head, a group per plane,
-    planes sharing a group with others apart (2-bit g64 / g32), 8 bits, byte tiles, two key groups
-    per block, no lanes, a permutation, a TaDA value mean."""
+def test_value_sums_by_products_and_by_reductions(case):
+    """Folded value planes take their lane terms by products at 2 bits with one key group per
+    block, by reductions elsewhere (the launcher's rule), and pass the tolerance rule either way:
+    one group per head, a group per plane, planes sharing a group with others apart (2-bit g64 /
+    g32), 8 bits, byte tiles, two key groups per block, no lanes, a permutation, a TaDA value mean."""
     case = dict(case)
     perm, mean, pairs = case.pop("perm", False), case.pop("mean", False), case.pop("pairs", False)
     cfg = replace(SMALL, unpack=case.pop("unpack", 6))
     if pairs:
-        cfg = replace(cfg, block_n=32, key_group_pairs=True)
+        cfg = replace(cfg, block_n=32)  # head_dim 64, 3 query rows: two key groups of 16 per block
     args, kw = make_case(k_bits=2, dtype=torch.float16, b=2, h=2, rep=3, n=80, **case)
     g = torch.Generator().manual_seed(6)
     if perm:
         kw["v_perm"] = torch.stack([torch.randperm(case["d"], generator=g) for _ in range(2)]).to(DEVICE)
     if mean:
         kw["v_mean"] = torch.randn(2, 1, 80, case["d"], generator=g).half().to(DEVICE)
-    products, cfg = replace(cfg, value_sum_products=True), replace(cfg, value_sum_products=False)
-    part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
-    meta = da._prepare(args[0], **part, config=products).meta
-    assert meta["V_FOLD"] and meta["V_NCH"] == 1 and meta["V_SUM_DOTS"]
-    out = check(args, kw, products)
-    assert float((out - check(args, kw, cfg)).abs().max()) < 2e-3
+    meta = _meta(args, kw, cfg)
+    assert meta["V_FOLD"] and meta["V_NCH"] == 1 and meta["K_SUB"] == (2 if pairs else 1)
+    assert meta["V_SUM_DOTS"] == (case["v_bits"] == 2 and not pairs)
+    check(args, kw, cfg)
 
 
 @pytest.mark.parametrize("case", [
@@ -195,28 +193,22 @@ def test_value_sum_products_match_reductions(case):
     dict(d=64, k_bits=8, v_bits=8, v_group=32, k_group=32), dict(d=128, k_bits=2, v_bits=2, v_group=128, k_group=32,
                                                                   start=True),
 ], ids=["2b-g128", "2b-g64", "4b-g128", "4b-g32", "d64-8b-g32", "2b-range"])
-@pytest.mark.parametrize("when", [1, 2], ids=["top", "ahead"])
-def test_early_value_scales_match_loads_at_use(case, when):
-    """Per-token value scales and zeros loaded at the top of each block, before the key work, or
-    by the block before (``DecodeConfig.early_value_scales`` 1 / 2), give the loads-at-use result exactly and pass the
-    tolerance rule: value groups per head, per plane (2-bit g64) and per chunk (value-group
-    accumulators: 4-bit g32; 8-bit g32 checks the rule that loads them at use), folded sums by products and by reductions (4-bit g128),
-    splits and a packed range starting inside a key group."""
+def test_early_value_scales(case):
+    """Per-token value scales and zeros loaded at the top of each block, before the key work
+    (values of <= 4 bits; 8-bit values load them at use), pass the tolerance rule: value groups
+    per head, per plane (2-bit g64) and per chunk (value-group accumulators: 4-bit g32; 8-bit
+    g32), folded sums by products and by reductions (4-bit g128), splits and a packed range
+    starting inside a key group."""
     case = dict(case)
     start = case.pop("start", False)
     args, kw = make_case(dtype=torch.float16, b=2, h=2, rep=3, n=192, **case)
     if start:
         kw["packed_start"] = torch.tensor([0, 40], device=DEVICE)
-    early = replace(SMALL, unpack=6, num_splits=4, early_value_scales=when)  # 12 blocks of 16: splits at 0, 48, 96, 144
-    late = replace(early, early_value_scales=0)
-    part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
-    meta = da._prepare(args[0], **part, config=early).meta
-    # (8-bit values load their scales at use whatever the config says: see DecodeConfig)
-    assert meta["V_EARLY"] == (when if case["v_bits"] <= 4 else 0)
+    early = replace(SMALL, unpack=6, num_splits=4)  # 12 blocks of 16: splits at 0, 48, 96, 144
+    meta = _meta(args, kw, early)
+    assert meta["V_EARLY"] == (case["v_bits"] <= 4)  # (8-bit values: at use, plan._early_value_scales)
     assert meta["K_FOLD"] and (meta["V_FOLD"] or meta["V_NCH"] > 1)
-    assert not da._prepare(args[0], **part, config=late).meta["V_EARLY"]
-    out = check(args, kw, early)
-    assert torch.equal(out, check(args, kw, late))
+    check(args, kw, early)
 
 
 def test_deep_pipeline_rule():
@@ -224,35 +216,34 @@ def test_deep_pipeline_rule():
     layout of <= 4 bits folding one key group per block, one value accumulator per plane, no TaDA
     means."""
     cfg = replace(SMALL, unpack=6)
-    assert da._stages(cfg, 16, True) == cfg.num_stages + 1 and da._stages(cfg, 15, True) == cfg.num_stages
-    assert da._stages(cfg, 64, False) == cfg.num_stages
-    assert da._stages(replace(cfg, deep_pipeline_blocks=None), 64, True) == cfg.num_stages
+    assert plan._stages(cfg.num_stages, 16, True) == cfg.num_stages + 1
+    assert plan._stages(cfg.num_stages, 15, True) == cfg.num_stages
+    assert plan._stages(cfg.num_stages, 64, False) == cfg.num_stages
 
     def stages(config, **case):
         args, kw = make_case(k_bits=2, dtype=torch.float16, b=1, h=2, rep=2, n=512, d=128, **case)
-        part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
-        return da._prepare(args[0], **part, config=config).meta["num_stages"]
+        return _meta(args, kw, config)["num_stages"]
 
     one = replace(cfg, num_splits=1)  # 32 blocks of 16 tokens in the split
     assert stages(one, v_bits=2, k_group=16, v_group=128) == cfg.num_stages + 1
     assert stages(replace(cfg, num_splits=8), v_bits=2, k_group=16, v_group=128) == cfg.num_stages  # 4 blocks
     assert stages(one, v_bits=4, k_group=16, v_group=32) == cfg.num_stages  # value-group accumulators
     assert stages(one, v_bits=8, k_group=16, v_group=128) == cfg.num_stages  # 8 bits: shared memory
-    assert stages(replace(one, deep_pipeline_blocks=None), v_bits=2, k_group=16, v_group=128) == cfg.num_stages
 
 
 @requires_cuda
 @pytest.mark.parametrize("v_bits", [2, 4])
 def test_deep_pipeline_matches_two_stages(v_bits):
     """The extra pipeline stage changes when code tiles arrive, not the arithmetic: on the GPU the
-    result equals the two-stage kernel's bit for bit (splits of 32 blocks of 64 tokens)."""
+    result equals the two-stage kernel's bit for bit (splits of 32 blocks of 64 tokens; num_stages=1
+    is the two-stage kernel there: the rule adds its stage to the config's)."""
     args, kw = make_case(k_bits=v_bits, v_bits=v_bits, dtype=torch.bfloat16, b=2, h=2, rep=4, n=4096, d=128,
                          k_group=128, v_group=128)
     deep = da.DecodeConfig(num_splits=2)
-    part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
-    assert da._prepare(args[0], **part, config=deep).meta["num_stages"] == deep.num_stages + 1
+    two = replace(deep, num_stages=1)
+    assert _meta(args, kw, deep)["num_stages"] == 3 and _meta(args, kw, two)["num_stages"] == 2
     out = check(args, kw, deep)
-    assert torch.equal(out, da.decode_attention(*args, **kw, config=replace(deep, deep_pipeline_blocks=None)))
+    assert torch.equal(out, da.decode_attention(*args, **kw, config=two))
 
 
 def test_value_sum_products_default_rule():
@@ -260,17 +251,14 @@ def test_value_sum_products_default_rule():
     block only (where they measured faster); not at 4 / 8 bits nor with two key groups per block."""
     def chosen(config, **case):
         args, kw = make_case(k_bits=2, dtype=torch.float16, **case)
-        part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
-        return da._prepare(args[0], **part, config=config).meta["V_SUM_DOTS"]
+        return _meta(args, kw, config)["V_SUM_DOTS"]
 
     cfg = replace(SMALL, unpack=6)
     assert chosen(cfg, d=128, v_bits=2, v_group=128, k_group=16)
     assert not chosen(cfg, d=128, v_bits=4, v_group=128, k_group=16)
     assert not chosen(cfg, d=128, v_bits=8, v_group=128, k_group=16)
-    pairs = replace(cfg, block_n=32, key_group_pairs=True)
+    pairs = replace(cfg, block_n=32)  # head_dim 64, 4 query rows: two key groups of 16 per block
     assert not chosen(pairs, d=64, v_bits=2, v_group=64, k_group=16)
-    assert chosen(replace(cfg, value_sum_products=True), d=128, v_bits=4, v_group=128, k_group=16)
-    assert not chosen(replace(cfg, value_sum_products=False), d=128, v_bits=2, v_group=128, k_group=16)
 
 
 def test_value_units_where_they_apply():
@@ -288,8 +276,8 @@ def test_value_units_where_they_apply():
     check(args, kw, cfg)
     args, kw = make_case(d=64, v_bits=4, v_group=64, dtype=torch.float16)
     assert _v_units_chosen(args, kw, cfg)
-    pairs = replace(cfg, block_n=32, key_group_pairs=True)  # two key groups of 16 per block
-    assert not _v_units_chosen(args, kw, pairs)
+    pairs = replace(cfg, block_n=32)  # two key groups of 16 per block (head_dim 64, 4 query rows)
+    assert _meta(args, kw, pairs)["K_SUB"] == 2 and not _v_units_chosen(args, kw, pairs)
     check(args, kw, pairs)
     mean = torch.randn(2, 1, 48, 64).half().to(DEVICE)
     assert not _v_units_chosen(args, {**kw, "v_mean": mean}, cfg)
@@ -306,12 +294,13 @@ def test_value_units_where_they_apply():
     dict(d=128, k_bits=4, v_bits=4, v_group=32, k_group=32, halves=True),
 ], ids=["2b", "4b", "8b", "k2v4-g64", "d64-4b-gqa7", "2b-perm", "4b-keys32-halves", "2b-range-views",
         "4b-g32-chunks", "8b-g32-chunks-perm", "4b-g32-chunks-halves"])
-def test_value_products_t_match_untransposed(case):
-    """Transposed value products (DecodeConfig.value_products_t: codes^T @ (p * scale) into
-    (channels, rows) accumulators) pass the tolerance rule and agree with the untransposed ones:
-    2/4/8 bits, a value group per plane pair (4-bit g64), head_dim 64 with 7 query rows, an SKVQ
-    permutation, two key groups per block in halves, a packed range and strided views, and value
-    groups narrower than a plane (value-group accumulators, their zeros by one product)."""
+def test_value_products_t(case):
+    """Transposed value products (codes^T @ (p * scale) into (channels, rows) accumulators) pass
+    the tolerance rule: 2/4/8 bits, a value group per plane pair (4-bit g64), head_dim 64 with 7
+    query rows, an SKVQ permutation, two key groups per block in halves, a packed range and
+    strided views, and value groups narrower than a plane (value-group accumulators, their zeros by
+    one product); value-group accumulators of <= 4 bits beside keys in halves keep the
+    untransposed products (the launcher's rule)."""
     case = dict(case)
     perm, halves, start = case.pop("perm", False), case.pop("halves", False), case.pop("start", False)
     case.setdefault("k_group", 16)
@@ -321,49 +310,48 @@ def test_value_products_t_match_untransposed(case):
         kw["v_perm"] = torch.stack([torch.randperm(case["d"], generator=g) for _ in range(2)]).to(DEVICE)
     if start:
         kw["packed_start"] = torch.tensor([0, 21], device=DEVICE)
-    on = replace(SMALL, unpack=6, num_splits=2, value_products_t=True)
+    on = replace(SMALL, unpack=6, num_splits=2)
     if halves:
         on = replace(on, block_n=64)  # keys of 32 in the halves of 64-token blocks
-    off = replace(on, value_products_t=False)
     meta = _meta(args, kw, on)
-    assert meta["V_T"] and meta["V_UNITS"] and not _meta(args, kw, off)["V_T"]
+    chunks_beside_halves = meta["V_NCH"] > 1 and halves and case["v_bits"] <= 4
+    assert meta["V_T"] == (not chunks_beside_halves) and meta["V_UNITS"]
     assert meta["K_HALVES"] == halves
-    out = check(args, kw, on)
-    assert float((out - check(args, kw, off)).abs().max()) < 2e-3
+    check(args, kw, on)
 
 
 @pytest.mark.parametrize("case", [
-    dict(d=128, v_bits=2, v_group=128), dict(d=64, v_bits=4, v_group=16), dict(d=64, v_bits=2, v_group=64),
-    dict(d=128, k_bits=4, v_bits=4, k_group=32, v_group=32, n=512, blocks=64),
-    dict(d=64, k_bits=4, v_bits=4, k_group=16, v_group=32, pairs=True, blocks=32), dict(d=64, v_bits=8, v_group=64, spare=3),
-    dict(d=64, v_bits=4, v_group=64, k_axis="token"),
+    dict(d=128, v_bits=2, v_group=128), dict(d=128, v_bits=4, v_group=16), dict(d=128, v_bits=4, v_group=32),
+    dict(d=128, k_bits=4, v_bits=4, k_group=32, v_group=32, n=512, blocks=64), dict(d=128, v_bits=8, v_group=64, spare=3),
+    dict(d=128, v_bits=4, v_group=64, k_axis="token"), dict(d=128, k_bits=2, v_bits=2, v_group=64, rep=6),
 ])
 def test_whole_blocks_match_masked(case):
-    """Calls whose packed blocks are all whole and visible run the loop without bounds masks
-    (DecodeConfig.whole_blocks) and give the masked loop's result exactly: folded value planes read
-    as units (2-bit g128) and as bytes (2-bit head_dim 64), value-group chunks as bytes (4-bit g16),
-    keys in block halves, two key groups per block, strided views, per-token keys."""
+    """Calls whose packed blocks are all whole and visible run the loop without bounds masks and
+    give the masked loop's result exactly (the same call with a packed range of all tokens):
+    folded value planes read as units (2-bit g128), per-element values (4-bit g16), value-group
+    chunks (4-bit g32), keys in block halves, strided views, per-token keys, 8 padded query rows
+    at 2 bits."""
     case = dict(case)
-    block_n, pairs = case.pop("blocks", 16), case.pop("pairs", False)
-    args, kw = make_case(dtype=torch.float16, b=2, h=2, rep=3, **{"n": 96, **case})
-    on = replace(SMALL, unpack=6, num_splits=2, block_n=block_n, key_group_pairs=pairs, whole_blocks=True)
-    off = replace(on, whole_blocks=False)
+    block_n = case.pop("blocks", 16)
+    args, kw = make_case(dtype=torch.float16, b=2, h=2, **{"n": 96, "rep": 3, **case})
+    on = replace(SMALL, unpack=6, num_splits=2, block_n=block_n)
+    masked = {**kw, "packed_start": torch.zeros(2, dtype=torch.int32, device=DEVICE)}
     meta = _meta(args, kw, on)
-    assert meta["WHOLE"] and not _meta(args, kw, off)["WHOLE"]
-    assert meta["K_SUB"] == (2 if pairs else 1)
+    assert meta["WHOLE"] and not _meta(args, masked, on)["WHOLE"]
+    assert meta["K_HALVES"] == (block_n == 64)
     out = check(args, kw, on)
-    assert torch.equal(out, da.decode_attention(*args, **kw, config=off))
+    assert torch.equal(out, da.decode_attention(*args, **masked, config=on))
 
 
 def test_whole_blocks_only_where_every_block_is_whole():
     """A packed length that is not a multiple of the block, a packed range or a mask over the
     packed tokens keep the bounds masks (and their results pass the rule); a mask over the
     full-precision tokens only does not."""
-    cfg = replace(SMALL, unpack=6, num_splits=2, whole_blocks=True)
-    args, kw = make_case(dtype=torch.float16, n=80)  # 2.5 blocks of 32
+    cfg = replace(SMALL, unpack=6, num_splits=2)
+    args, kw = make_case(dtype=torch.float16, n=80, d=128, rep=3)  # 2.5 blocks of 32
     assert not _meta(args, kw, replace(cfg, block_n=32))["WHOLE"] and _meta(args, kw, cfg)["WHOLE"]
     check(args, kw, replace(cfg, block_n=32))
-    args, kw = make_case(dtype=torch.float16, n=96)
+    args, kw = make_case(dtype=torch.float16, n=96, d=128, rep=3)
     assert _meta(args, kw, cfg)["WHOLE"]
     start = {**kw, "packed_start": torch.tensor([0, 21], device=DEVICE)}
     assert not _meta(args, start, cfg)["WHOLE"]
@@ -407,8 +395,6 @@ def test_value_products_t_where_they_apply():
         args, kw = make_case(d=128, k_bits=v_bits, v_bits=v_bits, v_group=32, k_group=32, n=512, dtype=torch.float16)
         meta = _meta(args, kw, blocks64)
         assert meta["K_HALVES"] and meta["V_NCH"] > 1 and meta["V_T"] == transposed
-        assert _meta(args, kw, replace(blocks64, value_products_t=True))["V_T"]
-        assert not _meta(args, kw, replace(blocks64, value_products_t=False))["V_T"]
     args, kw = make_case(d=128, v_bits=2, v_group=128, dtype=torch.float16)
     assert _meta(args, kw, cfg)["V_T"]
     mean = torch.randn(2, 1, 48, 128).half().to(DEVICE)
@@ -418,23 +404,26 @@ def test_value_products_t_where_they_apply():
 
 def test_few_rows_split_finer():
     """Few (batch, kv head) rows: one block per split (below ``min_programs`` programs), and
-    shorter blocks (``small_block_n``) when even that leaves few programs; results unchanged."""
+    shorter blocks (``plan.SMALL_BLOCK_N``) when even that leaves few programs; results unchanged."""
     cpu = torch.device("cpu")  # 4 "SMs" off CUDA: 64 programs per row pair at most
-    coarse = da.DecodeConfig(min_splits=1, min_programs=0, programs_per_sm=16)
-    fine = da.DecodeConfig(min_splits=1, programs_per_sm=16)
-    assert da._split_plan(64 * 20, 64, [], 64, 1, 2, cpu, coarse)[:2] == (10, 128)  # 2 blocks per split
-    assert da._split_plan(64 * 20, 64, [], 64, 1, 2, cpu, fine)[:2] == (20, 64)  # 1 block per split
-    assert da._split_plan(64 * 20, 64, [], 64, 8, 8, cpu, fine)[:2] == (1, 64 * 20)  # many rows: as before
+    coarse = splits.SplitRule(min_splits=1, min_programs=0, programs_per_sm=16)
+    fine = splits.SplitRule(min_splits=1, programs_per_sm=16)
+    assert splits._split_plan(64 * 20, 64, [], 64, 1, 2, cpu, coarse)[:2] == (10, 128)  # 2 blocks per split
+    assert splits._split_plan(64 * 20, 64, [], 64, 1, 2, cpu, fine)[:2] == (20, 64)  # 1 block per split
+    assert splits._split_plan(64 * 20, 64, [], 64, 8, 8, cpu, fine)[:2] == (1, 64 * 20)  # many rows: as before
     args, kw = make_case(b=1, h=2, n=96, k_group=32, v_group=32, k_bits=2, v_bits=4, f=(2, 5))
-    check(args, kw, da.DecodeConfig(small_block_n=16, min_programs=10_000))  # 32-token blocks -> 16
-    # 8-bit blocks cost more: shorter blocks below min_programs programs, not half of it
-    cfg = da.DecodeConfig(small_block_n=16, min_programs=40, key_group_pairs=False, key_group_halves=False)
-    for bits, want in ((2, 32), (8, 16)):  # 1 x 2 heads x 12 blocks of 32 tokens = 24 programs
+    assert _meta(args, kw, da.DecodeConfig())["BLOCK_N"] == plan.SMALL_BLOCK_N  # 64-token blocks -> 32
+    check(args, kw, da.DecodeConfig())
+    # 8-bit blocks cost more: shorter blocks below min_programs programs, not half of it (1 x 2
+    # heads x 192 blocks of 64 tokens = 384 programs, between half of min_programs and all of it)
+    assert plan.SplitRule().min_programs // 2 <= 2 * 192 < plan.SplitRule().min_programs
+    for bits, want in ((2, 64), (8, 32)):
+        args, kw = make_case(b=1, h=2, n=64 * 192, k_group=32, v_group=32, k_bits=bits, v_bits=bits, f=(2, 5))
+        assert _meta(args, kw, da.DecodeConfig())["BLOCK_N"] == want, bits
+    for bits in (2, 8):  # 12 blocks of 32: short blocks at either width, results unchanged
         args, kw = make_case(b=1, h=2, n=384, k_group=32, v_group=32, k_bits=bits, v_bits=bits, f=(2, 5))
-        call = da._prepare(da._check_q(args[0]), *args[1:], **kw, softcap=None, packed_start=None,
-                           packed_end=None, mask=None, config=cfg)
-        assert call.meta["BLOCK_N"] == want, bits
-        check(args, kw, cfg)
+        assert _meta(args, kw, da.DecodeConfig())["BLOCK_N"] == 32, bits
+        check(args, kw, da.DecodeConfig())
 
 
 def test_splits_fill_whole_waves():
@@ -443,21 +432,21 @@ def test_splits_fill_whole_waves():
     program past the wave)."""
     cpu = torch.device("cpu")
     n = 64 * 110  # 110 blocks: room for either count
-    assert da._split_plan(n, 64, [], 64, 1, 3, cpu, da.DecodeConfig())[0] == 10
-    assert da._split_plan(n, 64, [], 64, 1, 3, cpu, da.DecodeConfig(whole_waves=False))[0] == 11
-    assert da._split_plan(n, 64, [], 64, 1, 64, cpu, da.DecodeConfig())[0] == 1  # never below one
+    assert splits._split_plan(n, 64, [], 64, 1, 3, cpu, plan._split_rule(da.DecodeConfig()))[0] == 10
+    assert splits._split_plan(n, 64, [], 64, 1, 3, cpu, splits.SplitRule(whole_waves=False))[0] == 11
+    assert splits._split_plan(n, 64, [], 64, 1, 64, cpu, splits.SplitRule())[0] == 1  # never below one
 
 
-@pytest.mark.parametrize("rep,min_rows", [(3, 4), (7, 1), (1, 1), (4, 8)], ids=str)
-def test_small_row_tiles(rep, min_rows):
-    """Query tiles of fewer than 16 rows (the GQA group padded to a power of two >= min_rows)."""
+@pytest.mark.parametrize("rep", [3, 7, 1, 4, 6], ids=str)
+def test_small_row_tiles(rep):
+    """Query tiles of fewer than 16 rows (the GQA group padded to a power of two >= plan.MIN_ROWS)."""
     args, kw = make_case(rep=rep, k_bits=4, v_bits=2, dtype=torch.float16)
-    check(args, kw, da.DecodeConfig(block_n=16, fp_block=16, min_rows=min_rows))
+    assert _meta(args, kw, SMALL)["R_PAD"] == max(plan.MIN_ROWS, 1 << (rep - 1).bit_length())
+    check(args, kw, SMALL)
 
 
-@pytest.mark.parametrize("field,bad", [("min_rows", 3), ("maxnreg", 300), ("halves_split_gain", 0),
-                                       ("halves_max_splits", 0), ("early_value_scales", 3),
-                                       ("deep_pipeline_blocks", 0)])
+@pytest.mark.parametrize("field,bad", [("block_n", 24), ("fp_block", 8), ("num_warps", 3), ("num_stages", 0),
+                                       ("unpack", 3), ("programs_per_sm", 0), ("num_splits", 0)])
 def test_config_rejects_bad_values(field, bad):
     with pytest.raises(ValueError, match=field):
         da.DecodeConfig(**{field: bad})
@@ -520,47 +509,48 @@ def test_small_value_groups_and_token_keys(d, v_bits, v_group, chunks):
     """v_group smaller than a plane: at most 4 value groups per head fold per (plane, chunk of
     v_group byte columns), one accumulator per group; more groups (and per-token keys) dequantize
     per element."""
-    plan = da._plan(d, 4, 4, v_bits, 16, v_group, "token", torch.bfloat16, torch.bfloat16, "cpu", 0, SMALL, True)
-    assert (plan[5], plan[6]) == ((True, chunks) if chunks else (False, 1))  # v_fold, v_chunks
+    layout = plan._plan(d, 4, 4, v_bits, 16, v_group, "token", torch.bfloat16, torch.bfloat16, "cpu", 0, SMALL, True)
+    assert (layout.v_fold, layout.v_chunks) == ((True, chunks) if chunks else (False, 1))
     args, kw = make_case(k_axis="token", k_group=16, k_bits=4, v_bits=v_bits, v_group=v_group, n=40, d=d)
     check(args, kw)
 
 
-@pytest.mark.parametrize("k_bits,v_bits", [(2, 2), (4, 4), (8, 2)], ids=lambda x: f"{x}b")
+@pytest.mark.parametrize("k_bits,v_bits", [(2, 2), (4, 4)], ids=lambda x: f"{x}b")
 def test_key_groups_shorter_than_a_block_run_in_pairs(k_bits, v_bits):
     """Per-channel key groups of half a block run two per block (virtual query rows, one set per
-    key group, merged at the end): within the tolerance, and near blocks of one group, on ragged
-    ranges, a mask, and a length whose last block has an empty second half."""
-    from dataclasses import replace
-
-    cfg = da.DecodeConfig(block_n=32, fp_block=16, key_group_pairs=True)
-    plan = da._plan(64, 4, k_bits, v_bits, 16, 32, "channel", torch.float16, torch.float16, "cpu", 0, cfg, True)
-    assert plan[3] == 32  # block_n: two 16-token key groups per block
-    assert da._plan(64, 4, k_bits, v_bits, 16, 32, "channel", torch.float16, torch.float16, "cpu", 0,
-                    replace(cfg, key_group_pairs=False, key_group_halves=False), True)[3] == 16
+    key group, merged at the end; head_dim 64, 4 query rows, <= 4 bits): within the tolerance,
+    and near blocks of one group, on ragged ranges, a mask, and a length whose last block has an
+    empty second half."""
+    cfg = da.DecodeConfig(block_n=32, fp_block=16)
+    layout = plan._plan(64, 4, k_bits, v_bits, 16, 32, "channel", torch.float16, torch.float16, "cpu", 0, cfg, True)
+    assert layout.block_n == 32 and not layout.k_halves  # two 16-token key groups per block, as virtual rows
+    assert plan._plan(64, 4, k_bits, v_bits, 16, 32, "channel", torch.float16, torch.float16, "cpu", 0,
+                      replace(cfg, block_n=16), True).block_n == 16
     args, kw = make_case(k_bits=k_bits, v_bits=v_bits, k_group=16, n=80, dtype=torch.float16, f=(2, 5))
     mask = torch.ones(2, 87, dtype=torch.bool)
     mask[1, 30:41] = False
     kw = {**kw, "packed_start": torch.tensor([0, 7], device=DEVICE), "packed_end": torch.tensor([80, 55], device=DEVICE),
           "mask": mask.to(DEVICE)}
+    assert _meta(args, kw, cfg)["K_SUB"] == 2
     pairs = check(args, kw, cfg)
-    single = check(args, kw, replace(cfg, key_group_pairs=False, key_group_halves=False))
+    single = check(args, kw, replace(cfg, block_n=16))
     assert float((pairs - single).abs().max()) < 5e-3
 
 
-@pytest.mark.parametrize("k_bits,v_bits,v_group", [(2, 2, 32), (4, 4, 16), (8, 4, 64)], ids=str)
-def test_key_groups_shorter_than_a_block_run_in_halves(k_bits, v_bits, v_group):
-    """key_group_halves: two per-channel key groups per block, one per half, each half's codes
-    times its own folded query planes (no virtual rows): within the tolerance and near blocks of
-    one group, on ragged ranges, a mask, splits, and a length whose last block has an empty
-    second half (its parameter row is past the end: clamped, the half masked)."""
-    cfg = da.DecodeConfig(block_n=32, fp_block=16, key_group_pairs=False, num_splits=3)
-    plan = da._plan(64, 4, k_bits, v_bits, 16, v_group, "channel", torch.float16, torch.float16, "cpu", 0, cfg, True)
-    assert plan[3] == 32 and plan[-1]  # block_n, k_halves
-    single_cfg = replace(cfg, key_group_halves=False)
-    assert da._plan(64, 4, k_bits, v_bits, 16, v_group, "channel", torch.float16, torch.float16, "cpu", 0,
-                    single_cfg, True)[3] == 16
-    args, kw = make_case(k_bits=k_bits, v_bits=v_bits, k_group=16, v_group=v_group, n=80, dtype=torch.float16)
+@pytest.mark.parametrize("k_bits,v_bits,v_group,d", [(2, 2, 32, 128), (4, 4, 16, 128), (8, 4, 64, 64)], ids=str)
+def test_key_groups_shorter_than_a_block_run_in_halves(k_bits, v_bits, v_group, d, monkeypatch):
+    """Two per-channel key groups per block, one per half, each half's codes times its own folded
+    query planes (no virtual rows; where the pairs rule is off): within the tolerance and near
+    blocks of one group, on ragged ranges, a mask, splits, and a length whose last block has an
+    empty second half (its parameter row is past the end: clamped, the half masked)."""
+    cfg = da.DecodeConfig(block_n=32, fp_block=16, num_splits=3)
+    layout = plan._plan(d, 4, k_bits, v_bits, 16, v_group, "channel", torch.float16, torch.float16, "cpu", 0, cfg,
+                        True)
+    assert layout.block_n == 32 and layout.k_halves
+    single_cfg = replace(cfg, block_n=16)
+    assert plan._plan(d, 4, k_bits, v_bits, 16, v_group, "channel", torch.float16, torch.float16, "cpu", 0,
+                      cfg, True, halves=False).block_n == 16
+    args, kw = make_case(k_bits=k_bits, v_bits=v_bits, k_group=16, v_group=v_group, n=80, dtype=torch.float16, d=d)
     mask = torch.ones(2, 87, dtype=torch.bool)
     mask[1, 30:41] = False
     kw = {**kw, "packed_start": torch.tensor([0, 7], device=DEVICE), "packed_end": torch.tensor([80, 55], device=DEVICE),
@@ -569,69 +559,71 @@ def test_key_groups_shorter_than_a_block_run_in_halves(k_bits, v_bits, v_group):
     single = check(args, kw, single_cfg)
     assert float((halves - single).abs().max()) < 5e-3
     args, kw = make_case(k_bits=k_bits, v_bits=v_bits, k_group=16, v_group=v_group, n=48, dtype=torch.float16,
-                         rep=3)  # 1.5 blocks: the last block's second half is past the end
+                         rep=3, d=d)  # 1.5 blocks: the last block's second half is past the end
     check(args, kw, replace(cfg, num_splits=1))
-    part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
-    assert da._prepare(args[0], **part, config=replace(cfg, num_splits=1)).meta["K_HALVES"]
+    assert _meta(args, kw, replace(cfg, num_splits=1))["K_HALVES"]
     # one block per split: one key group per block where that gives >= 1.5x the splits (2 -> 3
-    # here), and no more than halves_max_splits of them; halves where it gives no more (2 -> 2)
+    # here), and no more than HALVES_MAX_SPLITS of them; halves where it gives no more (2 -> 2)
     auto = replace(cfg, num_splits=None)
-    assert not da._prepare(args[0], **part, config=auto).meta["K_HALVES"]
-    assert da._prepare(args[0], **part, config=replace(auto, halves_max_splits=2)).meta["K_HALVES"]
-    assert da._prepare(args[0], **part, config=replace(auto, halves_split_gain=2.0)).meta["K_HALVES"]
-    assert da._prepare(args[0], **part, config=replace(cfg, num_splits=2)).meta["K_HALVES"]
+    assert not _meta(args, kw, auto)["K_HALVES"]
+    assert _meta(args, kw, replace(cfg, num_splits=2))["K_HALVES"]
+    monkeypatch.setattr(plan, "HALVES_MAX_SPLITS", 2)
+    assert _meta(args, kw, auto)["K_HALVES"]
+    monkeypatch.setattr(plan, "HALVES_MAX_SPLITS", 256)
+    monkeypatch.setattr(plan, "HALVES_SPLIT_GAIN", 2.0)
+    assert _meta(args, kw, auto)["K_HALVES"]
 
 
 def test_key_group_pairs_default_rule():
-    """key_group_pairs=None (default) pairs 32-token key groups only where it measured faster:
-    head_dim <= 64, <= 4 padded query rows, <= 4 bits."""
-    cfg = da.DecodeConfig(key_group_halves=False)
+    """32-token key groups run as pairs of virtual row sets only where it measured faster: head_dim
+    <= 64, <= 4 padded query rows, <= 4 bits (blocks of one key group where halves are off)."""
+    cfg = da.DecodeConfig()
 
     def block_n(d, rep, bits, k_group=32):
-        return da._plan(d, rep, bits, bits, k_group, 32, "channel", torch.float16, torch.float16, "cpu", 0, cfg,
-                        True)[3]
+        return plan._plan(d, rep, bits, bits, k_group, 32, "channel", torch.float16, torch.float16, "cpu", 0, cfg,
+                          True, halves=False).block_n
     assert block_n(64, 3, 4) == 64 and block_n(64, 4, 2) == 64  # SmolLM2-like: two key groups per block
     assert block_n(128, 4, 4) == 32 and block_n(64, 6, 4) == 32 and block_n(64, 3, 8) == 32
     assert block_n(64, 3, 4, k_group=128) == 64 and block_n(64, 3, 4, k_group=16) == 32
-    cfg = da.DecodeConfig()  # elsewhere two groups run in the halves of a block (key_group_halves)
-    plan = da._plan(128, 4, 4, 4, 32, 32, "channel", torch.float16, torch.float16, "cpu", 0, cfg, True)
-    assert plan[3] == 64 and plan[-1]
-    assert block_n(64, 3, 4) == 64 and not da._plan(64, 3, 4, 4, 32, 32, "channel", torch.float16, torch.float16,
-                                                    "cpu", 0, cfg, True)[-1]  # pairs where they apply
+    # elsewhere two groups run in the halves of a block
+    layout = plan._plan(128, 4, 4, 4, 32, 32, "channel", torch.float16, torch.float16, "cpu", 0, cfg, True)
+    assert layout.block_n == 64 and layout.k_halves
+    assert block_n(64, 3, 4) == 64 and not plan._plan(64, 3, 4, 4, 32, 32, "channel", torch.float16, torch.float16,
+                                                      "cpu", 0, cfg, True).k_halves  # pairs where they apply
 
 
 @pytest.mark.parametrize("unpack", [1, 6], ids=lambda u: f"unpack{u}")
 def test_key_group_pairs_with_value_groups_means_and_odd_gqa(unpack):
     """Two key groups per block beside value-group accumulators (v_group 16 < a 32-byte plane),
     permutations and each mean kind (the value mean accumulated apart), and 3 query heads per kv
-    head (a padded row in each virtual row set)."""
-    cfg = da.DecodeConfig(block_n=32, fp_block=16, key_group_pairs=True, unpack=unpack, num_splits=2)
+    head (a padded row in each virtual row set); 8-bit values take the block halves instead."""
+    cfg = da.DecodeConfig(block_n=32, fp_block=16, unpack=unpack, num_splits=2)
     for rep, v_bits, v_group, k_mean, v_mean in ((4, 4, 16, 16, 8), (3, 8, 16, 8, 16), (3, 2, 32, 0, 0)):
         args, kw = make_case(rep=rep, n=80, k_bits=4, v_bits=v_bits, k_group=16, v_group=v_group,
                              dtype=torch.float16)
         args, kw = with_perm_mean(args, kw, k_perm=True, v_perm=True, k_mean=k_mean, v_mean=v_mean)
         kw = {**kw, "packed_start": torch.tensor([3, 0], device=DEVICE), "packed_end": torch.tensor([80, 49], device=DEVICE)}
+        meta = _meta(args, kw, cfg)
+        assert (meta["K_SUB"], meta["K_HALVES"]) == ((1, True) if v_bits == 8 else (2, False))
         check(args, kw, cfg)
 
 
 def test_benchmark_names_the_value_path_the_kernel_takes():
-    """``bench_decode.py --mode groups`` labels its rows with the kernel's value path (from
+    """``benchmarks/groups.py`` labels its rows with the kernel's value path (``value_path``, from
     ``value_fold``, which the launch plan also calls): they must agree on every layout."""
-    from kvcalib_kernels.bench.bench_decode import value_path
+    from benchmarks.groups import value_path
 
     seen = set()
     for d in (64, 128, 256):
         for bits in (2, 4, 8):
             for vg in (16, 32, 64, 128, 256):
-                for chunks in (True, False):
-                    if d % vg or da.supports(head_dim=d, k_bits=2, v_bits=bits, k_group=16, v_group=vg):
-                        continue
-                    plan = da._plan(d, 4, 2, bits, 16, vg, "channel", torch.float16, torch.float16, "cpu", 0,
-                                    da.DecodeConfig(value_chunks=chunks), True)
-                    v_fold, v_chunks = plan[5], plan[6]
-                    want = ("fold" if v_chunks == 1 else "group-fold") if v_fold else "per-element"
-                    assert value_path(d, bits, vg, chunks) == want, (d, bits, vg, chunks)
-                    seen.add(want)
+                if d % vg or da.supports(head_dim=d, k_bits=2, v_bits=bits, k_group=16, v_group=vg):
+                    continue
+                layout = plan._plan(d, 4, 2, bits, 16, vg, "channel", torch.float16, torch.float16, "cpu", 0,
+                                    da.DecodeConfig(), True)
+                want = ("fold" if layout.v_chunks == 1 else "group-fold") if layout.v_fold else "per-element"
+                assert value_path(d, bits, vg) == want, (d, bits, vg)
+                seen.add(want)
     assert seen == {"fold", "group-fold", "per-element"}
 
 
@@ -991,7 +983,7 @@ def test_combine_matches_a_float64_merge(s_tot, d, channels):
     m[2], l[2], acc[2] = -1.0e30, 0.0, 0.0  # a row with nothing visible
     out = torch.empty(rows, 1, d, device=DEVICE)  # (B=rows, Hq=1, D)
     lse = torch.empty(rows, 1, device=DEVICE)
-    da._combine(m.to(DEVICE), l.to(DEVICE), acc.to(DEVICE), s_tot, out, lse, channels=channels)
+    combine._combine(m.to(DEVICE), l.to(DEVICE), acc.to(DEVICE), s_tot, out, lse, channels=channels)
     m64, l64, a64 = m.double(), l.double(), acc.double()
     w = torch.exp2(m64 - m64.amax(dim=1, keepdim=True)) * (l64 > 0)  # (ROWS, S)
     den = (w * l64).sum(dim=1)  # (ROWS,)
@@ -1046,8 +1038,7 @@ def test_parts_argument_errors():
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_out_dtype_is_the_float32_result_rounded_once(out_dtype):
     """``out_dtype``: the combine kernel stores the float32 merge rounded to the caller's dtype
-    (what a model's attention needs, with no cast kernel after it); with ``pdl`` (programmatic
-    dependent launch of the combine, on Hopper) the result is the same; bad dtypes are refused."""
+    (what a model's attention needs, with no cast kernel after it); bad dtypes are refused."""
     def rounded_once(got, want32):  # == torch's round-to-nearest-even of the float32 result
         want = want32.to(out_dtype)
         if INTERPRET and out_dtype == torch.bfloat16:  # the interpreter's float32 -> bfloat16 truncates
@@ -1059,8 +1050,6 @@ def test_out_dtype_is_the_float32_result_rounded_once(out_dtype):
     ref32 = da.decode_attention_parts(q, parts, config=SMALL)
     out = da.decode_attention_parts(q, parts, config=SMALL, out_dtype=out_dtype)
     assert out.dtype == out_dtype and rounded_once(out, ref32)
-    pdl = da.decode_attention_parts(q, parts, config=replace(SMALL, pdl=True), out_dtype=out_dtype)
-    assert torch.equal(pdl, out)
     args, kw = make_case(b=2, n=48, f=(3, 5))
     single = da.decode_attention(*args, **kw, config=SMALL, out_dtype=out_dtype)
     assert rounded_once(single, da.decode_attention(*args, **kw, config=SMALL))
@@ -1257,29 +1246,26 @@ def test_gpu_grid(d, rep, dtype, k_bits, v_bits, k_group, v_group):
     end = torch.tensor([n, n - 77, 1], device=DEVICE)
     start = torch.tensor([0, 130, 0], device=DEVICE)
     kw = {**kw, "packed_start": start, "packed_end": end}
-    for unpack in (1, 3, 5, 6):
+    for unpack in (1, 2, 5, 6):
         check(args, kw, da.DecodeConfig(unpack=unpack))
-    check(args, kw, da.DecodeConfig(unpack=5, num_warps=2, min_rows=4))
+    check(args, kw, da.DecodeConfig(unpack=5, num_warps=2))
 
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("block_n,num_warps,num_stages,unpack,min_rows,maxnreg", [
-    (64, 1, 1, 3, 16, None), (32, 1, 2, 3, 16, None), (64, 2, 1, 3, 16, None), (128, 4, 2, 3, 16, None),
-    (64, 1, 1, 2, 16, None), (64, 1, 1, 4, 16, None), (64, 1, 1, 0, 16, None),
-    (64, 1, 2, 5, 16, None), (64, 1, 2, 5, 4, None), (64, 2, 2, 5, 4, None), (64, 2, 2, 5, 4, 128),
-    (128, 4, 2, 5, 4, None), (64, 4, 2, 5, 4, None), (64, 2, 2, 5, 8, None), (32, 1, 2, 5, 16, 168),
+@pytest.mark.parametrize("block_n,num_warps,num_stages,unpack", [
+    (64, 1, 1, 2), (32, 1, 2, 2), (64, 2, 1, 2), (128, 4, 2, 2), (64, 1, 1, 1), (64, 1, 1, 0),
+    (64, 1, 2, 5), (64, 2, 2, 5), (128, 4, 2, 5), (64, 4, 2, 5), (32, 1, 2, 5), (64, 1, 3, 6),
 ], ids=str)
 @pytest.mark.parametrize("bits", [2, 4, 8], ids=lambda b: f"{b}b")
-def test_gpu_configs(block_n, num_warps, num_stages, unpack, min_rows, maxnreg, bits):
+def test_gpu_configs(block_n, num_warps, num_stages, unpack, bits):
     args, kw = make_case(b=4, h=8, rep=4, d=128, n=128 * 40, f=(0, 128), dtype=torch.bfloat16,
                          k_bits=bits, v_bits=bits, k_group=128, v_group=128, spare=256)
-    check(args, kw, da.DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, unpack=unpack,
-                                    min_rows=min_rows, maxnreg=maxnreg))
+    check(args, kw, da.DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, unpack=unpack))
 
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("kind", ["bytes", "words", "lanes"])
+@pytest.mark.parametrize("kind", ["bytes", "lanes"])
 def test_gpu_fast_unpack_probe(kind):
-    assert da.fast_unpack_available(0, kind), f"inline-PTX unpack ({kind}): {da.FAST_UNPACK_ERROR.get(kind)}"
+    assert da.fast_unpack_available(0, kind), f"inline-PTX unpack ({kind}): {plan.FAST_UNPACK_ERROR.get(kind)}"

@@ -1,4 +1,4 @@
-"""The all-plane lane unpack's PTX (``decode_attention._lanes_all_asm``) computes, for every plane,
+"""The all-plane lane unpack's PTX (``kvcalib_kernels.decode.unpack._lanes_all_asm``) computes, for every plane,
 what the Triton-ops lanes (``unpack=6``, the CPU specification) compute: float16 bits of
 ``1024 + code * 2**shift`` for bytes (0, 2, 1, 3) of each 4.
 
@@ -16,7 +16,7 @@ import pytest
 
 from tests.kernels.triton_setup import kernel_modules
 
-DEVICE, INTERPRET, (da,) = kernel_modules("kvcalib_kernels.decode_attention")
+DEVICE, INTERPRET, (unpack,) = kernel_modules("kvcalib_kernels.decode.unpack")
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
@@ -57,7 +57,7 @@ def _run_ptx(src: str, word: int, n_out: int) -> list[int]:
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_all_plane_ptx_matches_lanes(bits):
-    src = da._lanes_all_asm(bits)
+    src = unpack._lanes_all_asm(bits)
     planes = 8 // bits
     rng = random.Random(bits)
     for _ in range(500):

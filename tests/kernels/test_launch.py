@@ -10,7 +10,9 @@ import torch
 
 from tests.kernels.triton_setup import kernel_modules
 
-DEVICE, INTERPRET, (launch, da) = kernel_modules("kvcalib_kernels.launch", "kvcalib_kernels.decode_attention")
+DEVICE, INTERPRET, (launch, da, plan, combine) = kernel_modules(
+    "kvcalib_kernels.launch", "kvcalib_kernels.decode_attention", "kvcalib_kernels.decode.plan",
+    "kvcalib_kernels.decode.combine")
 from tests.kernels.test_decode_attention import make_case  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (run through the device tool)")
@@ -54,23 +56,23 @@ def test_key_covers_specialization():
 def test_interpreter_takes_the_jit_path():
     if not INTERPRET:
         pytest.skip("CUDA: the fast path is on")
-    assert not da._SPLIT.enabled and not da._COMBINE.enabled
+    assert not plan._SPLIT.enabled and not combine._COMBINE.enabled
 
 
 @requires_cuda
 def test_fast_launches_match_the_jit():
     """A decode loop's calls (new query, growing window, another packed length, a misaligned
     query view) through the fast path give the JIT path's result bit for bit."""
-    assert da._SPLIT.enabled and da._COMBINE.enabled
+    assert plan._SPLIT.enabled and combine._COMBINE.enabled
     cfg = da.DecodeConfig(block_n=16, fp_block=16)
     cases = [make_case(b=2, h=2, rep=4, d=64, n=n, f=(2, u), seed=s, k_bits=2, v_bits=4)
              for s, (n, u) in enumerate([(48, 5), (48, 6), (48, 7), (64, 3), (64, 9)])]
-    fast_before = da._SPLIT.fast_calls
+    fast_before = plan._SPLIT.fast_calls
     outs = []
     for args, kw in cases * 2:  # the second round: every key seen
         outs.append(da.decode_attention(*args, **kw, config=cfg))
-    assert da._SPLIT.fast_calls > fast_before
-    for lf in (da._SPLIT, da._COMBINE):
+    assert plan._SPLIT.fast_calls > fast_before
+    for lf in (plan._SPLIT, combine._COMBINE):
         lf.enabled = False
     try:
         for (args, kw), out in zip(cases * 2, outs):
@@ -81,7 +83,7 @@ def test_fast_launches_match_the_jit():
         wide[..., 1:] = q
         jit_out = da.decode_attention(wide[..., 1:], *args[1:], **kw, config=cfg)
     finally:
-        for lf in (da._SPLIT, da._COMBINE):
+        for lf in (plan._SPLIT, combine._COMBINE):
             lf.enabled = True
     for _ in range(2):  # misaligned query: its own key (a JIT launch, then fast), same result
         assert torch.equal(da.decode_attention(wide[..., 1:], *args[1:], **kw, config=cfg), jit_out)

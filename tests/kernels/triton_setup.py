@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 import pytest
 import torch
@@ -66,6 +67,11 @@ def kernel_modules(*names: str):
     if interpreting:
         _launch_grids_in_fresh_stack_chunks()
     modules = [importlib.import_module(n) for n in names]
-    if interpreting and any("JITFunction" in _jit_types(m) for m in modules):
-        modules = [importlib.reload(m) for m in modules]  # imported earlier without the interpreter
+    if interpreting and any("JITFunction" in _jit_types(sys.modules[n]) for n in list(sys.modules)
+                            if n.startswith("kvcalib_kernels.")):
+        # imported earlier without the interpreter: import every kernel module afresh (a kernel
+        # module imports the JIT functions of others, e.g. decode_attention those of decode.*)
+        for n in [n for n in sys.modules if n.startswith("kvcalib_kernels.")]:
+            del sys.modules[n]
+        modules = [importlib.import_module(n) for n in names]
     return device, interpreting, modules

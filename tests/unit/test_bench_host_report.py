@@ -1,4 +1,4 @@
-"""bench_host's report: the tables and the plot from its JSON (the runs themselves need CUDA)."""
+"""benchmarks/host.py's report: the tables and the plot from its JSON (the runs themselves need CUDA)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from kvcalib_kernels.bench import bench_host
+from benchmarks import host as bench_host
 
 BENCH = Path(__file__).resolve().parents[2] / "artifacts" / "bench"
 

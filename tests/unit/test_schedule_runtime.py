@@ -83,9 +83,9 @@ def test_blocks_sit_in_their_tier_and_hold_the_requantized_chain():
 
 
 def test_benchmark_fill_puts_blocks_where_the_runtime_does():
-    """bench_decode's direct cache fill (no 32k prefill: each block quantized at its tier's bits)
+    """benchmarks/e2e.py's direct cache fill (no 32k prefill: each block quantized at its tier's bits)
     gives every stored tier the tokens the runtime's flushes and tier moves give it."""
-    from kvcalib_kernels.bench.bench_decode import tier_ranges
+    from benchmarks.e2e import tier_ranges
 
     sched = Schedule.from_tensor(torch.tensor(TIERS), sinks=CFG.sinks)
     layer = CompressedLayer(CFG, LayerCodec(CFG, schedule=sched))

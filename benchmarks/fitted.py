@@ -1,0 +1,157 @@
+"""Benchmark: what SKVQ permutations, TaDA means (8/16-bit), OTT pools and PATS tier stores cost
+the fused kernel: CUDA-graph time on the Mistral shape (batch 1 and 8, 4k and 32k, 2 and 4 bits,
+group 128, default config) against the plain kernel and bf16 SDPA. Writes ``decode_fitted.json``.
+
+    python -m benchmarks.fitted --out artifacts/bench     (CUDA, repository root)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import (MODELS, WINDOW, _input_sets, _write_json, bf16_bytes, bf16_sdpa_graph_ms, cfg_dict,
+                               graph_ms_per_call, log, main_with_out, packed_bytes, packed_inputs)
+
+
+FITTED_VARIANTS = {  # name: (K and V permuted, mean bits of K and V: 0 off, 8 or 16, OTT pool slots)
+    "plain": (False, 0, 0),
+    "perm": (True, 0, 0),
+    "mean8": (False, 8, 0),
+    "mean16": (False, 16, 0),
+    "perm+mean8": (True, 8, 0),
+    "ott": (False, 0, 3 + 32),  # OTT's pool of 3 + extra pool of 32 slots per kv head, quant masks
+    "pats": (False, 0, 0),  # PATS middle-heavy tiers (below): one split launch per tier store, one combine
+}
+# PATS as kvcalib exports it (--schedule middle-heavy, ages 1024 and 4096 after a 128-token window):
+# (first age, bits) per stored tier; the "pats" rows run at the last tier's bits (2) only
+PATS_TIERS = ((WINDOW, 8), (1024, 4), (4096, 2))
+
+
+def pats_parts(ctx: int) -> list[tuple[int, int]]:
+    """(tokens, bits) of each non-empty PATS tier store at ``ctx`` tokens, youngest first."""
+    parts = []
+    for i, (age, bits) in enumerate(PATS_TIERS):
+        end = PATS_TIERS[i + 1][0] if i + 1 < len(PATS_TIERS) else ctx
+        tokens = min(end, ctx) - age
+        if tokens > 0:
+            parts.append((tokens, bits))
+    return parts
+
+
+def pats_call(q, b, h, d, ctx, win, scale, cfg, dev, seed):
+    """One decode step over a PATS layer as the runtime runs it: one split launch per tier store
+    (the first with the window) into one partial buffer, one combine
+    (:func:`kvcalib_kernels.decode_attention.decode_attention_parts`)."""
+    from kvcalib_kernels.decode_attention import decode_attention_parts
+
+    names = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+    parts = []
+    for i, (tokens, bits) in enumerate(pats_parts(ctx)):
+        part = dict(zip(names, packed_inputs(b, h, tokens, d, bits, 128, 128, dev, seed=seed)),
+                    k_bits=bits, v_bits=bits, k_group=128, v_group=128, scaling=scale)
+        if i == 0:
+            part.update(fp_segments=[win], fp_positions=[ctx - WINDOW])
+        parts.append(part)
+    return lambda: decode_attention_parts(q, parts, config=cfg)
+
+
+def fitted_inputs(b, h, n, d, variant, dev, seed=0) -> dict:
+    """Random SKVQ permutations (H, D) of K and V, TaDA means (B, 1, N, D) and OTT parts (quant
+    masks over blocks of 128 tokens with one pool entrant per block, a pool of full-precision
+    K/V at positions inside the packed range) of ``variant``."""
+    perm, mean_bits, pool = FITTED_VARIANTS[variant]
+    g = torch.Generator(device=dev).manual_seed(seed + 1000)
+    kw = {}
+    if pool:
+        keep = torch.full((b, h, n // 8), 255, dtype=torch.uint8, device=dev)  # (B, H, N / 8)
+        keep[:, :, ::16] = 254  # token 0 of every 128-token block went to the pool
+        kw.update(keep=keep, keep_block=128, pool=(
+            torch.randn(b, h, pool, d, device=dev, generator=g).bfloat16(),
+            torch.randn(b, h, pool, d, device=dev, generator=g).bfloat16(),
+            torch.randint(0, n, (b, h, pool), device=dev, generator=g).int()))
+    if perm:
+        for side in ("k_perm", "v_perm"):
+            kw[side] = torch.stack([torch.randperm(d, device=dev, generator=g) for _ in range(h)]).int()
+    for side in ("k_mean", "v_mean"):
+        if mean_bits == 16:
+            kw[side] = torch.randn(b, 1, n, d, device=dev, generator=g).half()
+        elif mean_bits == 8:
+            kw[side] = (torch.randint(0, 256, (b, 1, n, d), dtype=torch.uint8, device=dev, generator=g),
+                        (torch.rand(b, 1, n, 1, device=dev, generator=g) * 0.02).half(),
+                        torch.randn(b, 1, n, 1, device=dev, generator=g).half())
+    return kw
+
+
+def fitted_bytes(b, h, n, d, variant) -> int:
+    """Bytes the TaDA means add (shared by the kv heads: one (N, D) mean per sequence and side)
+    and the OTT parts (quant mask bits per kv head, the pools' bf16 K/V and int32 positions)."""
+    _, mean_bits, pool = FITTED_VARIANTS[variant]
+    if variant == "pats":  # the 8- and 4-bit tiers' bytes beyond the same tokens at 2 bits
+        hq = MODELS["mistral-7b"][0]
+        return sum(packed_bytes(b, h, hq, tokens, 0, d, bits, 128, 128)["total"]
+                   - packed_bytes(b, h, hq, tokens, 0, d, 2, 128, 128)["total"]
+                   for tokens, bits in pats_parts(n + WINDOW) if bits != 2)
+    ott = b * h * (n // 8 + pool * (2 * d * 2 + 4)) if pool else 0
+    if mean_bits == 16:
+        return ott + 2 * b * n * d * 2
+    if mean_bits == 8:
+        return ott + 2 * b * n * (d + 4)
+    return ott
+
+
+def main_fitted(args) -> None:
+    """What SKVQ permutations and TaDA means cost the fused kernel: CUDA-graph time of each
+    :data:`FITTED_VARIANTS` on the Mistral shape (batch 1 and 8, 4k and 32k, 2 and 4 bits, group
+    128, default config) against the plain kernel and bf16 SDPA. Writes ``decode_fitted.json``."""
+    from kvcalib_kernels.decode_attention import DecodeConfig, decode_attention
+
+    dev = torch.device("cuda")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    hq, h, d = MODELS["mistral-7b"]
+    scale = d ** -0.5
+    cfg = DecodeConfig()
+    rows = []
+    for b, ctx in ((1, 4096), (1, 32768), (8, 32768)):
+        n = ctx - WINDOW
+        bb = bf16_bytes(b, h, hq, ctx, d)
+        bf16_ms = bf16_sdpa_graph_ms(b, h, hq, ctx, d, dev)
+        for bits in (2, 4):
+            for variant in FITTED_VARIANTS:
+                if variant == "pats" and bits != PATS_TIERS[-1][1]:
+                    continue
+                nb = packed_bytes(b, h, hq, n, WINDOW, d, bits, 128, 128)["total"] + fitted_bytes(b, h, n, d, variant)
+                sets = _input_sets(nb)
+                fns = []
+                for i in range(sets):
+                    q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
+                    win = (torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16),
+                           torch.randn(b, h, WINDOW, d, device=dev, dtype=torch.bfloat16))
+                    if variant == "pats":
+                        fns.append(pats_call(q, b, h, d, ctx, win, scale, cfg, dev, seed=i))
+                        continue
+                    packed = packed_inputs(b, h, n, d, bits, 128, 128, dev, seed=i)
+                    extra = fitted_inputs(b, h, n, d, variant, dev, seed=i)
+                    fns.append(lambda q=q, packed=packed, win=win, extra=extra: decode_attention(
+                        q, *packed, k_bits=bits, v_bits=bits, k_group=128, v_group=128, scaling=scale,
+                        fp_segments=[win], fp_positions=[n], config=cfg, **extra))
+                ms = graph_ms_per_call(fns, rep=30)
+                rows.append({"model": "mistral-7b", "batch": b, "context": ctx, "bits": bits, "variant": variant,
+                             "ms_graph": ms, "bf16_ms_graph": bf16_ms, "speedup": bf16_ms / ms, "bytes": nb,
+                             "bf16_bytes": bb, "gpu": torch.cuda.get_device_name(0)})
+                log(f"  b={b} ctx={ctx:6d} bits={bits} {variant:11s}: {1e3 * ms:7.1f} us (bf16 {1e3 * bf16_ms:.1f} us, "
+                    f"{bf16_ms / ms:.2f}x)")
+                del fns
+                torch.cuda.empty_cache()
+        _write_json(out / "decode_fitted.json", {"rows": rows, "config": cfg_dict(cfg),
+                                                  "command": "python -m benchmarks.fitted"})
+
+
+def main(argv=None) -> None:
+    main_with_out(main_fitted, __doc__, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""Benchmark: host time of eager decoding (what ``model.generate`` pays without CUDA graphs).
+
+A decode step's attention over a compressed cache is a few small kernels, so at batch 1 and
+short contexts its cost is host time: Python in the cache and the launcher, and Triton's
+per-launch argument binding. ``decode_attention.json`` reports GPU time (CUDA-graph replay);
+this measures what an eager caller gets. Modes (``--mode``):
+
+- ``run``: on a CUDA device,
+  1. per call of ``decode_attention`` (one layer, 2-bit group 128, 128-token bf16 window) at
+     batch 1 / 4k context of each shape: host microseconds per call (calls issued back to back,
+     no sync), with :class:`kvcalib_kernels.launch.FastLauncher` on and (``fast_launch: false``)
+     off, beside bf16 SDPA (``enable_gqa``) on the same context;
+  2. eager decode steps of random-weight models at each shape's real depth (Mistral
+     architecture at the Mistral-7B, Qwen2.5-1.5B and SmolLM2-135M shapes: layers, hidden, MLP,
+     heads, kv heads, head_dim, vocab), batch 1, contexts ``--contexts``: transformers
+     ``DynamicCache`` (bf16, SDPA) vs ``CompressedCache`` (2-bit, key group 128, value group
+     ``min(128, head_dim)``, window 128) eager (each after a warm-up pass of the same steps on the
+     same cache: a first pass ran up to 1.6x slower, the allocator and first launches in it),
+     and the compressed cache replayed from CUDA graphs (``GraphDecoder``). Tokens/s over steps
+     3.. (synchronised per step).
+  Writes ``host.json`` (``--tag`` names the run: the same script run over an older checkout
+  gives the before column).
+- ``report``: ``host.md`` and ``host.png`` (this run's tokens/s) from ``host.json`` (and
+  ``host_before.json``, the same script over an older checkout, when present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from benchmarks.common import (WINDOW, _write_json, bf16_variants, device_info, host_us, kernel_call, log,
+                               packed_inputs)
+from benchmarks.e2e import build_model, decode_steps, fill_compressed, fill_dynamic
+
+CALLS = 300  # calls per host-time measurement
+
+SHAPES = {  # name: transformers config fields of a model of that shape (random weights)
+    "mistral-7b": dict(layers=32, hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128, vocab=32000),
+    "qwen2.5-1.5b": dict(layers=28, hidden=1536, inter=8960, heads=12, kv_heads=2, head_dim=128, vocab=151936),
+    "smollm2-135m": dict(layers=30, hidden=576, inter=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152),
+}
+
+
+def _internals():
+    """The decode launcher's pieces in the kernels tree imported (``scripts/gpu_bench.sh`` may link
+    an older one): ``decode.plan`` / ``decode.splits`` / ``decode.combine``, or
+    ``decode_attention`` itself in trees from before that split."""
+    try:
+        from kvcalib_kernels.decode import combine, plan, splits
+    except ImportError:
+        import kvcalib_kernels.decode_attention as da
+
+        return da
+    return SimpleNamespace(_SPLIT=plan._SPLIT, _COMBINE=combine._COMBINE, DEFAULT_CONFIG=plan.DEFAULT_CONFIG,
+                           _prepare=plan._prepare, _partials=splits._partials, _combine=combine._combine)
+
+
+def _launchers():
+    """The decode kernel's FastLaunchers (none in a checkout from before them)."""
+    da = _internals()
+    return [x for x in (getattr(da, "_SPLIT", None), getattr(da, "_COMBINE", None)) if x is not None]
+
+
+def stages(q, packed, window, n, d) -> dict:
+    """Host microseconds of each stage of one call, each timed alone (a checkout without the
+    stage functions: empty)."""
+    da = _internals()
+    if not hasattr(da, "_SPLIT"):
+        return {}
+    kw = dict(k_bits=2, v_bits=2, k_group=128, v_group=min(128, d), k_axis="channel", scaling=d ** -0.5,
+              softcap=None, packed_start=None, packed_end=None, packed_position=0, fp_segments=[window],
+              fp_positions=[n], mask=None, config=da.DEFAULT_CONFIG)
+    call = da._prepare(q, *packed, **kw)
+    b, hq, _ = q.shape
+    m, l, o, out = da._partials(b, hq, d, call.s_tot, q.device)
+    split_args = (q, q.stride(0), q.stride(1), m, l, o, call.s_tot, 0, *call.args)
+    return {
+        "prepare": host_us(lambda: da._prepare(q, *packed, **kw), CALLS),
+        "partials": host_us(lambda: da._partials(b, hq, d, call.s_tot, q.device), CALLS),
+        "split_launch": host_us(lambda: da._SPLIT((call.bh, call.s_tot), split_args, call.meta), CALLS),
+        "split_key": host_us(lambda: da._SPLIT.key(split_args, call.meta), CALLS),
+        "combine": host_us(lambda: da._combine(m, l, o, call.s_tot, out), CALLS),
+        "empty": host_us(lambda: torch.empty(16, device=q.device), CALLS),
+    }
+
+
+def per_call(dev) -> list[dict]:
+    rows = []
+    for model, shp in SHAPES.items():
+        hq, h, d = shp["heads"], shp["kv_heads"], shp["head_dim"]
+        ctx, n = 4096, 4096 - WINDOW
+        packed = packed_inputs(1, h, n, d, 2, 128, min(128, d), dev)
+        window = (torch.randn(1, h, WINDOW, d, device=dev, dtype=torch.bfloat16),
+                  torch.randn(1, h, WINDOW, d, device=dev, dtype=torch.bfloat16))
+        q = torch.randn(1, hq, d, device=dev, dtype=torch.bfloat16)
+        fn = kernel_call(q, packed, window, 2, 128, min(128, d), n, d ** -0.5, None)
+        row = {"model": model, "batch": 1, "context": ctx, "bits": 2, "group": 128}
+        launchers = _launchers()
+        enabled = [lf.enabled for lf in launchers]
+        row["fast_launch_available"] = bool(launchers) and all(lf.enabled for lf in launchers)
+        row["kvcalib_us"] = host_us(fn, CALLS)
+        if launchers:
+            for lf in launchers:
+                lf.enabled = False
+            row["kvcalib_us_without_fast_launch"] = host_us(fn, CALLS)
+            for lf, on in zip(launchers, enabled):
+                lf.enabled = on
+        row["stages_us"] = stages(q, packed, window, n, d)
+        k = torch.randn(1, h, ctx, d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q4 = q[:, :, None, :]
+        row["bf16_sdpa_us"] = host_us(bf16_variants(q4, k, v, d ** -0.5)["sdpa_enable_gqa"], CALLS)
+        rows.append(row)
+        log(f"  {model:13s} per call: kvcalib {row['kvcalib_us']:.1f} us {row['stages_us']}"
+            + (f" ({row['kvcalib_us_without_fast_launch']:.1f} without the fast launch)" if launchers else "")
+            + f", bf16 SDPA {row['bf16_sdpa_us']:.1f} us")
+    return rows
+
+
+def eager_steps(dev, contexts, steps: int, graphs: bool = True, done=lambda rows: None) -> list[dict]:
+    """Rows of tokens/s (module docstring); ``done(rows)`` after each (to write them)."""
+    from transformers import DynamicCache
+
+    from kvcalib.layout import LayerConfig
+    from kvcalib.recipe import Recipe
+    from kvcalib.runtime.cache import CompressedCache
+    from kvcalib.runtime.graphs import GraphDecoder
+
+    rows = []
+    for model_name, shp in SHAPES.items():
+        rec = Recipe(name="kivi2-g128-w128", default_layer=LayerConfig(
+            k_bits=2, v_bits=2, k_group=128, v_group=min(128, shp["head_dim"]), window=128))
+        model = build_model(dev, **shp, max_pos=max(contexts) + steps + 64)
+        n_layers, kv, d, vocab = shp["layers"], shp["kv_heads"], shp["head_dim"], shp["vocab"]
+        for ctx in contexts:
+            res = {"model": model_name, "batch": 1, "context": ctx, "steps": steps, "layers": n_layers}
+
+            def tps(times):
+                return len(times[2:]) / sum(times[2:])
+
+            model.set_attn_implementation("sdpa")
+            cache = DynamicCache(config=model.config)
+            fill_dynamic(cache, n_layers, 1, kv, ctx, d, dev)
+            decode_steps(model, cache, 1, steps, vocab, dev)  # warm-up pass (allocator, first launches)
+            res["bf16_eager_tok_s"] = tps(decode_steps(model, cache, 1, steps, vocab, dev))
+            del cache
+
+            def packed():
+                c = CompressedCache.from_recipe(model, rec)
+                for lay in c.layers:
+                    lay._e2e_shape = (kv, d)
+                fill_compressed(c, 1, ctx, dev)
+                return c
+
+            warm = packed()
+            decode_steps(model, warm, 1, steps, vocab, dev)  # warm-up pass, as for bf16
+            res["kvcalib_eager_tok_s"] = tps(decode_steps(model, warm, 1, steps, vocab, dev))
+            del warm
+            if graphs:
+                times = []
+                tok = torch.randint(0, vocab, (1, 1), device=dev)
+                pos = torch.full((1, 1), ctx, dtype=torch.long, device=dev)
+                GraphDecoder(model, packed(), capture=True).decode(tok, ctx, pos, steps, step_times=times)
+                res["kvcalib_graph_tok_s"] = tps(times)
+            torch.cuda.empty_cache()
+            rows.append(res)
+            done(rows)
+            log(f"  {model_name:13s} b=1 ctx={ctx:6d}: bf16 eager {res['bf16_eager_tok_s']:.1f} tok/s, kvcalib eager "
+                f"{res['kvcalib_eager_tok_s']:.1f}, kvcalib graph {res.get('kvcalib_graph_tok_s', float('nan')):.1f}")
+        model = None  # free the weights before the next shape's
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main_run(args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    res = {"tag": args.tag, "device": device_info(), "command": " ".join(["python -m benchmarks.host", *sys.argv[1:]])}
+    path = out / f"host{'_' + args.tag if args.tag else ''}.json"
+    res["per_call"] = per_call(dev)
+    _write_json(path, res)
+    def done(rows):
+        res["eager"] = rows
+        _write_json(path, res)
+
+    eager_steps(dev, args.contexts, args.steps, args.graphs, done)
+
+
+def main_report(args) -> None:
+    out = Path(args.out)
+    now = json.loads((out / "host.json").read_text())
+    before_path = out / "host_before.json"
+    before = json.loads(before_path.read_text()) if before_path.exists() else None
+    dev = now["device"]
+    lines = ["# Host time of eager decoding", "",
+             f"GPU: **{dev['gpu']}**, torch {dev['torch']}, triton {dev['triton']}. Command: `{now['command']}`"
+             + (f"; before (`host_before.json`): the same script over {before.get('code', 'an older checkout')}"
+                if before else "") + ". The host of these machines is shared and its speed moves between runs "
+             "(bf16 SDPA's own host time per call: "
+             + ", ".join(f"{r['bf16_sdpa_us']:.0f}" for r in now["per_call"])
+             + (" us here, " + ", ".join(f"{r['bf16_sdpa_us']:.0f}" for r in before["per_call"]) + " us in the "
+                "before run" if before else " us") + "): compare columns of one run.", "",
+             "## One attention call (one layer, batch 1, 4k context, 2-bit group 128, 128-token bf16 window)", "",
+             "Host microseconds per call, calls issued back to back (the GPU work of each is shorter, so this is the "
+             "rate an eager caller can issue them).", "",
+             "| shape | kvcalib us | without fast launch us | bf16 SDPA us |"
+             + (" before run: kvcalib us | before run: bf16 SDPA us |" if before else ""),
+             "|---|---:|---:|---:|" + ("---:|---:|" if before else "")]
+    old = {r["model"]: r for r in (before or {}).get("per_call", [])}
+    for r in now["per_call"]:
+        cells = [r["model"], f"{r['kvcalib_us']:.1f}", f"{r.get('kvcalib_us_without_fast_launch', float('nan')):.1f}",
+                 f"{r['bf16_sdpa_us']:.1f}"]
+        if before:
+            o = old.get(r["model"])
+            cells += [f"{o['kvcalib_us']:.1f}", f"{o['bf16_sdpa_us']:.1f}"] if o else ["-", "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Whole decode steps, batch 1 (random-weight models of each shape, real depth)", "",
+              "Tokens/s over steps 3.., each step synchronised. `bf16 eager`: transformers `DynamicCache`, SDPA. "
+              "`kvcalib eager`: `CompressedCache` 2-bit, every kernel launched from Python as `model.generate` does. "
+              "`kvcalib graph`: the same cache, steps replayed from CUDA graphs (`GraphDecoder`, "
+              "`kvcalib run --cuda-graph`). Each run's own ratio is the comparison that holds across runs.", "",
+              "| shape | context | bf16 eager | kvcalib eager | eager vs bf16 |"
+              + (" before run: bf16 eager | before run: kvcalib eager | before run: eager vs bf16 |" if before else "")
+              + " kvcalib graph |",
+              "|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if before else "") + "---:|"]
+    old_e = {(r["model"], r["context"]): r for r in (before or {}).get("eager", [])}
+    for r in now.get("eager", []):
+        cells = [r["model"], str(r["context"]), f"{r['bf16_eager_tok_s']:.1f}", f"{r['kvcalib_eager_tok_s']:.1f}",
+                 f"{r['kvcalib_eager_tok_s'] / r['bf16_eager_tok_s']:.2f}x"]
+        if before:
+            o = old_e.get((r["model"], r["context"]))
+            cells += ([f"{o['bf16_eager_tok_s']:.1f}", f"{o['kvcalib_eager_tok_s']:.1f}",
+                       f"{o['kvcalib_eager_tok_s'] / o['bf16_eager_tok_s']:.2f}x"] if o else ["-"] * 3)
+        cells.append(f"{r.get('kvcalib_graph_tok_s', float('nan')):.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    (out / "host.md").write_text("\n".join(lines))
+    plot(now, out / "host.png")
+
+
+def plot(now: dict, path: Path) -> None:
+    """Tokens/s bars of one run (runs on different hosts do not compare: see host.md)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = now.get("eager", [])
+    if not rows:
+        return
+    labels = [f"{r['model']}\n{r['context'] // 1024}k" for r in rows]
+    series = [("bf16 eager", [r["bf16_eager_tok_s"] for r in rows]),
+              ("kvcalib eager", [r["kvcalib_eager_tok_s"] for r in rows]),
+              ("kvcalib graph", [r.get("kvcalib_graph_tok_s", 0) for r in rows])]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(series)
+    for i, (name, vals) in enumerate(series):
+        ax.bar([x + i * width for x in range(len(rows))], vals, width, label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("tokens/s (batch 1, log scale)")
+    ax.set_title(f"Decode steps at batch 1, {now['device']['gpu']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=("run", "report"), default="run")
+    ap.add_argument("--out", default="artifacts/bench")
+    ap.add_argument("--tag", default="", help="run: writes host_TAG.json (e.g. before)")
+    ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 32768])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="run: eager steps only")
+    args = ap.parse_args(argv)
+    {"run": main_run, "report": main_report}[args.mode](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,1 +1,0 @@
-"""Benchmark scripts of kvcalib_kernels (run as scripts; never imported by the library or tests)."""

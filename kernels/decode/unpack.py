@@ -1,0 +1,203 @@
+"""Packed codes -> float16 operands of the decode kernel's products (device helpers).
+
+Codes become float16 without int->float conversions (which run at a quarter of the integer
+rate). The kernel's default on GPU, ``unpack=5`` ("lanes", checked once per layout on the device
+against ``unpack=6``): the 32-bit register of 4 packed bytes holds bytes 0 and 2 in its two 16-bit
+lanes (1 and 3 after one shift or ``prmt``), the code bits stay in place and the float16 exponent
+of 1024 is set around them, so a lane reads exactly ``1024 + code * 2**shift``; the 1024 and the
+``2**shift`` are folded into the key bias / query planes and into the value accumulators by the
+split kernel, and the lane order (bytes 0, 2, 1, 3) is undone on the query channels (keys) or on
+the loaded value rows. ``unpack=6`` is the same arithmetic in Triton ops (the interpreter's
+default and the fallback). Sides that dequantize per element (per-token keys, value groups
+narrower than a quarter of the head) take the plain codes: ``unpack=2`` (a few PTX instructions
+per 4 codes) on GPU, ``1`` (the magic-number trick in Triton ops) elsewhere; float32 queries
+take ``0`` (``.to``: exact float32 codes for IEEE products).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def _bytes_asm(bits: int, shift: int) -> str:
+    """PTX for :func:`_unpack_asm`: ``prmt`` spreads bytes 0,1 (2,3) of the 32-bit word into the two
+    16-bit lanes of one register, AND keeps the code bits, OR sets the float16 exponent of 1024
+    (0x6400: the lane reads as 1024 + code exactly), ``sub.f16x2`` removes the 1024."""
+    first = "mov.b32 r_t, $2;" if shift == 0 else f"shr.b32 r_t, $2, {shift};"
+    body = ("{ .reg .b32 r_t, r_a, r_b, r_z, r_k; " + first + " mov.b32 r_z, 0; "
+            "prmt.b32 r_a, r_t, r_z, 0x4140; prmt.b32 r_b, r_t, r_z, 0x4342; ")
+    if bits < 8:
+        m = (1 << bits) - 1
+        body += f"and.b32 r_a, r_a, 0x{m:04X}{m:04X}; and.b32 r_b, r_b, 0x{m:04X}{m:04X}; "
+    return body + ("or.b32 r_a, r_a, 0x64006400; or.b32 r_b, r_b, 0x64006400; mov.b32 r_k, 0x64006400; "
+                   "sub.f16x2 $0, r_a, r_k; sub.f16x2 $1, r_b, r_k; }")
+
+
+_BYTES_2_0 = tl.constexpr(_bytes_asm(2, 0))
+_BYTES_2_2 = tl.constexpr(_bytes_asm(2, 2))
+_BYTES_2_4 = tl.constexpr(_bytes_asm(2, 4))
+_BYTES_2_6 = tl.constexpr(_bytes_asm(2, 6))
+_BYTES_4_0 = tl.constexpr(_bytes_asm(4, 0))
+_BYTES_4_4 = tl.constexpr(_bytes_asm(4, 4))
+_BYTES_8_0 = tl.constexpr(_bytes_asm(8, 0))
+
+
+@triton.jit
+def _unpack_asm(x, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """uint8 tile -> float16 codes ``(x >> SHIFT) & (2**BITS - 1)``, 4 bytes per asm call
+    (``unpack=2``; :func:`_bytes_asm`). Shift and mask are literals, hence one branch per (BITS, SHIFT)."""
+    if BITS == 2:
+        if SHIFT == 0:
+            return tl.inline_asm_elementwise(_BYTES_2_0, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        elif SHIFT == 2:
+            return tl.inline_asm_elementwise(_BYTES_2_2, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        elif SHIFT == 4:
+            return tl.inline_asm_elementwise(_BYTES_2_4, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_BYTES_2_6, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+    elif BITS == 4:
+        if SHIFT == 0:
+            return tl.inline_asm_elementwise(_BYTES_4_0, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_BYTES_4_4, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(_BYTES_8_0, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+
+
+def _lanes_all_asm(bits: int) -> str:
+    """PTX for :func:`_code_planes` (unpack 5): every plane of 4 packed bytes in one block.
+
+    The even bytes b0, b2 already sit in the low bits of the word's two 16-bit lanes, so each of
+    their planes is one ``lop3`` ``(x & mask) | 0x64006400`` (code bits kept in place, the float16
+    exponent of 1024 set around them); the odd bytes b1, b3 are moved down by one ``prmt`` that
+    also writes the exponent bytes, (b1, 0x64, b3, 0x64), and each of their planes is one AND
+    with an immediate (its code bits plus the exponent bits). One constant register for both
+    (its bytes 0x00, 0x64 are the prmt's fill). 1 + 2 * planes instructions per 4 bytes; the form
+    before built the even pair with a second ``prmt`` too (2 + 2 * planes: 2-bit 10 -> 9, 4-bit 6
+    -> 5). (A per-plane ``(x & mask) | 0x6400`` with a constant per plane had ptxas rematerialize
+    that constant before every use, ~130 register moves per block at batch 8 / 32k.)
+    """
+    src = 2 * (8 // bits)
+    if bits == 8:  # one plane: the prmt's (b1, 0x64, b3, 0x64) is the odd lanes as they stand
+        return ("{ .reg .b32 r_c; mov.b32 r_c, 0x64006400; "
+                f"lop3.b32 $0, ${src}, 0x00FF00FF, r_c, 0xEA; prmt.b32 $1, ${src}, r_c, 0x7351; }}")
+    body = ("{ .reg .b32 r_h, r_c; mov.b32 r_c, 0x64006400; "
+            f"prmt.b32 r_h, ${src}, r_c, 0x7351; ")
+    for s in range(8 // bits):
+        m = ((1 << bits) - 1) << (s * bits)
+        body += (f"lop3.b32 ${2 * s}, ${src}, 0x{m:04X}{m:04X}, r_c, 0xEA; "
+                 f"and.b32 ${2 * s + 1}, r_h, 0x{m | 0x6400:04X}{m | 0x6400:04X}; ")
+    return body + "}"
+
+
+_LANES_ALL_2 = tl.constexpr(_lanes_all_asm(2))
+_LANES_ALL_4 = tl.constexpr(_lanes_all_asm(4))
+_LANES_ALL_8 = tl.constexpr(_lanes_all_asm(8))
+
+
+@triton.jit
+def _unit_lanes(u, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """uint16 units -> float16 ``1024 + (byte & (mask << SHIFT))`` of the low and of the high byte."""
+    M: tl.constexpr = ((1 << BITS) - 1) << SHIFT
+    return (((u & 0xFF) & M) | 0x6400).to(tl.float16, bitcast=True), (((u >> 8) & M) | 0x6400).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _unit_planes(x, BITS: tl.constexpr, UNPACK: tl.constexpr):
+    """All planes of an int16 tile of code units (N, P / 2), unit u = bytes 2u (low) and 2u + 1
+    (high) of a token's code row, as float16 lanes ``1024 + (byte & (mask << s * BITS))``: 8 tiles
+    (lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3), plane s of the low and of the high byte (tiles past
+    8 // BITS repeat plane 0). Unlike the byte tiles of :func:`_code_planes`, this is elementwise
+    (one unit in, one code of each plane out), so no register order is assumed: the value tile
+    reaches the MMA through ``ldmatrix.trans`` of 16-bit units instead of byte loads and permutes.
+    UNPACK 5: the PTX block of :func:`_lanes_all_asm` on 2 units per 32-bit register (its byte
+    pairs (0, 2) and (1, 3) are then the low and the high bytes of the two units); 6: Triton ops."""
+    if UNPACK == 5:
+        if BITS == 2:
+            l0, h0, l1, h1, l2, h2, l3, h3 = tl.inline_asm_elementwise(
+                _LANES_ALL_2, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+        elif BITS == 4:
+            l0, h0, l1, h1 = tl.inline_asm_elementwise(_LANES_ALL_4, "=r,=r,=r,=r,r", [x], dtype=(tl.float16,) * 4,
+                                                       is_pure=True, pack=2)
+            l2, h2, l3, h3 = l0, h0, l0, h0
+        else:
+            l0, h0 = tl.inline_asm_elementwise(_LANES_ALL_8, "=r,=r,r", [x], dtype=(tl.float16,) * 2, is_pure=True,
+                                               pack=2)
+            l1, h1, l2, h2, l3, h3 = l0, h0, l0, h0, l0, h0
+    else:
+        u = x.to(tl.uint16, bitcast=True)
+        l0, h0 = _unit_lanes(u, 0, BITS)
+        l1, h1, l2, h2, l3, h3 = l0, h0, l0, h0, l0, h0
+        if BITS < 8:
+            l1, h1 = _unit_lanes(u, BITS, BITS)
+        if BITS < 4:
+            l2, h2 = _unit_lanes(u, 2 * BITS, BITS)
+            l3, h3 = _unit_lanes(u, 3 * BITS, BITS)
+    return l0, h0, l1, h1, l2, h2, l3, h3
+
+
+@triton.jit
+def _code_planes(x, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexpr):
+    """All planes of a uint8 byte tile (N, P): 4 tiles, plane s = :func:`_codes` (x, s * BITS)
+    (tiles past 8 // BITS repeat plane 0). UNPACK 5 takes one PTX block for every plane
+    (:func:`_lanes_all_asm`: values ``1024 + code * 2**shift``, element k of each 4 holding byte
+    :func:`_perm4` (k)); other unpacks go plane by plane."""
+    if UNPACK == 5:
+        if BITS == 2:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                _LANES_ALL_2, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+            return c0, c1, c2, c3
+        elif BITS == 4:
+            c0, c1 = tl.inline_asm_elementwise(_LANES_ALL_4, "=r,=r,=r,=r,r", [x], dtype=(tl.float16, tl.float16),
+                                               is_pure=True, pack=4)
+            return c0, c1, c0, c0
+        else:
+            c0 = tl.inline_asm_elementwise(_LANES_ALL_8, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+            return c0, c0, c0, c0
+    else:
+        c0 = _codes(x, 0, BITS, OUT_T, UNPACK)
+        c1 = c0
+        c2 = c0
+        c3 = c0
+        if BITS < 8:
+            c1 = _codes(x, BITS, BITS, OUT_T, UNPACK)
+        if BITS < 4:
+            c2 = _codes(x, 2 * BITS, BITS, OUT_T, UNPACK)
+            c3 = _codes(x, 3 * BITS, BITS, OUT_T, UNPACK)
+        return c0, c1, c2, c3
+
+
+@triton.jit
+def _perm4(k):
+    """Swap positions 1 and 2 of every aligned group of 4 (an involution): the byte held by
+    element k of each 4 of a lane-unpacked byte tile (:func:`_lanes_all_asm`: bytes 0, 2, 1, 3)."""
+    return (k & ~3) | ((k & 1) << 1) | ((k >> 1) & 1)
+
+
+@triton.jit
+def _codes(x, SHIFT: tl.constexpr, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexpr):
+    """Codes of one plane of a uint8 byte tile (N, P), as exact ``OUT_T`` values (module doc).
+    UNPACK 6 returns ``1024 + code * 2**SHIFT`` (folded by the caller), 0-2 the codes. (UNPACK 5
+    only ever unpacks every plane at once: :func:`_code_planes`.)"""
+    if UNPACK == 6:
+        # the values of unpack=5 in Triton ops (no lane swap): 1024 + code * 2**SHIFT, exact
+        return ((x & (((1 << BITS) - 1) << SHIFT)).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+    elif UNPACK == 2:
+        return _unpack_asm(x, SHIFT, BITS).to(OUT_T)
+    elif UNPACK == 1:
+        c = (x >> SHIFT) & ((1 << BITS) - 1)  # uint8
+        # float16 bits 0x6400 | c read as 1024 + c (exact); subtracting 1024 is exact too
+        f = (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        return f.to(OUT_T)
+    else:
+        c = (x >> SHIFT) & ((1 << BITS) - 1)
+        return c.to(OUT_T)
+
+
+@triton.jit
+def _probe_bytes_kernel(X, Y, SHIFT: tl.constexpr, BITS: tl.constexpr, N: tl.constexpr, P: tl.constexpr):
+    """Y (N, P) float16 = :func:`_unpack_asm` of X (N, P) uint8: the check of ``unpack=2`` on a device."""
+    offs = tl.arange(0, N)[:, None] * P + tl.arange(0, P)[None, :]
+    tl.store(Y + offs, _unpack_asm(tl.load(X + offs), SHIFT, BITS))

@@ -1,0 +1,54 @@
+"""At >= 4k tokens on the embedded SmolLM2-135M and real long text, the decode-faithful simulation
+(query chunks, kept logits) equals a real decode through CompressedCache: a 4,064-token prompt
+(prefilled in full precision, then compressed) and 32 decode steps, in float64 (see
+test_parity_embedded.py for why float64), for KIVI-2 and the committed searched recipe (sinks,
+group 64, window 64, per-layer bits and clip scales). Stated tolerance: max |logit difference| <=
+1e-6 x max |logit|, and each recipe moves the logits by far more than that."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvcalib.simulate as simulate
+from kvcalib.recipe import Recipe, load_preset
+from kvcalib.simulate import simulated_logits
+from tests.unit.test_cache import decode_logits
+
+pytestmark = pytest.mark.embedded
+PROMPT, STEPS = 4064, 32
+SEARCHED = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m" / "recipe.safetensors"
+
+
+@pytest.fixture(scope="module")
+def smol_long():
+    from kvcalib.data import load_texts
+    from kvcalib.models import load_model
+
+    loaded = load_model("smollm2-135m", device="cpu")
+    loaded.model.double()
+    loaded.model.set_attn_implementation("sdpa")
+    (text,) = load_texts("longtext", "eval")
+    ids = loaded.tokenizer(text, return_tensors="pt")["input_ids"][:, :PROMPT + STEPS]  # (1, 4096)
+    assert ids.shape[1] == PROMPT + STEPS
+    with torch.no_grad():
+        full = loaded.model(input_ids=ids, use_cache=False, logits_to_keep=STEPS + 1).logits  # (1, 33, V)
+    return loaded, ids, full
+
+
+@pytest.mark.parametrize("which", ["kivi-2", "searched"])
+def test_simulation_matches_decode_at_4k(smol_long, which, monkeypatch):
+    loaded, ids, full = smol_long
+    rec = load_preset("kivi-2") if which == "kivi-2" else Recipe.load(SEARCHED)
+    configs = rec.layer_configs(loaded.info.num_layers)
+    dec, _ = decode_logits(loaded.model, ids, rec, prompt_len=PROMPT)  # (1, 4096, V) float64
+    dec = dec[:, -(STEPS + 1):]  # the prompt's last position and the 32 decode steps
+    monkeypatch.setattr(simulate, "SCORE_BUDGET", 1 << 24)  # several query chunks per layer at 4k
+    sim = simulated_logits(loaded.model, ids, configs, rec.codecs(loaded.info), prompt_len=PROMPT,
+                           logits_to_keep=STEPS + 1)
+    assert sim.shape == dec.shape and sim.dtype == torch.float64
+    scale = float(dec.abs().max())
+    assert float((sim - dec).abs().max()) <= 1e-6 * scale
+    assert float((sim - full).abs().max()) > 1e-3 * scale

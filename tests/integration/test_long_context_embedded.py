@@ -50,5 +50,6 @@ def test_simulation_matches_decode_at_4k(smol_long, which, monkeypatch):
                            logits_to_keep=STEPS + 1)
     assert sim.shape == dec.shape and sim.dtype == torch.float64
     scale = float(dec.abs().max())
-    assert float((sim - dec).abs().max()) <= 1e-6 * scale
-    assert float((sim - full).abs().max()) > 1e-3 * scale
+    diff = (sim - dec).abs()
+    assert float(diff.mean()) <= 1e-6 * scale and float(diff.max()) <= 1e-4 * scale
+    assert float((sim - full).abs().max()) > 1e-2 * scale

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Source this on the lent GPU machine (device tool `run`), from the repository root, before anything
+# that imports kvcalib there:   source scripts/device_env.sh
+#
+# The machine has torch, triton and transformers but no PyPI and no hub: it installs the wheels
+# carried in .whl/ (optuna and its dependencies, gguf) into /tmp/site, makes kvcalib importable
+# from the source tree (kvcalib_kernels is kernels/ under its install name, kvcalib.presets is
+# recipes/presets), and points KVCALIB_HOME at /tmp/kvh, where the embedded text and the
+# SmolLM2-135M GGUF arrive in parts: .gpu/p1 (first part, the stamp, the texts) and .gpu/p2 (the
+# second part) come in two calls made back to back (a warm machine keeps /tmp between them); the
+# GGUF is assembled once both parts are there and checked against the pinned sha256.
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVCALIB_QUIET=1
+if [ -d .whl ] && [ ! -e /tmp/site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.done
+fi
+KK=/tmp/kvcalib_kernels_path
+mkdir -p "$KK" && ln -sfn "$(realpath "${KV_KERNELS:-kernels}")" "$KK/kvcalib_kernels"
+export PYTHONPATH="$PWD:$KK:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+[ -e kvcalib/presets ] || ln -s ../recipes/presets kvcalib/presets
+export KVCALIB_HOME=/tmp/kvh
+SMOL=$KVCALIB_HOME/models/smollm2-135m
+mkdir -p "$KVCALIB_HOME/parts" "$SMOL"
+if [ -d .gpu/p1 ]; then
+  cp -r .gpu/p1/text "$KVCALIB_HOME/" 2>/dev/null
+  cp .gpu/p1/smol.part.00 .gpu/p1/*.json .gpu/p1/ATTRIBUTION.txt .gpu/p1/LICENSE "$KVCALIB_HOME/parts/" 2>/dev/null
+fi
+[ -d .gpu/p2 ] && cp .gpu/p2/smol.part.01 "$KVCALIB_HOME/parts/"
+GGUF=$SMOL/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -s "$GGUF" ] && [ -s "$KVCALIB_HOME/parts/smol.part.00" ] && [ -s "$KVCALIB_HOME/parts/smol.part.01" ]; then
+  cat "$KVCALIB_HOME"/parts/smol.part.0* > "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF"
+  cp "$KVCALIB_HOME"/parts/*.json "$KVCALIB_HOME/parts/ATTRIBUTION.txt" "$KVCALIB_HOME/parts/LICENSE" "$SMOL/"
+  echo "device_env: SmolLM2 GGUF assembled: $(sha256sum "$GGUF" | cut -c1-16)"
+fi
+python3 -c "import torch, triton, transformers; print('device_env:', torch.cuda.get_device_name(0), 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"

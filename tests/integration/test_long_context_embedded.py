@@ -2,8 +2,14 @@
 (query chunks, kept logits) equals a real decode through CompressedCache: a 4,064-token prompt
 (prefilled in full precision, then compressed) and 32 decode steps, in float64 (see
 test_parity_embedded.py for why float64), for KIVI-2 and the committed searched recipe (sinks,
-group 64, window 64, per-layer bits and clip scales). Stated tolerance: max |logit difference| <=
-1e-6 x max |logit|, and each recipe moves the logits by far more than that."""
+group 64, window 64, per-layer bits and clip scales).
+
+Stated tolerance. At 4k tokens the two paths' float64 K/V differ by float64 rounding (matmuls of
+4,064 and 4,096 rows), and among ~23 million quantized elements a few sit on a rounding boundary
+of the quantizer, so a code can flip by one step (measured: 1.3e-3 at worst on logits of scale
+32, 4e-5 relative, the whole row shifting by ~1e-4 in the decode steps after it). So: mean
+|logit difference| <= 1e-5 x max |logit| (no systematic error), max <= 1e-4 x max |logit| (a
+flip, not a wrong block), and each recipe moves the logits by 100x more than that."""
 
 from __future__ import annotations
 

@@ -8,7 +8,9 @@
 # recipes/presets), and points KVCALIB_HOME at /tmp/kvh, where the embedded text and the
 # SmolLM2-135M GGUF arrive in parts: .gpu/p1 (first part, the stamp, the texts) and .gpu/p2 (the
 # second part) come in two calls made back to back (a warm machine keeps /tmp between them); the
-# GGUF is assembled once both parts are there and checked against the pinned sha256.
+# GGUF is assembled once both parts are there (kvcalib checks it against the pinned sha256 on use).
+# Qwen2.5-Coder-0.5B likewise from .gpu/q1 .. .gpu/q8. (The .gpu/ parts are made by splitting the
+# files of ~/.cache/kvcalib/models with `split -b`; .gpu/ is git-ignored.)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVCALIB_QUIET=1
 if [ -d .whl ] && [ ! -e /tmp/site/.done ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -23,13 +25,24 @@ SMOL=$KVCALIB_HOME/models/smollm2-135m
 mkdir -p "$KVCALIB_HOME/parts" "$SMOL"
 if [ -d .gpu/p1 ]; then
   cp -r .gpu/p1/text "$KVCALIB_HOME/" 2>/dev/null
-  cp .gpu/p1/smol.part.00 .gpu/p1/*.json .gpu/p1/ATTRIBUTION.txt .gpu/p1/LICENSE "$KVCALIB_HOME/parts/" 2>/dev/null
+  cp .gpu/p1/smol.part.00 "$KVCALIB_HOME/parts/"
+  cp .gpu/p1/*.json .gpu/p1/ATTRIBUTION.txt .gpu/p1/LICENSE "$SMOL/"  # the stamp and notices kvcalib expects beside it
 fi
 [ -d .gpu/p2 ] && cp .gpu/p2/smol.part.01 "$KVCALIB_HOME/parts/"
 GGUF=$SMOL/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -s "$GGUF" ] && [ -s "$KVCALIB_HOME/parts/smol.part.00" ] && [ -s "$KVCALIB_HOME/parts/smol.part.01" ]; then
   cat "$KVCALIB_HOME"/parts/smol.part.0* > "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF"
-  cp "$KVCALIB_HOME"/parts/*.json "$KVCALIB_HOME/parts/ATTRIBUTION.txt" "$KVCALIB_HOME/parts/LICENSE" "$SMOL/"
   echo "device_env: SmolLM2 GGUF assembled: $(sha256sum "$GGUF" | cut -c1-16)"
 fi
+# Qwen2.5-Coder-0.5B: eight parts in .gpu/q1 .. .gpu/q8, one a call (q1 brings the stamp too)
+QWEN=$KVCALIB_HOME/models/qwen2.5-coder-0.5b
+mkdir -p "$QWEN"
+for d in .gpu/q*; do [ -d "$d" ] && cp "$d"/qwen.part.* "$KVCALIB_HOME/parts/"; done
+[ -d .gpu/q1 ] && cp .gpu/q1/*.json .gpu/q1/ATTRIBUTION.txt "$QWEN/"
+QGGUF=$QWEN/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+if [ ! -s "$QGGUF" ] && [ "$(ls "$KVCALIB_HOME"/parts/qwen.part.0* 2>/dev/null | wc -l)" = 8 ]; then
+  cat "$KVCALIB_HOME"/parts/qwen.part.0* > "$QGGUF.tmp" && mv "$QGGUF.tmp" "$QGGUF"
+  echo "device_env: Qwen GGUF assembled: $(sha256sum "$QGGUF" | cut -c1-16)"
+fi
+echo "device_env: parts held: $(ls "$KVCALIB_HOME/parts" | tr '\n' ' ')"
 python3 -c "import torch, triton, transformers; print('device_env:', torch.cuda.get_device_name(0), 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"

@@ -31,23 +31,45 @@ def environment_error(err: BaseException) -> str | None:
     SQLAlchemy's and sqlite3's errors (Optuna's RDB storage), Optuna's ``StorageInternalError``,
     and safetensors' I/O errors (it reports a full disk as ``SafetensorError: ... IoError``).
     """
-    seen: set[int] = set()
+    chain: list[BaseException] = []
     current: BaseException | None = err
-    while current is not None and id(current) not in seen:  # the error, then what it was raised from
-        seen.add(id(current))
-        if isinstance(current, OSError):
-            return os_error_line(current)
-        kind, module = type(current).__name__, type(current).__module__
-        first = (str(current).strip().splitlines() or [kind])[0][:200]
-        if module.startswith(("sqlalchemy", "sqlite3")) or kind == "StorageInternalError":
-            return (f"the study storage failed ({kind}: {first}): check that its database file or server is "
-                    "reachable, readable and has space; the trials it finished before are kept in it")
-        if kind == "SafetensorError" and "IoError" in str(current):
-            full = "StorageFull" in str(current) or "No space left" in str(current)
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        # what it was raised from; the error it was raised while handling only when Optuna raised
+        # it (its trial bookkeeping fails with an AssertionError or UnboundLocalError when the
+        # storage broke under it): a bug of ours raised while handling an OSError stays a bug
+        current = current.__cause__ or (current.__context__ if _raised_in(current, "optuna") else None)
+    for e in chain:  # the most specific first: an OS error names the path
+        if isinstance(e, OSError):
+            return os_error_line(e)
+    storage = [e for e in chain if type(e).__module__.startswith(("sqlalchemy", "sqlite3"))
+               or type(e).__name__ == "StorageInternalError"]
+    if storage:
+        inner = storage[-1]  # the driver's own words ("database or disk is full") beat Optuna's wrapper's
+        first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:200]
+        if "disk is full" in first or "No space left" in first:
+            return "no space left on the device holding the study's database: free some space"
+        return (f"the study storage failed ({type(inner).__name__}: {first}): check that its database file or server "
+                "is reachable, readable and has space")
+    for e in chain:
+        if type(e).__name__ == "SafetensorError" and "IoError" in str(e):
+            full = "StorageFull" in str(e) or "No space left" in str(e)
+            first = (str(e).strip().splitlines() or ["SafetensorError"])[0][:200]
             return ("writing a safetensors file failed: " + ("no space left on the device: free some space or write "
                     "to another disk" if full else f"{first}: check the output path and its disk"))
-        current = current.__cause__  # not __context__: a bug raised while handling an OSError is a bug
     return None
+
+
+def _raised_in(err: BaseException, package: str) -> bool:
+    """Whether the innermost frame of ``err``'s traceback is in ``package``'s source."""
+    import os
+
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{os.sep}{package}{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
 def os_error_line(err: OSError) -> str:

@@ -273,3 +273,65 @@ def test_table_covers_every_command():
         Path(os.environ["KVCALIB_TABLE_FIGURES"]).write_text(json.dumps(
             {"cases": len(CASES), "runnable_here": len(runnable),
              "by_command": {cmd: sum(c.args[0] == cmd for c in CASES) for cmd in sorted(covered)}}, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------ the boundary itself
+def _raise(err: BaseException):
+    def fn(*args, **kwargs):
+        raise err
+    return fn
+
+
+def test_a_bug_keeps_its_traceback_and_asks_for_a_report(monkeypatch):
+    import kvcalib.inspect
+
+    monkeypatch.setattr(kvcalib.inspect, "inspect_recipe", _raise(KeyError("layers")))
+    result = CliRunner().invoke(app, ["inspect", "kivi-2"])
+    assert result.exit_code == 1
+    assert "Traceback" in result.stderr and "KeyError: 'layers'" in result.stderr
+    assert result.stderr.splitlines()[-1].startswith("kvcalib: error: this is a bug in kvcalib")
+
+
+@pytest.mark.parametrize("err, words", [
+    (OSError(28, "No space left on device", "/data/out.json"), "no space left on the device: free some space"),
+    (OSError(30, "Read-only file system", "/data/out.json"), "read-only"),
+    (PermissionError(13, "Permission denied", "/data/out.json"), "permission denied"),
+    (FileNotFoundError(2, "No such file or directory", "/data/study.log"), "moved or deleted"),
+], ids=["full-disk", "read-only", "permission", "vanished"])
+def test_environment_errors_are_one_line(monkeypatch, err, words):
+    import kvcalib.inspect
+
+    monkeypatch.setattr(kvcalib.inspect, "inspect_recipe", _raise(err))
+    result = CliRunner().invoke(app, ["inspect", "kivi-2"])
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and words in result.stderr and err.filename in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_storage_error_is_one_line_naming_the_drivers_words(monkeypatch):
+    """A wrapper raised from sqlite3's error (as Optuna's storage raises one) is read down to the
+    driver's words."""
+    import sqlite3
+
+    import kvcalib.inspect
+
+    try:
+        try:
+            raise sqlite3.OperationalError("database or disk is full")
+        except sqlite3.OperationalError as inner:
+            raise RuntimeError("An exception is raised during the commit.") from inner
+    except RuntimeError as outer:
+        err = outer
+    monkeypatch.setattr(kvcalib.inspect, "inspect_recipe", _raise(err))
+    result = CliRunner().invoke(app, ["inspect", "kivi-2"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "no space left on the device holding the study's database" in result.stderr
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch):
+    import kvcalib.inspect
+
+    monkeypatch.setattr(kvcalib.inspect, "inspect_recipe", _raise(KeyboardInterrupt()))
+    result = CliRunner().invoke(app, ["inspect", "kivi-2"])
+    assert result.exit_code == 130
+    assert result.stderr.count("\n") == 1 and "interrupted" in result.stderr and "Traceback" not in result.stderr

@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover
     from click import get_current_context as _current_context
 _ABORT = (typer.Abort, getattr(_cx, "Abort", typer.Abort))  # Ctrl-C during parsing, in either click
 
-from kvcalib.errors import KvcalibError, environment_error
+from kvcalib.errors import KvcalibError, environment_error, interrupted
 from kvcalib.paths import default_run_dir
 
 EXIT_USER_ERROR = 2
@@ -106,6 +106,9 @@ def user_errors(fn: Callable) -> Callable:
             _err("interrupted; nothing half-written was kept (outputs are written whole or not at all).")
             raise typer.Exit(EXIT_INTERRUPTED) from None
         except Exception as err:  # noqa: BLE001  (the boundary: sorted into environment or bug)
+            if interrupted(err):  # Ctrl-C inside Optuna's trial bookkeeping comes out as its error
+                _err("interrupted; nothing half-written was kept (outputs are written whole or not at all).")
+                raise typer.Exit(EXIT_INTERRUPTED) from None
             line = environment_error(err)
             if line is not None:
                 _err(line)
@@ -235,7 +238,12 @@ def search(
     except KvcalibError:
         raise
     except Exception as err:  # noqa: BLE001  (a storage or disk that failed mid-search; else a bug)
-        line = environment_error(err)
+        if interrupted(err):  # Ctrl-C that landed inside Optuna's trial bookkeeping
+            _err(f"interrupted; {_search_left(config, ctx)}")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        from kvcalib.optimize.guards import storage_lost
+
+        line = environment_error(err) or storage_lost(config)
         if line is None:
             raise
         _err(f"{line}. {_search_left(config, ctx, failed=True)}")

@@ -22,6 +22,24 @@ class OfflineError(KvcalibError):
     """Something had to come from a hub that this machine cannot reach."""
 
 
+def _chain(err: BaseException) -> list[BaseException]:
+    """``err`` and what it was raised from; the error it was raised while handling only when
+    Optuna raised it (its trial bookkeeping fails with an AssertionError or UnboundLocalError
+    when the storage broke, or Ctrl-C landed, under it): a bug of ours raised while handling an
+    OSError stays a bug."""
+    chain: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or (current.__context__ if _raised_in(current, "optuna") else None)
+    return chain
+
+
+def interrupted(err: BaseException) -> bool:
+    """Whether ``err`` is, or was raised by Optuna while handling, a Ctrl-C."""
+    return any(isinstance(e, KeyboardInterrupt) for e in _chain(err))
+
+
 def environment_error(err: BaseException) -> str | None:
     """One line for an error of the user's environment that reached the command line (a write to a
     full or read-only disk, a file that vanished, a study database that went away), naming the
@@ -31,14 +49,7 @@ def environment_error(err: BaseException) -> str | None:
     SQLAlchemy's and sqlite3's errors (Optuna's RDB storage), Optuna's ``StorageInternalError``,
     and safetensors' I/O errors (it reports a full disk as ``SafetensorError: ... IoError``).
     """
-    chain: list[BaseException] = []
-    current: BaseException | None = err
-    while current is not None and all(current is not seen for seen in chain):
-        chain.append(current)
-        # what it was raised from; the error it was raised while handling only when Optuna raised
-        # it (its trial bookkeeping fails with an AssertionError or UnboundLocalError when the
-        # storage broke under it): a bug of ours raised while handling an OSError stays a bug
-        current = current.__cause__ or (current.__context__ if _raised_in(current, "optuna") else None)
+    chain = _chain(err)
     for e in chain:  # the most specific first: an OS error names the path
         if isinstance(e, OSError):
             return os_error_line(e)

@@ -13,6 +13,8 @@
   self-consistent before any model loads (a NaN would otherwise surface in the first trial).
 - :func:`presets_for`: the presets the search compares against, less those that do not fit the
   model (a group that does not divide its head_dim), found before the search rather than after it.
+- :func:`storage_lost`: after a failure nobody named, whether the study's storage went away
+  under the search (an environment fault, one line) rather than a bug (a traceback).
 - :func:`forget_failed_study`: a study file this run created and in which no trial finished is
   removed when the run fails, so the folder is never stuck between "drop --resume" (a study is
   there) and "pass --resume" (nothing to resume).
@@ -204,3 +206,26 @@ def check_stats_before_work(run_dir: Path) -> None:
         except CalibrationError as err:
             raise KvcalibError(f"the statistics in {run_dir} cannot be searched (layer {i}: {err}): collect them "
                                "again into a new --out.") from None
+
+
+def storage_lost(config: "SearchConfig") -> str | None:
+    """After a search failed with an error nobody named: one line when its study storage no longer
+    holds the study (moved, deleted or rewritten while the search ran: Optuna then fails with
+    errors such as "Cannot tell a WAITING trial"), else None (the storage is intact: a bug)."""
+    from kvcalib.optimize.study import open_storage, storage_url
+
+    url = storage_url(config.storage, Path(config.out))
+    path = None
+    if url.startswith("journal:") or url.endswith((".log", ".journal")):
+        path = Path(url[len("journal:"):] if url.startswith("journal:") else url)
+    elif url.startswith("sqlite:///"):
+        path = Path(url[len("sqlite:///"):])
+    if path is not None and not path.is_file():
+        return f"the study storage {path} disappeared while the search ran: restore it"
+    try:
+        names = {s.study_name for s in open_storage(url).get_all_studies()}
+    except Exception as err:  # noqa: BLE001  (whatever the backend raises: it cannot be read)
+        return f"the study storage {url} cannot be read any more ({type(err).__name__}): restore it"
+    if config.study not in names:
+        return f"the study storage {url} no longer holds study {config.study!r} (it was replaced while the search ran): restore it"
+    return None

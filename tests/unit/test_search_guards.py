@@ -137,3 +137,19 @@ def test_presets_that_do_not_fit_the_model_are_left_out(run):
     assert guards.presets_for(("kivi-2", "fp16", "pertoken-4"), info) == ("fp16",)
     wide = info.__class__(**{**info.to_dict(), "head_dim": 64, "sliding_window": info.sliding_window})
     assert guards.presets_for(("kivi-2", "pertoken-4"), wide) == ("kivi-2", "pertoken-4")
+
+
+def test_storage_lost_tells_a_vanished_or_replaced_study_from_a_bug(tmp_path):
+    from kvcalib.optimize.study import open_study
+
+    journal = tmp_path / "study.log"
+    space = SearchSpace.from_dict(SPACE)
+    open_study(f"journal:{journal}", "mine", space, 2)
+    cfg = SearchConfig(out=tmp_path / "run", storage=f"journal:{journal}", study="mine", space=dict(SPACE), seq_len=64)
+    assert guards.storage_lost(cfg) is None  # intact: an unexplained error is a bug
+    journal.rename(tmp_path / "moved.log")
+    assert "disappeared while the search ran" in guards.storage_lost(cfg)
+    open_study(f"journal:{journal}", "someone-else", space, 2)  # a new file in its place
+    assert "no longer holds study 'mine'" in guards.storage_lost(cfg)
+    journal.write_bytes(b"\xff\xfe not a journal")  # Optuna skips lines it cannot parse: no study left
+    assert str(journal) in guards.storage_lost(cfg)

@@ -34,10 +34,11 @@ try:  # typer >= 0.22 vendors click as typer._click; earlier ones run on click i
 except ImportError:  # pragma: no cover
     from click import exceptions as _cx
     from click import get_current_context as _current_context
-_ABORT = (typer.Abort, getattr(_cx, "Abort", typer.Abort))  # Ctrl-C during parsing, in either click
 
 from kvcalib.errors import KvcalibError, environment_error, interrupted
 from kvcalib.paths import default_run_dir
+
+_ABORT = (typer.Abort, getattr(_cx, "Abort", typer.Abort))  # Ctrl-C during parsing, in either click
 
 EXIT_USER_ERROR = 2
 EXIT_BUG = 1

@@ -1,21 +1,82 @@
 """The ``kvcalib`` command line: thin Typer commands that build a config and call one function.
 
-Every user-fixable problem is a :class:`~kvcalib.errors.KvcalibError`: one line on stderr, exit
-code 2, no traceback.
+One error boundary (:func:`user_errors`, and :class:`_Group` for the parsing itself) decides what
+reaches the terminal:
+
+- a problem a user can fix -- a :class:`~kvcalib.errors.KvcalibError`, a bad flag, an OS error
+  (a full or read-only disk, a file that vanished), a study storage that went away -- is one line
+  on stderr naming it and the fix, exit code 2, no traceback;
+- Ctrl-C is one line and exit code 130 (``kvcalib search`` names the exact command that resumes);
+- anything else is a bug: its traceback, then one line asking to report it, exit code 1.
+
+Checks that need only the arguments and the files run before any model loads
+(:mod:`kvcalib.preflight`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
+import shlex
 import sys
+import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import typer
+from typer.core import TyperGroup
 
-from kvcalib.errors import KvcalibError
+try:  # typer >= 0.22 vendors click as typer._click; earlier ones run on click itself
+    from typer._click import exceptions as _cx
+    from typer._click.globals import get_current_context as _current_context
+except ImportError:  # pragma: no cover
+    from click import exceptions as _cx
+    from click import get_current_context as _current_context
+
+from kvcalib.errors import KvcalibError, environment_error, interrupted
 from kvcalib.paths import default_run_dir
+
+_ABORT = (typer.Abort, getattr(_cx, "Abort", typer.Abort))  # Ctrl-C during parsing, in either click
+
+EXIT_USER_ERROR = 2
+EXIT_BUG = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+REPORT_BUG = ("this is a bug in kvcalib, not a problem with your input: please report it with the command line "
+              "and the traceback above")
+
+
+def _err(message: str) -> None:
+    """One line on stderr: a message with line breaks is joined (one problem, one line)."""
+    print("kvcalib: error: " + " ".join(str(message).split()), file=sys.stderr, flush=True)
+
+
+class _Group(TyperGroup):
+    """Typer's group with one-line usage errors: ``kvcalib: error: No such option: --sampels
+    (see `kvcalib collect --help`)`` and exit code 2, instead of a framed usage block."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _cx.NoArgsIsHelpError as err:  # `kvcalib` alone: the help, as before
+            err.show()
+            code = err.exit_code
+        except _cx.UsageError as err:
+            where = f" (see `{err.ctx.command_path} --help`)" if err.ctx is not None else ""
+            _err(f"{err.format_message()}{where}")
+            code = EXIT_USER_ERROR
+        except _cx.ClickException as err:
+            _err(err.format_message())
+            code = err.exit_code
+        except _ABORT:  # Ctrl-C while parsing
+            _err("interrupted; nothing was written.")
+            code = EXIT_INTERRUPTED
+        code = code if isinstance(code, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
 
 app = typer.Typer(
     name="kvcalib",
@@ -25,28 +86,37 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
+    cls=_Group,
 )
-
-EXIT_USER_ERROR = 2
-
-
-def _err(message: str) -> None:
-    print(f"kvcalib: error: {message}", file=sys.stderr)
 
 
 def user_errors(fn: Callable) -> Callable:
-    """Turn KvcalibError (and Ctrl-C) into one clean line and exit code 2."""
+    """The error boundary of a command (module docstring): user and environment errors become
+    one line and exit code 2, Ctrl-C exit code 130, anything else a traceback and a report line."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except (typer.Exit, _cx.ClickException, *_ABORT):
+            raise
         except KvcalibError as err:
             _err(str(err))
             raise typer.Exit(EXIT_USER_ERROR) from None
         except KeyboardInterrupt:
-            _err("interrupted; nothing half-written was kept.")
-            raise typer.Exit(130) from None
+            _err("interrupted; nothing half-written was kept (outputs are written whole or not at all).")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except Exception as err:  # noqa: BLE001  (the boundary: sorted into environment or bug)
+            if interrupted(err):  # Ctrl-C inside Optuna's trial bookkeeping comes out as its error
+                _err("interrupted; nothing half-written was kept (outputs are written whole or not at all).")
+                raise typer.Exit(EXIT_INTERRUPTED) from None
+            line = environment_error(err)
+            if line is not None:
+                _err(line)
+                raise typer.Exit(EXIT_USER_ERROR) from None
+            traceback.print_exc()
+            _err(REPORT_BUG)
+            raise typer.Exit(EXIT_BUG) from None
 
     return wrapper
 
@@ -86,6 +156,7 @@ def collect(
     trust_remote_code: bool = typer.Option(False, help="Allow custom model code from the model's repository."),
 ) -> None:
     """Record K/V statistics (post-RoPE keys, as the cache stores them) on calibration text."""
+    from kvcalib import preflight
     from kvcalib.collection import CollectConfig
     from kvcalib.collection import collect as run_collect
 
@@ -93,7 +164,11 @@ def collect(
                            seq_len=seq_len, batch_size=batch_size, reservoir_blocks=reservoir_blocks,
                            block_len=block_len, seed=seed, device=device, dtype=dtype,
                            trust_remote_code=trust_remote_code)
-    result = run_collect(config, out or default_run_dir("collect"))
+    out = out or default_run_dir("collect")
+    _preflight_run(model, data, split, text_field, device, dtype)
+    info = preflight.model_info_offline(model)
+    preflight.check_output_dir(out, "--out", preflight.stats_bytes(info, reservoir_blocks, block_len) if info else 0)
+    result = run_collect(config, out)
     rows = [[r["layer"], r["k_absmax"], r["k_outlier_ratio"], r["k_std"], r["v_absmax"], r["v_std"]]
             for r in result.summary]
     print_table(
@@ -138,6 +213,7 @@ def search(
     dtype: Optional[str] = typer.Option(None, help="bf16 | fp16 | fp32."),
 ) -> None:
     """Optuna per-layer {2,4,8}-bit search for the best recipe under a memory budget."""
+    from kvcalib import preflight
     from kvcalib.optimize import SearchConfig
     from kvcalib.optimize import search as run_search
     from kvcalib.optimize.provenance import command_line
@@ -150,14 +226,32 @@ def search(
                           device=device, dtype=dtype, command=command_line(),
                           chosen_methods=None if finish is None else tuple(
                               m.strip() for m in finish.split(",") if m.strip() and m.strip() != "none"))
+    config.out = Path(config.out) if config.out is not None else default_run_dir("search")
+    _preflight_run(model, data, "calib", text_field, device, dtype)
+    has_stats = (config.out / "stats.safetensors").is_file()  # a collect folder, or a search to resume
+    info = None if has_stats else preflight.model_info_offline(model)
+    stats = preflight.stats_bytes(info, config.reservoir_blocks, min(config.block_len, seq_len)) if info else 0
+    preflight.check_output_dir(config.out, "--out", stats + SEARCH_OUTPUT_BYTES, may_exist=has_stats or resume)
+    ctx = _current_context(silent=True)
     try:
-        result = run_search(config)
+        with _trial_failures_reported_once():
+            result = run_search(config)
     except KeyboardInterrupt:
-        if config.out is not None and (Path(config.out) / "study.db").is_file():
-            _err(f"interrupted; the study in {config.out} keeps every finished trial, and the interrupted one "
-                 f"runs again with: kvcalib search --out {config.out} --resume (same other options)")
-            raise typer.Exit(130) from None
+        _err(f"interrupted; {_search_left(config, ctx)}")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except KvcalibError:
         raise
+    except Exception as err:  # noqa: BLE001  (a storage or disk that failed mid-search; else a bug)
+        if interrupted(err):  # Ctrl-C that landed inside Optuna's trial bookkeeping
+            _err(f"interrupted; {_search_left(config, ctx)}")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        from kvcalib.optimize.guards import storage_lost
+
+        line = environment_error(err) or storage_lost(config)
+        if line is None:
+            raise
+        _err(f"{line}. {_search_left(config, ctx, failed=True)}")
+        raise typer.Exit(EXIT_USER_ERROR) from None
     if result.table:
         print(result.table)
     if result.recipe_path is not None:
@@ -168,6 +262,92 @@ def search(
     else:
         print(f"no finished trial is within {budget_bits:g} bits yet: run more trials with --resume")
     print(f"report: {result.report_path}")
+
+
+SEARCH_OUTPUT_BYTES = 16 << 20  # study.db, search.json, plots, report and recipe of a search (well above)
+
+
+def _preflight_run(model: str, data: str, split: str, text_field: Optional[str], device: Optional[str],
+                   dtype: Optional[str]) -> None:
+    """What ``collect`` and ``search`` check before any model loads: the model names something
+    (alias, folder, file, hub id), the text source exists, the device and dtype are usable."""
+    from kvcalib import preflight
+    from kvcalib.models import resolve_model_source
+
+    resolve_model_source(model)
+    preflight.check_data(data, split, text_field)
+    preflight.check_device(device)
+    preflight.check_dtype(dtype)
+
+
+def rerun_command(ctx: Any, **set_options: Any) -> str:
+    """The command line that runs the current command again: every option given on the command
+    line (its value as parsed), then ``set_options`` (``out=Path(...)``, ``resume=True``) in place
+    of those options' given values. Flags print as ``--flag`` / ``--no-flag``."""
+    parts = ["kvcalib", ctx.info_name]
+    given = []
+    for param in ctx.command.params:
+        if getattr(param, "param_type_name", "") != "option" or param.name in set_options:
+            continue
+        source = ctx.get_parameter_source(param.name)
+        if source is None or source.name in ("DEFAULT", "DEFAULT_MAP"):
+            continue
+        given.append((param, ctx.params.get(param.name)))
+    given += [(next(p for p in ctx.command.params if p.name == name), value) for name, value in set_options.items()]
+    for param, value in given:
+        long = next((o for o in param.opts if o.startswith("--")), param.opts[0])
+        if getattr(param, "is_flag", False) or isinstance(value, bool):
+            if value:
+                parts.append(long)
+            elif param.secondary_opts:
+                parts.append(param.secondary_opts[0])
+            continue
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            parts += [long, str(item)]
+    return shlex.join(parts)
+
+
+def _search_left(config: Any, ctx: Any, failed: bool = False) -> str:
+    """What an interrupted search left in its run folder (``failed``: what a search stopped by its
+    disk or storage left, once that is fixed), and the command that goes on from there: the same
+    options, ``--out`` named, and ``--resume`` where a study was started."""
+    out = Path(config.out)
+    if config.storage is None:
+        started = (out / "study.db").is_file()
+    else:  # a shared storage: the study is there once this worker got past the statistics
+        started = (out / "stats.safetensors").is_file()
+    if ctx is None:
+        return f"the run folder is {out}"
+    if started and failed:
+        return (f"Once that is fixed, the study (its finished trials are kept where the storage is intact) goes on "
+                f"with: {rerun_command(ctx, out=out, resume=True)}")
+    if started:
+        return (f"the study keeps every finished trial, and unfinished ones run again with: "
+                f"{rerun_command(ctx, out=out, resume=True)}")
+    if (out / "stats.safetensors").is_file():
+        return (f"the statistics in {out} are kept; the search starts from them with: "
+                f"{rerun_command(ctx, out=out, resume=False)}")
+    return f"nothing was written; run it again with: {rerun_command(ctx, out=out, resume=False)}"
+
+
+class _DropTrialFailure(logging.Filter):
+    """Optuna logs a failed trial (with its traceback) before re-raising its error; the error
+    boundary reports that error once (one line, or the traceback of a bug), so the record is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Trial ") and " failed with " in message)
+
+
+@contextlib.contextmanager
+def _trial_failures_reported_once() -> Iterator[None]:
+    """:class:`_DropTrialFailure` on Optuna's optimize logger while a search runs."""
+    drop, logger = _DropTrialFailure(), logging.getLogger("optuna.study._optimize")
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def _with_method_flags(fn: Callable) -> Callable:
@@ -193,6 +373,16 @@ def _with_method_flags(fn: Callable) -> Callable:
     return fn
 
 
+def _check_run_dir(run_dir: Path) -> None:
+    """``kvcalib export``'s RUN_DIR: a folder that holds statistics."""
+    if not run_dir.is_dir():
+        raise KvcalibError(f"run folder {run_dir} does not exist: pass a folder written by `kvcalib collect` or "
+                           "`kvcalib search`.")
+    if not (run_dir / "stats.safetensors").is_file():
+        raise KvcalibError(f"{run_dir} holds no stats.safetensors: pass a folder written by `kvcalib collect` or "
+                           "`kvcalib search`.")
+
+
 @app.command(epilog="Examples:\n\n    kvcalib export runs/smol -o smol-k2v2.safetensors --bits k2v2 --group 32 --window 128\n\n    kvcalib export runs/smol-search --budget-bits 3.5 -o smol-3.5.safetensors\n\n    kvcalib export runs/smol -o smol-all.safetensors --bits k4v2 --reorder --clip --center\n\n    kvcalib export runs/smol -o smol-ott-pats.safetensors --bits k8v8 --outliers 3 --schedule middle-heavy")
 @_with_method_flags
 @user_errors
@@ -215,6 +405,7 @@ def export(
 ) -> None:
     """Build a fitted recipe from collected statistics, with the methods given as flags; or pick
     a point of a `kvcalib search` run with --budget-bits / --trial (no new search)."""
+    from kvcalib import preflight
     from kvcalib.export import ExportConfig, export_recipe, export_search_point
 
     if format not in ("kvcalib", "compressed-tensors"):
@@ -232,6 +423,8 @@ def export(
                 "(vLLM/SGLang hold FP8 K/V with per-tensor or per-head scales only): export the FP8 scales from "
                 f"the statistics with `kvcalib export {run_dir} --format compressed-tensors -o DIR`, and run "
                 "sub-8-bit recipes with the kvcalib runtime.")
+        _check_run_dir(run_dir)
+        preflight.check_output_dir(out, "-o", may_exist=True)
         written = export_compressed_tensors(run_dir, out, model=model, per_head=per_head, force=force)
         print(f"wrote FP8 KV-cache scales and config.json to {written if written is not None else out}")
         return
@@ -240,12 +433,16 @@ def export(
             flags = ", ".join("--" + g.replace("_", "-") for g in given)
             raise KvcalibError(f"{flags} build a recipe from statistics; --budget-bits/--trial pick a searched point "
                                "whose settings are fixed: pass one kind or the other.")
+        _check_run_dir(run_dir)
+        preflight.check_output_file(out, "-o", force=force)
         recipe, record = export_search_point(run_dir, out, budget_bits=budget_bits, trial=trial, force=force)
         print(f"wrote {out}: trial {record['number']} of the search, KL {record['kl']:.4g}, "
               f"{record['effective_bits']:.3f} effective bits at {recipe.provenance.get('context', 4096)}")
         return
     config = ExportConfig(bits=bits or "k2v2", group=group, window=window, sinks=sinks, name=name, seed=seed,
                           **method_flags)
+    _check_run_dir(run_dir)
+    preflight.check_output_file(out, "-o", force=force)
     recipe = export_recipe(run_dir, out, config, force=force)
     mem = recipe.memory(recipe.model, 4096)
     print(f"wrote {out}: recipe {recipe.name} for {recipe.model.name}, {mem.effective_bits:.3f} effective bits at 4096")
@@ -281,8 +478,13 @@ def run(
     from kvcalib.runtime.generate import generate, token_agreement
     from kvcalib.runtime.sampling import sampling_from_flags
 
+    from kvcalib import preflight
+
     if (prompt is None) == (prompt_file is None):
         raise KvcalibError("pass exactly one of --prompt TEXT or --prompt-file FILE.")
+    if max_new_tokens < 1:
+        raise KvcalibError(f"--max-new-tokens {max_new_tokens} generates nothing: pass 1 or more.")
+    preflight.check_device(device)
     if prompt_file is not None:
         try:
             prompt = prompt_file.read_text()
@@ -295,9 +497,10 @@ def run(
         # one seed for both runs, so that they draw from the same stream
         sampling = dataclasses.replace(sampling, seed=random.randrange(2**31))
     rec = resolve_recipe(recipe)
-    if cuda_graph and (device or default_device()) != "cuda":
+    if cuda_graph and not (device or default_device()).startswith("cuda"):
         raise KvcalibError("--cuda-graph needs a CUDA device (none here): leave --cuda-graph out.")
     model_name = model or (rec.model.name if rec.model else DEFAULT_MODEL)
+    preflight.check_recipe_model(rec, model_name)  # another model's recipe: refused before anything is fetched
     loaded = load_model(model_name, device=device, trust_remote_code=trust_remote_code)
     rec.check_model(loaded.info)
     print(f"[{rec.name}] ", end="", flush=True)
@@ -346,7 +549,10 @@ def eval_(
 ) -> None:
     """Evaluate recipes side by side on identical inputs: perplexity (overall and by token
     position), agreement, passkey, gsm8k, memory."""
+    from kvcalib import preflight
     from kvcalib.eval.harness import EvalConfig, evaluate, results_table_columns, results_table_rows, write_json
+    from kvcalib.models import resolve_model_source
+    from kvcalib.recipe import resolve_recipe
 
     try:
         lengths = tuple(int(x) for x in passkey_lengths.split(",") if x.strip())
@@ -363,6 +569,16 @@ def eval_(
                         agreement_prompts=agreement_prompts, agreement_tokens=agreement_tokens,
                         passkey_lengths=lengths, passkey_depths=depths, passkey_trials=passkey_trials,
                         gsm8k_limit=gsm8k_limit, seed=seed, batch_size=batch_size, device=device, dtype=dtype)
+    resolve_model_source(model)
+    preflight.check_data(data, "eval")
+    preflight.check_device(device)
+    if json_out is not None:  # written after the evaluation: checked before it
+        preflight.check_output_file(json_out, "--json")
+        preflight.check_output_file(json_out.with_name(f"{json_out.stem}.config.json"), "--json (its .config.json)")
+    if plot is not None:
+        preflight.check_output_file(plot, "--plot")
+    for spec in config.recipes:  # every recipe against the model, from its metadata, before the model loads
+        preflight.check_recipe_model(resolve_recipe(spec), model)
     results = evaluate(config)
     print_table(f"{model}: held-out evaluation (effective bits and KV bytes per sequence at {context_len})",
                 results_table_columns(results), results_table_rows(results))

@@ -20,3 +20,85 @@ class RecipeError(KvcalibError):
 
 class OfflineError(KvcalibError):
     """Something had to come from a hub that this machine cannot reach."""
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """``err`` and what it was raised from; the error it was raised while handling only when
+    Optuna raised it (its trial bookkeeping fails with an AssertionError or UnboundLocalError
+    when the storage broke, or Ctrl-C landed, under it): a bug of ours raised while handling an
+    OSError stays a bug."""
+    chain: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or (current.__context__ if _raised_in(current, "optuna") else None)
+    return chain
+
+
+def interrupted(err: BaseException) -> bool:
+    """Whether ``err`` is, or was raised by Optuna while handling, a Ctrl-C."""
+    return any(isinstance(e, KeyboardInterrupt) for e in _chain(err))
+
+
+def environment_error(err: BaseException) -> str | None:
+    """One line for an error of the user's environment that reached the command line (a write to a
+    full or read-only disk, a file that vanished, a study database that went away), naming the
+    problem and the fix; None for anything else, which is a bug and keeps its traceback.
+
+    Third-party error types are recognised by name, so this module imports none of them:
+    SQLAlchemy's and sqlite3's errors (Optuna's RDB storage), Optuna's ``StorageInternalError``,
+    and safetensors' I/O errors (it reports a full disk as ``SafetensorError: ... IoError``).
+    """
+    chain = _chain(err)
+    for e in chain:  # the most specific first: an OS error names the path
+        if isinstance(e, OSError):
+            return os_error_line(e)
+    storage = [e for e in chain if type(e).__module__.startswith(("sqlalchemy", "sqlite3"))
+               or type(e).__name__ == "StorageInternalError"]
+    if storage:
+        inner = storage[-1]  # the driver's own words ("database or disk is full") beat Optuna's wrapper's
+        first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:200]
+        if "disk is full" in first or "No space left" in first:
+            return "no space left on the device holding the study's database: free some space"
+        return (f"the study storage failed ({type(inner).__name__}: {first}): check that its database file or server "
+                "is reachable, readable and has space")
+    for e in chain:
+        if type(e).__name__ == "SafetensorError" and "IoError" in str(e):
+            full = "StorageFull" in str(e) or "No space left" in str(e)
+            first = (str(e).strip().splitlines() or ["SafetensorError"])[0][:200]
+            return ("writing a safetensors file failed: " + ("no space left on the device: free some space or write "
+                    "to another disk" if full else f"{first}: check the output path and its disk"))
+    return None
+
+
+def _raised_in(err: BaseException, package: str) -> bool:
+    """Whether the innermost frame of ``err``'s traceback is in ``package``'s source."""
+    import os
+
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{os.sep}{package}{os.sep}" in tb.tb_frame.f_code.co_filename
+
+
+def os_error_line(err: OSError) -> str:
+    """An OSError as one line: what failed on which path, and the fix."""
+    import errno as errno_
+
+    path = err.filename if err.filename is not None else None
+    where = f" ({path})" if path is not None else ""
+    fixes = {
+        errno_.ENOSPC: "no space left on the device: free some space, or write to another disk",
+        errno_.EDQUOT: "the disk quota is exhausted: free some space, or write to another disk",
+        errno_.EROFS: "the file system is read-only: write to another place",
+        errno_.EACCES: "permission denied: write to a place you own, or fix its permissions",
+        errno_.EPERM: "operation not permitted: write to a place you own, or fix its permissions",
+        errno_.ENOENT: "no such file or folder: check the path (was it moved or deleted while kvcalib ran?)",
+        errno_.EISDIR: "it is a folder, not a file: pass a file path",
+        errno_.ENOTDIR: "a part of the path is a file, not a folder: check the path",
+        errno_.EIO: "the disk reported an I/O error: check the device",
+    }
+    fix = fixes.get(err.errno, f"{err.strerror or type(err).__name__}: check the path and its disk")
+    return f"{fix}{where}"

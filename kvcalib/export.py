@@ -157,27 +157,33 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
     run_dir, out = Path(run_dir), Path(out)
     if out.exists() and not force:
         raise KvcalibError(f"{out} already exists: pass another -o path, or --force to replace it.")
-    path = run_dir / "search.json"
-    if not path.is_file():
-        raise KvcalibError(f"{run_dir} holds no search.json: --budget-bits/--trial pick points of a `kvcalib search` run folder.")
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise KvcalibError(f"{path} is not readable JSON ({err}): run the search again with --resume.") from None
+    doc = read_search_json(run_dir)
     from kvcalib.optimize import current_accounting, search_provenance
 
     stats = CollectedStats.load(run_dir)
     doc = current_accounting(doc, stats.model.sliding_window)
     record = choose(doc["trials"], budget_bits, trial)
     space = SearchSpace.from_dict(doc["space"])
-    p = record["point"]
-    point = Point.from_dict(p, space)  # old search.json files (no schedule) read as schedule "none"
+    try:
+        point = Point.from_dict(record["point"], space)  # old search.json files (no schedule) read as schedule "none"
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise KvcalibError(f"{run_dir / 'search.json'}: trial {record['number']}'s point is malformed "
+                           f"({type(err).__name__}: {err}): pick another trial, or rerun the search.") from None
     import torch
 
     objective = SearchObjective(None, stats.model, stats, torch.zeros(1, 2, dtype=torch.long),
                                 context=int(doc["context"]), seed=int(doc["config"]["seed"]))
     name = f"{stats.model.name}-search-trial{record['number']}"
-    recipe = objective.recipe(point, name, provenance=search_provenance(doc, record))
+    if len(point.k_bits) != stats.model.num_layers:
+        raise KvcalibError(f"{run_dir / 'search.json'}: trial {record['number']} sets {len(point.k_bits)} layers, the "
+                           f"statistics in {run_dir} are of {stats.model.num_layers}: the file belongs to another run.")
+    try:
+        recipe = objective.recipe(point, name, provenance=search_provenance(doc, record))
+    except KvcalibError:
+        raise
+    except (KeyError, TypeError, ValueError) as err:  # a point no layer config takes (bits 3, ...)
+        raise KvcalibError(f"{run_dir / 'search.json'}: trial {record['number']}'s point is malformed "
+                           f"({type(err).__name__}: {err}): pick another trial, or rerun the search.") from None
     bits = recipe.memory(stats.model, int(doc["context"])).effective_bits
     if abs(bits - float(record["effective_bits"])) > 1e-6:
         raise KvcalibError(
@@ -186,3 +192,49 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
             "search again (kvcalib search ... --resume keeps the finished trials' settings).")
     recipe.save(out)
     return recipe, record
+
+
+# what export and the provenance of an exported point read from search.json: key -> accepted types
+_SEARCH_FIELDS: dict[str, tuple[type, ...]] = {
+    "trials": (list,), "space": (dict,), "config": (dict,), "context": (int,), "budget_bits": (int, float),
+    "score_sequences": (int,), "score_seq_len": (int,), "study": (str,),
+}
+_TRIAL_FIELDS: dict[str, tuple[type, ...]] = {
+    "number": (int,), "state": (str,), "kl": (int, float, type(None)), "effective_bits": (int, float, type(None)),
+    "point": (dict, type(None)),
+}
+
+
+def read_search_json(run_dir: Path) -> dict[str, Any]:
+    """``RUN_DIR/search.json`` with every field export reads present and of its type (a
+    :class:`KvcalibError` naming the first that is not), so a malformed file is refused in one
+    line instead of failing with a KeyError half-way."""
+    path = Path(run_dir) / "search.json"
+    if not path.is_file():
+        raise KvcalibError(f"{run_dir} holds no search.json: --budget-bits/--trial pick points of a `kvcalib search` run folder.")
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise KvcalibError(f"{path} is not readable JSON ({err}): restore it, or rerun the search with --resume "
+                           "(it rewrites search.json from the study).") from None
+    fix = "restore the file, or rerun the search with --resume (it rewrites search.json from the study)"
+    if not isinstance(doc, dict):
+        raise KvcalibError(f"{path} is not a search record (a JSON object): {fix}.")
+    for key, kinds in _SEARCH_FIELDS.items():
+        if not isinstance(doc.get(key), kinds) or isinstance(doc.get(key), bool):
+            raise KvcalibError(f"{path}: field {key} is {'missing' if key not in doc else repr(doc[key])[:60]}, "
+                               f"expected {' or '.join(k.__name__ for k in kinds)}: {fix}.")
+    if doc["context"] < 1:
+        raise KvcalibError(f"{path}: field context is {doc['context']}, expected a positive number of tokens: {fix}.")
+    cfg = doc["config"]
+    if not isinstance(cfg.get("seed"), int) or "data" not in cfg:
+        raise KvcalibError(f"{path}: field config lacks seed or data: {fix}.")
+    for i, trial in enumerate(doc["trials"]):
+        if not isinstance(trial, dict):
+            raise KvcalibError(f"{path}: trials[{i}] is not an object: {fix}.")
+        for key, kinds in _TRIAL_FIELDS.items():
+            value = trial.get(key, KeyError)
+            if value is KeyError or not isinstance(value, kinds) or isinstance(value, bool):
+                raise KvcalibError(f"{path}: trials[{i}].{key} is {'missing' if value is KeyError else repr(value)[:60]}, "
+                                   f"expected {' or '.join(k.__name__ for k in kinds)}: {fix}.")
+    return doc

@@ -6,26 +6,43 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvcalib.errors import KvcalibError
 from kvcalib.models import DEFAULT_MODEL, ModelInfo
 from kvcalib.layout import ACCOUNTING, held_elements, held_tokens, layer_bytes, legacy_bits_factor
 from kvcalib.recipe import Recipe, resolve_recipe
 
 
-def _model_info_for(recipe: Recipe, model: str | None) -> ModelInfo:
-    """The recipe's own model, else the geometry of ``model`` (config only, no weights)."""
+def check_context(context: Any) -> int:
+    """``--context``: a positive number of tokens (0 would divide by zero, a negative one count
+    negative bytes)."""
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise KvcalibError(f"--context {context!r} is not a context length: pass a positive number of tokens "
+                           "(e.g. 4096), the length at which bytes and effective bits are counted.")
+    return context
+
+
+def _model_info_for(recipe: Recipe, model: str | ModelInfo | None) -> ModelInfo:
+    """The recipe's own model, else ``model``'s geometry: a ModelInfo as given, or a name whose
+    config (not its weights) is read."""
+    if isinstance(model, ModelInfo):
+        return model
     if recipe.model is not None and model is None:
         return recipe.model
-    from transformers import AutoConfig
-
-    from kvcalib.models import HUB_ALIASES, ensure_embedded_folder, embedded_aliases, model_info
+    from kvcalib.models import ensure_embedded_folder, model_info, resolve_model_source
+    from kvcalib.preflight import model_info_offline
 
     name = model or DEFAULT_MODEL
-    where = str(ensure_embedded_folder(name)) if name in embedded_aliases() else HUB_ALIASES.get(name, name)
-    try:
-        config = AutoConfig.from_pretrained(where)
-    except (OSError, ValueError) as err:
-        from kvcalib.errors import KvcalibError
+    kind, where, kwargs = resolve_model_source(name)  # a bad alias or path is refused here, offline
+    info = model_info_offline(name)
+    if info is not None:
+        return info
+    if kind == "embedded":
+        where = str(ensure_embedded_folder(name))
+    from transformers import AutoConfig
 
+    try:  # the config alone (a hub id not cached yet, a .gguf file): no weights are loaded
+        config = AutoConfig.from_pretrained(where, **kwargs)
+    except (OSError, ValueError) as err:
         raise KvcalibError(f"cannot read the config of --model {name!r} ({type(err).__name__}): pass an embedded alias or a local folder.") from None
     return model_info(config, name)
 
@@ -39,7 +56,7 @@ def _method_sections(recipe: Recipe, info: ModelInfo, context: int, layers: list
             for name, method in registry().items() if method.inspect is not None}
 
 
-def inspect_recipe(spec: str, model: str | None = None, context: int = 4096) -> dict[str, Any]:
+def inspect_recipe(spec: str | Recipe, model: str | ModelInfo | None = None, context: int = 4096) -> dict[str, Any]:
     """Everything `kvcalib inspect` shows, as a JSON-ready dict.
 
     Every registered method adds its own section under its name (``Method.inspect``; None when
@@ -47,6 +64,7 @@ def inspect_recipe(spec: str, model: str | None = None, context: int = 4096) -> 
     layer gets ``k_huffman_bits`` / ``v_huffman_bits`` and ``coded_effective_bits``, and
     ``report["huffman"]`` holds the coded memory at ``context``.
     """
+    check_context(context)
     recipe = resolve_recipe(spec)
     info = _model_info_for(recipe, model)
     recipe.check_model(info)
@@ -151,7 +169,8 @@ def _layer_bits(recipe: Recipe, info: ModelInfo, context: int) -> list[float]:
             for i, (cfg, elements) in enumerate(zip(recipe.layer_configs(info.num_layers), _layer_elements(info, context)))]
 
 
-def diff_recipes(a: str | Recipe, b: str | Recipe, model: str | None = None, context: int = 4096) -> dict[str, Any]:
+def diff_recipes(a: str | Recipe, b: str | Recipe, model: str | ModelInfo | None = None,
+                 context: int = 4096) -> dict[str, Any]:
     """Compare two recipes layer by layer: only layers that differ, plus a summary.
 
     Per differing layer: each of bits/groups/axis/window/sinks that differ as ``[a, b]``, the
@@ -159,6 +178,7 @@ def diff_recipes(a: str | Recipe, b: str | Recipe, model: str | None = None, con
     summary has both names, models, total effective bits, the count of differing layers per
     field, and the provenance keys whose values differ. Both recipes must fit one geometry.
     """
+    check_context(context)
     ra, rb = resolve_recipe(a), resolve_recipe(b)
     info = _model_info_for(ra if ra.model is not None or rb.model is None else rb, model)
     for r in (ra, rb):

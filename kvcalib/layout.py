@@ -69,7 +69,8 @@ class LayerConfig:
 
     def __post_init__(self) -> None:
         for name in ("k_bits", "v_bits"):
-            if getattr(self, name) not in VALID_BITS or isinstance(getattr(self, name), bool):
+            val = getattr(self, name)  # an int: 2.0 == 2 would pass `in` and break the packing later
+            if not isinstance(val, int) or isinstance(val, bool) or val not in VALID_BITS:
                 raise ValueError(f"{name} must be one of {VALID_BITS}, got {getattr(self, name)!r}")
         if self.k_axis not in KEY_AXES:
             raise ValueError(f"k_axis must be one of {KEY_AXES}, got {self.k_axis!r}")

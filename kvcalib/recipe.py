@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+import re
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,8 @@ import torch
 from kvcalib.codec import LayerCodec
 from kvcalib.errors import KvcalibError, RecipeError
 from kvcalib.io import read_safetensors_document
-from kvcalib.layout import (ACCOUNTING, ACCOUNTINGS, LEGACY_ACCOUNTING, LayerConfig, MemoryBreakdown, held_elements,
+from kvcalib.layout import (ACCOUNTING, ACCOUNTINGS, FP_BITS, LEGACY_ACCOUNTING, SCALE_BYTES, LayerConfig,
+                            MemoryBreakdown, held_elements,
                             held_tokens, layer_bytes, quantized_token_count)
 from kvcalib.models import ModelInfo
 
@@ -45,6 +47,11 @@ RECIPE_FORMAT = "kvcalib-recipe"
 SCHEMA_VERSION = 2
 READ_VERSIONS = (1, 2)  # 1: no "accounting" field (read as LEGACY_ACCOUNTING)
 METADATA_KEY = "kvcalib_recipe"
+# what ``metadata()`` always writes: a document without one of them is refused, not defaulted
+REQUIRED_FIELDS = ("format", "schema_version", "name", "model", "provenance")
+# ``layers.{i}.{k|v|kv}.{name}``, ``i`` written without leading zeros (so two names never meet
+# on one layer) in ASCII digits (``str.isdigit`` also accepts "²", which ``int`` refuses)
+TENSOR_NAME = re.compile(r"^layers\.(0|[1-9][0-9]*)\.(k|v|kv)\.([A-Za-z_][A-Za-z0-9_]*)$")
 
 
 @dataclass
@@ -80,22 +87,54 @@ class Recipe:
         return list(self.layers)
 
     def check_model(self, info: ModelInfo) -> None:
-        """Refuse a fitted recipe for another model, naming the mismatching field."""
+        """Refuse a fitted recipe for another model, naming the mismatching field (every field of
+        the model description but its name: an edited sliding window or position limit would
+        make the memory accounting describe another cache than the one the runtime builds)."""
+        if self.model is not None:  # the model first: "fitted for X" says more than "24 layers, not 30"
+            for key in ("num_layers", "num_kv_heads", "head_dim", "num_q_heads", "model_type", "config_hash",
+                        "sliding_window", "max_positions"):
+                want, got = getattr(self.model, key), getattr(info, key)
+                if want != got:
+                    raise RecipeError(
+                        f"recipe {self.name!r} was fitted for {self.model.name} and does not fit this model: "
+                        f"model.{key} is {got!r}, the recipe expects {want!r}. Fit a recipe for this model "
+                        "(kvcalib collect + export/search) or use a preset."
+                    )
         for cfg in self.layer_configs(info.num_layers):
             try:
                 cfg.check_head_dim(info.head_dim)
             except ValueError as err:
                 raise RecipeError(f"recipe {self.name!r} does not fit {info.name}: {err}") from None
-        if self.model is None:
-            return
-        for key in ("num_layers", "num_kv_heads", "head_dim", "num_q_heads", "model_type", "config_hash"):
-            want, got = getattr(self.model, key), getattr(info, key)
-            if want != got:
-                raise RecipeError(
-                    f"recipe {self.name!r} was fitted for {self.model.name} and does not fit this model: "
-                    f"model.{key} is {got!r}, the recipe expects {want!r}. Fit a recipe for this model "
-                    "(kvcalib collect + export/search) or use a preset."
-                )
+
+    def validate(self, info: ModelInfo | None = None) -> "Recipe":
+        """Check the whole recipe against itself (and ``info``'s model when given, else the model
+        it records): every layer config complete and cheaper than bf16, groups that divide
+        head_dim, and every tensor against its layer and the method that declares it (each
+        method's :meth:`~kvcalib.methods.base.Method.load`: name, side, dtype, shape, values).
+        Returns the recipe; raises :class:`RecipeError` naming the field or tensor and the fix.
+
+        A recipe that records no model (a preset) holds no fitted tensors: they are per layer
+        and kv head of one model.
+        """
+        info = info or self.model
+        configs = self.layers if self.layers is not None else [self.default_layer]
+        for i, cfg in enumerate(configs):  # type: ignore[arg-type]
+            where = f"layers[{i}]" if self.layers is not None else "default_layer"
+            check_layer_cost(cfg, f"recipe {self.name!r}: field {where}")
+            if info is not None:
+                try:
+                    cfg.check_head_dim(info.head_dim)
+                except ValueError as err:
+                    raise RecipeError(f"recipe {self.name!r}: field {where}: {err} of {info.name}: use a group that "
+                                      f"divides {info.head_dim}") from None
+        if info is None:
+            if self.tensors:
+                raise RecipeError(f"recipe {self.name!r} records no model but holds fitted tensors "
+                                  f"({', '.join(sorted(self.tensors)[:3])}...), which are per layer and kv head of "
+                                  "the model they were fitted on: re-export it from that model's statistics")
+            return self
+        self.codecs(info)
+        return self
 
     # ------------------------------------------------------------------ per-layer fitted state
     def layer_tensors(self, num_layers: int) -> list[dict[str, torch.Tensor]]:
@@ -103,13 +142,12 @@ class Recipe:
         ``layers.{i}.{k|v|kv}.{name}`` with ``i`` below ``num_layers`` is refused, naming it."""
         out: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
         for name, tensor in self.tensors.items():
-            parts = name.split(".")
-            if not (len(parts) == 4 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) < num_layers
-                    and parts[2] in ("k", "v", "kv")):
+            match = TENSOR_NAME.match(name) if isinstance(name, str) else None
+            if match is None or int(match.group(1)) >= num_layers:
                 raise RecipeError(f"recipe {self.name!r} holds tensor {name!r}, which this kvcalib does not apply "
                                   f"(tensors are layers.<i>.<k|v|kv>.<name> with i < {num_layers}): re-export the "
                                   "recipe with this version")
-            out[int(parts[1])][f"{parts[2]}.{parts[3]}"] = tensor
+            out[int(match.group(1))][f"{match.group(2)}.{match.group(3)}"] = tensor
         return out
 
     def codecs(self, info: ModelInfo | None = None, *, num_layers: int | None = None,
@@ -187,6 +225,8 @@ class Recipe:
 
     @classmethod
     def from_document(cls, doc: Any, tensors: dict[str, torch.Tensor], where: str) -> "Recipe":
+        """A validated recipe from its JSON document and tensors (:meth:`validate`); every field
+        :meth:`metadata` writes must be there: nothing missing is filled in with a default."""
         if not isinstance(doc, dict):
             raise RecipeError(f"{where}: the recipe document must be a JSON object")
         if doc.get("format") != RECIPE_FORMAT:
@@ -197,7 +237,7 @@ class Recipe:
                 f"{where}: field schema_version is {version!r}, this kvcalib reads "
                 f"{' or '.join(map(str, READ_VERSIONS))}: re-export the recipe with this version"
             )
-        allowed = {"format", "schema_version", "name", "model", "provenance", "layers", "default_layer"}
+        allowed = {*REQUIRED_FIELDS, "layers", "default_layer"}
         if version >= 2:
             allowed.add("accounting")
             accounting = doc.get("accounting")
@@ -205,40 +245,42 @@ class Recipe:
                 raise RecipeError(f"{where}: field accounting is {accounting!r}, expected one of {list(ACCOUNTINGS)}")
         else:
             accounting = LEGACY_ACCOUNTING
-        unknown = sorted(set(doc) - allowed)
+        unknown = sorted(map(str, set(doc) - allowed))
         if unknown:
             raise RecipeError(f"{where}: unknown fields {unknown}; allowed: {sorted(allowed)}")
-        name = doc.get("name")
-        if not isinstance(name, str) or not name:
+        missing = [key for key in REQUIRED_FIELDS if key not in doc]
+        if missing:
+            raise RecipeError(f"{where}: field(s) {missing} are missing (a recipe names all of "
+                              f"{', '.join(REQUIRED_FIELDS)}; model may be null): re-export the recipe")
+        name = doc["name"]
+        if not isinstance(name, str) or not name.strip():
             raise RecipeError(f"{where}: field name must be a non-empty string")
-        model = None
-        if doc.get("model") is not None:
-            try:
-                model = ModelInfo.from_dict(doc["model"])
-                if model.num_layers < 1 or model.num_kv_heads < 1 or model.head_dim < 1:
-                    raise ValueError("non-positive geometry")
-            except (TypeError, ValueError, KeyError, AttributeError) as err:
-                raise RecipeError(f"{where}: field model is malformed ({err}); expected the model description kvcalib writes") from None
-        provenance = doc.get("provenance") or {}
+        model = None if doc["model"] is None else model_from_dict(doc["model"], f"{where}: field model")
+        provenance = doc["provenance"]
         if not isinstance(provenance, dict):
             raise RecipeError(f"{where}: field provenance must be an object")
         if ("layers" in doc) == ("default_layer" in doc):
             raise RecipeError(f"{where}: exactly one of fields layers / default_layer is expected")
+        if not all(isinstance(key, str) for key in tensors):
+            raise RecipeError(f"{where}: tensor names must be strings")
+        for key, tensor in tensors.items():
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise RecipeError(f"{where}: tensor {key} holds NaN or inf; re-export the recipe")
         if "layers" in doc:
             if not isinstance(doc["layers"], list) or not doc["layers"]:
                 raise RecipeError(f"{where}: field layers must be a non-empty list")
-            layers = [LayerConfig.from_dict(d, f"layers[{i}]") for i, d in enumerate(doc["layers"])]
+            layers = [layer_from_dict(d, f"layers[{i}]", where) for i, d in enumerate(doc["layers"])]
             if model is not None and len(layers) != model.num_layers:
                 raise RecipeError(f"{where}: field layers has {len(layers)} entries, expected model.num_layers = {model.num_layers}")
             recipe = cls(name=name, layers=layers, model=model, tensors=tensors, provenance=provenance,
                          accounting=accounting)
         else:
-            recipe = cls(name=name, default_layer=LayerConfig.from_dict(doc["default_layer"], "default_layer"),
+            recipe = cls(name=name, default_layer=layer_from_dict(doc["default_layer"], "default_layer", where),
                          model=model, tensors=tensors, provenance=provenance, accounting=accounting)
-        for key, tensor in tensors.items():
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                raise RecipeError(f"{where}: tensor {key} holds NaN or inf; re-export the recipe")
-        return recipe
+        try:
+            return recipe.validate()
+        except RecipeError as err:
+            raise RecipeError(f"{where}: {err}") from None
 
     @classmethod
     def load(cls, path: Path | str) -> "Recipe":
@@ -305,3 +347,76 @@ def with_layers(recipe: Recipe, num_layers: int, **changes: Any) -> Recipe:
 
 def isclose_bits(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+
+_MODEL_INTS = {"num_layers": 1, "num_q_heads": 1, "num_kv_heads": 1, "head_dim": 1, "max_positions": 0}
+_MODEL_STRINGS = ("name", "model_type", "config_hash")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def model_from_dict(data: Any, where: str) -> ModelInfo:
+    """The recipe's model description, every field present and of its type, the heads grouped
+    (query heads a multiple of kv heads) and one sliding-window entry per layer (None or >= 1)."""
+    expected = {f.name for f in fields(ModelInfo)}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where} must be an object (the model description kvcalib writes) or null, "
+                          f"got {type(data).__name__}")
+    wrong = sorted(map(str, set(data) ^ expected))
+    if wrong:
+        raise RecipeError(f"{where} has unknown or missing keys {wrong}; it needs exactly {sorted(expected)}: "
+                          "re-export the recipe")
+    for key, low in _MODEL_INTS.items():
+        if not _is_int(data[key]) or data[key] < low:
+            raise RecipeError(f"{where}.{key} must be an integer >= {low}, got {data[key]!r}")
+    for key in _MODEL_STRINGS:
+        if not isinstance(data[key], str) or not data[key]:
+            raise RecipeError(f"{where}.{key} must be a non-empty string, got {data[key]!r}")
+    if data["num_q_heads"] % data["num_kv_heads"]:
+        raise RecipeError(f"{where}: num_q_heads {data['num_q_heads']} is not a multiple of num_kv_heads "
+                          f"{data['num_kv_heads']}")
+    sliding = data["sliding_window"]
+    if not isinstance(sliding, list) or len(sliding) != data["num_layers"] or not all(
+            w is None or (_is_int(w) and w >= 1) for w in sliding):
+        raise RecipeError(f"{where}.sliding_window must list, for each of the {data['num_layers']} layers, null "
+                          f"(global attention) or its window in tokens (>= 1); got {sliding!r}")
+    return ModelInfo.from_dict(data)
+
+
+def layer_from_dict(data: Any, field_name: str, where: str) -> LayerConfig:
+    """Layer entry ``field_name`` of the recipe at ``where``: every key of
+    :class:`~kvcalib.layout.LayerConfig` present (no key falls back to a default: a deleted
+    ``window`` must not quietly become 0) and of its type."""
+    if isinstance(data, dict):
+        keys = [f.name for f in fields(LayerConfig)]
+        missing = [key for key in keys if key not in data]
+        if missing:
+            raise RecipeError(f"{where}: field {field_name} lacks {missing}: every layer entry names all of "
+                              f"{', '.join(keys)} (no defaults are assumed): re-export the recipe")
+    try:
+        return LayerConfig.from_dict(data, field_name)
+    except RecipeError as err:
+        raise RecipeError(f"{where}: {err}") from None
+
+
+def side_bits_per_element(cfg: LayerConfig, side: str) -> float:
+    """Bits one element of a quantized ``side`` costs in packed storage: its code plus its share
+    of the group's float16 scale and zero-point (a group of ``group`` tokens per channel for
+    KIVI keys, of ``group`` channels per token otherwise: the same share either way)."""
+    return cfg.bits(side) + 2 * SCALE_BYTES * 8 / cfg.group(side)
+
+
+def check_layer_cost(cfg: LayerConfig, where: str) -> None:
+    """Refuse a quantized side whose groups are so small that its codes and scales cost at least
+    what bf16 costs (it would lose precision and save nothing), naming the smallest group that saves."""
+    for side in ("k", "v"):
+        if cfg.bits(side) >= FP_BITS:
+            continue
+        cost = side_bits_per_element(cfg, side)
+        if cost >= FP_BITS:
+            smallest = math.floor(2 * SCALE_BYTES * 8 / (FP_BITS - cfg.bits(side))) + 1
+            raise RecipeError(
+                f"{where}: {side}_bits {cfg.bits(side)} with {side}_group {cfg.group(side)} costs {cost:g} bits per "
+                f"element with its scales, bf16 costs {FP_BITS}: use {side}_group >= {smallest} (or {side}_bits 16)")

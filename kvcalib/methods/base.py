@@ -54,6 +54,8 @@ __all__ = [
     "fake_quantize",
     "usable_tokens",
     "check_side",
+    "check_quantized_side",
+    "scalar_value",
     "SIDES",
 ]
 
@@ -90,6 +92,23 @@ def check_side(side: str) -> str:
     if side not in SIDES:
         raise CalibrationError(f"side must be 'k' or 'v', got {side!r}")
     return side
+
+
+def check_quantized_side(cfg: LayerConfig, key: str) -> None:
+    """For :meth:`Method.load`: refuse tensor ``key`` (``"k.clip"``...) on a side the layer keeps
+    at 16 bits, where nothing is quantized and nothing would apply it (a ``ValueError`` naming it)."""
+    side = key.split(".", 1)[0]
+    if cfg.bits(side) >= 16:
+        raise ValueError(f"{key}: the layer keeps {side.upper()} at 16 bits (nothing is quantized), so nothing "
+                         "applies this tensor; remove it or quantize the side")
+
+
+def scalar_value(t: torch.Tensor, key: str, what: str) -> float:
+    """For :meth:`Method.load`: the value of a one-element tensor ``key`` holding ``what``, else a
+    ``ValueError`` naming it."""
+    if t.numel() != 1 or t.dtype == torch.bool or t.is_complex():
+        raise ValueError(f"{key} must be a scalar ({what}), got {t.dtype} of shape {tuple(t.shape)}")
+    return float(t.reshape(-1)[0])
 
 
 def validate_reservoir(

@@ -49,9 +49,11 @@ from kvcalib.methods.base import (
     Method,
     MethodState,
     TensorSpec,
+    check_quantized_side,
     check_side,
     fake_quantize,
     reservoir_to_bhtd,
+    scalar_value,
     usable_tokens,
     validate_reservoir,
 )
@@ -309,15 +311,19 @@ class CenterMethod(Method):
              head_dim: int | None) -> CenterState | None:
         bits = {}
         for side in ("k", "v"):
+            gain = tensors.get(f"{side}.center_gain")
+            if gain is not None:  # informs the search and inspect only, but must say something
+                check_quantized_side(cfg, f"{side}.center_gain")
+                scalar_value(gain, f"{side}.center_gain", "the relative error reduction")
             t = tensors.get(f"{side}.center")
             if t is None:
                 continue
-            if t.numel() != 1:
-                raise ValueError(f"{side}.center must be a scalar (the mean bits), got shape {tuple(t.shape)}")
-            b = int(round(float(t.reshape(-1)[0])))
-            if b not in (0, *MEAN_BITS):
-                raise ValueError(f"{side}.center must be 0, 8 or 16 (mean bits), got {b}")
-            bits[side] = b
+            value = scalar_value(t, f"{side}.center", "the mean bits")
+            if value not in (0, *MEAN_BITS):  # 8.4 is no precision: refused, not rounded
+                raise ValueError(f"{side}.center must be 0, 8 or 16 (mean bits), got {value:g}")
+            if value:
+                check_quantized_side(cfg, f"{side}.center")
+            bits[side] = int(value)
         return CenterState(bits) if any(bits.values()) else None
 
     @classmethod

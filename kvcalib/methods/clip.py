@@ -53,6 +53,7 @@ from kvcalib.methods.base import (
     Method,
     MethodState,
     TensorSpec,
+    check_quantized_side,
     check_side,
     fake_quantize,
     reservoir_to_bhtd,
@@ -312,13 +313,19 @@ class ClipMethod(Method):
             t = tensors.get(f"{side}.clip")
             if t is None:
                 continue
+            check_quantized_side(cfg, f"{side}.clip")
             if not t.is_floating_point():
                 raise ValueError(f"{side}.clip must be floating point, got {t.dtype}")
+            # (H, 1): one alpha per kv head, what the fit writes; (H, head_dim): one per channel,
+            # only where the quantizer's groups run along tokens with one scale per channel (KIVI
+            # keys): per-token layouts have D/G groups per token, which a (1, H, 1, D) alpha
+            # would silently broadcast against when G = 1 or fail on otherwise
+            per_channel = cfg.per_channel(side) and head_dim is not None
             h_ok = heads is None or t.shape[:1] == (heads,)
-            d_ok = t.dim() == 2 and (t.shape[1] == 1 or (head_dim is not None and t.shape[1] == head_dim))
+            d_ok = t.dim() == 2 and t.shape[0] >= 1 and (t.shape[1] == 1 or (per_channel and t.shape[1] == head_dim))
             if not (h_ok and d_ok):
-                raise ValueError(f"{side}.clip must have shape (H, 1) = ({heads}, 1) (or (H, head_dim)), "
-                                 f"got {tuple(t.shape)}")
+                also = f" (or (H, head_dim) = ({heads}, {head_dim}) for keys per channel)" if cfg.per_channel(side) else ""
+                raise ValueError(f"{side}.clip must have shape (H, 1) = ({heads}, 1){also}, got {tuple(t.shape)}")
             t = t.float()
             if t.numel() and (t.min() <= 0 or t.max() > 1):
                 raise ValueError(f"{side}.clip must lie in (0, 1]")

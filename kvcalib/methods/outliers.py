@@ -69,6 +69,7 @@ from kvcalib.methods.base import (
     MethodState,
     TensorSpec,
     reservoir_to_bhtd,
+    scalar_value,
     validate_reservoir,
 )
 from kvcalib.quant.uniform import quantize_dequantize_keys
@@ -466,10 +467,13 @@ class OutlierMethod(Method):
     @classmethod
     def load(cls, tensors: dict[str, torch.Tensor], cfg: LayerConfig, heads: int | None,
              head_dim: int | None) -> PoolState | None:
+        gain = tensors.get("kv.outlier_gain")
+        if gain is not None:  # informs the search and inspect only, but must say something
+            scalar_value(gain, "kv.outlier_gain", "the relative key error reduction")
         t = tensors.get("kv.outlier_pool")
         if t is None:
             return None
-        if t.numel() != 1 or t.is_floating_point() or t.dtype == torch.bool:
+        if t.numel() != 1 or t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
             raise ValueError(f"kv.outlier_pool must be an integer scalar (the OTT pool size), got {t.dtype} of "
                              f"shape {tuple(t.shape)}")
         size = _check_pool_size(int(t.reshape(-1)[0]), cfg, "kv.outlier_pool")

@@ -67,6 +67,7 @@ from kvcalib.methods.base import (
     Method,
     MethodState,
     TensorSpec,
+    check_quantized_side,
     check_side,
     reservoir_to_bhtd,
 )
@@ -337,7 +338,8 @@ class ReorderMethod(Method):
             t = tensors.get(f"{side}.perm")
             if t is None:
                 continue
-            ok = t.dim() == 2 and not t.is_floating_point() and t.dtype != torch.bool and bool(
+            check_quantized_side(cfg, f"{side}.perm")
+            ok = t.dim() == 2 and t.shape[0] >= 1 and not t.is_complex() and not t.is_floating_point() and t.dtype != torch.bool and bool(
                 (torch.sort(t.long(), dim=-1).values == torch.arange(t.shape[-1])).all())
             if not ok or (head_dim is not None and t.shape[-1] != head_dim) or (heads is not None and t.shape[0] != heads):
                 raise ValueError(f"{side}.perm must be an (H, head_dim) = ({heads}, {head_dim}) permutation per head, "

@@ -113,6 +113,9 @@ class SearchConfig:
         from kvcalib.optimize.space import check_scored_schedules
 
         check_scored_schedules(self.space, self.scoring_length, self.context)  # before any model is loaded
+        from kvcalib.optimize.guards import check_quantized_scoring
+
+        check_quantized_scoring(self.space, self.scoring_length, "--score-seq-len" if self.score_seq_len else "--seq-len")
         if self.chosen_methods is not None:
             from kvcalib.methods import registry
 
@@ -199,7 +202,7 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     from kvcalib import __version__
     from kvcalib.io import write_json_atomic
     from kvcalib.layout import ACCOUNTING, legacy_bits_factor
-    from kvcalib.optimize import report, study as st
+    from kvcalib.optimize import guards, report, study as st
     from kvcalib.optimize.objective import SearchObjective
     from kvcalib.optimize.provenance import describe_storage, display_path
     from kvcalib.optimize.space import check_scored_schedules
@@ -213,6 +216,7 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
         if info.head_dim % g:
             raise SpaceError(f"search space group {g} does not divide head_dim {info.head_dim} of {info.name}")
     check_scored_schedules(space, int(score_ids.shape[1]), config.context)
+    guards.check_quantized_scoring(space, int(score_ids.shape[1]), "the scoring length")
     objective = SearchObjective(model, info, stats, score_ids, context=config.context, seed=config.seed,
                                 score_last=config.score_last)
     floor_bits = st.floor_bits(objective, space)
@@ -221,11 +225,14 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     default_storage = config.storage is None
     if default_storage and (run_dir / "study.db").exists() and not config.resume:
         raise KvcalibError(f"{run_dir} already holds a study (study.db): pass --resume to continue it, or another --out.")
+    if config.resume and default_storage and not (run_dir / "study.db").exists():  # opening would create it
+        raise KvcalibError(f"nothing to resume in {run_dir}: it holds no study yet: run without --resume.")
     warm_n = 5
     study = st.open_study(url, config.study, space, n, sampler=st.make_sampler(config.seed, config.budget_bits, warm_n),
                           pruner=st.make_pruner(objective.n_sequences),
                           must_exist=config.resume and default_storage,
                           legacy_same=legacy_bits_factor(config.context, info.sliding_window) == 1.0)
+    guards.record_objective(study, config, str(run_dir) if default_storage else url)  # or refuse another one
     # an interrupted run's unfinished trials run again; RUNNING ones only in a study we own
     recovered = st.recover_interrupted(study, running=default_storage) if (config.resume or not default_storage) else []
     sensitivity = study.user_attrs.get("sensitivity")
@@ -451,6 +458,10 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
         from kvcalib.optimize.study import open_storage
 
         open_storage(config.storage)
+    from kvcalib.optimize import guards
+
+    guards.check_study_before_work(config)  # a study to resume, with this objective: before any model loads
+    guards.check_stats_before_work(run_dir)
     space: SearchSpace = config.space  # type: ignore[assignment]
     loaded = loaded or load_model(config.model, device=config.device, dtype=config.dtype)
     info = loaded.info
@@ -458,6 +469,7 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
     if info.max_positions and longest > info.max_positions:
         raise KvcalibError(f"the search scores or evaluates {longest}-token windows but {info.name} supports "
                            f"{info.max_positions} positions: lower --score-seq-len / --eval-seq-len.")
+    config.presets = guards.presets_for(config.presets, info)  # found now, not after the trials
     # the floor check runs before any work, so a bad budget costs nothing and touches nothing
     from kvcalib.optimize.objective import SearchObjective
     from kvcalib.optimize.study import floor_bits
@@ -475,8 +487,9 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
     run = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
     score_ids = scoring_sequences(run, loaded.tokenizer, config.score_samples, config.scoring_length)
     stats_samples = int(run.get("samples_packed", run.get("config", {}).get("samples", 0)) or 0)
-    doc = search_with(config, loaded.model, info, stats, score_ids, run_dir, progress=progress,
-                      extra={"stats_samples": stats_samples})
+    with guards.no_empty_study(config):  # a start that fails before its first trial leaves no study.db
+        doc = search_with(config, loaded.model, info, stats, score_ids, run_dir, progress=progress,
+                          extra={"stats_samples": stats_samples})
     held: list[dict[str, Any]] = []
     if config.eval and doc.get("recipe"):
         from kvcalib.eval.harness import EvalConfig, evaluate

@@ -169,7 +169,7 @@ def test_preset_becomes_a_fitted_recipe(stats):
 
 def test_add_codebooks_refusals(stats):
     other = model_info(tiny_config("llama", layers=3, kv_heads=H, head_dim=D), "other")
-    with pytest.raises(RecipeError, match="3 layers but the model has 2"):
+    with pytest.raises(RecipeError, match="model.num_layers is 2, the recipe expects 3"):  # the model is named first
         add_codebooks(Recipe(name="x", layers=[CONFIGS[0]] * 3, model=other), stats)
     with pytest.raises(RecipeError, match="16 bits"):
         add_codebooks(Recipe(name="fp", default_layer=LayerConfig()), stats)

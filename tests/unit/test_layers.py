@@ -25,7 +25,7 @@ LAYERS = [
     ("recipe", ("kvcalib.recipe",)),
     ("runtime", ("kvcalib.runtime",)),
     ("offline", ("kvcalib.simulate", "kvcalib.collection", "kvcalib.calibrate", "kvcalib.optimize",
-                 "kvcalib.export", "kvcalib.eval", "kvcalib.inspect", "kvcalib.serving")),
+                 "kvcalib.export", "kvcalib.eval", "kvcalib.inspect", "kvcalib.serving", "kvcalib.preflight")),
     ("api", ("kvcalib.api", "kvcalib.cli")),
 ]
 # the kernels depend on the quantization spec only

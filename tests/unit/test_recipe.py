@@ -39,7 +39,7 @@ def test_memory_accounting_matches_hand_computation():
 
 
 def test_round_trip(tmp_path):
-    layers = [LayerConfig(k_bits=b, v_bits=4, window=64, sinks=4) for b in (2, 4, 8)]
+    layers = [LayerConfig(k_bits=b, v_bits=4, v_group=16, window=64, sinks=4) for b in (2, 4, 8)]  # groups divide head_dim 16
     info = ModelInfo("m", "llama", 3, 4, 2, 16, 128, (None,) * 3, "abc")
     rec = Recipe(name="fit", layers=layers, model=info, tensors={"layers.0.k.clip": torch.full((2, 16), 0.9)},
                  provenance={"seed": 0})

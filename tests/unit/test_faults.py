@@ -1,0 +1,289 @@
+"""Faults mid-search, through the real ``kvcalib`` command (issue 36): Ctrl-C (SIGINT) and kill -9
+lose no finished trial and resume with the command the message names; a study storage that breaks
+or vanishes mid-search, and a disk that fills up (a small tmpfs, where this machine lets a test
+mount one in a private mount namespace), end in one line and exit code 2, never a traceback.
+
+A tiny llama saved as a local model folder, a text file and a statistics folder collected once
+are shared; each search runs a few trials of a few seconds in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shlex
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import corpus_lines, tiny_config, tiny_model
+
+KVCALIB = str(Path(sys.executable).with_name("kvcalib"))
+SPACE = {"bits": [2, 4, 8], "groups": [8], "windows": [8, 16], "sinks": [0, 2], "layer_methods": ["clip"]}
+TRIALS = 6
+ENV = {**os.environ, "KVCALIB_QUIET": "0", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_tokenizer):
+    """(base search arguments without --out, a collected statistics folder, root)."""
+    root = tmp_path_factory.mktemp("faults")
+    cfg = tiny_config("llama")
+    cfg.vocab_size = len(tiny_tokenizer)
+    tiny_model("llama", config=cfg).save_pretrained(root / "model")
+    tiny_tokenizer.save_pretrained(root / "model")
+    (root / "text.txt").write_text("\n".join(corpus_lines(3000, seed=1)))
+    (root / "space.json").write_text(json.dumps(SPACE))
+    base = [KVCALIB, "search", "--model", str(root / "model"), "--data", str(root / "text.txt"), "--samples", "4",
+            "--seq-len", "64", "--space", str(root / "space.json"), "--budget-bits", "8", "--context", "256",
+            "--no-eval", "--device", "cpu", "--trials", str(TRIALS)]
+    collected = root / "collected"
+    done = subprocess.run([KVCALIB, "collect", "--model", str(root / "model"), "--data", str(root / "text.txt"),
+                           "--samples", "4", "--seq-len", "64", "--block-len", "32", "--reservoir-blocks", "8",
+                           "--device", "cpu", "--out", str(collected)], env=ENV, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return base, collected, root
+
+
+class Running:
+    """A ``kvcalib`` subprocess whose stderr lines are read by a thread (so waiting can time out)."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        self.lines: queue.Queue = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:  # type: ignore[union-attr]
+            self.stderr.append(line)
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for(self, text: str, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError(f"exited before {text!r}:\n{''.join(self.stderr)[-3000:]}")
+            if text in line:
+                return
+        raise AssertionError(f"no {text!r} within {timeout} s:\n{''.join(self.stderr)[-3000:]}")
+
+    def finish(self, timeout: float = 300) -> tuple[int, str]:
+        code = self.proc.wait(timeout=timeout)
+        while self.lines.get(timeout=10) is not None:
+            pass
+        return code, "".join(self.stderr)
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("kvcalib: error:")]
+
+
+def _trials(db: Path) -> dict[int, tuple[str, float | None]]:
+    """number -> (state, value) of every trial in an Optuna SQLite study file."""
+    with sqlite3.connect(db) as con:
+        rows = con.execute("select t.number, t.state, v.value from trials t left join trial_values v "
+                           "on v.trial_id = t.trial_id").fetchall()
+    return {n: (state, value) for n, state, value in rows}
+
+
+def _complete(db: Path) -> dict[int, float]:
+    return {n: v for n, (state, v) in _trials(db).items() if state == "COMPLETE"}
+
+
+def _resume_command(stderr: str) -> list[str]:
+    line = _error_lines(stderr)[-1]
+    command = shlex.split(line.split(" with: ", 1)[1])
+    assert command[:2] == ["kvcalib", "search"] and "--resume" in command and "--out" in command, command
+    return [KVCALIB, *command[1:]]
+
+
+def _wait_running(db: Path, complete: int, timeout: float = 300) -> None:
+    """Until ``db`` holds ``complete`` finished trials and one running (a kill now lands mid-trial)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            trials = _trials(db)
+        except sqlite3.Error:  # the writer holds a lock: read again
+            trials = {}
+        states = [s for s, _ in trials.values()]
+        if states.count("COMPLETE") >= complete and "RUNNING" in states:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no running trial after {complete} complete ones within {timeout} s")
+
+
+def test_sigint_mid_search_prints_the_command_that_resumes_it(world, tmp_path):
+    base, collected, _ = world
+    out = shutil.copytree(collected, tmp_path / "run")
+    run = Running([*base, "--out", str(out)])
+    run.wait_for(f"search: 2/{TRIALS}")
+    run.proc.send_signal(signal.SIGINT)
+    code, stderr = run.finish()
+    assert code == 130, stderr
+    assert "Traceback" not in stderr
+    errors = _error_lines(stderr)
+    assert len(errors) == 1 and "interrupted; the study keeps every finished trial" in errors[0], stderr
+    kept = _complete(out / "study.db")
+    assert len(kept) >= 2
+    resumed = subprocess.run(_resume_command(stderr), env=ENV, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    after = _complete(out / "study.db")
+    assert len(after) >= TRIALS and all(after[n] == kl for n, kl in kept.items())
+    assert json.loads((out / "search.json").read_text())["chosen"] is not None
+
+
+def test_kill_9_mid_trial_loses_no_finished_trial(world, tmp_path):
+    base, collected, _ = world
+    out = shutil.copytree(collected, tmp_path / "run")
+    run = Running([*base, "--out", str(out)])
+    run.wait_for(f"search: 2/{TRIALS}")
+    _wait_running(out / "study.db", 2)
+    run.proc.kill()
+    code, _ = run.finish()
+    assert code == -signal.SIGKILL
+    before = _trials(out / "study.db")
+    kept = {n: v for n, (s, v) in before.items() if s == "COMPLETE"}
+    killed = [n for n, (s, _) in before.items() if s == "RUNNING"]
+    assert len(kept) >= 2 and len(killed) == 1
+    resumed = subprocess.run([*base, "--out", str(out), "--resume"], env=ENV, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    after = _complete(out / "study.db")
+    assert all(after[n] == kl for n, kl in kept.items())
+    doc = json.loads((out / "search.json").read_text())
+    assert killed[0] in doc["recovered"]  # the killed trial's point ran again
+
+
+def test_a_journal_storage_that_vanishes_mid_search_is_one_line(world, tmp_path):
+    base, collected, _ = world
+    out = shutil.copytree(collected, tmp_path / "run")
+    journal = tmp_path / "shared" / "study.log"
+    journal.parent.mkdir()
+    run = Running([*base, "--out", str(out), "--storage", f"journal:{journal}"])
+    run.wait_for(f"search: 2/{TRIALS}")
+    journal.unlink()
+    code, stderr = run.finish()
+    assert code == 2, stderr
+    assert "Traceback" not in stderr
+    errors = _error_lines(stderr)
+    assert len(errors) == 1 and str(journal) in errors[0] and "--resume" in errors[0], stderr
+
+
+def test_a_sqlite_study_broken_mid_search_is_one_line(world, tmp_path):
+    base, collected, _ = world
+    out = shutil.copytree(collected, tmp_path / "run")
+    run = Running([*base, "--out", str(out)])
+    run.wait_for(f"search: 2/{TRIALS}")
+    db = out / "study.db"
+    with open(db, "r+b") as fh:  # garbage over the file in place (the open connection keeps its inode)
+        fh.write(b"\xff" * db.stat().st_size)
+    code, stderr = run.finish()
+    assert code == 2, stderr
+    assert "Traceback" not in stderr
+    errors = _error_lines(stderr)
+    assert len(errors) == 1 and "the study storage failed" in errors[0], stderr
+
+
+# ------------------------------------------------------------------ a full disk
+DRIVER = textwrap.dedent('''
+    """Runs inside `unshare -m`: the tmpfs mounts are private to this process and vanish with it."""
+    import json, os, shlex, subprocess, sys, time
+
+    args = json.load(open(sys.argv[1]))
+    mnt, kvcalib, collected, search = args["mnt"], args["kvcalib"], args["collected"], args["search"]
+    env = dict(os.environ)
+    out = {}
+
+    def mount(size):
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mnt], check=True)
+
+    # 1. a disk too small for what collect writes: refused before the model loads
+    mount("256k")
+    done = subprocess.run([*args["collect"], "--out", f"{mnt}/run"], env=env, capture_output=True, text=True)
+    out["small"] = {"code": done.returncode, "stderr": done.stderr, "left": os.listdir(mnt)}
+    subprocess.run(["umount", mnt], check=True)
+
+    # 2. a disk that fills up mid-search: one line, then the search resumes once there is room
+    mount("40m")
+    run_dir = f"{mnt}/run"
+    subprocess.run(["cp", "-r", collected, run_dir], check=True)
+    proc = subprocess.Popen([*search, "--out", run_dir], env=env, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "search: 2/" in line:
+            with open(f"{mnt}/filler", "wb") as fh:  # fill the disk to the last byte
+                try:
+                    while True:
+                        fh.write(b"\\0" * (1 << 16))
+                        fh.flush()
+                except OSError:
+                    pass
+            break
+    lines.append(proc.stderr.read())
+    out["full"] = {"code": proc.wait(), "stderr": "".join(lines)}
+    os.unlink(f"{mnt}/filler")
+    errors = [l for l in out["full"]["stderr"].splitlines() if l.startswith("kvcalib: error:")]
+    if errors and " with: " in errors[-1]:
+        command = shlex.split(errors[-1].split(" with: ", 1)[1])
+        again = subprocess.run([kvcalib, *command[1:]], env=env, capture_output=True, text=True)
+        out["resumed"] = {"code": again.returncode, "stderr": again.stderr[-3000:],
+                          "search": json.load(open(f"{run_dir}/search.json")) if again.returncode == 0 else None}
+    subprocess.run(["umount", mnt], check=True)
+    json.dump(out, open(args["results"], "w"))
+''')
+
+
+def _can_mount_tmpfs(tmp_path: Path) -> str | None:
+    """None when ``unshare -m`` and a tmpfs mount work here, else why not."""
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        return "no unshare/mount on this machine"
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "-o", "size=64k",
+                           "tmpfs", str(probe)], capture_output=True, text=True)
+    return None if done.returncode == 0 else f"cannot mount a tmpfs here: {done.stderr.strip()}"
+
+
+def test_a_full_disk_is_one_line_and_the_search_resumes(world, tmp_path):
+    why = _can_mount_tmpfs(tmp_path)
+    if why:
+        pytest.skip(why)
+    base, collected, root = world
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    results = tmp_path / "results.json"
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({
+        "mnt": str(mnt), "results": str(results), "kvcalib": KVCALIB, "collected": str(collected), "search": base,
+        "collect": [KVCALIB, "collect", "--model", str(root / "model"), "--data", str(root / "text.txt"),
+                    "--device", "cpu"]}))
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, str(driver), str(args)],
+                          env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = json.loads(results.read_text())
+    small = res["small"]
+    assert small["code"] == 2 and small["left"] == [], small
+    assert _error_lines(small["stderr"]) == small["stderr"].splitlines() and "free" in small["stderr"], small
+    full = res["full"]
+    assert full["code"] == 2 and "Traceback" not in full["stderr"], full["stderr"][-3000:]
+    errors = _error_lines(full["stderr"])
+    assert len(errors) == 1 and ("no space left" in errors[0] or "disk is full" in errors[0]), errors
+    assert res["resumed"]["code"] == 0, res["resumed"]["stderr"]
+    assert res["resumed"]["search"]["chosen"] is not None

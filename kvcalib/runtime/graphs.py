@@ -179,14 +179,14 @@ class GraphDecoder:
         blockers = self.cache.static_blockers()
         if not blockers:
             return True
-        if all(layer.n_seen < layer.cfg.sinks for layer in self.cache.layers if layer.static_blocker() is not None):
+        if all(layer.waiting_for_tokens() for layer in self.cache.layers if layer.static_blocker() is not None):
             return False
         raise KvcalibError("CUDA-graph decoding needs every layer on the fused kernel: " + "; ".join(blockers)
                            + ". Decode without CUDA graphs for this recipe.")
 
     def _dynamic_step(self) -> None:
         """A step over the cache in its ordinary (dynamic) mode, e.g. while the sinks fill."""
-        valid = self.cache.layers[0].valid  # (B, n_seen) bool or None
+        valid = self.cache.padding_mask()  # (B, n_seen) bool or None
         mask = None if valid is None else torch.cat([valid, valid.new_ones((valid.shape[0], 1))], 1).long()
         out = self.model(input_ids=self.tok, position_ids=self.position_ids, past_key_values=self.cache,
                          use_cache=True, logits_to_keep=1, attention_mask=mask)

@@ -91,6 +91,15 @@ def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, s
     ``all_visible``: it is True everywhere (and may be None), so no mask is passed to the kernel.
     Returns None (use the reference) when the step or the layer is not covered (module doc).
     """
+    if layer.rows is not None and query.shape[-2] == 1:  # padded batch: a launch per row, its own layer
+        def one_row(q, row, vis):
+            if vis is None and row.is_sliding:
+                from kvcalib.runtime.attention import visible_mask
+
+                vis = visible_mask(None, row, 1, q.device)  # (1, 1, n) the window's lower bound
+            return triton_decode_attention(q, row, vis, scaling, softcap, all_visible=vis is None)
+
+        return layer.attend_rows(query, visible, one_row, query.dtype)
     if _reason_unsupported(query, layer) is not None:
         return None
     pending = (layer.pend_k, layer.pend_v)  # (B, H, U, D) x 2
@@ -106,6 +115,9 @@ def static_decode_attention(query: torch.Tensor, layer, scaling: float,
     the layer (there is no reference fallback inside a CUDA graph)."""
     from kvcalib.errors import KvcalibError
 
+    if layer.rows is not None:  # padded batch: each row over its own layer and state (static.py)
+        return torch.cat([static_decode_attention(query[i:i + 1], row, scaling, softcap)
+                          for i, row in enumerate(layer.rows)])
     why = _reason_unsupported(query, layer)
     if why is not None:
         raise KvcalibError(f"layer {layer.layer_idx} cannot decode in static (CUDA-graph) mode: {why}; "
@@ -114,8 +126,8 @@ def static_decode_attention(query: torch.Tensor, layer, scaling: float,
     pending = (layer.pend_buf_k, layer.pend_buf_v)  # (B, H, window + block, D) x 2
     if layer.is_sliding:  # its own device mask (the window's lower bound), read for every segment
         out = _launch_layer(query, layer, pending, state.window_visible(layer.sliding_window), True, scaling, softcap)
-    else:
-        out = _launch_layer(query, layer, pending, state.visible, state.mask_packed, scaling, softcap)
+    else:  # a static layer holds no padding: the mask only hides the buffer's empty slots
+        out = _launch_layer(query, layer, pending, state.visible, False, scaling, softcap)
     if out is None:
         raise KvcalibError(f"layer {layer.layer_idx} stores a 16-bit side raw: static (CUDA-graph) mode needs "
                            "packed K and V")

@@ -43,9 +43,14 @@ def _pats_recipe(ages=(40,)) -> Recipe:
     return Recipe(name="pats", default_layer=cfg, tensors={f"layers.{i}.kv.schedule": tiers for i in range(LAYERS)})
 
 
+def _units(layer):
+    """The layers holding a cache layer's tokens: itself, or one per row of a padded batch."""
+    return layer.rows if layer.ragged else [layer]
+
+
 def _stored_views(layer):
-    """Each PATS store's packed view (one for an untiered layer)."""
-    return [store.view() for store in layer.packed.stores]
+    """Each PATS store's packed view (one for an untiered layer), row after row when padded."""
+    return [store.view() for unit in _units(layer) for store in unit.packed.stores]
 
 
 def _model(sliding: bool = False):
@@ -107,10 +112,13 @@ def test_static_steps_match_dynamic_decoding(monkeypatch, case):
     assert res.tokens.shape == (ids.shape[0], steps)
     assert cache.layers[0].static is None and cache.layers[0].n_seen == ids.shape[1] + steps - 1
     assert cache.layers[1].n_packed == (16 if case == "short-prompt" else 48 if case.startswith("pats") else 32)
+    first = _units(cache.layers[0])[0]  # the unpadded row
     if case.startswith("sliding"):  # 56 tokens seen through a 28-token window: one block and the sinks gone
-        assert cache.layers[0].sinks_dropped and cache.layers[0].packed.start == 18
+        assert first.sinks_dropped and first.packed.start == 18
     if case.startswith("pats"):  # two blocks moved down to 2 bits, one still at 4
-        assert [store.n for store in cache.layers[0].packed.stores] == [16, 32]
+        assert [store.n for store in first.packed.stores] == [16, 32]
+    if case.endswith("left-padding"):  # the padded row is held apart, from its first real token
+        assert cache.layers[1].ragged and cache.layers[1].rows[1].n_seen == cache.layers[1].n_seen - 6
     # the dynamic run on the reference backend; PATS on the kernel too: its 4-bit layer-0 attention
     # differs from the reference's by ~1e-5, enough over 56 steps to flip a float16 scale of a
     # layer-1 block (kernel vs reference: test_decode_attention); static vs dynamic is what counts here
@@ -128,8 +136,8 @@ def test_static_steps_match_dynamic_decoding(monkeypatch, case):
     b = _stored_views(ref_cache.layers[1])[0]
     if case.startswith("ott"):  # the same tokens went to the pools
         assert a.keep is not None and torch.equal(a.keep, b.keep)
-        assert torch.equal(cache.layers[1].outliers.segment(torch.float32)[2],
-                           ref_cache.layers[1].outliers.segment(torch.float32)[2])
+        for ua, ub in zip(_units(cache.layers[1]), _units(ref_cache.layers[1]), strict=True):
+            assert torch.equal(ua.outliers.segment(torch.float32)[2], ub.outliers.segment(torch.float32)[2])
 
 
 def test_static_mode_refuses_what_it_cannot_run(monkeypatch):

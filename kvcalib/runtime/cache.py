@@ -374,6 +374,8 @@ class CompressedLayer(CacheLayerMixin):
         drop what a sliding window no longer needs."""
         self.commit()  # tokens taken in without attention (direct callers): all real
         self.awaiting_attention = False
+        if not self.is_initialized:  # a row that has seen only padding so far
+            return
         if self.rows is not None:
             for row in self.rows:
                 row.flush()

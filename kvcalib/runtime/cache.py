@@ -60,6 +60,9 @@ from kvcalib.runtime.store import GrowBuffer, PackedStore, PackedView  # noqa: F
 from kvcalib.runtime.tiers import PackedTiers
 
 LAYER_ATTR = "_kvcalib_layer"  # attribute on the key tensor returned by update()
+# decode steps' visibility masks (CompressedLayer.decode_visibility), by (device, length, position,
+# window): the layers of one step share one
+_DECODE_MASKS: dict[tuple, torch.Tensor] = {}
 
 
 class Segment(NamedTuple):
@@ -112,8 +115,11 @@ class CompressedLayer(CacheLayerMixin):
         self.chunk_len = 0  # tokens of the last committed chunk
         self.awaiting_attention = False
         self.static: StaticState | None = None  # set in static mode (module docstring)
-        self.pend_buf_k: torch.Tensor | None = None  # static mode: (B, H, window + block, D)
+        # the pending window's fixed buffer (B, H, window + block, D), compressed layers: pend_k/pend_v are
+        # views of its first tokens whenever they fit (pend_buffered), in both modes (module docstring)
+        self.pend_buf_k: torch.Tensor | None = None
         self.pend_buf_v: torch.Tensor | None = None
+        self.pend_buffered = False
 
     # ------------------------------------------------------------------ Cache API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -192,9 +198,34 @@ class CompressedLayer(CacheLayerMixin):
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :take]], dim=-2)
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :take]], dim=-2)
             self.pend_start += take
-        if t_new > take:
-            self.pend_k = torch.cat([self.pend_k, key_states[:, :, take:]], dim=-2)
-            self.pend_v = torch.cat([self.pend_v, value_states[:, :, take:]], dim=-2)
+        if t_new == take:
+            return
+        u, t = self.pend_k.shape[-2], t_new - take
+        if self.pend_buffered and u + t <= self.static_capacity:  # a decode step: written in place
+            self.pend_buf_k[:, :, u:u + t] = key_states[:, :, take:]
+            self.pend_buf_v[:, :, u:u + t] = value_states[:, :, take:]
+            self.pend_k, self.pend_v = self.pend_buf_k[:, :, :u + t], self.pend_buf_v[:, :, :u + t]
+        else:  # a prompt: the window grows past the buffer until the flush after its attention
+            self._put_pending(torch.cat([self.pend_k, key_states[:, :, take:]], dim=-2),
+                              torch.cat([self.pend_v, value_states[:, :, take:]], dim=-2))
+
+    def _put_pending(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Make ``k``/``v`` (B, H, u, D) the pending window: views of the fixed buffer of
+        :attr:`static_capacity` tokens when the layer is compressed and they fit (then a decode
+        step writes its token in place, and the kernel reads the same buffer under the same
+        visibility mask in dynamic and static mode: one computation), else tensors of their own
+        (a prompt longer than the buffer, until its flush; 16-bit layers)."""
+        u = k.shape[-2]
+        if not (self.cfg.compressed and u <= self.static_capacity):
+            self.pend_k, self.pend_v, self.pend_buffered = k.contiguous(), v.contiguous(), False
+            return
+        b, h, _, d = k.shape
+        if self.pend_buf_k is None or self.pend_buf_k.shape[:2] != (b, h) or self.pend_buf_k.dtype != k.dtype:
+            self.pend_buf_k = k.new_zeros((b, h, self.static_capacity, d))
+            self.pend_buf_v = v.new_zeros((b, h, self.static_capacity, d))
+        self.pend_buf_k[:, :, :u] = k
+        self.pend_buf_v[:, :, :u] = v
+        self.pend_k, self.pend_v, self.pend_buffered = self.pend_buf_k[:, :, :u], self.pend_buf_v[:, :, :u], True
 
     def _become_ragged(self, batch: int, held: int) -> None:
         """Switch to one layer per row (module docstring); the ``held`` tokens cached so far (all
@@ -211,6 +242,8 @@ class CompressedLayer(CacheLayerMixin):
         self.chunk_rows = [None] * batch
         empty = self.sink_k[:, :, :0]  # (B, H, 0, D): the dense parts hold nothing from now on
         self.sink_k = self.sink_v = self.pend_k = self.pend_v = empty
+        self.pend_buf_k = self.pend_buf_v = None
+        self.pend_buffered = False
         self.packed = PackedTiers(self.cfg, self.codec)
         self.outliers = OutlierPool(self.codec.outlier_pool)
 
@@ -221,7 +254,7 @@ class CompressedLayer(CacheLayerMixin):
         row.dtype, row.device, row.is_initialized = self.dtype, self.device, True
         row.n_seen, row.pend_start, row.sinks_dropped = held, self.pend_start, self.sinks_dropped
         row.sink_k, row.sink_v = self.sink_k[one].clone(), self.sink_v[one].clone()
-        row.pend_k, row.pend_v = self.pend_k[one].clone(), self.pend_v[one].clone()
+        row._put_pending(self.pend_k[one].clone(), self.pend_v[one].clone())
         for src, dst in zip(self.packed.stores, row.packed.stores):
             for name, buf in src.parts.items():
                 view = buf.view()
@@ -405,16 +438,15 @@ class CompressedLayer(CacheLayerMixin):
                 self._drop_pending(self.pend_k.shape[-2] - self.sliding_window)
 
     def _drop_pending(self, count: int) -> None:
-        """Forget the oldest ``count`` pending tokens (flushed or out of the window). Static mode
-        shifts the rest to the front of the same buffer (its address must not change)."""
+        """Forget the oldest ``count`` pending tokens (flushed or out of the window). In the fixed
+        buffer the rest shifts to its front (its address must not change: static mode)."""
         rest = self.pend_k.shape[-2] - count
-        if self.static is not None:
+        if self.pend_buffered:
             self.pend_buf_k[:, :, :rest] = self.pend_buf_k[:, :, count:count + rest].clone()
             self.pend_buf_v[:, :, :rest] = self.pend_buf_v[:, :, count:count + rest].clone()
             self.pend_k, self.pend_v = self.pend_buf_k[:, :, :rest], self.pend_buf_v[:, :, :rest]
         else:
-            self.pend_k = self.pend_k[:, :, count:].clone()
-            self.pend_v = self.pend_v[:, :, count:].clone()
+            self._put_pending(self.pend_k[:, :, count:], self.pend_v[:, :, count:])
         self.pend_start += count
 
     # ------------------------------------------------------------------ static mode
@@ -469,28 +501,20 @@ class CompressedLayer(CacheLayerMixin):
         if self.rows is not None:
             for first, row in zip(self.row_first, self.rows):
                 row.make_static(state.child(first))
-        elif self.static is None:
-            b, h, u, d = self.pend_k.shape
-            self.pend_buf_k = self.pend_k.new_zeros((b, h, self.static_capacity, d))
-            self.pend_buf_v = self.pend_v.new_zeros((b, h, self.static_capacity, d))
-            self.pend_buf_k[:, :, :u] = self.pend_k
-            self.pend_buf_v[:, :, :u] = self.pend_v
-            self.pend_k, self.pend_v = self.pend_buf_k[:, :, :u], self.pend_buf_v[:, :, :u]
+        elif not self.pend_buffered:  # e.g. restored from a snapshot: into the buffer (it fits: no flush due)
+            self._put_pending(self.pend_k, self.pend_v)
         if self.is_sliding and self.rows is None:
             state.window_visible(self.sliding_window)  # its mask exists before any capture
         self.static = state
         self.awaiting_attention = False
 
     def make_dynamic(self) -> None:
-        """Leave static mode: the pending window becomes a tensor of its own again."""
+        """Leave static mode (the pending window stays in its buffer: dynamic decode steps use it too)."""
         if self.static is None:
             return
         if self.rows is not None:
             for row in self.rows:
                 row.make_dynamic()
-        else:
-            self.pend_k, self.pend_v = self.pend_k.clone(), self.pend_v.clone()
-            self.pend_buf_k = self.pend_buf_v = None
         self.static = None
 
     def advance_static(self) -> None:
@@ -516,6 +540,25 @@ class CompressedLayer(CacheLayerMixin):
         return (self.pend_k.shape[-2] - self.cfg.window >= self.cfg.flush_block
                 or (self.uses_tiers and self.packed.move_due(self.n_seen)))
 
+    def decode_visibility(self) -> tuple[torch.Tensor, bool]:
+        """What a decode step's query (position ``n_seen - 1``) sees of this dense layer, in the
+        layout the fixed pending buffer gives the kernel: (1, pend_start + static_capacity) bool
+        over positions -- the values a static step's :class:`StaticState` holds -- and whether
+        the packed tokens read it too (a sliding window's bound). A dense layer holds no padding,
+        so nothing else is hidden. Shared by the layers of one step (one small op per step)."""
+        length = self.pend_start + self.static_capacity
+        key = (self.device, length, self.n_seen - 1, self.sliding_window)
+        mask = _DECODE_MASKS.get(key)
+        if mask is None:
+            if len(_DECODE_MASKS) >= 64:
+                _DECODE_MASKS.clear()
+            pos = torch.arange(length, device=self.device)[None]  # (1, L)
+            mask = pos <= self.n_seen - 1
+            if self.sliding_window is not None:
+                mask &= pos > self.n_seen - 1 - self.sliding_window
+            _DECODE_MASKS[key] = mask
+        return mask, self.sliding_window is not None
+
     # ------------------------------------------------------------------ memory
     def nbytes(self) -> dict[str, int]:
         """Actual bytes held, by component (a ragged layer: its rows' together; padding is not held)."""
@@ -528,13 +571,15 @@ class CompressedLayer(CacheLayerMixin):
                     total[k] = total.get(k, 0) + v
             return total
 
-        def size(t: torch.Tensor) -> int:
-            return int(t.numel() * t.element_size())
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else int(t.numel() * t.element_size())
         return {
             "sinks": size(self.sink_k) + size(self.sink_v),
-            # static mode holds the whole fixed buffer, used or not
-            "window": (size(self.pend_buf_k) + size(self.pend_buf_v)) if self.static is not None
-            else size(self.pend_k) + size(self.pend_v),
+            "window": size(self.pend_k) + size(self.pend_v),  # the pending tokens
+            # the rest of the window's fixed buffer (held, not in Recipe.memory's accounting): its
+            # free slots, or all of it while a prompt's window is past it (until its flush)
+            "window_free": size(self.pend_buf_k) + size(self.pend_buf_v)
+            - (size(self.pend_k) + size(self.pend_v) if self.pend_buffered else 0),
             **self.packed.nbytes(),  # codes, scales, means, OTT masks (all tiers)
             **self.outliers.nbytes(),  # OTT pools, positions, counters
         }

@@ -143,7 +143,7 @@ class GraphDecoder:
         self.position_ids.add_(1)
 
     def _eager_step(self) -> None:
-        if self.device.type == "cuda":  # warm up off the capture stream, as CUDA-graph capture asks
+        if self.device.type == "cuda" and self.capture:  # warm up off the capture stream, as capture asks
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):

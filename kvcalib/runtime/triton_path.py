@@ -102,6 +102,9 @@ def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, s
         return layer.attend_rows(query, visible, one_row, query.dtype)
     if _reason_unsupported(query, layer) is not None:
         return None
+    if layer.pend_buffered:  # the very launch a static step makes (static_decode_attention): one computation
+        mask, mask_packed = layer.decode_visibility()  # (1, L): a dense layer's query sees every real token
+        return _launch_layer(query, layer, (layer.pend_buf_k, layer.pend_buf_v), mask, mask_packed, scaling, softcap)
     pending = (layer.pend_k, layer.pend_v)  # (B, H, U, D) x 2
     mask = None if all_visible else visible[:, -1, :]  # (B|1, KV)
     return _launch_layer(query, layer, pending, mask, True, scaling, softcap)

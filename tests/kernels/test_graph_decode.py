@@ -156,18 +156,26 @@ def test_static_mode_refuses_what_it_cannot_run(monkeypatch):
 
 
 def test_static_buffer_is_counted_whole():
-    """Memory accounting: in static mode the pending window holds its whole fixed buffer."""
+    """Memory accounting: the pending window's fixed buffer is held whole, used or not, in both
+    modes (static mode reads the very buffer dynamic decode steps write)."""
     from kvcalib.runtime.cache import CompressedLayer
     from kvcalib.runtime.static import StaticState
 
     layer = CompressedLayer(LayerConfig(k_bits=2, v_bits=2, k_group=16, v_group=16, window=16))
     layer.update(torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64))
     layer.flush()
-    used = layer.nbytes()["window"]
+    assert layer.pend_k.shape[-2] == 24 and layer.pend_buffered
+    whole = 2 * 2 * 32 * 64 * 4  # K and V, (1, 2, 32, 64) float32
+
+    def window(nb):
+        return nb["window"] + nb["window_free"]
+
+    assert layer.nbytes()["window"] == 2 * 2 * 24 * 64 * 4 and window(layer.nbytes()) == whole
+    buffer = layer.pend_buf_k.data_ptr()
     layer.make_static(StaticState.create(torch.tensor([40]), 64))
-    assert layer.nbytes()["window"] == 2 * 2 * 32 * 64 * 4 > used  # K and V, (1, 2, 32, 64) float32
+    assert window(layer.nbytes()) == whole and layer.pend_buf_k.data_ptr() == buffer
     layer.make_dynamic()
-    assert layer.nbytes()["window"] == used
+    assert window(layer.nbytes()) == whole and layer.pend_k.data_ptr() == buffer
 
 
 # ---------------------------------------------------------------- CUDA graphs (GPU)

@@ -7,7 +7,8 @@ Per layer the cache keeps, for a batch (B, H kv-heads, D head_dim):
   the layer's :class:`~kvcalib.runtime.codec.LayerCodec`, held in one store per PATS tier
   (:mod:`kvcalib.runtime.tiers`; one store without a schedule);
 - pending: every later token in full precision, (B, H, U, D), with window <= U < window + block
-  after each flush;
+  after each flush; on a compressed layer a view of a fixed buffer of ``window + block`` tokens
+  (``pend_buf_k``/``pend_buf_v``; a prompt's longer window sits apart until its flush);
 - OTT (when the codec's ``outlier_pool`` > 0, :mod:`kvcalib.runtime.outlier_pool`): the outlier
   pool and extra pool in full precision, and one quant mask per packed block.
 
@@ -34,13 +35,20 @@ Attention must go through :func:`kvcalib.runtime.attention.kvcalib_attention` (t
 ``attn_implementation="kvcalib"``); :meth:`CompressedCache.from_recipe` switches the model to it.
 
 Static mode (:meth:`CompressedCache.make_static`, used by :mod:`kvcalib.runtime.graphs` to replay
-decode steps from CUDA graphs): the pending window lives in a fixed buffer of ``window +
-flush_block`` tokens, a step writes its token at the slot a device tensor names
-(:class:`~kvcalib.runtime.static.StaticState`), attention reads the whole buffer under a device
-visibility mask, and nothing on the host changes during the step: the driver advances the
-bookkeeping (:meth:`CompressedCache.advance_static`) and flushes between steps, so between two
-flushes every step launches the same kernels on the same buffers. A PATS layer's block moving
-down a tier is a flush for that purpose (:meth:`CompressedLayer.flush_due`).
+decode steps from CUDA graphs): a step writes its token into the pending buffer at the slot a
+device tensor names (:class:`~kvcalib.runtime.static.StaticState`), attention reads the whole
+buffer under a device visibility mask, and nothing on the host changes during the step: the
+driver advances the bookkeeping (:meth:`CompressedCache.advance_static`) and flushes between
+steps, so between two flushes every step launches the same kernels on the same buffers. A PATS
+layer's block moving down a tier is a flush for that purpose (:meth:`CompressedLayer.flush_due`).
+
+Static and dynamic decoding are one computation (issue 35): a dynamic decode step writes its
+token into the same buffer and launches the kernel on the same whole buffer under the visibility
+mask a static step would compute (:meth:`CompressedLayer.decode_visibility`), so the two modes
+differ only in who keeps the position, the host or the device (``test_graph_decode`` checks the
+logits bit for bit). Before, a dynamic step concatenated the window into a tensor of its own and
+launched the kernel without a mask over exactly its tokens: another compiled variant and, for
+short windows, another number of partial results to merge.
 """
 
 from __future__ import annotations

@@ -18,8 +18,12 @@ A transformers ``StaticCache`` (the bf16 baseline of the benchmark) works too: i
 flushes, so one capture serves every step; its attention gets a 4D visibility mask refreshed on
 the device.
 
-``capture=False`` runs exactly the same step eagerly (the CPU tests, and the check that a graph
-changes nothing). EOS ends a sequence (it then repeats ``pad_token_id``).
+``capture=False`` runs exactly the same step eagerly, on the current stream (the CPU tests, and
+the check that a graph changes nothing; only a step warming up a capture runs on a side stream,
+as capture asks). A static step launches what a dynamic decode step launches
+(:mod:`kvcalib.runtime.cache`), so graph decoding and ``model.generate`` over the cache make one
+computation. Padded batches decode each row as its prompt alone (one kernel launch per row, each
+row flushing at its own steps). EOS ends a sequence (it then repeats ``pad_token_id``).
 
 The pick is greedy (argmax) by default; ``sampling=Sampling(...)``
 (:mod:`kvcalib.runtime.sampling`) samples inside the captured step instead: temperature, top-k,

@@ -8,11 +8,18 @@ the caller (:func:`kvcalib.runtime.backend.decode_attention`) then runs the PyTo
 - CUDA tensors (or any device under ``TRITON_INTERPRET=1``, for the CPU tests);
 - a compressed layer with both K and V at 2, 4 or 8 bits (a 16-bit side returns None), keys per
   channel or per token, the group sizes :func:`kvcalib_kernels.decode_attention.supports` takes;
-- global and sliding-window layers: what the query may see comes from ``visible`` (its last
-  query row, over absolute positions), so left padding, holes, ragged batches and a sliding
-  window's lower bound all work; a sliding layer has already dropped its packed blocks older than
-  the window at the last flush (:meth:`~kvcalib.runtime.cache.CompressedLayer.flush`), so the
-  packed tokens the kernel reads span at most the window plus one flush block, the mask hiding
+- global and sliding-window layers: a layer whose window sits in its fixed buffer (every
+  compressed layer between prompts) is launched exactly as a static step launches it -- the
+  whole buffer under the visibility a static step computes
+  (:meth:`~kvcalib.runtime.cache.CompressedLayer.decode_visibility`; the caller's ``visible``
+  says nothing more: the layer holds no padding and a decode query sees every real token,
+  through the window on a sliding layer) -- so the two modes run one computation; otherwise
+  what the query may see comes from ``visible`` (its last query row, over absolute positions).
+  A padded batch runs one launch per row over the row's own layer
+  (:attr:`~kvcalib.runtime.cache.CompressedLayer.rows`). A sliding layer has already dropped
+  its packed blocks older than the window at the last flush
+  (:meth:`~kvcalib.runtime.cache.CompressedLayer.flush`), so the packed tokens the kernel reads
+  span at most the window plus one flush block, the mask hiding
   the stale rest (and any pending or sink tokens the window no longer shows). In static
   (CUDA-graph) mode the visibility lives on the device (:mod:`kvcalib.runtime.static`: one mask
   per window size, refreshed inside the captured step).

@@ -220,7 +220,10 @@ def test_captured_steps_equal_eager_static_steps(padded, variant):
         runs.append(GraphDecoder(model, cache, capture=capture, keep_logits=True).generate(ids, mask,
                                                                                            max_new_tokens=70))
     eager, graph = runs
-    assert graph.captures >= 4 and graph.replays >= 60
+    # 69 steps after the prompt's token; a padded row flushes (and moves tiers) at its own steps,
+    # so a padded batch has about twice the flush periods (one eager step and one capture each)
+    assert graph.replays + graph.eager_steps == 69
+    assert graph.captures >= 4 and graph.replays >= (40 if padded else 60)
     assert torch.equal(eager.tokens, graph.tokens)
     assert float((torch.stack(eager.logits) - torch.stack(graph.logits)).abs().max()) < 1e-2
 

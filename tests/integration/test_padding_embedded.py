@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_padded_batches import _teacher_forced
+from tests.unit.test_padded_batches import padded_vs_alone
 
 pytestmark = pytest.mark.embedded
 RECIPE = "recipes/smollm2-135m/recipe.safetensors"  # 4 sinks, window 64, groups 64, a 4-bit layer, clip
@@ -29,20 +29,8 @@ def test_left_padded_rows_equal_each_prompt_alone_on_smollm2(monkeypatch):
     lens = (170, 141)  # > 4 sinks + 64 window + 64 block: both rows flush blocks in the prompt
     seqs = [ids[:lens[0]], ids[300:300 + lens[1]]]
     new = torch.stack([ids[200:206], ids[500:506]])  # (2, 6) teacher-forced tokens
-    ids_b = torch.stack([torch.cat([torch.zeros(170 - len(s), dtype=torch.long), s]) for s in seqs])
-    mask = (torch.arange(170)[None] >= torch.tensor([[0], [170 - lens[1]]])).long()
-
-    def worst(recipe) -> float:
-        batch, _ = _teacher_forced(model, recipe, ids_b, mask, new)
-        diff = 0.0
-        for i, s in enumerate(seqs):
-            alone, cache = _teacher_forced(model, recipe, s[None], torch.ones((1, len(s)), dtype=torch.long),
-                                           new[i:i + 1])
-            diff = max(diff, float((batch[i] - alone[0]).abs().max()))
-            if recipe is not None:
-                assert cache.layers[0].n_packed == 64  # a block quantized before the teacher-forced steps
-        return diff
-
-    noise = worst(None)
+    noise, _ = padded_vs_alone(model, None, seqs, new)
     assert noise < 1e-8
-    assert worst(RECIPE) <= 4 * noise + 1e-12
+    diff, caches = padded_vs_alone(model, RECIPE, seqs, new)
+    assert all(c.layers[0].n_packed == 64 for c in caches)  # a block quantized before the teacher-forced steps
+    assert diff <= 4 * noise + 1e-12

@@ -73,6 +73,12 @@ def attend_compressed(query: torch.Tensor, layer, visible: torch.Tensor, scaling
     ``visible`` (B|1, Tq, KV) bool. Returns (B, Tq, Hq, D) in :func:`compute_dtype`. Online
     softmax over the segments: m (running max), l (running sum), acc (running weighted sum).
     """
+    if layer.rows is not None:  # padded batch: each row over its own layer (cache.py's docstring)
+        def one_row(q, row, vis):
+            vis = vis if vis is not None else visible_mask(None, row, q.shape[-2], q.device)
+            return attend_compressed(q, row, vis, scaling, softcap, block_tokens)
+
+        return layer.attend_rows(query, visible, one_row, compute_dtype(query.dtype))
     b, hq, tq, d = query.shape
     h = layer.sink_k.shape[1]
     rep = hq // h
@@ -118,18 +124,19 @@ def kvcalib_attention(module, query, key, value, attention_mask, scaling=None, d
         return static_decode_attention(query, layer, scale, softcap).to(query.dtype), None
     from kvcalib.runtime.backend import decode_attention
 
-    # no mask and no padding seen: a decode step's query sees every cached token (the kernel then
-    # reads no mask at all, and none is built unless the reference path runs)
-    all_visible = attention_mask is None and layer.valid is None and not layer.is_sliding and query.shape[-2] == 1
-    if all_visible:
+    tq = query.shape[-2]
+    if attention_mask is None:  # nothing is padding (and no host sync per layer)
         visible = None
+        layer.commit()
     else:
-        visible = visible_mask(attention_mask, layer, query.shape[-2], query.device)  # (B|1, Tq, KV)
-        if attention_mask is not None:  # no mask: nothing is padding (and no host sync per layer)
-            seen = visible.any(dim=1)  # (B|1, KV): visible to some query of this step
-            if layer.is_sliding:  # what the window hides from every query is not padding: judge the rest only
-                seen = seen[:, max(0, seen.shape[1] - layer.sliding_window - query.shape[-2] + 1):]
-            layer.mark_padding(seen.expand(layer.sink_k.shape[0], -1))
+        visible = visible_mask(attention_mask, layer, tq, query.device)  # (B|1, Tq, KV)
+        steps = torch.arange(tq, device=visible.device)
+        # a real token sees itself, padding nothing (also through a sliding window): which of the
+        # step's tokens are real, (B|1, Tq)
+        layer.commit(visible[:, steps, visible.shape[-1] - tq + steps])
+    # no mask and no padding: a decode step's query sees every cached token (the kernel then
+    # reads no mask at all, and none is built unless the reference path runs)
+    all_visible = visible is None and not layer.ragged and not layer.is_sliding and tq == 1
     out = decode_attention(query, layer, visible, scale, softcap, all_visible=all_visible)
     layer.flush()
     return out.to(query.dtype), None

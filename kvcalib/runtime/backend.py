@@ -25,10 +25,19 @@ def decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, scaling:
                      softcap: float | None = None, all_visible: bool = False) -> torch.Tensor:
     """Attention of ``query`` (B, Hq, Tq, D) over ``layer``; returns (B, Tq, Hq, D): the kernel's in
     the query's dtype, the reference's in :func:`~kvcalib.runtime.attention.compute_dtype`.
-    ``visible`` (B|1, Tq, KV) bool; ``all_visible``: it is True everywhere (the kernel skips
-    reading it), and ``visible`` may then be None (built here only if the reference runs)."""
-    from kvcalib.runtime.attention import visible_mask, attend_compressed
+    ``visible`` (B|1, Tq, KV) bool, or None: causal (and the layer's sliding window), nothing
+    padding; ``all_visible``: it is True everywhere (the kernel skips reading it; ``visible`` is
+    then built only if the reference runs)."""
+    from kvcalib.runtime.attention import attend_compressed, compute_dtype, visible_mask
 
+    if layer.rows is not None:  # padded batch: each row over its own layer (cache.py's docstring)
+        def one_row(q, row, vis):
+            return decode_attention(q, row, vis, scaling, softcap,
+                                    all_visible=vis is None and not row.is_sliding and q.shape[-2] == 1)
+
+        return layer.attend_rows(query, visible, one_row, compute_dtype(query.dtype))
+    if visible is None and not all_visible:
+        visible = visible_mask(None, layer, query.shape[-2], query.device)  # (1, Tq, KV)
     if use_triton_for(query):
         from kvcalib.runtime.triton_path import triton_decode_attention
 

@@ -7,7 +7,8 @@ Per layer the cache keeps, for a batch (B, H kv-heads, D head_dim):
   the layer's :class:`~kvcalib.codec.LayerCodec`, held in one store per PATS tier
   (:mod:`kvcalib.runtime.tiers`; one store without a schedule);
 - pending: every later token in full precision, (B, H, U, D), with window <= U < window + block
-  after each flush;
+  after each flush; on a compressed layer a view of a fixed buffer of ``window + block`` tokens
+  (``pend_buf_k``/``pend_buf_v``; a prompt's longer window sits apart until its flush);
 - OTT (when the codec's ``pool_size`` > 0, :mod:`kvcalib.runtime.outlier_pool`): the outlier
   pool and extra pool in full precision, and one quant mask per packed block.
 
@@ -15,26 +16,44 @@ A flush of one block (:meth:`CompressedLayer._flush_block`): choose its outliers
 and V without them, store codes + mask. After the flushes of a step, :meth:`PackedTiers.advance`
 requantizes the blocks whose tier now says fewer bits (PATS).
 
-Timing (this is what the decode-faithful simulation reproduces): ``update`` only appends; the
-registered attention function attends over sinks + packed blocks + pending, and only *then* the
-layer flushes what is due. So the prompt's own attention always sees full-precision prompt K/V,
-and a decode step at position i sees the blocks flushed after step i-1.
+Timing (this is what the decode-faithful simulation reproduces): ``update`` only takes the new
+tokens in (:attr:`CompressedLayer.incoming`); the registered attention function tells the layer
+which of them are real (:meth:`CompressedLayer.commit`), attends over sinks + packed blocks +
+pending, and only *then* the layer flushes what is due. So the prompt's own attention always sees
+full-precision prompt K/V, and a decode step at position i sees the blocks flushed after step i-1.
+
+Padding (left or right): a row holds exactly what the same prompt alone would hold. Padding is
+never stored: the first time a step brings padding, the layer becomes *ragged*
+(:attr:`CompressedLayer.rows`): one unpadded single-row layer per batch row, each fed only its
+row's real tokens (a contiguous run of absolute positions ``[row_first[b], row_end[b])``), so its
+sinks are the row's first real tokens and its window, flush blocks, OTT pools and PATS ages count
+that row's tokens only -- the same code, on the same tensors, as the prompt alone. Attention runs
+row by row over them (a query at a padding position gets zeros); the kernel is then launched once
+per row. A layer whose rows are all real stays dense (one batched layer, as before).
 
 Attention must go through :func:`kvcalib.runtime.attention.kvcalib_attention` (the model's
 ``attn_implementation="kvcalib"``); :meth:`CompressedCache.from_recipe` switches the model to it.
 
 Static mode (:meth:`CompressedCache.make_static`, used by :mod:`kvcalib.runtime.graphs` to replay
-decode steps from CUDA graphs): the pending window lives in a fixed buffer of ``window +
-flush_block`` tokens, a step writes its token at the slot a device tensor names
-(:class:`~kvcalib.runtime.static.StaticState`), attention reads the whole buffer under a device
-visibility mask, and nothing on the host changes during the step: the driver advances the
-bookkeeping (:meth:`CompressedCache.advance_static`) and flushes between steps, so between two
-flushes every step launches the same kernels on the same buffers. A PATS layer's block moving
-down a tier is a flush for that purpose (:meth:`CompressedLayer.flush_due`).
+decode steps from CUDA graphs): a step writes its token into the pending buffer at the slot a
+device tensor names (:class:`~kvcalib.runtime.static.StaticState`), attention reads the whole
+buffer under a device visibility mask, and nothing on the host changes during the step: the
+driver advances the bookkeeping (:meth:`CompressedCache.advance_static`) and flushes between
+steps, so between two flushes every step launches the same kernels on the same buffers. A PATS
+layer's block moving down a tier is a flush for that purpose (:meth:`CompressedLayer.flush_due`).
+
+Static and dynamic decoding are one computation (issue 35): a dynamic decode step writes its
+token into the same buffer and launches the kernel on the same whole buffer under the visibility
+mask a static step would compute (:meth:`CompressedLayer.decode_visibility`), so the two modes
+differ only in who keeps the position, the host or the device (``test_graph_decode`` checks the
+logits bit for bit). Before, a dynamic step concatenated the window into a tensor of its own and
+launched the kernel without a mask over exactly its tokens: another compiled variant and, for
+short windows, another number of partial results to merge.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any, NamedTuple
 
 import torch
@@ -50,6 +69,9 @@ from kvcalib.runtime.store import GrowBuffer, PackedStore, PackedView  # noqa: F
 from kvcalib.runtime.tiers import PackedTiers
 
 LAYER_ATTR = "_kvcalib_layer"  # attribute on the key tensor returned by update()
+# decode steps' visibility masks (CompressedLayer.decode_visibility), by (device, length, position,
+# window): the layers of one step share one
+_DECODE_MASKS: dict[tuple, torch.Tensor] = {}
 
 
 class Segment(NamedTuple):
@@ -91,11 +113,22 @@ class CompressedLayer(CacheLayerMixin):
         self.pend_start = 0  # absolute position of pend_k[:, :, 0]
         self.packed = PackedTiers(cfg, self.codec)  # one store per PATS tier
         self.outliers = OutlierPool(self.codec.pool_size)  # OTT pools (inactive at pool 0)
-        self.valid: torch.Tensor | None = None  # (B, n_seen) bool: False = padding
+        self.incoming: tuple[torch.Tensor, torch.Tensor] | None = None  # update()'s K/V before commit()
+        # ragged mode (module docstring): one unpadded single-row layer per batch row, each row's real
+        # tokens at absolute positions [row_first[b], row_end[b]) (row_first None: none yet), and
+        # the real run [a, c) of the last committed chunk per row (None: none in it)
+        self.rows: list[CompressedLayer] | None = None
+        self.row_first: list[int | None] = []
+        self.row_end: list[int] = []
+        self.chunk_rows: list[tuple[int, int] | None] = []
+        self.chunk_len = 0  # tokens of the last committed chunk
         self.awaiting_attention = False
         self.static: StaticState | None = None  # set in static mode (module docstring)
-        self.pend_buf_k: torch.Tensor | None = None  # static mode: (B, H, window + block, D)
+        # the pending window's fixed buffer (B, H, window + block, D), compressed layers: pend_k/pend_v are
+        # views of its first tokens whenever they fit (pend_buffered), in both modes (module docstring)
+        self.pend_buf_k: torch.Tensor | None = None
         self.pend_buf_v: torch.Tensor | None = None
+        self.pend_buffered = False
 
     # ------------------------------------------------------------------ Cache API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -104,11 +137,11 @@ class CompressedLayer(CacheLayerMixin):
         empty = key_states.new_zeros((b, h, 0, d))
         self.sink_k, self.sink_v = empty, empty.clone()
         self.pend_k, self.pend_v = empty.clone(), empty.clone()
-        self.valid = None  # created on the first padding seen; None = every position is real
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append new K/V (B, H, T_new, D). Returns the new states tagged with this layer."""
+        """Take new K/V (B, H, T_new, D) in (stored by :meth:`commit`, once attention knows which
+        of them are padding). Returns the new states tagged with this layer."""
         if self.static is not None:
             return self._update_static(key_states, value_states)
         if self.awaiting_attention:
@@ -119,22 +152,129 @@ class CompressedLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.incoming = (key_states, value_states)
+        self.n_seen += key_states.shape[-2]
+        self.awaiting_attention = True
+        setattr(key_states, LAYER_ATTR, self)
+        return key_states, value_states
+
+    @property
+    def ragged(self) -> bool:
+        """Whether the layer holds one unpadded layer per row (padding was seen; module docstring)."""
+        return self.rows is not None
+
+    def commit(self, real: torch.Tensor | None = None) -> None:
+        """Store the tokens :meth:`update` took in. ``real`` (B|1, T_new) bool: which of them are
+        real tokens (False = padding); None = all. A row's real tokens must stay one contiguous
+        run (left padding, right padding, or both); padding is never stored."""
+        if self.incoming is None:
+            return
+        k, v = self.incoming
+        self.incoming = None
+        b, t_new = k.shape[0], k.shape[-2]
+        if real is not None and real.shape[0] != b:
+            real = real.expand(b, -1)
+        if self.rows is None:
+            if real is None or bool(real.all()):
+                self._append(k, v)
+                return
+            self._become_ragged(b, self.n_seen - t_new)
+        start = self.n_seen - t_new  # absolute position of the chunk's first token
+        runs = [(0, t_new)] * b if real is None else _real_runs(real)
+        self.chunk_rows, self.chunk_len = runs, t_new
+        for i, (row, run) in enumerate(zip(self.rows, runs)):
+            if run is None:
+                continue
+            a, c = run
+            if self.row_first[i] is None:
+                self.row_first[i] = start + a
+            elif self.row_end[i] != start + a:
+                raise KvcalibError(
+                    f"batch row {i} has padding between real tokens (real tokens up to position {self.row_end[i]}, "
+                    f"then again from {start + a}): CompressedCache keeps each row's tokens as one run; pad prompts "
+                    "on the left for generation (tokenizer.padding_side = 'left')")
+            self.row_end[i] = start + c
+            row.update(k[i:i + 1, :, a:c], v[i:i + 1, :, a:c])
+            row.commit()
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Dense mode: the first S tokens go to the sinks, the rest to the pending window."""
         t_new = key_states.shape[-2]
-        n_sink_free = max(0, self.cfg.sinks - self.n_seen) if self.cfg.compressed else 0
+        n_before = self.n_seen - t_new
+        n_sink_free = max(0, self.cfg.sinks - n_before) if self.cfg.compressed else 0
         take = min(n_sink_free, t_new)
         if take:
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :take]], dim=-2)
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :take]], dim=-2)
             self.pend_start += take
-        if t_new > take:
-            self.pend_k = torch.cat([self.pend_k, key_states[:, :, take:]], dim=-2)
-            self.pend_v = torch.cat([self.pend_v, value_states[:, :, take:]], dim=-2)
-        if self.valid is not None:
-            self.valid = torch.cat([self.valid, self.valid.new_ones((self.valid.shape[0], t_new))], dim=1)
-        self.n_seen += t_new
-        self.awaiting_attention = True
-        setattr(key_states, LAYER_ATTR, self)
-        return key_states, value_states
+        if t_new == take:
+            return
+        u, t = self.pend_k.shape[-2], t_new - take
+        if self.pend_buffered and u + t <= self.static_capacity:  # a decode step: written in place
+            self.pend_buf_k[:, :, u:u + t] = key_states[:, :, take:]
+            self.pend_buf_v[:, :, u:u + t] = value_states[:, :, take:]
+            self.pend_k, self.pend_v = self.pend_buf_k[:, :, :u + t], self.pend_buf_v[:, :, :u + t]
+        else:  # a prompt: the window grows past the buffer until the flush after its attention
+            self._put_pending(torch.cat([self.pend_k, key_states[:, :, take:]], dim=-2),
+                              torch.cat([self.pend_v, value_states[:, :, take:]], dim=-2))
+
+    def _put_pending(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Make ``k``/``v`` (B, H, u, D) the pending window: views of the fixed buffer of
+        :attr:`static_capacity` tokens when the layer is compressed and they fit (then a decode
+        step writes its token in place, and the kernel reads the same buffer under the same
+        visibility mask in dynamic and static mode: one computation), else tensors of their own
+        (a prompt longer than the buffer, until its flush; 16-bit layers)."""
+        u = k.shape[-2]
+        if not (self.cfg.compressed and u <= self.static_capacity):
+            self.pend_k, self.pend_v, self.pend_buffered = k.contiguous(), v.contiguous(), False
+            return
+        b, h, _, d = k.shape
+        if self.pend_buf_k is None or self.pend_buf_k.shape[:2] != (b, h) or self.pend_buf_k.dtype != k.dtype:
+            self.pend_buf_k = k.new_zeros((b, h, self.static_capacity, d))
+            self.pend_buf_v = v.new_zeros((b, h, self.static_capacity, d))
+        self.pend_buf_k[:, :, :u] = k
+        self.pend_buf_v[:, :, :u] = v
+        self.pend_k, self.pend_v, self.pend_buffered = self.pend_buf_k[:, :, :u], self.pend_buf_v[:, :, :u], True
+
+    def _become_ragged(self, batch: int, held: int) -> None:
+        """Switch to one layer per row (module docstring); the ``held`` tokens cached so far (all
+        real) move into the rows as they are."""
+        rows = []
+        for i in range(batch):
+            row = CompressedLayer(self.cfg, self.codec, self.layer_idx, self.sliding_window)
+            if held:
+                self._copy_row_into(row, i, held)
+            rows.append(row)
+        self.rows = rows
+        self.row_first = [0 if held else None] * batch
+        self.row_end = [held] * batch
+        self.chunk_rows = [None] * batch
+        empty = self.sink_k[:, :, :0]  # (B, H, 0, D): the dense parts hold nothing from now on
+        self.sink_k = self.sink_v = self.pend_k = self.pend_v = empty
+        self.pend_buf_k = self.pend_buf_v = None
+        self.pend_buffered = False
+        self.packed = PackedTiers(self.cfg, self.codec)
+        self.outliers = OutlierPool(self.codec.pool_size)
+
+    def _copy_row_into(self, row: "CompressedLayer", i: int, held: int) -> None:
+        """Make the empty single-row layer ``row`` hold batch row ``i`` of this dense layer (its
+        ``held`` tokens, all real)."""
+        one = slice(i, i + 1)
+        row.dtype, row.device, row.is_initialized = self.dtype, self.device, True
+        row.n_seen, row.pend_start, row.sinks_dropped = held, self.pend_start, self.sinks_dropped
+        row.sink_k, row.sink_v = self.sink_k[one].clone(), self.sink_v[one].clone()
+        row._put_pending(self.pend_k[one].clone(), self.pend_v[one].clone())
+        for src, dst in zip(self.packed.stores, row.packed.stores):
+            for name, buf in src.parts.items():
+                view = buf.view()
+                if view is not None:
+                    dst.parts[name].append(view[one].clone())
+            dst.start, dst.n = src.start, src.n
+        state = self.outliers.state
+        if state is not None:
+            from kvcalib.calibrate.outliers import OutlierState
+
+            row.outliers.state = OutlierState(*(getattr(state, f.name)[one].clone() for f in fields(state)))
 
     def _update_static(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """Static mode: write the step's token (B, H, 1, D) at its slot of the pending buffer, the
@@ -142,6 +282,11 @@ class CompressedLayer(CacheLayerMixin):
         if key_states.shape[-2] != 1:
             raise KvcalibError("a static (CUDA-graph) CompressedCache takes one token per step: leave static mode "
                                "(cache.make_dynamic()) before a prefill")
+        if self.rows is not None:  # every row takes its token (static mode refuses rows that ended)
+            for i, row in enumerate(self.rows):
+                row._update_static(key_states[i:i + 1], value_states[i:i + 1])
+            setattr(key_states, LAYER_ATTR, self)
+            return key_states, value_states
         slot = self.static.position - self.pend_start  # (1,) int64 on the device
         self.pend_buf_k.index_copy_(2, slot, key_states.to(self.pend_buf_k.dtype))
         self.pend_buf_v.index_copy_(2, slot, value_states.to(self.pend_buf_v.dtype))
@@ -166,20 +311,65 @@ class CompressedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ attention side
     def mark_padding(self, key_visible: torch.Tensor) -> None:
-        """Record which positions are real tokens: ``key_visible`` (B, m) bool over the last m
-        positions (all ``n_seen``, or those a sliding window still shows) is True where any query
-        of this step may attend to the key. Padding is never visible."""
-        if self.valid is None:
-            if bool(key_visible.all()):
-                return
-            self.valid = torch.ones((key_visible.shape[0], self.n_seen), dtype=torch.bool, device=self.device)
-        start = self.valid.shape[1] - key_visible.shape[1]
-        self.valid[:, start:] &= key_visible.to(self.valid.device)
+        """:meth:`commit` the tokens :meth:`update` took in, their padding read from ``key_visible``
+        (B, m) bool over the last m positions (m >= the new tokens): False = padding."""
+        if self.incoming is not None:
+            self.commit(key_visible[:, key_visible.shape[1] - self.incoming[0].shape[-2]:])
+
+    def padding_mask(self) -> torch.Tensor | None:
+        """(B, n_seen) bool, False at padding (the 2D attention mask of what is cached), or None
+        when every cached position of every row is a real token."""
+        if self.rows is None:
+            return None
+        pos = torch.arange(self.n_seen, device=self.device)[None]  # (1, n_seen)
+        first = torch.tensor([[self.n_seen if f is None else f] for f in self.row_first], device=self.device)
+        end = torch.tensor([[e] for e in self.row_end], device=self.device)  # (B, 1)
+        return (pos >= first) & (pos < end)
+
+    def row_queries(self, i: int, tq: int) -> tuple[int, int] | None:
+        """Which of a step's ``tq`` queries (the last ``tq`` tokens of the last committed chunk) are
+        row ``i``'s real tokens: ``(a, c)``, or None (all padding)."""
+        run = self.chunk_rows[i]
+        if run is None:
+            return None
+        skip = self.chunk_len - tq  # chunk tokens before the first query
+        a, c = max(0, run[0] - skip), run[1] - skip
+        return (a, c) if c > a else None
+
+    def row_visible(self, visible: torch.Tensor | None, i: int, queries: tuple[int, int]) -> torch.Tensor | None:
+        """Row ``i``'s part of ``visible`` (B|1, Tq, n_seen) over absolute positions, for its own
+        layer: (1, c - a, held) bool, its real ``queries`` (a, c) over its real tokens."""
+        if visible is None:
+            return None
+        a, c = queries
+        first = self.row_first[i]
+        return visible[i if visible.shape[0] > 1 else 0, a:c, first:self.row_end[i]][None]
+
+    def attend_rows(self, query: torch.Tensor, visible: torch.Tensor | None, attend,
+                    out_dtype: torch.dtype) -> torch.Tensor | None:
+        """Attention of a ragged layer, row by row: ``attend(query_i, row_layer, visible_i)`` on
+        each row's real queries (``query`` (B, Hq, Tq, D); ``visible`` (B|1, Tq, n_seen) or None,
+        sliced by :meth:`row_visible`) must return (1, Tq_i, Hq, D) or None (then None is
+        returned). Returns (B, Tq, Hq, D) in ``out_dtype``; queries at padding get zeros."""
+        b, hq, tq, d = query.shape
+        out = query.new_zeros((b, tq, hq, d), dtype=out_dtype)  # (B, Tq, Hq, D)
+        for i, row in enumerate(self.rows):
+            run = self.row_queries(i, tq)
+            if run is None:
+                continue
+            a, c = run
+            part = attend(query[i:i + 1, :, a:c], row, self.row_visible(visible, i, run))  # (1, c - a, Hq, D)
+            if part is None:
+                return None
+            out[i, a:c] = part[0].to(out_dtype)
+        return out
 
     def segments(self, block_tokens: int = 256, dtype: torch.dtype = torch.float32):
         """Yield :class:`Segment` s in ``dtype`` over everything cached: sinks, packed blocks in
         position order (dequantized a few at a time, never the whole cache; OTT slots masked by
         ``keep``), the outlier pools (``positions``), then the pending window."""
+        if self.rows is not None:
+            raise KvcalibError("a ragged (padded) layer keeps one layer per row: read layer.rows[b].segments()")
         if self.sink_k.shape[-2] and not self.sinks_dropped:
             yield Segment(0, self.sink_k.to(dtype), self.sink_v.to(dtype))
         step = max(self.cfg.flush_block, block_tokens // self.cfg.flush_block * self.cfg.flush_block)
@@ -195,6 +385,9 @@ class CompressedLayer(CacheLayerMixin):
 
     @property
     def n_packed(self) -> int:
+        """Packed tokens held (per row: the most any row holds, when ragged)."""
+        if self.rows is not None:
+            return max(row.n_packed for row in self.rows)
         return self.packed.n
 
     @property
@@ -213,16 +406,22 @@ class CompressedLayer(CacheLayerMixin):
         start = self.pend_start + off  # absolute position of the block's first token
         k_blk = self.pend_k[:, :, off:off + block]  # (B, H, G, D)
         v_blk = self.pend_v[:, :, off:off + block]  # (B, H, G, D)
-        valid = None if self.valid is None else self.valid[:, start:start + block]  # (B, G) padding
-        keep = self.outliers.select(k_blk, v_blk, start, valid)  # (B, H, G): False = into the pool; or None
-        k_packed = self.codec.encode_keys(k_blk, valid, keep)
-        v_packed = self.codec.encode_values(v_blk, valid, keep)
+        keep = self.outliers.select(k_blk, v_blk, start)  # (B, H, G): False = into the pool; or None
+        k_packed = self.codec.encode_keys(k_blk, None, keep)  # (a dense layer holds no padding)
+        v_packed = self.codec.encode_values(v_blk, None, keep)
         self.packed.append(start, k_packed, v_packed, block, None if keep is None else pack_keep(keep))
 
     def flush(self) -> None:
         """Move due pending tokens into packed storage, move aged blocks down their PATS tiers;
         drop what a sliding window no longer needs."""
+        self.commit()  # tokens taken in without attention (direct callers): all real
         self.awaiting_attention = False
+        if not self.is_initialized:  # a row that has seen only padding so far
+            return
+        if self.rows is not None:
+            for row in self.rows:
+                row.flush()
+            return
         cfg = self.cfg
         if cfg.compressed:
             block = cfg.flush_block
@@ -234,7 +433,7 @@ class CompressedLayer(CacheLayerMixin):
                 else:  # one encode for all due groups (one kernel launch on GPU, not one per group)
                     self._flush_block(0, due)
                 self._drop_pending(due)
-            self.packed.advance(self.n_seen, self.valid)
+            self.packed.advance(self.n_seen)
         if self.sliding_window is not None:
             oldest_needed = self.n_seen - self.sliding_window + 1  # next query's first visible key
             stale = (oldest_needed - self.packed.start) // cfg.flush_block * cfg.flush_block
@@ -248,16 +447,15 @@ class CompressedLayer(CacheLayerMixin):
                 self._drop_pending(self.pend_k.shape[-2] - self.sliding_window)
 
     def _drop_pending(self, count: int) -> None:
-        """Forget the oldest ``count`` pending tokens (flushed or out of the window). Static mode
-        shifts the rest to the front of the same buffer (its address must not change)."""
+        """Forget the oldest ``count`` pending tokens (flushed or out of the window). In the fixed
+        buffer the rest shifts to its front (its address must not change: static mode)."""
         rest = self.pend_k.shape[-2] - count
-        if self.static is not None:
+        if self.pend_buffered:
             self.pend_buf_k[:, :, :rest] = self.pend_buf_k[:, :, count:count + rest].clone()
             self.pend_buf_v[:, :, :rest] = self.pend_buf_v[:, :, count:count + rest].clone()
             self.pend_k, self.pend_v = self.pend_buf_k[:, :, :rest], self.pend_buf_v[:, :, :rest]
         else:
-            self.pend_k = self.pend_k[:, :, count:].clone()
-            self.pend_v = self.pend_v[:, :, count:].clone()
+            self._put_pending(self.pend_k[:, :, count:], self.pend_v[:, :, count:])
         self.pend_start += count
 
     # ------------------------------------------------------------------ static mode
@@ -267,10 +465,26 @@ class CompressedLayer(CacheLayerMixin):
         there can be right before a flush)."""
         return self.cfg.window + self.cfg.flush_block
 
+    def static_length(self) -> int:
+        """Positions a static step's visibility mask must span for this layer (its rows' own
+        positions when ragged)."""
+        if self.rows is not None:
+            return max((row.static_length() for row in self.rows if row.is_initialized), default=0)
+        return self.pend_start + self.static_capacity
+
     def static_blocker(self) -> str | None:
         """Why this layer cannot enter static mode now (None: it can)."""
         if not getattr(self, "is_initialized", False):
             return "the layer holds nothing yet (run the prompt first)"
+        if self.rows is not None:
+            for i, row in enumerate(self.rows):
+                if self.row_first[i] is not None and self.row_end[i] != self.n_seen:
+                    return (f"batch row {i} ended with padding (right padding) and cannot take more tokens: pad "
+                            "prompts on the left for generation")
+                why = row.static_blocker()
+                if why is not None:
+                    return f"batch row {i}: {why}"
+            return None
         if not self.cfg.compressed:
             return "the layer keeps full precision (its window grows without bound)"
         if self.n_seen < self.cfg.sinks:
@@ -279,65 +493,134 @@ class CompressedLayer(CacheLayerMixin):
             return "a flush is due"
         return None
 
+    def waiting_for_tokens(self) -> bool:
+        """Whether the layer (or one of its rows) cannot enter static mode only because it holds
+        too few tokens yet (the sinks are filling): decoding goes on dynamically until it can."""
+        if self.rows is not None:
+            return any(row.waiting_for_tokens() for row in self.rows)
+        return not getattr(self, "is_initialized", False) or self.n_seen < self.cfg.sinks
+
     def make_static(self, state: StaticState) -> None:
-        """Enter static mode: move the pending window into a fixed buffer (module docstring)."""
+        """Enter static mode: move the pending window into a fixed buffer (module docstring). A
+        ragged layer's rows each read their own positions (``state.child``: the row's first real
+        token is its position 0)."""
         why = self.static_blocker()
         if why is not None:
             raise KvcalibError(f"layer {self.layer_idx} cannot decode in static (CUDA-graph) mode: {why}")
-        if self.static is None:
-            b, h, u, d = self.pend_k.shape
-            self.pend_buf_k = self.pend_k.new_zeros((b, h, self.static_capacity, d))
-            self.pend_buf_v = self.pend_v.new_zeros((b, h, self.static_capacity, d))
-            self.pend_buf_k[:, :, :u] = self.pend_k
-            self.pend_buf_v[:, :, :u] = self.pend_v
-            self.pend_k, self.pend_v = self.pend_buf_k[:, :, :u], self.pend_buf_v[:, :, :u]
-        if self.is_sliding:
+        if self.rows is not None:
+            for first, row in zip(self.row_first, self.rows):
+                row.make_static(state.child(first))
+        elif not self.pend_buffered:  # e.g. restored from a snapshot: into the buffer (it fits: no flush due)
+            self._put_pending(self.pend_k, self.pend_v)
+        if self.is_sliding and self.rows is None:
             state.window_visible(self.sliding_window)  # its mask exists before any capture
         self.static = state
         self.awaiting_attention = False
 
     def make_dynamic(self) -> None:
-        """Leave static mode: the pending window becomes a tensor of its own again."""
+        """Leave static mode (the pending window stays in its buffer: dynamic decode steps use it too)."""
         if self.static is None:
             return
-        self.pend_k, self.pend_v = self.pend_k.clone(), self.pend_v.clone()
-        self.pend_buf_k = self.pend_buf_v = None
+        if self.rows is not None:
+            for row in self.rows:
+                row.make_dynamic()
         self.static = None
 
     def advance_static(self) -> None:
         """Host bookkeeping of one static step (its token is already in the buffer)."""
+        self.n_seen += 1
+        if self.rows is not None:
+            self.chunk_rows, self.chunk_len = [(0, 1)] * len(self.rows), 1
+            for i, row in enumerate(self.rows):
+                self.row_end[i] += 1
+                row.advance_static()
+            return
         u = self.pend_k.shape[-2] + 1
         self.pend_k, self.pend_v = self.pend_buf_k[:, :, :u], self.pend_buf_v[:, :, :u]
-        if self.valid is not None:
-            self.valid = torch.cat([self.valid, self.valid.new_ones((self.valid.shape[0], 1))], dim=1)
-        self.n_seen += 1
 
     def flush_due(self) -> bool:
         """Whether :meth:`flush` would change packed storage now: pending tokens due for packing, or
         (PATS) a block due to move down a tier. The static driver flushes exactly then, so a
         tiered layer's stores stay fixed between two flushes (one captured graph per period)."""
+        if self.rows is not None:
+            return any(row.flush_due() for row in self.rows)
         if not self.cfg.compressed:
             return False
         return (self.pend_k.shape[-2] - self.cfg.window >= self.cfg.flush_block
                 or (self.uses_tiers and self.packed.move_due(self.n_seen)))
 
+    def decode_visibility(self) -> tuple[torch.Tensor, bool]:
+        """What a decode step's query (position ``n_seen - 1``) sees of this dense layer, in the
+        layout the fixed pending buffer gives the kernel: (1, pend_start + static_capacity) bool
+        over positions -- the values a static step's :class:`StaticState` holds -- and whether
+        the packed tokens read it too (a sliding window's bound). A dense layer holds no padding,
+        so nothing else is hidden. Shared by the layers of one step (one small op per step)."""
+        length = self.pend_start + self.static_capacity
+        key = (self.device, length, self.n_seen - 1, self.sliding_window)
+        mask = _DECODE_MASKS.get(key)
+        if mask is None:
+            if len(_DECODE_MASKS) >= 64:
+                _DECODE_MASKS.clear()
+            pos = torch.arange(length, device=self.device)[None]  # (1, L)
+            mask = pos <= self.n_seen - 1
+            if self.sliding_window is not None:
+                mask &= pos > self.n_seen - 1 - self.sliding_window
+            _DECODE_MASKS[key] = mask
+        return mask, self.sliding_window is not None
+
     # ------------------------------------------------------------------ memory
     def nbytes(self) -> dict[str, int]:
-        """Actual bytes held, by component."""
+        """Actual bytes held, by component (a ragged layer: its rows' together; padding is not held)."""
         if not self.is_initialized:
             return {}
-        def size(t: torch.Tensor) -> int:
-            return int(t.numel() * t.element_size())
-        out = {
+        if self.rows is not None:
+            total: dict[str, int] = {}
+            for row in self.rows:
+                for k, v in row.nbytes().items():
+                    total[k] = total.get(k, 0) + v
+            return total
+
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else int(t.numel() * t.element_size())
+        return {
             "sinks": size(self.sink_k) + size(self.sink_v),
-            # static mode holds the whole fixed buffer, used or not
-            "window": (size(self.pend_buf_k) + size(self.pend_buf_v)) if self.static is not None
-            else size(self.pend_k) + size(self.pend_v),
+            "window": size(self.pend_k) + size(self.pend_v),  # the pending tokens
+            # the rest of the window's fixed buffer (held, not in Recipe.memory's accounting): its
+            # free slots, or all of it while a prompt's window is past it (until its flush)
+            "window_free": size(self.pend_buf_k) + size(self.pend_buf_v)
+            - (size(self.pend_k) + size(self.pend_v) if self.pend_buffered else 0),
             **self.packed.nbytes(),  # codes, scales, means, OTT masks (all tiers)
             **self.outliers.nbytes(),  # OTT pools, positions, counters
-            "padding_mask": 0 if self.valid is None else size(self.valid),
         }
-        return out
+
+    def cached_elements(self) -> int:
+        """K and V elements the cache stands for (effective bits' denominator): 2 x rows x kv heads
+        x head_dim x the tokens this layer must hold (min(T, window) on a sliding layer,
+        :func:`~kvcalib.layout.held_elements`), real tokens only (a padded row counts its own)."""
+        if not self.is_initialized:
+            return 0
+        if self.rows is not None:
+            return sum(row.cached_elements() for row in self.rows)
+        b, h, _, d = self.sink_k.shape
+        return b * held_elements(h, d, self.n_seen, [self.sliding_window])
+
+
+def _real_runs(real: torch.Tensor) -> list[tuple[int, int] | None]:
+    """Per row of ``real`` (B, T) bool: the run ``(a, c)`` of its True entries, or None when it has
+    none; raises when a row's real tokens are not contiguous (padding between them)."""
+    rows = []
+    for i, r in enumerate(real.tolist()):  # one device-to-host copy for the whole chunk
+        idx = [t for t, x in enumerate(r) if x]
+        if not idx:
+            rows.append(None)
+            continue
+        a, c = idx[0], idx[-1] + 1
+        if c - a != len(idx):
+            raise KvcalibError(f"batch row {i} has padding between real tokens (positions {a}..{c - 1} of the step "
+                               "are not all real): CompressedCache keeps each row's tokens as one run; pad prompts on "
+                               "the left for generation (tokenizer.padding_side = 'left')")
+        rows.append((a, c))
+    return rows
 
 
 class CompressedCache(Cache):
@@ -388,8 +671,8 @@ class CompressedCache(Cache):
         blockers = self.static_blockers()
         if blockers:
             raise KvcalibError("the cache cannot decode in static (CUDA-graph) mode: " + "; ".join(blockers))
-        length = max(layer.pend_start + layer.static_capacity for layer in self.layers)
-        state = StaticState.create(position, length, self.layers[0].valid)
+        length = max(layer.static_length() for layer in self.layers)
+        state = StaticState.create(position, length)
         for layer in self.layers:
             layer.make_static(state)
         return state
@@ -420,17 +703,21 @@ class CompressedCache(Cache):
         return total
 
     def effective_bits(self) -> float:
-        """8 x held bytes / (2 x kv_heads x head_dim x batch x the sum over layers of the tokens
-        each must hold) at the current length T: a sliding-window layer counts min(T, window)
-        (``kvcalib.layout.ACCOUNTING``, as ``Recipe.memory``).
+        """8 x held bytes / (2 x kv_heads x head_dim x the sum over layers and rows of the tokens
+        each must hold) at the current length: a sliding-window layer counts min(T, window)
+        (``kvcalib.layout.ACCOUNTING``, as ``Recipe.memory``), real tokens only (padding is neither
+        held nor counted).
 
         Full-precision segments count at their real element size (fp32 on CPU doubles them);
         ``Recipe.memory`` gives the accounting at 16-bit storage for any context.
         """
         held = sum(self.nbytes().values())
-        elements = 0
-        for layer in self.layers:
-            if layer.is_initialized:
-                b, h, _, d = layer.sink_k.shape
-                elements += b * held_elements(h, d, layer.n_seen, [layer.sliding_window])
+        elements = sum(layer.cached_elements() for layer in self.layers)
         return 8.0 * held / max(elements, 1)
+
+    def padding_mask(self) -> torch.Tensor | None:
+        """(B, T) bool over the cached positions, False at padding; None when there is none."""
+        for layer in self.layers:
+            if layer.is_initialized and layer.rows is not None:
+                return layer.padding_mask()
+        return None

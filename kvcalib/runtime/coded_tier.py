@@ -8,8 +8,8 @@ compute: offloading a cache to host memory or disk, or moving it to another mach
 
 Snapshot
 --------
-:func:`encode_cache` reads a cache through its public layer attributes (sinks, pending window,
-padding mask, outlier pools, and every :class:`~kvcalib.runtime.store.PackedStore` part) and
+:func:`encode_cache` reads a cache through its public layer attributes (sinks, pending window, rows
+of a padded batch, outlier pools, and every :class:`~kvcalib.runtime.store.PackedStore` part) and
 returns a :class:`CodedCache`: a JSON-able ``document`` and a flat dict of ``tensors``, all on
 the CPU. For every layer and side with a codebook (``layers.{i}.{k|v}.huffman`` in the recipe,
 or passed in), each store's packed code plane ``uint8 (B, H, N, D * bits / 8)`` is unpacked to
@@ -27,12 +27,16 @@ identical outputs (``torch.equal``). It needs the recipe (for the codecs: clip, 
 centering); the snapshot holds a fingerprint of the recipe's codec state and of the layer
 configs, and refuses another recipe.
 
+A padded batch's layer keeps one unpadded layer per row (:mod:`kvcalib.runtime.cache`): its
+snapshot holds each row as a layer of batch 1 (``rows`` in the document, with the rows' absolute
+first and end positions), under ``layers.{i}.rows.{b}``.
+
 Tensors (names in the file; ``i`` layer, ``j`` store (PATS tier), ``s`` side)::
 
     codebooks.{i}.{s}                           uint8 (2**bits,) code lengths (coded sides only)
     layers.{i}.sink_k | sink_v                  (B, H, S, D) cache dtype
     layers.{i}.pend_k | pend_v                  (B, H, U, D) cache dtype (the full-precision window)
-    layers.{i}.valid                            bool (B, n_seen), only with padding
+    layers.{i}.rows.{b}.<any name above>        a padded (ragged) layer: the same per batch row, B = 1
     layers.{i}.outliers.{field}                 OTT pools (OutlierState fields), only with OTT
     layers.{i}.stores.{j}.{part}                a PackedStore part carried as is (live tokens)
     layers.{i}.stores.{j}.{s}_codes.payload       uint32 (W,)     coded code plane: CacheStreams
@@ -125,6 +129,11 @@ def _crc32(t: torch.Tensor) -> int:
     return zlib.crc32(_raw_bytes(t))
 
 
+def _units(layer_doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The documents holding a layer's tensors: the layer's own, or one per row of a padded one."""
+    return layer_doc["rows"] if layer_doc.get("rows") is not None else [layer_doc]
+
+
 def recipe_fingerprint(recipe: Recipe | None, configs: list[LayerConfig]) -> str:
     """A short hash of what the codecs depend on: the layer configs and the recipe's fitted
     tensors (clip, permutation, centering, OTT, schedule), Huffman tensors excluded."""
@@ -144,12 +153,12 @@ def _category(name: str) -> str:
     parts = name.split(".")
     if parts[0] == "codebooks":
         return "codebooks"
+    if parts[2] == "rows":  # layers.i.rows.b.<name>: a padded batch's row, named as a layer's
+        parts = parts[:2] + parts[4:]
     if parts[2] in ("sink_k", "sink_v"):
         return "sinks"
     if parts[2] in ("pend_k", "pend_v"):
         return "window"
-    if parts[2] == "valid":
-        return "padding_mask"
     if parts[2] == "outliers":
         return "outlier_pool" if parts[3] in ("pool_k", "pool_v", "extra_k", "extra_v") else "outlier_positions"
     part = parts[4]  # layers.i.stores.j.<part>[.field]
@@ -187,7 +196,7 @@ class CodedCache:
     document: dict[str, Any]
     tensors: dict[str, torch.Tensor]
     _books: dict[Key, Codebook] = field(init=False, repr=False)
-    _streams: dict[tuple[int, int, str], CacheStreams] = field(init=False, repr=False)
+    _streams: dict[tuple[str, int, str], CacheStreams] = field(init=False, repr=False)  # (unit prefix, store, side)
 
     def __post_init__(self) -> None:
         books, streams = _validate(self.document, self.tensors)
@@ -221,8 +230,8 @@ class CodedCache:
         packed = sum(int(v) for v in self.document["packed_nbytes"].values())
         coded = self.total_bytes()
         elements = max(int(self.document["elements"]), 1)
-        code_packed = sum(int(c["packed_bytes"]) for layer in self.document["layers"]
-                          for store in layer.get("stores", []) for c in store["coded"].values())
+        code_packed = sum(int(c["packed_bytes"]) for layer in self.document["layers"] for unit in _units(layer)
+                          for store in unit.get("stores", []) for c in store["coded"].values())
         nb = self.nbytes()
         code_coded = sum(v for k, v in nb.items() if "_huffman_" in k) + nb.get("codebooks", 0)
         symbols = sum(s.stream_excess.numel() * s.n_symbols for s in self._streams.values())
@@ -280,6 +289,54 @@ def _code_plane(codes: torch.Tensor, bits: int, cb: Codebook, layout: StreamLayo
     return streams
 
 
+def _encode_unit(layer: CompressedLayer, i: int, prefix: str, doc: dict[str, Any], tensors: dict[str, torch.Tensor],
+                 books: dict[Key, Codebook], layout: StreamLayout, side_fallback: bool, left_packed: list[str],
+                 used: set[Key]) -> None:
+    """Snapshot one dense layer (a layer, or a padded layer's row) of model layer ``i`` into
+    ``doc`` and ``tensors`` (names under ``prefix``)."""
+    b, h, s, d = layer.sink_k.shape
+    doc.update(dtype=_dtype_name(layer.sink_k.dtype), batch=b, kv_heads=h, head_dim=d, n_seen=layer.n_seen,
+               pend_start=layer.pend_start, sinks_dropped=bool(layer.sinks_dropped), sink_len=s,
+               pend_len=int(layer.pend_k.shape[2]), outliers=None, stores=[])
+    for name in LAYER_TENSORS:
+        tensors[f"{prefix}.{name}"] = _host_copy(getattr(layer, name))
+    state = layer.outliers.state
+    if state is not None:
+        doc["outliers"] = {"pool": int(state.pool_k.shape[2]), "extra": int(state.extra_k.shape[2])}
+        for name in OUTLIER_FIELDS:
+            tensors[f"{prefix}.outliers.{name}"] = _host_copy(getattr(state, name))
+    for j, store in enumerate(layer.packed.stores):
+        sdoc: dict[str, Any] = {"start": store.start, "n": store.n, "bits": dict(store.bits), "parts": {},
+                                "coded": {}}
+        doc["stores"].append(sdoc)
+        views = {name: buf.view() for name, buf in store.parts.items()}
+        unknown = sorted(set(views) - set(STORE_PARTS))
+        if unknown:
+            raise KvcalibError(f"kvcalib bug: PackedStore part {unknown[0]!r} is unknown to coded snapshots")
+        for side in SIDES:
+            codes, cb = views.get(f"{side}_codes"), books.get((i, side))
+            if codes is None or cb is None:
+                continue
+            bits = store.bits[side]
+            if cb.bits != bits:
+                raise KvcalibError(f"the codebook of layer {i} side {side} is for {cb.bits}-bit codes, but store "
+                                   f"{j} of that layer holds {bits}-bit codes")
+            streams = _code_plane(codes, bits, cb, layout, side_fallback)
+            if streams is None:
+                left_packed.append(f"{prefix.removeprefix('layers.')}.{j}.{side}")
+                continue
+            views[f"{side}_codes"] = None
+            used.add((i, side))
+            sdoc["coded"][side] = {"bits": bits, "packed_bytes": _nbytes(codes)}
+            for f in STREAM_FIELDS:
+                tensors[f"{prefix}.stores.{j}.{side}_codes.{f}"] = getattr(streams, f)
+        for name, view in views.items():
+            if view is not None:
+                t = _host_copy(view)
+                sdoc["parts"][name] = [_dtype_name(t.dtype), list(t.shape)]
+                tensors[f"{prefix}.stores.{j}.{name}"] = t
+
+
 def encode_cache(cache: CompressedCache, codebooks: Recipe | str | Mapping[Key, Codebook] | None = None, *,
                  layout: StreamLayout = StreamLayout(), side_fallback: bool = True) -> CodedCache:
     """Snapshot ``cache`` with its code planes Huffman-coded (module docstring).
@@ -306,7 +363,7 @@ def encode_cache(cache: CompressedCache, codebooks: Recipe | str | Mapping[Key, 
     left_packed: list[str] = []
     used: set[Key] = set()
     for i, layer in enumerate(cache.layers):
-        if layer.is_initialized and layer.awaiting_attention:
+        if layer.is_initialized and (layer.awaiting_attention or layer.incoming is not None):
             raise KvcalibError(f"layer {i} of the cache was updated but has not run attention yet: snapshot a "
                                "cache between forward passes, not inside one")
         doc: dict[str, Any] = {"config": layer.cfg.to_dict(), "sliding_window": layer.sliding_window,
@@ -314,53 +371,20 @@ def encode_cache(cache: CompressedCache, codebooks: Recipe | str | Mapping[Key, 
         layers.append(doc)
         if not layer.is_initialized:
             continue
-        b, h, s, d = layer.sink_k.shape
-        doc.update(dtype=_dtype_name(layer.sink_k.dtype), batch=b, kv_heads=h, head_dim=d, n_seen=layer.n_seen,
-                   pend_start=layer.pend_start, sinks_dropped=bool(layer.sinks_dropped), sink_len=s,
-                   pend_len=int(layer.pend_k.shape[2]), padding=layer.valid is not None, outliers=None, stores=[])
-        for name in LAYER_TENSORS:
-            tensors[f"layers.{i}.{name}"] = _host_copy(getattr(layer, name))
-        if layer.valid is not None:
-            tensors[f"layers.{i}.valid"] = _host_copy(layer.valid)
-        state = layer.outliers.state
-        if state is not None:
-            doc["outliers"] = {"pool": int(state.pool_k.shape[2]), "extra": int(state.extra_k.shape[2])}
-            for name in OUTLIER_FIELDS:
-                tensors[f"layers.{i}.outliers.{name}"] = _host_copy(getattr(state, name))
-        for j, store in enumerate(layer.packed.stores):
-            sdoc: dict[str, Any] = {"start": store.start, "n": store.n, "bits": dict(store.bits), "parts": {},
-                                    "coded": {}}
-            doc["stores"].append(sdoc)
-            views = {name: buf.view() for name, buf in store.parts.items()}
-            unknown = sorted(set(views) - set(STORE_PARTS))
-            if unknown:
-                raise KvcalibError(f"kvcalib bug: PackedStore part {unknown[0]!r} is unknown to coded snapshots")
-            for side in SIDES:
-                codes, cb = views.get(f"{side}_codes"), books.get((i, side))
-                if codes is None or cb is None:
-                    continue
-                bits = store.bits[side]
-                if cb.bits != bits:
-                    raise KvcalibError(f"the codebook of layer {i} side {side} is for {cb.bits}-bit codes, but store "
-                                       f"{j} of that layer holds {bits}-bit codes")
-                streams = _code_plane(codes, bits, cb, layout, side_fallback)
-                if streams is None:
-                    left_packed.append(f"{i}.{j}.{side}")
-                    continue
-                views[f"{side}_codes"] = None
-                used.add((i, side))
-                sdoc["coded"][side] = {"bits": bits, "packed_bytes": _nbytes(codes)}
-                for f in STREAM_FIELDS:
-                    tensors[f"layers.{i}.stores.{j}.{side}_codes.{f}"] = getattr(streams, f)
-            for name, view in views.items():
-                if view is not None:
-                    t = _host_copy(view)
-                    sdoc["parts"][name] = [_dtype_name(t.dtype), list(t.shape)]
-                    tensors[f"layers.{i}.stores.{j}.{name}"] = t
+        if layer.ragged:
+            doc.update(n_seen=layer.n_seen, row_first=list(layer.row_first), row_end=list(layer.row_end), rows=[])
+            for r, row in enumerate(layer.rows):
+                rdoc: dict[str, Any] = {"initialized": bool(row.is_initialized)}
+                doc["rows"].append(rdoc)
+                if row.is_initialized:
+                    _encode_unit(row, i, f"layers.{i}.rows.{r}", rdoc, tensors, books, layout, side_fallback,
+                                 left_packed, used)
+        else:
+            _encode_unit(layer, i, f"layers.{i}", doc, tensors, books, layout, side_fallback, left_packed, used)
     for i, side in sorted(used):
         tensors[f"codebooks.{i}.{side}"] = books[(i, side)].lengths.clone()
     max_len = max([books[k].max_len for k in used], default=DEFAULT_MAX_LEN)
-    elements = sum(2 * d["batch"] * d["kv_heads"] * d["head_dim"] * d["n_seen"] for d in layers if d["initialized"])
+    elements = sum(layer.cached_elements() for layer in cache.layers)
     document = {
         "format": FORMAT, "version": FORMAT_VERSION,
         "recipe": {"name": None if recipe is None else recipe.name,
@@ -414,7 +438,7 @@ def _check_part(where: str, cfg: LayerConfig, part: str, dtype: str, shape: list
 
 
 def _validate(doc: Any, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[Key, Codebook],
-                                                                        dict[tuple[int, int, str], CacheStreams]]:
+                                                                        dict[tuple[str, int, str], CacheStreams]]:
     """Check ``tensors`` against ``doc``; return the codebooks and coded streams (see CodedCache)."""
     try:
         return _validate_inner(doc, tensors)
@@ -422,6 +446,46 @@ def _validate(doc: Any, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[Key, 
         raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
         raise KvcalibError(f"the snapshot's document is malformed ({type(err).__name__}: {err})") from None
+
+
+def _expect_unit(i: int, prefix: str, cfg: LayerConfig, ld: dict[str, Any], expect: dict, coded: list,
+                 book_bits: dict[Key, int]) -> None:
+    """The tensors one dense layer's document (``ld``, tensor names under ``prefix``) implies, into
+    ``expect``; its coded planes into ``coded``, their bits into ``book_bits``."""
+    if ld["dtype"] not in _DTYPES:
+        raise KvcalibError(f"the snapshot's document is malformed: {prefix} dtype {ld['dtype']!r}")
+    dt = _DTYPES[ld["dtype"]]
+    b, h, d = (_int(ld[k], f"{prefix}.{k}", 1) for k in ("batch", "kv_heads", "head_dim"))
+    s, u = (_int(ld[k], f"{prefix}.{k}") for k in ("sink_len", "pend_len"))
+    _int(ld["n_seen"], f"{prefix}.n_seen")
+    _int(ld["pend_start"], f"{prefix}.pend_start")
+    for name, length in (("sink_k", s), ("sink_v", s), ("pend_k", u), ("pend_v", u)):
+        expect[f"{prefix}.{name}"] = (dt, (b, h, length, d))
+    if ld["outliers"] is not None:
+        p, e = _int(ld["outliers"]["pool"], "outliers.pool"), _int(ld["outliers"]["extra"], "outliers.extra")
+        o = f"{prefix}.outliers"
+        expect.update({f"{o}.pool_k": (dt, (b, h, p, d)), f"{o}.pool_v": (dt, (b, h, p, d)),
+                       f"{o}.extra_k": (dt, (b, h, e, d)), f"{o}.extra_v": (dt, (b, h, e, d)),
+                       f"{o}.pool_pos": (POS_DTYPE, (b, h, p)), f"{o}.extra_pos": (POS_DTYPE, (b, h, e)),
+                       f"{o}.extra_count": (torch.int64, (b, h)), f"{o}.tracking": (torch.bool, (b, h))})
+    for j, sd in enumerate(ld["stores"]):
+        n = _int(sd["n"], f"{prefix}.stores[{j}].n")
+        _int(sd["start"], f"{prefix}.stores[{j}].start")
+        bits = {side: _int(sd["bits"][side], f"{prefix}.stores[{j}].bits.{side}", 1) for side in SIDES}
+        sp = f"{prefix}.stores.{j}"
+        for part, (dtype, shape) in sd["parts"].items():
+            expect[f"{sp}.{part}"] = _check_part(f"tensor {sp}.{part}", cfg, part, dtype, shape, b, h, d, n, bits)
+        for side, cd in sd["coded"].items():
+            if side not in SIDES or f"{side}_codes" in sd["parts"] or cd["bits"] != bits[side] \
+                    or bits[side] not in (2, 4, 8):
+                raise KvcalibError(f"the snapshot's document is malformed: {prefix} store {j} codes side "
+                                   f"{side!r} at {cd.get('bits')!r} bits (store bits {bits})")
+            _int(cd["packed_bytes"], "packed_bytes")
+            if book_bits.setdefault((i, side), bits[side]) != bits[side]:
+                raise KvcalibError(f"layer {i} side {side}: stores coded at different bits share one codebook")
+            coded.append((prefix, j, side, (b, h, n, d), bits[side]))
+            for f in STREAM_FIELDS:
+                expect[f"{sp}.{side}_codes.{f}"] = (None, None)  # type: ignore[assignment]
 
 
 def _validate_inner(doc: Any, tensors: Mapping[str, torch.Tensor]):
@@ -443,48 +507,29 @@ def _validate_inner(doc: Any, tensors: Mapping[str, torch.Tensor]):
     if not isinstance(doc["packed_nbytes"], dict) or not isinstance(doc["layers"], list):
         raise KvcalibError("the snapshot's document is malformed: packed_nbytes must be an object, layers a list")
     expect: dict[str, tuple[torch.dtype, tuple[int, ...] | None]] = {}  # None shape: checked by CacheStreams
-    coded: list[tuple[int, int, str, tuple[int, int, int, int], int]] = []
+    coded: list[tuple[str, int, str, tuple[int, int, int, int], int]] = []  # (prefix, store, side, ...)
     book_bits: dict[Key, int] = {}
     for i, ld in enumerate(doc["layers"]):
         cfg = LayerConfig.from_dict(ld["config"], f"layers[{i}].config")
         if not ld["initialized"]:
             continue
-        if ld["dtype"] not in _DTYPES:
-            raise KvcalibError(f"the snapshot's document is malformed: layer {i} dtype {ld['dtype']!r}")
-        dt = _DTYPES[ld["dtype"]]
-        b, h, d = (_int(ld[k], f"layers[{i}].{k}", 1) for k in ("batch", "kv_heads", "head_dim"))
-        s, u, n_seen = (_int(ld[k], f"layers[{i}].{k}") for k in ("sink_len", "pend_len", "n_seen"))
-        _int(ld["pend_start"], f"layers[{i}].pend_start")
-        for name, length in (("sink_k", s), ("sink_v", s), ("pend_k", u), ("pend_v", u)):
-            expect[f"layers.{i}.{name}"] = (dt, (b, h, length, d))
-        if ld["padding"]:
-            expect[f"layers.{i}.valid"] = (torch.bool, (b, n_seen))
-        if ld["outliers"] is not None:
-            p, e = _int(ld["outliers"]["pool"], "outliers.pool"), _int(ld["outliers"]["extra"], "outliers.extra")
-            o = f"layers.{i}.outliers"
-            expect.update({f"{o}.pool_k": (dt, (b, h, p, d)), f"{o}.pool_v": (dt, (b, h, p, d)),
-                           f"{o}.extra_k": (dt, (b, h, e, d)), f"{o}.extra_v": (dt, (b, h, e, d)),
-                           f"{o}.pool_pos": (POS_DTYPE, (b, h, p)), f"{o}.extra_pos": (POS_DTYPE, (b, h, e)),
-                           f"{o}.extra_count": (torch.int64, (b, h)), f"{o}.tracking": (torch.bool, (b, h))})
-        for j, sd in enumerate(ld["stores"]):
-            n = _int(sd["n"], f"layers[{i}].stores[{j}].n")
-            _int(sd["start"], f"layers[{i}].stores[{j}].start")
-            bits = {side: _int(sd["bits"][side], f"layers[{i}].stores[{j}].bits.{side}", 1) for side in SIDES}
-            prefix = f"layers.{i}.stores.{j}"
-            for part, (dtype, shape) in sd["parts"].items():
-                expect[f"{prefix}.{part}"] = _check_part(f"tensor {prefix}.{part}", cfg, part, dtype, shape, b, h,
-                                                         d, n, bits)
-            for side, cd in sd["coded"].items():
-                if side not in SIDES or f"{side}_codes" in sd["parts"] or cd["bits"] != bits[side] \
-                        or bits[side] not in (2, 4, 8):
-                    raise KvcalibError(f"the snapshot's document is malformed: layer {i} store {j} codes side "
-                                       f"{side!r} at {cd.get('bits')!r} bits (store bits {bits})")
-                _int(cd["packed_bytes"], "packed_bytes")
-                if book_bits.setdefault((i, side), bits[side]) != bits[side]:
-                    raise KvcalibError(f"layer {i} side {side}: stores coded at different bits share one codebook")
-                coded.append((i, j, side, (b, h, n, d), bits[side]))
-                for f in STREAM_FIELDS:
-                    expect[f"{prefix}.{side}_codes.{f}"] = (None, None)  # type: ignore[assignment]
+        if ld.get("padding"):
+            raise KvcalibError("the snapshot holds a padded batch in the layout of an older kvcalib (a padding mask); "
+                               "this kvcalib keeps padded rows apart: re-create the snapshot")
+        units = [(f"layers.{i}", ld)]
+        if ld.get("rows") is not None:
+            _int(ld["n_seen"], f"layers[{i}].n_seen")
+            if not isinstance(ld["rows"], list) or len(ld["row_first"]) != len(ld["rows"]) \
+                    or len(ld["row_end"]) != len(ld["rows"]):
+                raise KvcalibError(f"the snapshot's document is malformed: layer {i} rows, row_first and row_end "
+                                   "must be lists of one length")
+            for r, (first, end) in enumerate(zip(ld["row_first"], ld["row_end"])):
+                if first is not None:
+                    _int(first, f"layers[{i}].row_first[{r}]")
+                _int(end, f"layers[{i}].row_end[{r}]")
+            units = [(f"layers.{i}.rows.{r}", rd) for r, rd in enumerate(ld["rows"]) if rd["initialized"]]
+        for prefix, ud in units:
+            _expect_unit(i, prefix, cfg, ud, expect, coded, book_bits)
     for (i, side), bits in book_bits.items():
         expect[f"codebooks.{i}.{side}"] = (torch.uint8, (1 << bits,))
     missing = sorted(set(expect) - set(tensors))
@@ -506,11 +551,11 @@ def _validate_inner(doc: Any, tensors: Mapping[str, torch.Tensor]):
             books[(i, side)] = Codebook.from_lengths(tensors[name], max_len=max_len)
         except HuffmanError as err:
             raise HuffmanError(f"tensor {name}: {err}") from None
-    streams: dict[tuple[int, int, str], CacheStreams] = {}
-    for i, j, side, shape, bits in coded:
-        prefix = f"layers.{i}.stores.{j}.{side}_codes"
+    streams: dict[tuple[str, int, str], CacheStreams] = {}
+    for unit, j, side, shape, bits in coded:
+        prefix = f"{unit}.stores.{j}.{side}_codes"
         try:
-            streams[(i, j, side)] = CacheStreams(*(tensors[f"{prefix}.{f}"] for f in STREAM_FIELDS),
+            streams[(unit, j, side)] = CacheStreams(*(tensors[f"{prefix}.{f}"] for f in STREAM_FIELDS),
                                                  shape=shape, bits=bits, layout=layout)
         except HuffmanError as err:
             raise HuffmanError(f"coded plane {prefix}: {err}") from None
@@ -550,7 +595,8 @@ def decode_cache(coded: CodedCache, recipe: Recipe | str | None = None, *, into:
         from kvcalib.recipe import build_codecs
 
         configs = recipe.layer_configs(n_layers)
-        head_dim = next((ld["head_dim"] for ld in doc["layers"] if ld["initialized"]), None)
+        head_dim = next((u["head_dim"] for ld in doc["layers"] if ld["initialized"] for u in _units(ld)
+                         if u["initialized"]), None)
         into = CompressedCache(configs, build_codecs(recipe, configs, head_dim),
                                [ld["sliding_window"] for ld in doc["layers"]], recipe)
     else:
@@ -578,6 +624,31 @@ def decode_cache(coded: CodedCache, recipe: Recipe | str | None = None, *, into:
 
 
 def _restore_layer(coded: CodedCache, i: int, layer: CompressedLayer, ld: dict[str, Any], device: torch.device) -> None:
+    if ld.get("rows") is None:
+        _restore_unit(coded, i, f"layers.{i}", layer, ld, device)
+        return
+    from kvcalib.runtime.cache import CompressedLayer as Layer
+
+    layer.rows = []
+    for r, rd in enumerate(ld["rows"]):
+        row = Layer(layer.cfg, layer.codec, layer.layer_idx, layer.sliding_window)
+        if rd["initialized"]:
+            _restore_unit(coded, i, f"layers.{i}.rows.{r}", row, rd, device)
+        layer.rows.append(row)
+    layer.row_first, layer.row_end = list(ld["row_first"]), list(ld["row_end"])
+    layer.chunk_rows, layer.chunk_len = [None] * len(layer.rows), 0
+    first = next(row for row in layer.rows if row.is_initialized)
+    layer.dtype, layer.device = first.dtype, device
+    _, h, _, d = first.sink_k.shape
+    layer.sink_k = layer.sink_v = layer.pend_k = layer.pend_v = first.sink_k.new_zeros((len(layer.rows), h, 0, d))
+    layer.n_seen = ld["n_seen"]
+    layer.awaiting_attention = False
+    layer.is_initialized = True
+
+
+def _restore_unit(coded: CodedCache, i: int, prefix: str, layer: CompressedLayer, ld: dict[str, Any],
+                  device: torch.device) -> None:
+    """Fill the empty dense ``layer`` from its document ``ld`` (tensors under ``prefix``)."""
     t = coded.tensors
 
     def put(name: str) -> torch.Tensor:
@@ -592,18 +663,17 @@ def _restore_layer(coded: CodedCache, i: int, layer: CompressedLayer, ld: dict[s
                            f"{layer.outliers.pool_size}")
     layer.dtype, layer.device = _DTYPES[ld["dtype"]], device
     for name in LAYER_TENSORS:
-        setattr(layer, name, put(f"layers.{i}.{name}"))
-    layer.valid = put(f"layers.{i}.valid") if ld["padding"] else None
+        setattr(layer, name, put(f"{prefix}.{name}"))
     if ld["outliers"] is not None:
-        layer.outliers.state = OutlierState(**{f: put(f"layers.{i}.outliers.{f}") for f in OUTLIER_FIELDS})
+        layer.outliers.state = OutlierState(**{f: put(f"{prefix}.outliers.{f}") for f in OUTLIER_FIELDS})
     for j, (store, sd) in enumerate(zip(layer.packed.stores, ld["stores"])):
         if store.bits != sd["bits"]:
             raise KvcalibError(f"layer {i} store {j}: the snapshot holds {sd['bits']} bits, the recipe's codec "
                                f"{store.bits}")
         for part in sd["parts"]:
-            store.parts[part].append(t[f"layers.{i}.stores.{j}.{part}"].to(device))  # append copies
+            store.parts[part].append(t[f"{prefix}.stores.{j}.{part}"].to(device))  # append copies
         for side, cd in sd["coded"].items():
-            symbols = decode_cache_streams(coded._streams[(i, j, side)], coded._books[(i, side)])  # (B, H, N, D)
+            symbols = decode_cache_streams(coded._streams[(prefix, j, side)], coded._books[(i, side)])  # (B, H, N, D)
             store.parts[f"{side}_codes"].append(pack_codes(symbols, cd["bits"]).to(device))
         store.start, store.n = sd["start"], sd["n"]
     layer.n_seen, layer.pend_start, layer.sinks_dropped = ld["n_seen"], ld["pend_start"], ld["sinks_dropped"]

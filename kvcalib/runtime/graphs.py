@@ -18,8 +18,12 @@ A transformers ``StaticCache`` (the bf16 baseline of the benchmark) works too: i
 flushes, so one capture serves every step; its attention gets a 4D visibility mask refreshed on
 the device.
 
-``capture=False`` runs exactly the same step eagerly (the CPU tests, and the check that a graph
-changes nothing). EOS ends a sequence (it then repeats ``pad_token_id``).
+``capture=False`` runs exactly the same step eagerly, on the current stream (the CPU tests, and
+the check that a graph changes nothing; only a step warming up a capture runs on a side stream,
+as capture asks). A static step launches what a dynamic decode step launches
+(:mod:`kvcalib.runtime.cache`), so graph decoding and ``model.generate`` over the cache make one
+computation. Padded batches decode each row as its prompt alone (one kernel launch per row, each
+row flushing at its own steps). EOS ends a sequence (it then repeats ``pad_token_id``).
 
 The pick is greedy (argmax) by default; ``sampling=Sampling(...)``
 (:mod:`kvcalib.runtime.sampling`) samples inside the captured step instead: temperature, top-k,
@@ -143,7 +147,7 @@ class GraphDecoder:
         self.position_ids.add_(1)
 
     def _eager_step(self) -> None:
-        if self.device.type == "cuda":  # warm up off the capture stream, as CUDA-graph capture asks
+        if self.device.type == "cuda" and self.capture:  # warm up off the capture stream, as capture asks
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
@@ -179,14 +183,14 @@ class GraphDecoder:
         blockers = self.cache.static_blockers()
         if not blockers:
             return True
-        if all(layer.n_seen < layer.cfg.sinks for layer in self.cache.layers if layer.static_blocker() is not None):
+        if all(layer.waiting_for_tokens() for layer in self.cache.layers if layer.static_blocker() is not None):
             return False
         raise KvcalibError("CUDA-graph decoding needs every layer on the fused kernel: " + "; ".join(blockers)
                            + ". Decode without CUDA graphs for this recipe.")
 
     def _dynamic_step(self) -> None:
         """A step over the cache in its ordinary (dynamic) mode, e.g. while the sinks fill."""
-        valid = self.cache.layers[0].valid  # (B, n_seen) bool or None
+        valid = self.cache.padding_mask()  # (B, n_seen) bool or None
         mask = None if valid is None else torch.cat([valid, valid.new_ones((valid.shape[0], 1))], 1).long()
         out = self.model(input_ids=self.tok, position_ids=self.position_ids, past_key_values=self.cache,
                          use_cache=True, logits_to_keep=1, attention_mask=mask)

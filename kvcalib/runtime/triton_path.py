@@ -8,11 +8,18 @@ the caller (:func:`kvcalib.runtime.backend.decode_attention`) then runs the PyTo
 - CUDA tensors (or any device under ``TRITON_INTERPRET=1``, for the CPU tests);
 - a compressed layer with both K and V at 2, 4 or 8 bits (a 16-bit side returns None), keys per
   channel or per token, the group sizes :func:`kvcalib_kernels.decode_attention.supports` takes;
-- global and sliding-window layers: what the query may see comes from ``visible`` (its last
-  query row, over absolute positions), so left padding, holes, ragged batches and a sliding
-  window's lower bound all work; a sliding layer has already dropped its packed blocks older than
-  the window at the last flush (:meth:`~kvcalib.runtime.cache.CompressedLayer.flush`), so the
-  packed tokens the kernel reads span at most the window plus one flush block, the mask hiding
+- global and sliding-window layers: a layer whose window sits in its fixed buffer (every
+  compressed layer between prompts) is launched exactly as a static step launches it -- the
+  whole buffer under the visibility a static step computes
+  (:meth:`~kvcalib.runtime.cache.CompressedLayer.decode_visibility`; the caller's ``visible``
+  says nothing more: the layer holds no padding and a decode query sees every real token,
+  through the window on a sliding layer) -- so the two modes run one computation; otherwise
+  what the query may see comes from ``visible`` (its last query row, over absolute positions).
+  A padded batch runs one launch per row over the row's own layer
+  (:attr:`~kvcalib.runtime.cache.CompressedLayer.rows`). A sliding layer has already dropped
+  its packed blocks older than the window at the last flush
+  (:meth:`~kvcalib.runtime.cache.CompressedLayer.flush`), so the packed tokens the kernel reads
+  span at most the window plus one flush block, the mask hiding
   the stale rest (and any pending or sink tokens the window no longer shows). In static
   (CUDA-graph) mode the visibility lives on the device (:mod:`kvcalib.runtime.static`: one mask
   per window size, refreshed inside the captured step).
@@ -95,8 +102,20 @@ def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, s
     ``all_visible``: it is True everywhere (and may be None), so no mask is passed to the kernel.
     Returns None (use the reference) when the step or the layer is not covered (module doc).
     """
+    if layer.rows is not None and query.shape[-2] == 1:  # padded batch: a launch per row, its own layer
+        def one_row(q, row, vis):
+            if vis is None and row.is_sliding:
+                from kvcalib.runtime.attention import visible_mask
+
+                vis = visible_mask(None, row, 1, q.device)  # (1, 1, n) the window's lower bound
+            return triton_decode_attention(q, row, vis, scaling, softcap, all_visible=vis is None)
+
+        return layer.attend_rows(query, visible, one_row, query.dtype)
     if _reason_unsupported(query, layer) is not None:
         return None
+    if layer.pend_buffered:  # the very launch a static step makes (static_decode_attention): one computation
+        mask, mask_packed = layer.decode_visibility()  # (1, L): a dense layer's query sees every real token
+        return _launch_layer(query, layer, (layer.pend_buf_k, layer.pend_buf_v), mask, mask_packed, scaling, softcap)
     pending = (layer.pend_k, layer.pend_v)  # (B, H, U, D) x 2
     mask = None if all_visible else visible[:, -1, :]  # (B|1, KV)
     return _launch_layer(query, layer, pending, mask, True, scaling, softcap)
@@ -110,6 +129,9 @@ def static_decode_attention(query: torch.Tensor, layer, scaling: float,
     the layer (there is no reference fallback inside a CUDA graph)."""
     from kvcalib.errors import KvcalibError
 
+    if layer.rows is not None:  # padded batch: each row over its own layer and state (static.py)
+        return torch.cat([static_decode_attention(query[i:i + 1], row, scaling, softcap)
+                          for i, row in enumerate(layer.rows)])
     why = _reason_unsupported(query, layer)
     if why is not None:
         raise KvcalibError(f"layer {layer.layer_idx} cannot decode in static (CUDA-graph) mode: {why}; "
@@ -118,8 +140,8 @@ def static_decode_attention(query: torch.Tensor, layer, scaling: float,
     pending = (layer.pend_buf_k, layer.pend_buf_v)  # (B, H, window + block, D) x 2
     if layer.is_sliding:  # its own device mask (the window's lower bound), read for every segment
         out = _launch_layer(query, layer, pending, state.window_visible(layer.sliding_window), True, scaling, softcap)
-    else:
-        out = _launch_layer(query, layer, pending, state.visible, state.mask_packed, scaling, softcap)
+    else:  # a static layer holds no padding: the mask only hides the buffer's empty slots
+        out = _launch_layer(query, layer, pending, state.visible, False, scaling, softcap)
     if out is None:
         raise KvcalibError(f"layer {layer.layer_idx} stores a 16-bit side raw: static (CUDA-graph) mode needs "
                            "packed K and V")

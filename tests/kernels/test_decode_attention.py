@@ -809,16 +809,21 @@ def test_reference_matches_attend_compressed_on_a_real_layer():
 
     layer, q, vis = _filled_layer(LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2))
     ref = attend_compressed(q, layer, vis, 64 ** -0.5)[:, 0]  # (B, Hq, D)
-    view = layer.packed_view()
-    kref = decode_attention_reference(
-        q[:, :, 0], view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale, view.v_zero,
-        k_bits=2, v_bits=4, k_group=16, v_group=32, scaling=64 ** -0.5, packed_position=view.start,
-        fp_segments=[(layer.sink_k, layer.sink_v), (layer.pend_k, layer.pend_v)],
-        fp_positions=[0, layer.pend_start], mask=vis[:, -1])
-    assert float((ref - kref).abs().max()) < 1e-5
+    for i, row in enumerate(layer.rows):  # the padded batch holds one unpadded layer per row
+        view = row.packed_view()
+        kref = decode_attention_reference(
+            q[i:i + 1, :, 0], view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale, view.v_zero,
+            k_bits=2, v_bits=4, k_group=16, v_group=32, scaling=64 ** -0.5, packed_position=view.start,
+            fp_segments=[(row.sink_k, row.sink_v), (row.pend_k, row.pend_v)], fp_positions=[0, row.pend_start])
+        assert float((ref[i:i + 1] - kref).abs().max()) < 1e-5
 
 
 # ---------------------------------------------------------------- the runtime adapter
+
+
+def _row(layer, i: int = 1):
+    """What a padded batch's row ``i`` holds (the layer itself when it holds no padding)."""
+    return layer.rows[i] if layer.ragged else layer
 
 
 def _filled_layer(cfg, b=2, h=2, rep=3, d=64, prompt=75, steps=3, pad=(0, 9), dtype=torch.float32, seed=1,
@@ -833,13 +838,14 @@ def _filled_layer(cfg, b=2, h=2, rep=3, d=64, prompt=75, steps=3, pad=(0, 9), dt
     vis = torch.ones(b, 1, total, dtype=torch.bool)
     for i, p in enumerate(pad):
         vis[i, :, :p] = False
+    real = vis[:, 0].clone()  # (B, total): what the window hides below is not padding
     if sliding_window is not None:
         vis[:, :, :total - sliding_window] = False
     for t_new in [prompt] + [1] * (steps + 1):
         k = (torch.randn(b, h, t_new, d, generator=g) * 2).to(dtype).to(DEVICE)
         v = torch.randn(b, h, t_new, d, generator=g).to(dtype).to(DEVICE)
         layer.update(k, v)
-        layer.mark_padding(vis[:, 0, :layer.n_seen].to(DEVICE))
+        layer.mark_padding(real[:, :layer.n_seen].to(DEVICE))
         if layer.n_seen < total:
             layer.flush()
     q = (torch.randn(b, h * rep, 1, d, generator=g)).to(dtype).to(DEVICE)
@@ -880,8 +886,8 @@ def test_triton_path_runs_centred_and_permuted_layers(k_center, v_center, perm):
              for s in ("k", "v")}
     codec = LayerCodec(cfg, k_perm=perms["k"], v_perm=perms["v"], k_center=k_center, v_center=v_center)
     layer, q, vis = _filled_layer(cfg, codec=codec)
-    assert layer.n_packed > 0 and _reason_unsupported(q, layer) is None
-    view = layer.packed_view()
+    assert layer.n_packed > 0 and _reason_unsupported(q, _row(layer)) is None
+    view = _row(layer).packed_view()
     assert (view.k_mean is not None) == bool(k_center) and (view.v_mean is not None) == bool(v_center)
     out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
     ref = attend_compressed(q, layer, vis, 64 ** -0.5)
@@ -902,12 +908,13 @@ def test_triton_path_runs_ott_layers(cfg):
 
     lc = LayerConfig(**cfg)
     layer, q, vis = _filled_layer(lc, codec=LayerCodec(lc, outlier_pool=4))
-    assert layer.n_packed > 0 and _reason_unsupported(q, layer) is None
-    view = layer.packed_view()
-    assert view.keep is not None and layer.outliers.state is not None
-    pool_k, _, pool_pos = layer.outliers.segment(q.dtype)
+    row = _row(layer)  # the padded row
+    assert layer.n_packed > 0 and _reason_unsupported(q, row) is None
+    view = row.packed_view()
+    assert view.keep is not None and row.outliers.state is not None
+    pool_k, _, pool_pos = row.outliers.segment(q.dtype)
     assert int((pool_pos >= 0).sum()) > 0 and pool_pos.dtype == torch.int32
-    assert pool_k.data_ptr() == layer.outliers.state.pool_k.data_ptr()  # the joined storage: no copy per step
+    assert pool_k.data_ptr() == row.outliers.state.pool_k.data_ptr()  # the joined storage: no copy per step
     out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
     ref = attend_compressed(q, layer, vis, 64 ** -0.5)
     assert out is not None and float((out - ref).abs().max()) < 1e-4
@@ -1078,8 +1085,8 @@ def test_triton_path_runs_pats_tiers(tiers, bits, ott):
     from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
 
     layer, q, vis = _tiered_layer(tiers, bits, ott)
-    assert _reason_unsupported(q, layer) is None
-    assert sum(1 for st in layer.packed.stores if st.n) == len(tiers) + 1  # every tier holds blocks
+    assert _reason_unsupported(q, _row(layer)) is None
+    assert sum(1 for st in _row(layer).packed.stores if st.n) == len(tiers) + 1  # every tier holds blocks
     out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
     ref = attend_compressed(q, layer, vis, 64 ** -0.5)
     assert out is not None and float((out - ref).abs().max()) < 1e-4
@@ -1097,8 +1104,8 @@ def test_triton_path_runs_tiered_layers_with_mixed_bits():
     cfg = LayerConfig(k_bits=8, v_bits=4, k_group=16, v_group=16, window=16, sinks=2)
     sched = Schedule.from_tensor(torch.tensor([[0, 16, 16], [16, 8, 4], [40, 4, 4], [72, 2, 2]]), sinks=cfg.sinks)
     layer, q, vis = _filled_layer(cfg, codec=LayerCodec(cfg, schedule=sched), prompt=130)
-    assert len({(s.bits["k"], s.bits["v"]) for s in layer.packed.stores if s.n}) == 3
-    assert _reason_unsupported(q, layer) is None
+    assert len({(s.bits["k"], s.bits["v"]) for s in _row(layer).packed.stores if s.n}) == 3
+    assert _reason_unsupported(q, _row(layer)) is None
     out = triton_decode_attention(q, layer, vis, 0.125)
     ref = attend_compressed(q, layer, vis, 0.125)
     assert out is not None and float((out - ref).abs().max()) < 1e-4
@@ -1119,14 +1126,15 @@ def test_triton_path_runs_sliding_window_layers(window, cfg):
     from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
 
     layer, q, vis = _filled_layer(LayerConfig(**cfg), sliding_window=window)
-    assert layer.is_sliding and _reason_unsupported(q, layer) is None
-    first_visible = layer.n_seen - window  # of the last query (at n_seen - 1)
-    held_from = layer.packed.start if layer.n_packed else layer.pend_start  # the oldest token held
-    if layer.n_packed:  # the flushes dropped every packed block but the one the window's bound cuts
-        assert held_from <= first_visible < held_from + layer.cfg.flush_block
+    row = _row(layer, 0)  # the unpadded row (the padded one holds the same, 9 positions later)
+    assert layer.is_sliding and _reason_unsupported(q, row) is None
+    first_visible = row.n_seen - window  # of the last query (at n_seen - 1)
+    held_from = row.packed.start if row.n_packed else row.pend_start  # the oldest token held
+    if row.n_packed:  # the flushes dropped every packed block but the one the window's bound cuts
+        assert held_from <= first_visible < held_from + row.cfg.flush_block
     else:  # a window shorter than the pending full-precision one: the bound cuts into that
-        assert window < layer.pend_k.shape[2] and held_from < first_visible
-    assert layer.sinks_dropped == bool(cfg["sinks"])
+        assert window < row.pend_k.shape[2] and held_from < first_visible
+    assert row.sinks_dropped == bool(cfg["sinks"])
     out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
     ref = attend_compressed(q, layer, vis, 64 ** -0.5)
     assert out is not None and float((out - ref).abs().max()) < 1e-4

@@ -1,0 +1,96 @@
+"""Padded batches on the kernel path and in static (CUDA-graph) mode: each row decodes as its
+prompt alone does (issue 33 item 4; the reference path's float64 proof is
+``tests/unit/test_padded_batches.py``).
+
+On CPU the kernel runs under Triton's interpreter and static steps eagerly (``capture=False``); on
+CUDA (device tool) the same tests run the compiled kernel, and the captured graphs too.
+A padded row runs the same kernel calls on the same tensors as its prompt alone: the same tokens,
+and logits within the float32 rounding of the model's own batched matmuls.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.triton_setup import kernel_modules
+
+DEVICE, INTERPRET, _ = kernel_modules("kvcalib_kernels.decode_attention")  # before any kernel import
+
+from kvcalib.calibrate.schedule import Schedule  # noqa: E402
+from kvcalib.recipe import LayerConfig, Recipe  # noqa: E402
+from kvcalib.runtime.cache import CompressedCache  # noqa: E402
+from kvcalib.runtime.graphs import GraphDecoder  # noqa: E402
+from tests.conftest import tiny_model  # noqa: E402
+from tests.kernels.test_graph_decode import _dynamic_logits  # noqa: E402
+
+def _recipe() -> Recipe:
+    """Sinks 4, groups 16, window 16, K2V4 + K4V4 layers, clip per head, an OTT pool on layer 0,
+    PATS tiers (4 -> 2 bits at age 40) on layer 1."""
+    l0 = LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=16, window=16, sinks=4)
+    l1 = LayerConfig(k_bits=4, v_bits=4, k_group=16, v_group=16, window=16, sinks=4)
+    tensors = {f"layers.{i}.{s}.clip": torch.tensor([[0.85], [0.7]]) for i in range(2) for s in "kv"}
+    tensors["layers.0.kv.outlier_pool"] = torch.tensor(3)
+    tensors["layers.1.kv.schedule"] = Schedule.from_layer(l1, (40,)).to_tensor()
+    return Recipe(name="fitted-like", layers=[l0, l1], tensors=tensors)
+
+
+def _batch(lens, seed=4):
+    """Prompts of ``lens`` tokens, left-padded into (B, T) ids and mask."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(1, 128, (n,), generator=g) for n in lens]
+    t = max(lens)
+    ids = torch.stack([torch.cat([torch.zeros(t - n, dtype=torch.long), s]) for n, s in zip(lens, seqs)])
+    mask = (torch.arange(t)[None] >= torch.tensor([[t - n] for n in lens])).long()
+    return seqs, ids.to(DEVICE), mask.to(DEVICE)
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["llama", "gemma3-sliding"])
+def test_padded_rows_decode_as_each_prompt_alone_in_static_and_dynamic_mode(monkeypatch, sliding):
+    """A left-padded batch (prompts of 41 and 19 tokens) decodes 24 steps in static mode (flushes
+    in both rows at different steps, an OTT pool, a tier move and, on Gemma 3, a 28-token sliding
+    window on the way): every row's tokens are its prompt's alone, and its logits -- static, and
+    dynamic through the kernel -- equal the prompt alone's (dynamic, kernel). A row runs the same
+    kernel calls on the same tensors as its prompt alone, so only the model's own matmuls over a
+    batch differ (float32 rounding): 1e-4 of the logits' scale bounds it."""
+    monkeypatch.setenv("KVCALIB_BACKEND", "triton")
+    if sliding:
+        model = tiny_model("gemma3", head_dim=64, heads=4, kv_heads=2, sliding_window=28).to(DEVICE)
+    else:
+        model = tiny_model("llama", head_dim=64, heads=4, kv_heads=2).to(DEVICE)
+    recipe, steps = _recipe(), 24
+    seqs, ids, mask = _batch((41, 19))
+    cache = CompressedCache.from_recipe(model, recipe)
+    static = GraphDecoder(model, cache, capture=False, keep_logits=True).generate(ids, mask, max_new_tokens=steps)
+    assert all(layer.ragged for layer in cache.layers) and cache.layers[0].row_first == [0, 22]
+    assert static.eager_steps == steps - 1  # every step static (no dynamic fallback)
+    static_logits = torch.stack(static.logits)  # (steps, B, V)
+    dynamic, _ = _dynamic_logits(model, recipe, ids, mask, static.tokens)  # the kernel, teacher-forced
+    for i, seq in enumerate(seqs):
+        alone, alone_cache = _dynamic_logits(model, recipe, seq[None].to(DEVICE), None, static.tokens[i:i + 1])
+        assert alone_cache.layers[1].n_packed > 0 and alone_cache.layers[0].outliers.state is not None
+        tol = 1e-4 * max(1.0, float(alone.abs().max()))
+        for name, got in (("static", static_logits[:, i]), ("dynamic", dynamic[:, i])):
+            assert float((got - alone[:, 0]).abs().max()) <= tol, name
+        assert torch.equal(static.tokens[i], torch.stack([x.argmax(-1) for x in alone[:, 0]]))
+    assert [store.n for store in cache.layers[1].rows[0].packed.stores] == [16, 16]  # a block moved down a tier
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (run through the device tool)")
+def test_captured_padded_rows_decode_as_each_prompt_alone():
+    """CUDA graphs over a padded batch (one kernel launch per row, each row its own flush periods)
+    give each prompt's tokens alone, replayed (float32 model: no bf16 near-ties; the model's own
+    matmuls round a batch's rows differently only at float32's last bits)."""
+    model = tiny_model("llama", head_dim=64, heads=4, kv_heads=2).to(DEVICE)
+    recipe = _recipe()
+    seqs, ids, mask = _batch((120, 77, 95), seed=6)
+    batch = GraphDecoder(model, CompressedCache.from_recipe(model, recipe), keep_logits=True).generate(
+        ids, mask, max_new_tokens=70)
+    assert batch.replays > 0
+    for i, seq in enumerate(seqs):
+        alone = GraphDecoder(model, CompressedCache.from_recipe(model, recipe), keep_logits=True).generate(
+            seq[None].to(DEVICE), None, max_new_tokens=70)
+        assert torch.equal(batch.tokens[i], alone.tokens[0])
+        diff = max(float((a[i] - b[0]).abs().max()) for a, b in zip(batch.logits, alone.logits))
+        assert diff < 1e-3 * max(1.0, float(alone.logits[0].abs().max()))

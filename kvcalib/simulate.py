@@ -112,7 +112,7 @@ def _simulated_attention(module, query, key, value, attention_mask, scaling=None
     h = key.shape[1]
     rep = hq // h
     scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
-    from kvcalib.runtime.attention import compute_dtype
+    from kvcalib.runtime.reference import compute_dtype
 
     acc_dtype = compute_dtype(query.dtype)
     q = query.to(acc_dtype).reshape(b, h, rep, t, d)  # (B, H, rep, T, D)

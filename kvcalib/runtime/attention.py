@@ -1,16 +1,11 @@
-"""Attention over a :class:`~kvcalib.runtime.cache.CompressedLayer`, registered with
-transformers' ``AttentionInterface`` as ``"kvcalib"``.
+"""The attention entry point over a :class:`~kvcalib.runtime.cache.CompressedLayer`, registered
+with transformers' ``AttentionInterface`` as ``"kvcalib"``.
 
-The reference path reads the compressed layer segment by segment (sinks, a few packed blocks
-at a time, the OTT outlier pools, the full-precision window) with an online softmax, so no
-dequantized copy of the whole cache ever exists. Packed slots of tokens that live in the outlier
-pool are masked out (the segment's ``keep``) and the pools are attended in full precision at
-their own positions, so every token is seen exactly once. After attending it tells the layer to flush: the prompt's own attention runs
-over full-precision prompt K/V, and only then is the prompt compressed.
-
-On CUDA with the Triton runtime available (``KVCALIB_BACKEND=triton`` or auto), decode steps go
-to the fused kernels; the reference path here is their specification. Layers the kernel does not
-cover (a 16-bit side, :mod:`kvcalib.runtime.triton_path`) run here on every device.
+A key tensor returned by ``CompressedLayer.update`` carries its layer (:data:`LAYER_ATTR`); the
+attention runs over everything the layer holds -- the fused kernels on CUDA for decode steps
+(:mod:`kvcalib.runtime.backend`), the reference (:mod:`kvcalib.runtime.reference`, their
+specification) otherwise -- and after attending tells the layer to flush: the prompt's own
+attention runs over full-precision prompt K/V, and only then is the prompt compressed.
 """
 
 from __future__ import annotations
@@ -19,98 +14,16 @@ import math
 
 import torch
 
+from kvcalib.runtime.reference import visible_mask
+
 ATTN_NAME = "kvcalib"
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Attention arithmetic: float32, or float64 for a float64 model (exactness tests)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def visible_mask(attention_mask: torch.Tensor | None, layer, q_len: int, device) -> torch.Tensor:
-    """(B|1, Tq, KV) bool, True where query t may attend key position j."""
-    kv = layer.n_seen
-    if attention_mask is not None:
-        m = attention_mask
-        if m.dim() == 4:
-            m = m[:, 0]  # (B, Tq, KV)
-        if m.dtype != torch.bool:
-            m = m > torch.finfo(m.dtype).min / 2  # additive float mask: 0 visible, -inf/min hidden
-        return m[..., -kv:].to(device)
-    q_pos = torch.arange(kv - q_len, kv, device=device)[:, None]  # (Tq, 1)
-    k_pos = torch.arange(kv, device=device)[None, :]  # (1, KV)
-    vis = k_pos <= q_pos
-    if layer.sliding_window is not None:
-        vis &= k_pos > q_pos - layer.sliding_window
-    return vis[None]  # (1, Tq, KV)
-
-
-def _segment_visible(visible: torch.Tensor, seg) -> torch.Tensor:
-    """Which (query, key) pairs of one segment count: (B|1, H|1, 1, Tq, N) bool.
-
-    ``visible`` (B|1, Tq, KV) over absolute positions; contiguous segments slice it, the pools
-    gather it at their positions (empty slots, -1, never count); ``keep`` masks packed slots.
-    """
-    n = seg.k.shape[-2]
-    if seg.positions is None:
-        vis = visible[:, None, None, :, seg.start:seg.start + n]  # (B|1, 1, 1, Tq, N)
-    else:
-        pos = seg.positions  # (B, H, N)
-        b, h, _ = pos.shape
-        tq = visible.shape[1]
-        rows = visible.expand(b, -1, -1)[:, None].expand(b, h, tq, visible.shape[-1])  # (B, H, Tq, KV)
-        idx = pos.long().clamp_min(0)[:, :, None, :].expand(b, h, tq, n)  # (B, H, Tq, N)
-        vis = (rows.gather(-1, idx) & (pos >= 0)[:, :, None, :])[:, :, None]  # (B, H, 1, Tq, N)
-    if seg.keep is not None:
-        vis = vis & seg.keep[:, :, None, None, :]  # (B, H, 1, Tq, N)
-    return vis
-
-
-def attend_compressed(query: torch.Tensor, layer, visible: torch.Tensor, scaling: float,
-                      softcap: float | None = None, block_tokens: int = 256) -> torch.Tensor:
-    """Reference attention of ``query`` (B, Hq, Tq, D) over everything ``layer`` holds.
-
-    ``visible`` (B|1, Tq, KV) bool. Returns (B, Tq, Hq, D) in :func:`compute_dtype`. Online
-    softmax over the segments: m (running max), l (running sum), acc (running weighted sum).
-    """
-    if layer.rows is not None:  # padded batch: each row over its own layer (cache.py's docstring)
-        def one_row(q, row, vis):
-            vis = vis if vis is not None else visible_mask(None, row, q.shape[-2], q.device)
-            return attend_compressed(q, row, vis, scaling, softcap, block_tokens)
-
-        return layer.attend_rows(query, visible, one_row, compute_dtype(query.dtype))
-    b, hq, tq, d = query.shape
-    h = layer.sink_k.shape[1]
-    rep = hq // h
-    acc_dtype = compute_dtype(query.dtype)
-    q = query.to(acc_dtype).reshape(b, h, rep, tq, d)  # (B, H, rep, Tq, D)
-    m = torch.full((b, h, rep, tq), float("-inf"), device=query.device, dtype=acc_dtype)  # running max
-    l = torch.zeros((b, h, rep, tq), device=query.device, dtype=acc_dtype)  # running denominator
-    acc = torch.zeros((b, h, rep, tq, d), device=query.device, dtype=acc_dtype)  # running numerator
-    for seg in layer.segments(block_tokens, acc_dtype):  # seg.k, seg.v: (B, H, N, D)
-        k, v = seg.k, seg.v
-        s = torch.einsum("bhrtd,bhnd->bhrtn", q, k) * scaling  # (B, H, rep, Tq, N)
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
-        vis = _segment_visible(visible, seg)  # (B|1, H|1, 1, Tq, N)
-        s = s.masked_fill(~vis, float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(s - m_safe[..., None])  # masked -> exp(-inf) = 0
-        corr = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, float("-inf")), m - m_safe))
-        l = l * corr + p.sum(-1)
-        acc = acc * corr[..., None] + torch.einsum("bhrtn,bhnd->bhrtd", p, v)
-        m = m_new
-    out = acc / l.clamp_min(1e-30)[..., None]  # rows with nothing visible stay 0
-    return out.reshape(b, hq, tq, d).transpose(1, 2)  # (B, Tq, Hq, D)
+LAYER_ATTR = "_kvcalib_layer"  # attribute on the key tensor returned by CompressedLayer.update()
 
 
 def kvcalib_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       softcap=None, **kwargs):
     """AttentionInterface function: compressed attention when ``key`` comes from a
     CompressedLayer, otherwise plain SDPA (e.g. a forward without a cache)."""
-    from kvcalib.runtime.cache import LAYER_ATTR
-
     layer = getattr(key, LAYER_ATTR, None)
     if layer is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -28,7 +28,7 @@ def decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, scaling:
     ``visible`` (B|1, Tq, KV) bool, or None: causal (and the layer's sliding window), nothing
     padding; ``all_visible``: it is True everywhere (the kernel skips reading it; ``visible`` is
     then built only if the reference runs)."""
-    from kvcalib.runtime.attention import attend_compressed, compute_dtype, visible_mask
+    from kvcalib.runtime.reference import attend_compressed, compute_dtype, visible_mask
 
     if layer.rows is not None:  # padded batch: each row over its own layer (cache.py's docstring)
         def one_row(q, row, vis):

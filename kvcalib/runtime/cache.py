@@ -53,7 +53,6 @@ short windows, another number of partial results to merge.
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any, NamedTuple
 
 import torch
@@ -63,12 +62,12 @@ from kvcalib.errors import KvcalibError
 from kvcalib.layout import LayerConfig, held_elements
 from kvcalib.recipe import Recipe, resolve_recipe
 from kvcalib.codec import LayerCodec
+from kvcalib.runtime.attention import LAYER_ATTR, use_kvcalib_attention
 from kvcalib.runtime.outlier_pool import OutlierPool, pack_keep
 from kvcalib.runtime.static import StaticState
 from kvcalib.runtime.store import GrowBuffer, PackedStore, PackedView  # noqa: F401  (re-exported)
 from kvcalib.runtime.tiers import PackedTiers
 
-LAYER_ATTR = "_kvcalib_layer"  # attribute on the key tensor returned by update()
 # decode steps' visibility masks (CompressedLayer.decode_visibility), by (device, length, position,
 # window): the layers of one step share one
 _DECODE_MASKS: dict[tuple, torch.Tensor] = {}
@@ -270,11 +269,7 @@ class CompressedLayer(CacheLayerMixin):
                 if view is not None:
                     dst.parts[name].append(view[one].clone())
             dst.start, dst.n = src.start, src.n
-        state = self.outliers.state
-        if state is not None:
-            from kvcalib.calibrate.outliers import OutlierState
-
-            row.outliers.state = OutlierState(*(getattr(state, f.name)[one].clone() for f in fields(state)))
+        row.outliers.copy_row(self.outliers, i)
 
     def _update_static(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """Static mode: write the step's token (B, H, 1, D) at its slot of the pending buffer, the
@@ -648,7 +643,6 @@ class CompressedCache(Cache):
         ``switch_attention=False``, sets the model's attention to kvcalib's.
         """
         from kvcalib.models import model_info
-        from kvcalib.runtime.attention import use_kvcalib_attention
         from kvcalib.recipe import build_codecs
 
         recipe = resolve_recipe(recipe)

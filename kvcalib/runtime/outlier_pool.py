@@ -98,6 +98,16 @@ class OutlierPool:
         self.state = sel.state
         return sel.quant_mask
 
+    def copy_row(self, other: "OutlierPool", row: int) -> None:
+        """Hold batch row ``row`` of ``other``'s pools (a copy), as a single-row pool (padded
+        batches split into rows: :mod:`kvcalib.runtime.cache`)."""
+        from dataclasses import fields
+
+        state = other.state
+        if state is not None:
+            one = slice(row, row + 1)
+            self.state = OutlierState(*(getattr(state, f.name)[one].clone() for f in fields(state)))
+
     def segment(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Pool and extra pool for attention: K, V ``(B, H, P + E, D)`` in ``dtype`` and int32
         positions ``(B, H, P + E)`` (-1 = empty slot); None before the first flush or when off.

@@ -105,7 +105,7 @@ def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, s
     if layer.rows is not None and query.shape[-2] == 1:  # padded batch: a launch per row, its own layer
         def one_row(q, row, vis):
             if vis is None and row.is_sliding:
-                from kvcalib.runtime.attention import visible_mask
+                from kvcalib.runtime.reference import visible_mask
 
                 vis = visible_mask(None, row, 1, q.device)  # (1, 1, n) the window's lower bound
             return triton_decode_attention(q, row, vis, scaling, softcap, all_visible=vis is None)

@@ -805,7 +805,7 @@ def test_perm_and_mean_shapes_are_checked():
 def test_reference_matches_attend_compressed_on_a_real_layer():
     """The kernel reference and the runtime reference agree (two specifications, one answer)."""
     from kvcalib.layout import LayerConfig
-    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.reference import attend_compressed
 
     layer, q, vis = _filled_layer(LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2))
     ref = attend_compressed(q, layer, vis, 64 ** -0.5)[:, 0]  # (B, Hq, D)
@@ -859,7 +859,7 @@ def _filled_layer(cfg, b=2, h=2, rep=3, d=64, prompt=75, steps=3, pad=(0, 9), dt
 ], ids=["kivi2-sinks", "k4v8-nosinks", "token-keys"])
 def test_triton_path_matches_runtime_reference(cfg):
     from kvcalib.layout import LayerConfig
-    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.reference import attend_compressed
     from kvcalib.runtime.triton_path import triton_decode_attention
 
     layer, q, vis = _filled_layer(LayerConfig(**cfg))
@@ -876,7 +876,7 @@ def test_triton_path_runs_centred_and_permuted_layers(k_center, v_center, perm):
     """TaDA means and SKVQ permutations go through the kernel (not the reference) and agree
     with the runtime reference on the same stored bytes."""
     from kvcalib.layout import LayerConfig
-    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.reference import attend_compressed
     from kvcalib.codec import LayerCodec
     from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
 
@@ -902,7 +902,7 @@ def test_triton_path_runs_ott_layers(cfg):
     """OTT pools go through the kernel (quant masks + pool segment) and agree with the runtime
     reference on the same stored bytes, with left padding; the pools have filled slots."""
     from kvcalib.layout import LayerConfig
-    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.reference import attend_compressed
     from kvcalib.codec import LayerCodec
     from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
 
@@ -1081,7 +1081,7 @@ def _tiered_layer(tiers=(48,), bits=4, ott=0, **kw):
 def test_triton_path_runs_pats_tiers(tiers, bits, ott):
     """A PATS layer runs one kernel call per non-empty tier store (merged by log-sum-exp) and
     agrees with the runtime reference on the same stored bytes, with padding (and OTT pools)."""
-    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.reference import attend_compressed
     from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
 
     layer, q, vis = _tiered_layer(tiers, bits, ott)
@@ -1097,7 +1097,7 @@ def test_triton_path_runs_tiered_layers_with_mixed_bits():
     in one store) goes through the kernel with the reference's answer."""
     from kvcalib.methods.schedule import Schedule
     from kvcalib.layout import LayerConfig
-    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.reference import attend_compressed
     from kvcalib.codec import LayerCodec
     from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
 
@@ -1122,7 +1122,7 @@ def test_triton_path_runs_sliding_window_layers(window, cfg):
     pending full-precision one leaves no packed tokens) through the kernel gives the reference's
     answer, padding included."""
     from kvcalib.layout import LayerConfig
-    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.reference import attend_compressed
     from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
 
     layer, q, vis = _filled_layer(LayerConfig(**cfg), sliding_window=window)

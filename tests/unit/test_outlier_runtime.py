@@ -11,7 +11,7 @@ from kvcalib.errors import RecipeError
 from kvcalib.models import model_info
 from kvcalib.layout import LayerConfig
 from kvcalib.recipe import Recipe
-from kvcalib.runtime.attention import attend_compressed
+from kvcalib.runtime.reference import attend_compressed
 from kvcalib.runtime.cache import CompressedCache, CompressedLayer
 from kvcalib.codec import LayerCodec
 from kvcalib.runtime.outlier_pool import pack_keep, unpack_keep

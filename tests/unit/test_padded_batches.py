@@ -21,7 +21,7 @@ import torch
 from kvcalib.calibrate.schedule import Schedule
 from kvcalib.errors import KvcalibError
 from kvcalib.recipe import LayerConfig, Recipe, resolve_recipe
-from kvcalib.runtime.attention import attend_compressed
+from kvcalib.runtime.reference import attend_compressed
 from kvcalib.runtime.cache import CompressedCache, CompressedLayer
 from kvcalib.runtime.codec import LayerCodec
 from tests.conftest import tiny_model

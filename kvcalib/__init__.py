@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 _LAZY = {
     # runtime
     "CompressedCache": "kvcalib.runtime.cache",
+    "cuda_graphs": "kvcalib.runtime.graphs",
     # recipes
     "Recipe": "kvcalib.recipe",
     "LayerConfig": "kvcalib.layout",

@@ -37,6 +37,7 @@ On a torch without that method only the default CUDA generator works under captu
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 
@@ -290,3 +291,127 @@ class GraphDecoder:
         if self.keep_logits:
             res.logits.insert(0, first_logits)
         return res
+
+
+class _GenerateSteps(GraphDecoder):
+    """The decode steps of a plain ``model.generate`` replayed from CUDA graphs (:func:`cuda_graphs`).
+
+    ``generate`` keeps choosing tokens (greedy, sampling, logits processors, stopping criteria:
+    all of it outside the graph); each decode step it makes -- one token per row over a
+    CompressedCache -- copies its token and rotary positions into the static buffers, replays the
+    period's graph (model forward, cache write, fused attention; no pick) and hands back the
+    logits. The period protocol is GraphDecoder's: the first step after the prompt or a flush runs
+    the same static body eagerly (compiling what is new), the next is captured, then replayed; a
+    flush between steps starts a new period. Steps the static mode cannot take yet (the prompt
+    has not filled the sinks) run the model as it is."""
+
+    def __init__(self, model, cache, *, capture: bool = True) -> None:
+        super().__init__(model, cache, capture=capture)
+        self.busy = False  # inside a step: the model's own forward runs, not this one
+        self.state = None
+
+    def _forward_step(self) -> None:
+        self.state.refresh()
+        extra = {"cache_position": self.position} if self._with_cache_position else {}
+        out = self.model(input_ids=self.tok, position_ids=self.position_ids, past_key_values=self.cache,
+                         use_cache=True, logits_to_keep=1, **extra)
+        self.logits.copy_(out.logits[:, -1])
+
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None):
+        """One ``generate`` decode step: ``input_ids`` (B, 1), rotary ``position_ids`` (B, 1) or
+        None (the cache position); returns the model output, or None when the static mode cannot
+        take this step yet (the caller runs the model as it is)."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        cache = self.cache
+        b = input_ids.shape[0]
+        n = cache.layers[0].n_seen  # the new token's absolute cache position
+        if position_ids is None:
+            position_ids = torch.full((b, 1), n, dtype=torch.long, device=input_ids.device)
+        if self._graph is None and not self._static_ready():
+            return None
+        if getattr(self, "tok", None) is None or self.tok.shape[0] != b:
+            dev = self.device
+            self.tok = torch.empty((b, 1), dtype=torch.long, device=dev)  # (B, 1)
+            self.position_ids = torch.empty((b, 1), dtype=torch.long, device=dev)  # (B, 1)
+            self.position = torch.empty((1,), dtype=torch.long, device=dev)  # (1,)
+            vocab = self.model.config.get_text_config().vocab_size
+            self.logits = torch.empty((b, vocab), dtype=next(self.model.parameters()).dtype, device=dev)  # (B, V)
+        self.tok.copy_(input_ids)
+        self.position_ids.copy_(position_ids)
+        self.position.fill_(n)
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._enter_period()
+            self._eager_step()
+        cache.advance_static()
+        logits = self.logits.clone()[:, None]  # (B, 1, V): the buffer is rewritten by the next step
+        if cache.flush_due():
+            cache.flush()  # the packed store changes: the next step starts a new period
+            self._retired, self._graph = self._graph, None
+        elif self._graph is None and self.capture:
+            self._capture()
+        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+    def close(self) -> None:
+        self._graph = self._retired = None
+        self._pool = None
+        if self.state is not None:
+            self.cache.make_dynamic()
+            self.state = None
+
+
+@contextlib.contextmanager
+def cuda_graphs(model, *, capture: bool = True):
+    """Within the block, ``model.generate(..., past_key_values=CompressedCache)`` replays every
+    decode step from a CUDA graph: the one-liner for graph decoding in the generate call you
+    already use (sampling, logits processors and stopping criteria stay generate's own)::
+
+        cache = kvcalib.CompressedCache.from_recipe(model, "kivi-2")
+        with kvcalib.cuda_graphs(model):
+            out = model.generate(**inputs, past_key_values=cache, max_new_tokens=256)
+
+    Steps that are not single-token decode steps over a CompressedCache on the kernel (the
+    prompt, other caches, a layer the kernel does not cover raises as GraphDecoder does) run the
+    model as it is. The model's forward is wrapped for the block only (on the instance; restored
+    on exit, also after an error). ``capture=False`` runs the same static steps without graphs
+    (CPU tests under the Triton interpreter)."""
+    from kvcalib.runtime.cache import CompressedCache
+
+    import functools
+
+    original = model.forward
+    steppers: dict[int, _GenerateSteps] = {}
+
+    @functools.wraps(original)  # generate reads the forward's signature (position_ids from the mask)
+    def forward(*args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        stepper = steppers.get(id(cache))
+        eligible = (isinstance(cache, CompressedCache) and ids is not None and ids.dim() == 2 and ids.shape[1] == 1
+                    and kwargs.get("inputs_embeds") is None and not kwargs.get("output_attentions")
+                    and not kwargs.get("output_hidden_states"))
+        if not eligible or (stepper is not None and stepper.busy):
+            return original(*args, **kwargs)
+        if stepper is None:
+            for old in steppers.values():  # a new cache: the last generate call is over
+                old.close()
+            steppers.clear()
+            stepper = steppers[id(cache)] = _GenerateSteps(model, cache, capture=capture)
+        stepper.busy = True
+        try:
+            out = stepper.step(ids, kwargs.get("position_ids"))
+        finally:
+            stepper.busy = False
+        return original(*args, **kwargs) if out is None else out
+
+    model.forward = forward
+    try:
+        yield model
+    finally:
+        for stepper in steppers.values():
+            stepper.close()
+        if model.__dict__.get("forward") is forward:
+            del model.forward  # the class's forward again

@@ -9,6 +9,8 @@ against transformers' own decoding.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -261,3 +263,51 @@ def test_kvcalib_run_with_cuda_graphs_generates_the_eager_text(tiny_tokenizer):
     graph = generate(loaded, prompt, RECIPE, max_new_tokens=48, cuda_graph=True)
     assert graph.new_tokens == eager.new_tokens and graph.text == eager.text
     assert graph.kv_bytes > 0 and graph.effective_bits < 16
+
+
+@pytest.mark.parametrize("case", ["plain", "left-padding", "fitted"])
+def test_generate_inside_cuda_graphs_equals_plain_generate(monkeypatch, case):
+    """kvcalib.cuda_graphs(model): plain model.generate with its decode steps in static mode (on CPU
+    without capture, through the interpreter) gives the logits and tokens of plain generate, bit
+    for bit, across flushes; the model's forward is its own again after the block."""
+    from kvcalib.runtime.graphs import cuda_graphs
+
+    monkeypatch.setenv("KVCALIB_BACKEND", "triton")
+    model = _model()
+    recipe = _fitted_recipe() if case == "fitted" else RECIPE
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 128, (2, 21), generator=g).to(DEVICE)
+    mask = torch.ones_like(ids)
+    if case == "left-padding":
+        mask[1, :5] = 0
+
+    def run():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=36, min_new_tokens=36,
+                              do_sample=False, past_key_values=CompressedCache.from_recipe(model, recipe),
+                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+
+    plain = run()
+    with cuda_graphs(model, capture=False) as same:
+        assert same is model and "forward" in model.__dict__
+        graphed = run()
+    assert "forward" not in model.__dict__
+    assert torch.equal(plain.sequences, graphed.sequences)
+    assert torch.equal(torch.stack(plain.logits), torch.stack(graphed.logits))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_generate_inside_cuda_graphs_replays_captured_steps():
+    """On CUDA the steps of plain generate replay captured graphs and give the eager tokens."""
+    import kvcalib
+
+    model = _model().to(torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    runs = []
+    for graphs in (False, True):
+        cache = CompressedCache.from_recipe(model, RECIPE)
+        scope = kvcalib.cuda_graphs(model) if graphs else contextlib.nullcontext()
+        with scope:
+            runs.append(model.generate(input_ids=ids, max_new_tokens=70, min_new_tokens=70, do_sample=False,
+                                       past_key_values=cache, pad_token_id=0))
+    assert torch.equal(runs[0], runs[1])

@@ -17,7 +17,7 @@ from tests.kernels.triton_setup import kernel_modules
 
 DEVICE, INTERPRET, _ = kernel_modules("kvcalib_kernels.decode_attention")  # before any kernel import
 
-from kvcalib.calibrate.schedule import Schedule  # noqa: E402
+from kvcalib.methods.schedule import Schedule  # noqa: E402
 from kvcalib.recipe import LayerConfig, Recipe  # noqa: E402
 from kvcalib.runtime.cache import CompressedCache  # noqa: E402
 from kvcalib.runtime.graphs import GraphDecoder  # noqa: E402

@@ -18,12 +18,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcalib.calibrate.schedule import Schedule
+from kvcalib.methods.schedule import Schedule
 from kvcalib.errors import KvcalibError
 from kvcalib.recipe import LayerConfig, Recipe, resolve_recipe
 from kvcalib.runtime.reference import attend_compressed
 from kvcalib.runtime.cache import CompressedCache, CompressedLayer
-from kvcalib.runtime.codec import LayerCodec
+from kvcalib.codec import LayerCodec
 from tests.conftest import tiny_model
 
 H, D, REP = 2, 64, 2  # kv heads, head_dim, query heads per kv head

@@ -59,11 +59,24 @@ _PACKED_BITS = (2, 4, 8)
 
 
 def _reason_unsupported(query: torch.Tensor, layer) -> str | None:
-    """Why the kernel cannot run this step (None: it can). Cheap: no device sync."""
+    """Why the kernel cannot run this step (None: it can). Cheap: no device sync, and kept on the
+    layer per query signature (nothing it reads changes once the layer holds tokens), so a decode
+    step pays one tuple comparison instead of the checks (host time is what eager steps are short of)."""
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    key = (query.shape, query.dtype, query.device, interp)
+    memo = layer.__dict__.get("_kernel_reason")
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    why = _check_supported(query, layer, interp)
+    if getattr(layer, "is_initialized", False):
+        layer._kernel_reason = (key, why)
+    return why
+
+
+def _check_supported(query: torch.Tensor, layer, interp: bool) -> str | None:
     b, hq, tq, d = query.shape
     if tq != 1:
         return "not a single-token decode step"
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if not (query.is_cuda or interp):
         return "not a CUDA tensor"
     if not getattr(layer, "is_initialized", False):

@@ -81,7 +81,7 @@ def test_known_prefixes_and_sizes():
 
 
 def test_text_registry_consistent():
-    assert set(EMBEDDED_TEXTS) == {"boolq-test", "boolq-dev", "gsm8k-100", "britannica"}
+    assert set(EMBEDDED_TEXTS) == {"boolq-test", "boolq-dev", "gsm8k-100", "britannica", "paradise-lost", "areopagitica"}
     for t in EMBEDDED_TEXTS.values():
         assert HEX64.fullmatch(t.sha256) and t.licence and t.attribution
         assert DISTRIBUTIONS[t.source.dist.requirement] is t.source.dist

@@ -28,7 +28,7 @@ def decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, scaling:
     ``visible`` (B|1, Tq, KV) bool, or None: causal (and the layer's sliding window), nothing
     padding; ``all_visible``: it is True everywhere (the kernel skips reading it; ``visible`` is
     then built only if the reference runs)."""
-    from kvcalib.runtime.reference import attend_compressed, compute_dtype, visible_mask
+    from kvcalib.runtime.reference import attend_compressed, compute_dtype, full_precision_prefill, visible_mask
 
     if layer.rows is not None:  # padded batch: each row over its own layer (cache.py's docstring)
         def one_row(q, row, vis):
@@ -36,6 +36,10 @@ def decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, scaling:
                                     all_visible=vis is None and not row.is_sliding and q.shape[-2] == 1)
 
         return layer.attend_rows(query, visible, one_row, compute_dtype(query.dtype))
+    if query.shape[-2] > 1 and not softcap:  # a prompt over a layer that holds it in full precision
+        out = full_precision_prefill(query, layer, visible, scaling)
+        if out is not None:
+            return out
     if visible is None and not all_visible:
         visible = visible_mask(None, layer, query.shape[-2], query.device)  # (1, Tq, KV)
     if use_triton_for(query):

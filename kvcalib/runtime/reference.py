@@ -106,3 +106,32 @@ def attend_compressed(query: torch.Tensor, layer, visible: torch.Tensor, scaling
         m = m_new
     out = acc / l.clamp_min(1e-30)[..., None]  # rows with nothing visible stay 0
     return out.reshape(b, hq, tq, d).transpose(1, 2)  # (B, Tq, Hq, D)
+
+
+def full_precision_prefill(query: torch.Tensor, layer, visible: torch.Tensor | None,
+                           scaling: float) -> torch.Tensor | None:
+    """A prompt's own attention while ``layer`` holds nothing compressed yet -- sinks and pending
+    tokens only, positions ``[0, n_seen)`` -- through ``torch.nn.functional.scaled_dot_product_attention``
+    (flash / memory-efficient kernels: no (T, T) score matrix) in :func:`compute_dtype`; (B, Tq, Hq, D),
+    or None when the layer holds anything else (packed blocks, pools, dropped sinks, padded rows).
+
+    The same function as :func:`attend_compressed` over full-precision K/V (exact attention either
+    way; the online softmax and SDPA differ in rounding only: tests/unit/test_long_context.py).
+    ``visible`` (B|1, Tq, KV) bool, or None: causal over the prompt (no padding)."""
+    if layer.rows is not None or layer.packed.n or layer.outliers.state is not None or layer.sinks_dropped:
+        return None
+    s, u = layer.sink_k.shape[-2], layer.pend_k.shape[-2]
+    if layer.pend_start != s or s + u != layer.n_seen:
+        return None
+    dtype = compute_dtype(query.dtype)
+    k = layer.pend_k if not s else torch.cat([layer.sink_k, layer.pend_k], dim=-2)  # (B, H, KV, D)
+    v = layer.pend_v if not s else torch.cat([layer.sink_v, layer.pend_v], dim=-2)
+    tq, kv = query.shape[-2], k.shape[-2]
+    causal = visible is None and not layer.is_sliding and tq == kv
+    if visible is None and not causal:
+        visible = visible_mask(None, layer, tq, query.device)  # (1, Tq, KV)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.to(dtype), k.to(dtype), v.to(dtype), attn_mask=None if causal else visible[:, None],
+        is_causal=causal, scale=scaling, enable_gqa=query.shape[1] != k.shape[1])  # (B, Hq, Tq, D)
+    # a query row with nothing visible (padding) gives NaN from SDPA and 0 from the reference
+    return out.nan_to_num(0.0).transpose(1, 2)  # (B, Tq, Hq, D)

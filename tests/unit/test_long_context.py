@@ -125,3 +125,34 @@ def test_search_config_checks_long_scoring(tmp_path):
     assert cfg.scoring_length == 8192
     with pytest.raises(KvcalibError, match="--score-last"):
         SearchConfig(out=tmp_path / "r", seq_len=256, score_last=256)
+
+
+@pytest.mark.parametrize("arch,padded", [("llama", False), ("llama", True), ("gemma3", False)])
+def test_full_precision_prefill_equals_the_reference(arch, padded, monkeypatch):
+    """A prompt's own attention through SDPA (no (T, T) matrix, what makes 32k prompts fit) gives the
+    online-softmax reference's logits in float64: plain, left-padded (padded rows go through
+    their own layers) and with a sliding-window layer; sinks included."""
+    import kvcalib.runtime.reference as ref
+    from kvcalib.runtime.cache import CompressedCache
+
+    model = tiny_model(arch).double()
+    rec = Recipe(name="p", default_layer=LayerConfig(k_bits=2, v_bits=2, k_group=8, v_group=8, window=8, sinks=3))
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :7] = 0
+    calls = []
+    real = ref.full_precision_prefill
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ref, "full_precision_prefill", spy)
+    with torch.no_grad():
+        fast = model(input_ids=ids, attention_mask=mask, past_key_values=CompressedCache.from_recipe(model, rec)).logits
+        monkeypatch.setattr(ref, "full_precision_prefill", lambda *a, **k: None)
+        slow = model(input_ids=ids, attention_mask=mask, past_key_values=CompressedCache.from_recipe(model, rec)).logits
+    assert any(calls)
+    assert float((fast - slow).abs().max()) <= 1e-12 * float(slow.abs().max())

@@ -73,6 +73,9 @@ from kvcalib.runtime.tiers import PackedTiers
 _DECODE_MASKS: dict[tuple, torch.Tensor] = {}
 
 
+BUFFER_SLACK = 4096  # free full-precision slots the fixed window buffer may hold beyond 3x its tokens
+
+
 class Segment(NamedTuple):
     """A run of cached tokens for attention, in the attention's dtype.
 
@@ -217,14 +220,18 @@ class CompressedLayer(CacheLayerMixin):
             self._put_pending(torch.cat([self.pend_k, key_states[:, :, take:]], dim=-2),
                               torch.cat([self.pend_v, value_states[:, :, take:]], dim=-2))
 
-    def _put_pending(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _put_pending(self, k: torch.Tensor, v: torch.Tensor, force_buffer: bool = False) -> None:
         """Make ``k``/``v`` (B, H, u, D) the pending window: views of the fixed buffer of
         :attr:`static_capacity` tokens when the layer is compressed and they fit (then a decode
         step writes its token in place, and the kernel reads the same buffer under the same
         visibility mask in dynamic and static mode: one computation), else tensors of their own
         (a prompt longer than the buffer, until its flush; 16-bit layers)."""
         u = k.shape[-2]
-        if not (self.cfg.compressed and u <= self.static_capacity):
+        # a window far longer than what is pending (a recipe may keep 100k tokens in full precision)
+        # allocates no window-sized buffer for a short prompt: its tokens stay tensors of their own
+        # until the buffer is at most BUFFER_SLACK tokens larger than them (or static mode needs it)
+        slack_ok = force_buffer or self.static_capacity - u <= max(BUFFER_SLACK, 3 * u)
+        if not (self.cfg.compressed and u <= self.static_capacity and slack_ok):
             self.pend_k, self.pend_v, self.pend_buffered = k.contiguous(), v.contiguous(), False
             return
         b, h, _, d = k.shape
@@ -506,7 +513,7 @@ class CompressedLayer(CacheLayerMixin):
             for first, row in zip(self.row_first, self.rows):
                 row.make_static(state.child(first))
         elif not self.pend_buffered:  # e.g. restored from a snapshot: into the buffer (it fits: no flush due)
-            self._put_pending(self.pend_k, self.pend_v)
+            self._put_pending(self.pend_k, self.pend_v, force_buffer=True)
         if self.is_sliding and self.rows is None:
             state.window_visible(self.sliding_window)  # its mask exists before any capture
         self.static = state

@@ -226,6 +226,9 @@ class LayerCodec:
             got = state.kernel_encode(side, x, stored)
             if got is None:
                 return None
+            if "x" in got:  # a transform run at flush (a rotation): later states and the kernel see its block
+                got = dict(got)
+                x = got.pop("x")  # (B, H, N, D)
             args.update(got)
         perm = args.get("perm")
         if quant_pack.supports(shape=tuple(x.shape), dtype=x.dtype, bits=bits, group=group, per_channel=per_channel,

@@ -328,7 +328,9 @@ class MethodState:
 
     def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> dict[str, Any] | None:
         """Arguments for the quantize-and-pack kernels (``perm``, ``mean``, ``clip``) of block ``x``;
-        may fill ``stored`` as :meth:`encode` does. Default: nothing to pass for a state without a
+        may fill ``stored`` as :meth:`encode` does. A transform the kernels do not fuse may run here
+        and hand its result on as ``"x"``: the block (B, H, N, D) the later states and the kernels
+        then see (e.g. a rotation at flush). Default: nothing to pass for a state without a
         transform, None (run the reference) for one with a transform the kernels do not know."""
         return None if self._transforms() else {}
 
@@ -340,6 +342,12 @@ class MethodState:
     def bytes(self, cfg: LayerConfig, heads: int, head_dim: int, kept: int, packed: int) -> dict[str, float]:
         """Bytes this state adds to one sequence's layer cache holding ``kept`` tokens, ``packed``
         of them in packed storage, by component name."""
+        return {}
+
+    def shared_bytes(self, head_dim: int) -> dict[str, float]:
+        """Tables the runtime keeps once for the whole model, however many layers use them (e.g.
+        one Walsh-Hadamard matrix per head_dim), by a name that identifies the table: the memory
+        accounting counts each name once. Default: none."""
         return {}
 
 
@@ -436,6 +444,14 @@ class Method(abc.ABC):
         geom: LayerGeometry,
     ) -> dict[str, torch.Tensor]:
         """The fit itself, on validated input (``context.fitted``: earlier methods' tensors)."""
+
+    def transform_stats(self, layer_stats: LayerStats, fitted: dict[str, torch.Tensor]) -> LayerStats:
+        """The statistics as the methods fitted after this one must see them, given the tensors
+        this method just fitted for the layer (``fitted``, unprefixed names): a method that changes
+        the basis the quantizer works in (a rotation, keys before RoPE) returns the reservoir (and
+        the moments) in that basis, so e.g. clip scales are fitted on the data the runtime
+        quantizes. Default: unchanged."""
+        return layer_stats
 
     def finish(self, recipe: Any, stats: LayerStats | Any) -> Any:
         """The whole fitted recipe after every layer's fit, for methods that need it all (e.g.

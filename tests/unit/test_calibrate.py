@@ -130,7 +130,7 @@ def _context(cfg):
 
 
 def test_registry_order_and_names():
-    assert list(METHODS) == ["center", "reorder", "clip", "outliers", "schedule", "huffman"]
+    assert list(METHODS) == ["rotate", "center", "reorder", "clip", "outliers", "schedule", "huffman"]
     for name, cls in METHODS.items():
         assert issubclass(cls, Method) and cls.name == name
         assert cls.tensors and all(isinstance(spec.doc, str) and spec.doc for spec in cls.tensors)

@@ -51,6 +51,8 @@ __all__ = [
     "validate_layer_stats",
     "validate_reservoir",
     "reservoir_to_bhtd",
+    "reservoir_moments",
+    "reservoir_positions",
     "fake_quantize",
     "usable_tokens",
     "check_side",
@@ -189,6 +191,29 @@ def reservoir_to_bhtd(reservoir: torch.Tensor) -> torch.Tensor:
     return reservoir.float().transpose(1, 2).contiguous()
 
 
+def reservoir_moments(reservoir: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-channel moments ``(H, D)`` (min/max/mean/absmax/sq_mean, float32) of a reservoir
+    ``(NB, BL, H, D)``, with the streamed token ``count``: the statistics of a side a method moved
+    to another basis (:meth:`Method.transform_stats`), where the streamed moments no longer apply."""
+    x = reservoir.double().reshape(-1, reservoir.shape[2], reservoir.shape[3])  # (N, H, D)
+    mn, mx = x.amin(0), x.amax(0)
+    return {"count": count, "min": mn.float(), "max": mx.float(), "mean": x.mean(0).float(),
+            "absmax": torch.maximum(mn.abs(), mx.abs()).float(), "sq_mean": (x ** 2).mean(0).float()}
+
+
+def reservoir_positions(layer_stats: LayerStats) -> torch.Tensor:
+    """RoPE positions of every reservoir token, int64 ``(NB, BL)`` (blocks are consecutive tokens
+    from the recorded position of their first); refuses statistics without them."""
+    nb, bl = layer_stats.reservoir_k.shape[:2]
+    if layer_stats.positions is None:
+        raise CalibrationError("the statistics do not record the reservoir's positions (an older kvcalib): "
+                               "collect them again (kvcalib collect)")
+    if tuple(layer_stats.positions.shape) != (nb,):
+        raise CalibrationError(f"reservoir positions of shape {tuple(layer_stats.positions.shape)} do not fit "
+                               f"{nb} reservoir blocks: collect again")
+    return layer_stats.positions.long()[:, None] + torch.arange(bl)[None, :]  # (NB, BL)
+
+
 def usable_tokens(block_len: int, side: str, group: int, k_axis: str = "channel") -> int:
     """Tokens of a block that quantize: keys per channel need whole groups of ``group`` tokens.
 
@@ -306,6 +331,9 @@ class MethodState:
     pool_size: int = 0
     #: stored tiers ``[(first age, k_bits, v_bits), ...]`` youngest first (PATS); None = one tier
     stored_tiers: list[tuple[int, int, int]] | None = None
+    #: its encode/decode read the block's RoPE positions, ``stored["positions"]`` (B|1, N) int64
+    #: (what the model's forward gives each token: padding skipped), which the codec's callers pass
+    needs_positions: bool = False
 
     # -- reference codec (the specification every kernel path is tested against)
     def encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> torch.Tensor:

@@ -36,6 +36,7 @@ head_dim for the whole model (``shared_bytes``).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -50,6 +51,7 @@ from kvcalib.methods.base import (
     Method,
     MethodState,
     TensorSpec,
+    reservoir_moments,
     reservoir_to_bhtd,
 )
 from kvcalib.quant.rotation import check_rotation, hadamard, is_power_of_two, random_signs, rotate, unrotate
@@ -106,15 +108,6 @@ def rotation_errors(layer_stats: LayerStats, side: str, bits: int, group: int, k
     rotated = clip_errors(rk, rv, rq, layer_stats.scaling, bits, group, side, (1.0,), k_axis=k_axis,
                           objective=objective)
     return float(plain.sum()), float(rotated.sum())
-
-
-def _moments(reservoir: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-channel moments ``(H, D)`` of a reservoir ``(NB, BL, H, D)`` (what a rotated side's
-    statistics become: the streamed moments were taken in the other basis)."""
-    x = reservoir.double().reshape(-1, reservoir.shape[2], reservoir.shape[3])  # (N, H, D)
-    mn, mx = x.amin(0), x.amax(0)
-    return {"count": count, "min": mn.float(), "max": mx.float(), "mean": x.mean(0).float(),
-            "absmax": torch.maximum(mn.abs(), mx.abs()).float(), "sq_mean": (x ** 2).mean(0).float()}
 
 
 class RotateState(MethodState):
@@ -235,11 +228,11 @@ class RotateMethod(Method):
         moments = {"k": layer_stats.k, "v": layer_stats.v}
         for side, (m, s) in state.rot.items():
             res[side] = rotate_reservoir(res[side], m, s)  # (NB, BL, H, D)
-            moments[side] = _moments(res[side], moments[side]["count"])
+            moments[side] = reservoir_moments(res[side], moments[side]["count"])
             if side == "k" and rq.shape[2]:
                 rq = rotate_reservoir(rq, m, s)  # scores q . k unchanged
-        return LayerStats(k=moments["k"], v=moments["v"], reservoir_k=res["k"], reservoir_v=res["v"],
-                          reservoir_q=rq, scaling=layer_stats.scaling)
+        return replace(layer_stats, k=moments["k"], v=moments["v"], reservoir_k=res["k"], reservoir_v=res["v"],
+                       reservoir_q=rq)
 
     @classmethod
     def load(cls, tensors: dict[str, torch.Tensor], cfg: LayerConfig, heads: int | None,

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-__all__ = ["hadamard", "is_power_of_two", "random_signs", "rotate", "unrotate", "check_rotation"]
+__all__ = ["hadamard", "is_power_of_two", "random_signs", "rotate", "unrotate", "check_rotation", "apply_rope"]
 
 
 def is_power_of_two(n: int) -> bool:
@@ -113,3 +113,34 @@ def unrotate(y: torch.Tensor, matrix: torch.Tensor, signs: torch.Tensor | None =
     if signs is not None:
         x = x * _heads_first(signs.to(device=y.device, dtype=dt), hx)[:, None, :]
     return x
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """The rotary position embedding of transformers (``rotate_half`` pairs) on ``x`` (..., N, D):
+    float32 (float64 stays float64) ``(..., N, D)``.
+
+    ``positions`` int ``(B|1, N)`` (x is ``(B, H, N, D)``) or ``(N,)``: each token's RoPE position;
+    ``rope`` float ``(R/2 + 1,)``: the inverse frequencies of the first R channels, then the
+    attention scaling ``a`` of cos/sin (:func:`kvcalib.models.rope_tables`). Forward:
+    ``y = x cos + rotate_half(x) sin`` on the first R channels (cos/sin times ``a``, the rest kept);
+    ``inverse=True`` undoes it exactly in exact arithmetic (``(y cos - rotate_half(y) sin) / a**2``).
+    """
+    dt = _compute_dtype(x)
+    inv_freq, scale = rope[:-1].to(device=x.device, dtype=dt), float(rope[-1])
+    r = 2 * inv_freq.numel()
+    if r > x.shape[-1] or r == 0:
+        raise ValueError(f"a rotary table of {r} channels does not fit head_dim {x.shape[-1]}")
+    pos = positions.to(device=x.device, dtype=dt)
+    freqs = pos[..., None] * inv_freq  # (B|1, N, R/2) or (N, R/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (..., N, R)
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    if pos.dim() == 2:  # (B|1, N, R) -> (B|1, 1, N, R): broadcast over the heads of x (B, H, N, D)
+        cos, sin = cos[:, None], sin[:, None]
+    y = x.to(dt)
+    part = y[..., :r]
+    half = torch.cat([-part[..., r // 2:], part[..., :r // 2]], dim=-1)  # rotate_half
+    if inverse:
+        out = (part * cos - half * sin) / (scale * scale)
+    else:
+        out = part * cos + half * sin
+    return out if r == x.shape[-1] else torch.cat([out, y[..., r:]], dim=-1)

@@ -166,6 +166,9 @@ class LayerCodec:
             raise KvcalibError("two methods set stored tiers on one layer: keep one")
         # stored tiers, youngest first: (first age, k_bits, v_bits); one entry without a schedule
         self.tiers = list(tiered[0]) if tiered and cfg.compressed else [(cfg.window, cfg.k_bits, cfg.v_bits)]
+        if self.tiered and any(self._levels(side) is not None for side in ("k", "v")):
+            raise KvcalibError("non-uniform levels are fitted for the layer's bits; a schedule stores older blocks at "
+                               "fewer bits: use one or the other on a layer")
 
     @classmethod
     def from_tensors(cls, cfg: LayerConfig, tensors: dict[str, torch.Tensor], heads: int | None = None,
@@ -203,6 +206,12 @@ class LayerCodec:
                                "this path does not give them; use a recipe without pre-RoPE keys here")
         return {} if positions is None else {"positions": positions}
 
+    def _levels(self, side: str) -> torch.Tensor | None:
+        levels = [lv for s in self.states.values() if (lv := s.levels(side)) is not None]
+        if len(levels) > 1:
+            raise KvcalibError("two methods set quantization levels for one side: keep one")
+        return levels[0] if levels else None
+
     def _encode(self, side: str, x: torch.Tensor, valid: torch.Tensor | None,
                 keep: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> PackedBlock:
         """x (B, H, N, D) -> PackedBlock: the states' transforms, then the clip-quantizer (ranges
@@ -214,14 +223,16 @@ class LayerCodec:
             return PackedBlock(None, x)
         per_channel = self.cfg.per_channel(side)
         m = _range_mask(valid, keep)  # (B, 1|H, N) or None
-        if use_triton_encode(x):
+        levels = self._levels(side)
+        if use_triton_encode(x) and levels is None:  # the kernels quantize on the uniform grid only
             out = self._encode_triton(side, x, m, bits, group, per_channel, positions)
             if out is not None:
                 return out
         stored = self._side_data(positions)
         for state in self._encoders:
             x = state.encode(side, x, stored)  # (B, H, N, D)
-        q = (quantize_keys if per_channel else quantize_values)(x, bits, group, clip=self._clip(side), valid=m)
+        q = (quantize_keys if per_channel else quantize_values)(x, bits, group, clip=self._clip(side), valid=m,
+                                                                levels=levels)
         return PackedBlock(q, None, stored.get("mean"), stored.get("mean_q"))
 
     def _encode_triton(self, side: str, x: torch.Tensor, m: torch.Tensor | None, bits: int, group: int,
@@ -267,7 +278,8 @@ class LayerCodec:
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         if block.raw is not None:
             return block.raw.to(dtype)
-        out = (dequantize_keys if self.cfg.per_channel(side) else dequantize_values)(block.quantized)  # (B, H, N, D)
+        out = (dequantize_keys if self.cfg.per_channel(side) else dequantize_values)(
+            block.quantized, self._levels(side))  # (B, H, N, D)
         stored = {**block.stored, **self._side_data(positions)}
         for state in reversed(self._encoders):
             out = state.decode(side, out, stored)

@@ -240,18 +240,20 @@ def fake_quantize(
     k_axis: str = "channel",
     clip: float | torch.Tensor = 1.0,
     valid: torch.Tensor | None = None,
+    levels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What decoding sees for ``x (..., T, D)`` stored in the runtime's layout, float32 ``(..., T, D)``.
 
     Keys with ``k_axis="channel"``: per channel over groups of ``group`` consecutive tokens
     (``T % group == 0``). Keys with ``k_axis="token"`` and values: per token over groups of
-    ``group`` channels. ``bits >= 16`` returns ``x`` as float32 (not quantized).
+    ``group`` channels. ``levels``: non-uniform levels ``(2**bits,)``. ``bits >= 16`` returns ``x``
+    as float32 (not quantized).
     """
     if bits >= 16:
         return x.float()
     if check_side(side) == "k" and k_axis == "channel":
-        return quantize_dequantize_keys(x, bits, group, clip=clip, valid=valid)
-    return quantize_dequantize_values(x, bits, group, clip=clip, valid=valid)
+        return quantize_dequantize_keys(x, bits, group, clip=clip, valid=valid, levels=levels)
+    return quantize_dequantize_values(x, bits, group, clip=clip, valid=valid, levels=levels)
 
 
 @dataclass(frozen=True)
@@ -347,6 +349,11 @@ class MethodState:
 
     def clip(self, side: str) -> float | torch.Tensor | None:
         """A clip scale for the quantizer's range (SKVQ), or None."""
+        return None
+
+    def levels(self, side: str) -> torch.Tensor | None:
+        """Non-uniform quantization levels ``(2**bits,)`` in code units for the side's quantizer
+        and dequantizer (:mod:`kvcalib.quant.uniform`), or None (the uniform grid)."""
         return None
 
     # -- kernel seams: a dict of kernel arguments, or None when the kernels cannot apply this state

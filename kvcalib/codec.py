@@ -43,8 +43,8 @@ from kvcalib.layout import LayerConfig
 from kvcalib.methods import MethodState, registry
 from kvcalib.methods.reorder import apply_perm
 from kvcalib.methods.schedule import requantize
-from kvcalib.quant.uniform import QuantizedTensor, dequantize, dequantize_keys, dequantize_values, quantize_keys, \
-    quantize_values
+from kvcalib.quant.uniform import QuantizedTensor, dequantize, dequantize_keys, dequantize_values, quantize_fixed, \
+    quantize_keys, quantize_values
 
 
 @dataclass
@@ -166,9 +166,9 @@ class LayerCodec:
             raise KvcalibError("two methods set stored tiers on one layer: keep one")
         # stored tiers, youngest first: (first age, k_bits, v_bits); one entry without a schedule
         self.tiers = list(tiered[0]) if tiered and cfg.compressed else [(cfg.window, cfg.k_bits, cfg.v_bits)]
-        if self.tiered and any(self._levels(side) is not None for side in ("k", "v")):
-            raise KvcalibError("non-uniform levels are fitted for the layer's bits; a schedule stores older blocks at "
-                               "fewer bits: use one or the other on a layer")
+        if self.tiered and any(self._levels(side) is not None or self._fixed(side) is not None for side in ("k", "v")):
+            raise KvcalibError("non-uniform levels and fixed grids are fitted for the layer's bits; a schedule stores "
+                               "older blocks at fewer bits: use one or the other on a layer")
 
     @classmethod
     def from_tensors(cls, cfg: LayerConfig, tensors: dict[str, torch.Tensor], heads: int | None = None,
@@ -206,6 +206,12 @@ class LayerCodec:
                                "this path does not give them; use a recipe without pre-RoPE keys here")
         return {} if positions is None else {"positions": positions}
 
+    def _fixed(self, side: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        grids = [g for s in self.states.values() if (g := s.fixed_grid(side)) is not None]
+        if len(grids) > 1:
+            raise KvcalibError("two methods fix the quantization grid of one side: keep one")
+        return grids[0] if grids else None
+
     def _levels(self, side: str) -> torch.Tensor | None:
         levels = [lv for s in self.states.values() if (lv := s.levels(side)) is not None]
         if len(levels) > 1:
@@ -223,16 +229,19 @@ class LayerCodec:
             return PackedBlock(None, x)
         per_channel = self.cfg.per_channel(side)
         m = _range_mask(valid, keep)  # (B, 1|H, N) or None
-        levels = self._levels(side)
-        if use_triton_encode(x) and levels is None:  # the kernels quantize on the uniform grid only
+        levels, fixed = self._levels(side), self._fixed(side)
+        if use_triton_encode(x) and levels is None and fixed is None:  # the kernels fit min/max uniform grids only
             out = self._encode_triton(side, x, m, bits, group, per_channel, positions)
             if out is not None:
                 return out
         stored = self._side_data(positions)
         for state in self._encoders:
             x = state.encode(side, x, stored)  # (B, H, N, D)
-        q = (quantize_keys if per_channel else quantize_values)(x, bits, group, clip=self._clip(side), valid=m,
-                                                                levels=levels)
+        if fixed is not None:
+            q = quantize_fixed(x, bits, group, per_channel, *fixed, levels=levels)
+        else:
+            q = (quantize_keys if per_channel else quantize_values)(x, bits, group, clip=self._clip(side), valid=m,
+                                                                    levels=levels)
         return PackedBlock(q, None, stored.get("mean"), stored.get("mean_q"))
 
     def _encode_triton(self, side: str, x: torch.Tensor, m: torch.Tensor | None, bits: int, group: int,

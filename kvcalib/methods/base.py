@@ -351,6 +351,12 @@ class MethodState:
         """A clip scale for the quantizer's range (SKVQ), or None."""
         return None
 
+    def fixed_grid(self, side: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A quantization grid fixed by calibration, ``(scale16, zero16)`` float16 ``(H, C)`` per kv
+        head and parameter column (:func:`kvcalib.quant.uniform.quantize_fixed`), used instead of
+        each group's min/max; None: min/max groups."""
+        return None
+
     def levels(self, side: str) -> torch.Tensor | None:
         """Non-uniform quantization levels ``(2**bits,)`` in code units for the side's quantizer
         and dequantizer (:mod:`kvcalib.quant.uniform`), or None (the uniform grid)."""

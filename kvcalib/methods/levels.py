@@ -27,7 +27,8 @@ Kernels: the quantize-and-pack kernels and the decode kernel quantize and read t
 only, so a side with levels is encoded by the PyTorch reference codec and a layer with levels is
 attended by the reference attention (``kernel_encode`` / ``kernel_attend`` return None; the other
 layers still use the kernels). A PATS schedule (older blocks at fewer bits) and levels on one
-layer are refused (the levels belong to the layer's bits).
+layer are refused (the levels belong to the layer's bits). A side on a fixed grid (errbound,
+fitted before) gets no levels: they are fitted to where values fall in min/max groups.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from kvcalib.methods.base import (
 from kvcalib.quant.uniform import check_levels, code_units
 from kvcalib.stats import LayerStats
 
-__all__ = ["LEVEL_BITS", "WEIGHTINGS", "lloyd_max", "grid_error", "side_units", "LevelsState", "LevelsMethod"]
+__all__ = ["LEVEL_BITS", "WEIGHTINGS", "lloyd_max", "grid_error", "quantizer_input", "side_units", "LevelsState", "LevelsMethod"]
 
 LEVEL_BITS = (2, 4)
 WEIGHTINGS = ("attention", "none")
@@ -84,28 +85,39 @@ def grid_error(t: torch.Tensor, w: torch.Tensor, levels: torch.Tensor) -> float:
     return float((w.double() * (t.double() - lv[cell]) ** 2).sum())
 
 
-def side_units(layer_stats: LayerStats, cfg: LayerConfig, side: str, fitted: dict[str, torch.Tensor],
-               weighting: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reservoir's elements of ``side`` on their groups' grids and their weights (module
-    docstring): ``(t, w)`` float32, both ``(NB, H, T, D)``. Centering, permutation and clip fitted
-    before (``fitted``) are applied as the runtime applies them."""
+def quantizer_input(layer_stats: LayerStats, cfg: LayerConfig, side: str,
+                    fitted: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float | torch.Tensor]:
+    """What the side's quantizer sees of the reservoir, float32 ``(NB, H, T, D)`` (whole key groups;
+    in the basis the statistics are in: rotated / before RoPE when those methods ran first), with
+    the centering and permutation fitted before (``fitted``) applied as the runtime applies them,
+    and the side's clip (1.0 or ``(1, H, 1, 1|D)``)."""
     from kvcalib.methods.center import center
-    from kvcalib.methods.clip import causal_probs
     from kvcalib.methods.reorder import apply_perm
 
-    bits, group = cfg.bits(side), cfg.group(side)
     x = reservoir_to_bhtd(getattr(layer_stats, f"reservoir_{side}"))  # (NB, H, BL, D)
-    t_len = usable_tokens(x.shape[2], side, group, cfg.k_axis)
-    x = x[:, :, :t_len]
-    h = x.shape[1]
+    x = x[:, :, :usable_tokens(x.shape[2], side, cfg.group(side), cfg.k_axis)]
     center_bits = int(float(fitted.get(f"{side}.center", torch.tensor(0.0))))
-    if center_bits and h >= 2:
+    if center_bits and x.shape[1] >= 2:
         _, x = center(x, center_bits)  # deviations from the stored mean
     perm = fitted.get(f"{side}.perm")
     if perm is not None:
         x = apply_perm(x, perm)
     clip = fitted.get(f"{side}.clip")
-    alpha = 1.0 if clip is None else clip.float()[None, :, None, :]  # (1, H, 1, 1|D)
+    return x, (1.0 if clip is None else clip.float()[None, :, None, :])  # (1, H, 1, 1|D)
+
+
+def side_units(layer_stats: LayerStats, cfg: LayerConfig, side: str, fitted: dict[str, torch.Tensor],
+               weighting: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reservoir's elements of ``side`` on their groups' grids and their weights (module
+    docstring): ``(t, w)`` float32, both ``(NB, H, T, D)``. Centering, permutation and clip fitted
+    before (``fitted``) are applied as the runtime applies them (:func:`quantizer_input`)."""
+    from kvcalib.methods.clip import causal_probs
+    from kvcalib.methods.reorder import apply_perm
+
+    bits, group = cfg.bits(side), cfg.group(side)
+    x, alpha = quantizer_input(layer_stats, cfg, side, fitted)  # (NB, H, T, D)
+    t_len, h = x.shape[2], x.shape[1]
+    perm = fitted.get(f"{side}.perm")
     units, scale = code_units(x, bits, group, cfg.per_channel(side), alpha)  # (NB, H, T, D) x 2
     weight = scale ** 2
     q = layer_stats.reservoir_q
@@ -173,8 +185,8 @@ class LevelsMethod(Method):
         out: dict[str, torch.Tensor] = {}
         for side in ("k", "v"):
             bits = layer_cfg.bits(side)
-            if bits not in LEVEL_BITS:
-                continue
+            if bits not in LEVEL_BITS or f"{side}.step" in context.fitted:
+                continue  # levels are fitted to min/max groups, not to a fixed grid (errbound)
             t, w = side_units(layer_stats, layer_cfg, side, context.fitted, self.weighting)
             levels = lloyd_max(t, w, bits, self.iters)
             uniform = grid_error(t, w, torch.arange(1 << bits, dtype=torch.float32))

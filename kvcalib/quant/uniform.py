@@ -76,6 +76,7 @@ __all__ = [
     "quantize_dequantize_values",
     "check_levels",
     "code_units",
+    "quantize_fixed",
 ]
 
 _AXES = ("token", "channel")
@@ -414,6 +415,43 @@ def code_units(x: torch.Tensor, bits: int, group: int, per_channel: bool, clip: 
     nonzero = s > 0
     units = torch.where(nonzero, (xg - z) / torch.where(nonzero, s, torch.ones_like(s)), torch.zeros_like(xg))
     return units.reshape(*lead, t, d), s.expand_as(xg).reshape(*lead, t, d)
+
+
+def quantize_fixed(x: torch.Tensor, bits: int, group: int, per_channel: bool, scale16: torch.Tensor,
+                   zero16: torch.Tensor, levels: torch.Tensor | None = None) -> QuantizedTensor:
+    """``x`` (B, H, T, D) on a grid fixed by calibration instead of each group's min/max (KVComp's
+    error-bounded quantizer): ``scale16`` / ``zero16`` float16 ``(H, C)`` per kv head and parameter
+    column (``C = D``: keys per channel over groups of ``group`` tokens, ``per_channel``; else
+    ``C = D / group``: per token over groups of ``group`` channels). The same encode and decode
+    arithmetic as the min/max quantizers (so the same stored layout, every group holding its
+    column's fixed parameters, and the same dequantization); elements beyond the grid take the
+    end codes."""
+    _check_bits(bits)
+    _check_group(group)
+    xf = _as_float32(x, "x")
+    b, h, t, d = xf.shape
+    cols = d if per_channel else d // group
+    if (d % group and not per_channel) or (t % group and per_channel):
+        raise ValueError(f"x of shape {tuple(x.shape)} is not whole groups of {group}")
+    for name, p in (("scale16", scale16), ("zero16", zero16)):
+        if p.dtype != torch.float16 or tuple(p.shape) != (h, cols):
+            raise ValueError(f"{name} must be float16 (H={h}, {cols}), got {p.dtype} {tuple(p.shape)}")
+    lv = check_levels(levels, bits)
+    s, z = scale16.to(xf.device), zero16.to(xf.device)
+    if per_channel:
+        xg = xf.reshape(b, h, t // group, group, d)  # (B, H, T/G, G, D)
+        codes = encode(xg, s[None, :, None, None, :], z[None, :, None, None, :], bits, lv).reshape(b, h, t, d)
+        shape = (b, h, t // group, d)
+        params = (s[None, :, None, :].expand(shape), z[None, :, None, :].expand(shape))
+        axis = "token"
+    else:
+        xg = xf.reshape(b, h, t, cols, group)  # (B, H, T, D/G, G)
+        codes = encode(xg, s[None, :, None, :, None], z[None, :, None, :, None], bits, lv).reshape(b, h, t, d)
+        shape = (b, h, t, cols)
+        params = (s[None, :, None, :].expand(shape), z[None, :, None, :].expand(shape))
+        axis = "channel"
+    _check_packable(d, bits)
+    return QuantizedTensor(pack_codes(codes, bits), params[0].contiguous(), params[1].contiguous(), bits, group, axis)
 
 
 # ---------------------------------------------------------------- public API

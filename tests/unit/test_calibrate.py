@@ -132,7 +132,8 @@ def _context(cfg):
 
 
 def test_registry_order_and_names():
-    assert list(METHODS) == ["prerope", "rotate", "center", "reorder", "clip", "levels", "outliers", "schedule", "huffman"]
+    assert list(METHODS) == ["prerope", "rotate", "center", "reorder", "clip", "errbound", "levels", "outliers", "schedule",
+                             "huffman"]
     for name, cls in METHODS.items():
         assert issubclass(cls, Method) and cls.name == name
         assert cls.tensors and all(isinstance(spec.doc, str) and spec.doc for spec in cls.tensors)

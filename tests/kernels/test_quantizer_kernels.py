@@ -1,4 +1,6 @@
-"""Rotated K/V (kvcalib.methods.rotate) on the kernel paths, against their references.
+"""Issue 34's quantizers on the kernel paths, against their references: rotated K/V
+(kvcalib.methods.rotate), and the fixed grids of the error-bounded quantizer
+(kvcalib.methods.errbound), which the decode kernel reads as any packed side.
 
 - decode attention with ``k_rot`` / ``v_rot``: the packed keys scored with the query rotated once
   per call, the packed values' accumulators rotated back once per call, the full-precision
@@ -143,3 +145,20 @@ def test_rotated_flushes_store_the_reference_bytes(monkeypatch, center):
     tri = _run(monkeypatch, "triton", cfg, steps, pad=11, **state)
     assert spy.key_tokens >= tri.n_packed, "every flushed token went through the kernels"
     assert_same_storage(tri, ref)
+
+
+def test_triton_path_reads_fixed_grids():
+    """Error-bounded sides (a fixed step per column) are stored in the packed layout: the decode
+    kernel attends them like min/max groups and agrees with the reference attention."""
+    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
+
+    cfg = LayerConfig(k_bits=4, v_bits=2, k_group=16, v_group=32, window=16, sinks=2)
+    g = torch.Generator().manual_seed(9)
+    codec = LayerCodec(cfg, k_step=torch.rand(2, 64, generator=g) * 0.5 + 0.2,
+                       v_step=torch.rand(2, 2, generator=g) * 0.5 + 0.5)
+    layer, q, vis = _filled_layer(cfg, codec=codec)
+    assert layer.n_packed > 0 and _reason_unsupported(q, layer) is None
+    out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
+    ref = attend_compressed(q, layer, vis, 64 ** -0.5)
+    assert out is not None and float((out - ref).abs().max()) < 1e-4

@@ -53,6 +53,8 @@ __all__ = [
     "reservoir_to_bhtd",
     "reservoir_moments",
     "reservoir_positions",
+    "switch_section",
+    "switch_lines",
     "fake_quantize",
     "usable_tokens",
     "check_side",
@@ -390,6 +392,46 @@ class MethodState:
         one Walsh-Hadamard matrix per head_dim), by a name that identifies the table: the memory
         accounting counts each name once. Default: none."""
         return {}
+
+
+def switch_section(recipe: Any, info: Any, layers: list[dict[str, Any]], method: str, sides: tuple[str, ...],
+                   kinds: dict[str, str], gain: str) -> dict[str, Any] | None:
+    """An ``inspect`` section for a method switched per layer and side, whose fit records a gain:
+    adds ``{side}_{method}`` (the label in ``kinds`` of the first applied tensor ``{side}.{name}``
+    present, None when off) and ``{side}_{method}_gain`` (``{side}.{gain}``) to every row of
+    ``layers``; returns ``{"on": {side: layers on}, "layers": n}``, None when the recipe never fitted
+    the method."""
+    seen = False
+    on = dict.fromkeys(sides, 0)
+    for row, tensors in zip(layers, recipe.layer_tensors(info.num_layers)):
+        for side in sides:
+            kind = next((label for name, label in kinds.items() if f"{side}.{name}" in tensors), None)
+            g = tensors.get(f"{side}.{gain}")
+            row[f"{side}_{method}"] = kind
+            row[f"{side}_{method}_gain"] = None if g is None else float(g)
+            on[side] += kind is not None
+            seen |= g is not None or kind is not None
+    return {"on": on, "layers": info.num_layers} if seen else None
+
+
+def switch_lines(report: dict[str, Any], method: str, title: str, marks: dict[str, str]) -> list[str]:
+    """The line of a :func:`switch_section`: layers on per side, then per layer each side's mark
+    (``marks[label]``, ``-`` off) and measured gain."""
+    sec = report.get(method)
+    if not sec:
+        return []
+    sides = tuple(sec["on"])
+
+    def fmt(row: dict[str, Any], side: str) -> str:
+        mark = marks.get(row.get(f"{side}_{method}"), "-")
+        gain = row.get(f"{side}_{method}_gain")
+        return mark if gain is None else f"{mark}{gain:+.2f}"
+
+    counts = " / ".join(f"{side.upper()} {sec['on'][side]}" for side in sides)
+    legend = ", ".join(f"{m} {label}" for label, m in marks.items())
+    return [f"{title} on {counts} of {sec['layers']} layers; {'|'.join(s.upper() for s in sides)} ({legend}, - off; "
+            "fitted gain) per layer: " + ", ".join(
+                f"{r['layer']}: {'|'.join(fmt(r, side) for side in sides)}" for r in report["layers"])]
 
 
 class Method(abc.ABC):

@@ -46,6 +46,8 @@ from kvcalib.methods.base import (
     MethodState,
     TensorSpec,
     reservoir_to_bhtd,
+    switch_lines,
+    switch_section,
     usable_tokens,
 )
 from kvcalib.quant.uniform import check_levels, code_units
@@ -227,29 +229,8 @@ class LevelsMethod(Method):
     def inspect(cls, recipe: Any, info: Any, context: int, layers: list[dict[str, Any]],
                 elements_per_layer: list[int]) -> dict[str, Any] | None:
         """Which sides carry levels, and the weighted error reduction the fit measured."""
-        per_layer = recipe.layer_tensors(info.num_layers)
-        on = {"k": 0, "v": 0}
-        seen = False
-        for row, tensors in zip(layers, per_layer):
-            for side in ("k", "v"):
-                lv, gain = tensors.get(f"{side}.levels"), tensors.get(f"{side}.levels_gain")
-                row[f"{side}_levels"] = None if lv is None else [round(float(x), 4) for x in lv]
-                row[f"{side}_levels_gain"] = None if gain is None else float(gain)
-                on[side] += lv is not None
-                seen |= gain is not None
-        return {"sides_on": on, "layers": info.num_layers} if seen else None
+        return switch_section(recipe, info, layers, cls.name, ("k", "v"), {"levels": "lloyd-max"}, "levels_gain")
 
     @classmethod
     def inspect_lines(cls, report: dict[str, Any]) -> list[str]:
-        sec = report.get("levels")
-        if not sec:
-            return []
-
-        def fmt(row: dict[str, Any], side: str) -> str:
-            gain = row.get(f"{side}_levels_gain")
-            mark = "L" if row.get(f"{side}_levels") is not None else "-"
-            return mark if gain is None else f"{mark}{gain:+.2f}"
-
-        return [f"non-uniform levels on K {sec['sides_on']['k']} / V {sec['sides_on']['v']} of {sec['layers']} layers; "
-                "K|V (L on, - off; weighted error gain) per layer: "
-                + ", ".join(f"{r['layer']}: {fmt(r, 'k')}|{fmt(r, 'v')}" for r in report["layers"])]
+        return switch_lines(report, cls.name, "non-uniform levels", {"lloyd-max": "L"})

@@ -47,6 +47,8 @@ from kvcalib.methods.base import (
     reservoir_moments,
     reservoir_positions,
     reservoir_to_bhtd,
+    switch_lines,
+    switch_section,
     usable_tokens,
 )
 from kvcalib.quant.rotation import apply_rope
@@ -174,27 +176,8 @@ class PreRopeMethod(Method):
     def inspect(cls, recipe: Any, info: Any, context: int, layers: list[dict[str, Any]],
                 elements_per_layer: list[int]) -> dict[str, Any] | None:
         """Which layers store keys before RoPE, and the key error reduction the fit measured."""
-        per_layer = recipe.layer_tensors(info.num_layers)
-        on = 0
-        for row, tensors in zip(layers, per_layer):
-            gain = tensors.get("k.prerope_gain")
-            row["k_prerope"] = "k.rope" in tensors
-            row["k_prerope_gain"] = None if gain is None else float(gain)
-            on += row["k_prerope"]
-        if not on and all(r["k_prerope_gain"] is None for r in layers):
-            return None
-        return {"layers_on": on, "layers": info.num_layers}
+        return switch_section(recipe, info, layers, cls.name, ("k",), {"rope": "on"}, "prerope_gain")
 
     @classmethod
     def inspect_lines(cls, report: dict[str, Any]) -> list[str]:
-        sec = report.get("prerope")
-        if not sec:
-            return []
-
-        def fmt(row: dict[str, Any]) -> str:
-            gain = row.get("k_prerope_gain")
-            mark = "P" if row.get("k_prerope") else "-"
-            return mark if gain is None else f"{mark}{gain:+.2f}"
-
-        return [f"pre-RoPE keys on {sec['layers_on']} of {sec['layers']} layers (P on, - off; key error gain): "
-                + ", ".join(f"{r['layer']}: {fmt(r)}" for r in report["layers"])]
+        return switch_lines(report, cls.name, "pre-RoPE keys", {"on": "P"})

@@ -53,6 +53,8 @@ from kvcalib.methods.base import (
     TensorSpec,
     reservoir_moments,
     reservoir_to_bhtd,
+    switch_lines,
+    switch_section,
 )
 from kvcalib.quant.rotation import check_rotation, hadamard, is_power_of_two, random_signs, rotate, unrotate
 from kvcalib.stats import LayerStats
@@ -293,33 +295,9 @@ class RotateMethod(Method):
     def inspect(cls, recipe: Any, info: Any, context: int, layers: list[dict[str, Any]],
                 elements_per_layer: list[int]) -> dict[str, Any] | None:
         """Which sides are rotated, by which kind, and the reservoir gain the fit measured."""
-        per_layer = recipe.layer_tensors(info.num_layers)
-        rotated = {"k": 0, "v": 0}
-        for row, tensors in zip(layers, per_layer):
-            for side in ("k", "v"):
-                kind = "hadamard" if f"{side}.rotate" in tensors else "pca" if f"{side}.rotation" in tensors else None
-                gain = tensors.get(f"{side}.rotate_gain")
-                row[f"{side}_rotate"] = kind
-                row[f"{side}_rotate_gain"] = None if gain is None else float(gain)
-                rotated[side] += kind is not None
-        if not any(rotated.values()) and not any(r[f"{s}_rotate_gain"] is not None for r in layers for s in "kv"):
-            return None
-        return {"rotated_layers": rotated, "layers": info.num_layers}
+        return switch_section(recipe, info, layers, cls.name, ("k", "v"), {"rotate": "hadamard", "rotation": "pca"},
+                              "rotate_gain")
 
     @classmethod
     def inspect_lines(cls, report: dict[str, Any]) -> list[str]:
-        sec = report.get("rotate")
-        if not sec:
-            return []
-
-        def fmt(row: dict[str, Any], side: str) -> str:
-            kind, gain = row.get(f"{side}_rotate"), row.get(f"{side}_rotate_gain")
-            mark = {"hadamard": "H", "pca": "P"}.get(kind, "-")
-            return mark if gain is None else f"{mark}{gain:+.2f}"
-
-        return [
-            f"rotated sides: K {sec['rotated_layers']['k']} / V {sec['rotated_layers']['v']} of {sec['layers']} layers",
-            "rotation K|V (H Hadamard, P fitted, - none; reservoir gain) per layer: " + ", ".join(
-                f"{r['layer']}: {fmt(r, 'k')}|{fmt(r, 'v')}" for r in report["layers"]),
-        ]
-
+        return switch_lines(report, cls.name, "rotation", {"hadamard": "H", "pca": "P"})

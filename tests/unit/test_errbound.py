@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcalib.calibrate import fit_layer, fit_stats
+from kvcalib.calibrate import fit_layer
 from kvcalib.codec import LayerCodec
 from kvcalib.export import ExportConfig, export_recipe
 from kvcalib.layout import LayerConfig
@@ -16,10 +16,8 @@ from kvcalib.methods.rotate import RotateMethod
 from kvcalib.quant.huffman import symbol_histogram
 from kvcalib.quant.packing import unpack_codes
 from kvcalib.quant.uniform import dequantize, quantize_fixed, quantize_keys, quantize_values
-from kvcalib.recipe import Recipe
-from kvcalib.simulate import simulated_logits
 from kvcalib.stats import CollectedStats
-from tests.unit.test_cache import decode_logits
+from tests.unit.parity import assert_costs_only_its_tensors, assert_decode_faithful
 from tests.unit.test_calibrate import make_stats
 from tests.unit.test_export import run_dir  # noqa: F401  (the shared statistics fixture)
 
@@ -100,19 +98,8 @@ def test_simulation_matches_decode_and_the_recipe(tiny, tmp_path):
 
     out, model, stats = tiny
     info = stats.model
-    configs = [CFG] * info.num_layers
-    rec = Recipe(name="eb", layers=configs, model=info, tensors=fit_stats(stats, configs, ["errbound"]))
-    assert all(c.state("errbound") is not None for c in rec.codecs(info))
-    ids = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(3))
-    dec, _ = decode_logits(model, ids, rec, 1)
-    sim = simulated_logits(model, ids, configs, rec.codecs(info), prompt_len=1)
-    assert float((sim - dec).abs().max()) < 1e-3
-    plain, _ = decode_logits(model, ids, Recipe(name="plain", layers=configs, model=info), 1)
-    assert float((plain - dec).abs().max()) > 1e-3
-    # the parameters are stored per group as before: the same bytes besides the recipe's steps
-    extra = sum(t.numel() * t.element_size() for t in rec.tensors.values())
-    assert rec.memory(info, 256).total_bytes == Recipe(name="p", layers=configs, model=info).memory(
-        info, 256).total_bytes + extra
+    rec = assert_decode_faithful(model, stats, ["errbound"], CFG, "errbound")
+    assert_costs_only_its_tensors(rec, info)  # parameters stored per group as before, plus the recipe's steps
 
     exported = export_recipe(out, tmp_path / "r.safetensors", ExportConfig(bits="k2v2", group=8, window=8,
                                                                          errbound=True))

@@ -17,9 +17,8 @@ from kvcalib.methods.schedule import Schedule
 from kvcalib.quant.uniform import (check_levels, code_units, decode, dequantize_values, encode, quantize_keys,
                                    quantize_values)
 from kvcalib.recipe import Recipe
-from kvcalib.simulate import simulated_logits
 from kvcalib.stats import CollectedStats
-from tests.unit.test_cache import decode_logits
+from tests.unit.parity import assert_costs_only_its_tensors, assert_decode_faithful
 from tests.unit.test_calibrate import make_stats
 from tests.unit.test_export import run_dir  # noqa: F401  (the shared statistics fixture)
 
@@ -113,16 +112,7 @@ def tiny(run_dir):
 
 def test_simulation_matches_token_by_token_decode(tiny):
     _, model, stats = tiny
-    info = stats.model
-    configs = [CFG] * info.num_layers
-    rec = Recipe(name="lv", layers=configs, model=info, tensors=fit_stats(stats, configs, [ALWAYS]))
-    assert all(c.state("levels") is not None for c in rec.codecs(info))
-    ids = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(3))
-    dec, _ = decode_logits(model, ids, rec, 1)
-    sim = simulated_logits(model, ids, configs, rec.codecs(info), prompt_len=1)
-    assert float((sim - dec).abs().max()) < 1e-3
-    plain, _ = decode_logits(model, ids, Recipe(name="plain", layers=configs, model=info), 1)
-    assert float((plain - dec).abs().max()) > 1e-3, "the levels change what is decoded"
+    assert_decode_faithful(model, stats, [ALWAYS], CFG, "levels")
 
 
 def test_recipe_export_inspect_accounting_and_search(tiny, tmp_path):
@@ -139,9 +129,7 @@ def test_recipe_export_inspect_accounting_and_search(tiny, tmp_path):
     assert any(line.startswith("non-uniform levels") for line in method_lines(report))
     configs = [CFG] * info.num_layers
     forced = Recipe(name="f", layers=configs, model=info, tensors=fit_stats(stats, configs, [ALWAYS]))
-    extra = sum(t.numel() * t.element_size() for t in forced.tensors.values())  # a few floats per layer
-    assert forced.memory(info, 256).total_bytes == Recipe(name="p", layers=configs, model=info).memory(
-        info, 256).total_bytes + extra
+    assert_costs_only_its_tensors(forced, info)  # a few floats per layer
     with pytest.raises(Exception, match=r"layers\.0\.v\.levels"):
         Recipe(name="bad", layers=configs, model=info,
                tensors={"layers.0.v.levels": torch.arange(8.0)}).codecs(info)

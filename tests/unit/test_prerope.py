@@ -19,10 +19,9 @@ from kvcalib.models import rope_tables
 from kvcalib.quant.rotation import apply_rope
 from kvcalib.quant.uniform import quantize_dequantize_keys
 from kvcalib.recipe import Recipe
-from kvcalib.simulate import simulated_logits
 from kvcalib.stats import CollectedStats
 from tests.conftest import tiny_model
-from tests.unit.test_cache import decode_logits
+from tests.unit.parity import assert_costs_only_its_tensors, assert_decode_faithful
 from tests.unit.test_calibrate import make_stats
 from tests.unit.test_export import run_dir  # noqa: F401  (the shared statistics fixture)
 
@@ -110,16 +109,7 @@ def test_fit_measures_the_key_error_after_rope():
 
 def test_simulation_matches_token_by_token_decode(tiny):
     _, model, stats = tiny
-    info = stats.model
-    configs = [CFG] * info.num_layers
-    rec = Recipe(name="pre", layers=configs, model=info, tensors=fit_stats(stats, configs, [ALWAYS]))
-    assert all(c.state("prerope") is not None for c in rec.codecs(info))
-    ids = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(3))
-    dec, _ = decode_logits(model, ids, rec, 1)
-    sim = simulated_logits(model, ids, configs, rec.codecs(info), prompt_len=1)
-    assert float((sim - dec).abs().max()) < 1e-3
-    plain, _ = decode_logits(model, ids, Recipe(name="plain", layers=configs, model=info), 1)
-    assert float((plain - dec).abs().max()) > 1e-3, "quantizing before RoPE changes what is decoded"
+    assert_decode_faithful(model, stats, [ALWAYS], CFG, "prerope")
 
 
 def test_a_padded_row_decodes_like_the_row_alone(tiny):
@@ -163,9 +153,7 @@ def test_recipe_export_inspect_search_and_codebooks(tiny, tmp_path):
     # the table is recipe state, counted once per layer that uses it; nothing per token
     configs = [CFG] * info.num_layers
     forced = Recipe(name="f", layers=configs, model=info, tensors=fit_stats(stats, configs, [ALWAYS]))
-    plain = Recipe(name="p", layers=configs, model=info)
-    extra = sum(t.numel() * t.element_size() for t in forced.tensors.values())
-    assert forced.memory(info, 256).total_bytes == plain.memory(info, 256).total_bytes + extra
+    assert_costs_only_its_tensors(forced, info)
     hists = layer_histograms(forced, stats)  # the reservoir's codes before RoPE, at its positions
     assert hists[(0, "k")].sum() > 0
 

@@ -17,9 +17,8 @@ from kvcalib.methods.rotate import RotateMethod, rotate_reservoir, side_seed
 from kvcalib.quant.rotation import hadamard, random_signs, rotate, unrotate
 from kvcalib.quant.uniform import quantize_dequantize_keys, quantize_dequantize_values
 from kvcalib.recipe import Recipe
-from kvcalib.simulate import simulated_logits
 from kvcalib.stats import CollectedStats
-from tests.unit.test_cache import decode_logits
+from tests.unit.parity import assert_decode_faithful
 from tests.unit.test_calibrate import make_stats
 from tests.unit.test_export import run_dir  # noqa: F401  (the shared statistics fixture)
 
@@ -145,17 +144,7 @@ def test_rotation_is_accounted(tiny):
 @pytest.mark.parametrize("kind", ["hadamard", "pca"])
 def test_simulation_matches_token_by_token_decode(tiny, kind):
     _, model, stats = tiny
-    info = stats.model
-    configs = [CFG] * info.num_layers
-    rec = Recipe(name="rot", layers=configs, model=info,
-                 tensors=fit_stats(stats, configs, [RotateMethod(kind=kind, min_gain=-0.99)]))
-    assert all(c.state("rotate") is not None for c in rec.codecs(info))
-    ids = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(3))
-    dec, _ = decode_logits(model, ids, rec, 1)
-    sim = simulated_logits(model, ids, configs, rec.codecs(info), prompt_len=1)
-    assert float((sim - dec).abs().max()) < 1e-3
-    plain, _ = decode_logits(model, ids, Recipe(name="plain", layers=configs, model=info), 1)
-    assert float((plain - dec).abs().max()) > 1e-3, "the rotation changes what is decoded"
+    assert_decode_faithful(model, stats, [RotateMethod(kind=kind, min_gain=-0.99)], CFG, "rotate")
 
 
 def test_export_flag_inspect_and_search_switch(tiny, tmp_path):
@@ -173,7 +162,7 @@ def test_export_flag_inspect_and_search_switch(tiny, tmp_path):
     report = inspect_recipe(str(tmp_path / "r.safetensors"))
     assert report["rotate"]["layers"] == stats.model.num_layers
     assert all("k_rotate_gain" in row for row in report["layers"])
-    assert any(line.startswith("rotation K|V") for line in method_lines(report))
+    assert any(line.startswith("rotation on K") for line in method_lines(report))
 
     assert "rotate" in layer_switches()
     SearchSpace(layer_methods=("rotate", "clip"))  # a valid per-layer switch

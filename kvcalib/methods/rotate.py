@@ -129,10 +129,10 @@ class RotateState(MethodState):
         return self._device[key]
 
     def encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> torch.Tensor:
-        return rotate(x, *self.rot[side]) if side in self.rot else x  # (B, H, N, D)
+        return rotate(x, *self.device_rotation(side, x.device)) if side in self.rot else x  # (B, H, N, D)
 
     def decode(self, side: str, y: torch.Tensor, stored: dict[str, Any]) -> torch.Tensor:
-        return unrotate(y, *self.rot[side]) if side in self.rot else y  # (B, H, N, D)
+        return unrotate(y, *self.device_rotation(side, y.device)) if side in self.rot else y  # (B, H, N, D)
 
     def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> dict[str, Any] | None:
         if side not in self.rot:

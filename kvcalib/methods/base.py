@@ -425,7 +425,7 @@ def switch_lines(report: dict[str, Any], method: str, title: str, marks: dict[st
     def fmt(row: dict[str, Any], side: str) -> str:
         mark = marks.get(row.get(f"{side}_{method}"), "-")
         gain = row.get(f"{side}_{method}_gain")
-        return mark if gain is None else f"{mark}{gain:+.2f}"
+        return mark if gain is None else f"{mark}({gain:+.2f})"
 
     counts = " / ".join(f"{side.upper()} {sec['on'][side]}" for side in sides)
     legend = ", ".join(f"{m} {label}" for label, m in marks.items())

@@ -1,6 +1,7 @@
-"""Benchmark: what SKVQ permutations, TaDA means (8/16-bit), OTT pools and PATS tier stores cost
-the fused kernel: CUDA-graph time on the Mistral shape (batch 1 and 8, 4k and 32k, 2 and 4 bits,
-group 128, default config) against the plain kernel and bf16 SDPA. Writes ``decode_fitted.json``.
+"""Benchmark: what SKVQ permutations, TaDA means (8/16-bit), OTT pools, PATS tier stores and K/V
+rotations cost the fused kernel: CUDA-graph time on the Mistral shape (batch 1 and 8, 4k and 32k,
+2 and 4 bits, group 128, default config) against the plain kernel and bf16 SDPA. Writes
+``decode_fitted.json``.
 
     python -m benchmarks.fitted --out artifacts/bench     (CUDA, repository root)
 """
@@ -23,6 +24,9 @@ FITTED_VARIANTS = {  # name: (K and V permuted, mean bits of K and V: 0 off, 8 o
     "perm+mean8": (True, 8, 0),
     "ott": (False, 0, 3 + 32),  # OTT's pool of 3 + extra pool of 32 slots per kv head, quant masks
     "pats": (False, 0, 0),  # PATS middle-heavy tiers (below): one split launch per tier store, one combine
+    # rotated K and V (kvcalib.methods.rotate: random-sign Walsh-Hadamard): the query rotated once per
+    # call, the packed value accumulators rotated back once per call (issue 34: within 10% of plain)
+    "rotate": (False, 0, 0),
 }
 # PATS as kvcalib exports it (--schedule middle-heavy, ages 1024 and 4096 after a 128-token window):
 # (first age, bits) per stored tier; the "pats" rows run at the last tier's bits (2) only
@@ -60,7 +64,8 @@ def pats_call(q, b, h, d, ctx, win, scale, cfg, dev, seed):
 def fitted_inputs(b, h, n, d, variant, dev, seed=0) -> dict:
     """Random SKVQ permutations (H, D) of K and V, TaDA means (B, 1, N, D) and OTT parts (quant
     masks over blocks of 128 tokens with one pool entrant per block, a pool of full-precision
-    K/V at positions inside the packed range) of ``variant``."""
+    K/V at positions inside the packed range) and the rotations (Walsh-Hadamard, random signs) of
+    ``variant``."""
     perm, mean_bits, pool = FITTED_VARIANTS[variant]
     g = torch.Generator(device=dev).manual_seed(seed + 1000)
     kw = {}
@@ -74,6 +79,11 @@ def fitted_inputs(b, h, n, d, variant, dev, seed=0) -> dict:
     if perm:
         for side in ("k_perm", "v_perm"):
             kw[side] = torch.stack([torch.randperm(d, device=dev, generator=g) for _ in range(h)]).int()
+    if variant == "rotate":
+        from kvcalib.quant.rotation import hadamard, random_signs
+
+        for i, side in enumerate(("k_rot", "v_rot")):
+            kw[side] = (hadamard(d, dev), random_signs(h, d, seed + i).to(dev))
     for side in ("k_mean", "v_mean"):
         if mean_bits == 16:
             kw[side] = torch.randn(b, 1, n, d, device=dev, generator=g).half()

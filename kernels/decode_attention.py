@@ -20,7 +20,11 @@ with a per-batch valid range of packed tokens and an optional visibility mask ov
 positions (padding). Packed sides may carry an SKVQ channel permutation ``(H, D)`` (the query is
 read at each stored key channel's input channel; value channels are stored back at theirs) and a
 TaDA per-token mean ``(B, 1, N, D)`` shared by the kv heads, 16-bit or 8-bit codes with per-token
-scale/zero (``q . mean`` joins each score, ``sum p * mean`` each value plane, in the same pass).
+scale/zero (``q . mean`` joins each score, ``sum p * mean`` each value plane, in the same pass),
+and a per-head orthogonal rotation ``(matrix, signs)`` (:mod:`kvcalib.quant.rotation`: the stored
+tokens are ``x R``): the packed keys are scored with the query rotated once per call and the
+packed values' accumulators are rotated back once per call before the merge; the full-precision
+segments are stored unrotated and attended as they are.
 
 Two launches: the split kernel (grid ``(B * H, packed splits + full-precision chunks)``, each
 program a partial ``(m, l, acc)`` for the query heads of one kv head), then the combine
@@ -75,6 +79,8 @@ def decode_attention(
     v_perm: torch.Tensor | None = None,
     k_mean: torch.Tensor | tuple | None = None,
     v_mean: torch.Tensor | tuple | None = None,
+    k_rot: tuple | None = None,
+    v_rot: tuple | None = None,
     config: DecodeConfig | None = None,
     return_lse: bool = False,
     out_dtype: torch.dtype = torch.float32,
@@ -94,7 +100,8 @@ def decode_attention(
                    packed_start=packed_start, packed_end=packed_end, packed_position=packed_position,
                    fp_segments=fp_segments, fp_positions=fp_positions, mask=mask, mask_packed=mask_packed,
                    keep=keep, keep_block=keep_block, pool=pool, return_lse=return_lse, out_dtype=out_dtype,
-                   config=config or DEFAULT_CONFIG, k_perm=k_perm, v_perm=v_perm, k_mean=k_mean, v_mean=v_mean)
+                   config=config or DEFAULT_CONFIG, k_perm=k_perm, v_perm=v_perm, k_mean=k_mean, v_mean=v_mean,
+                   k_rot=k_rot, v_rot=v_rot)
 
 
 def decode_attention_parts(

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvcalib.quant.rotation import unrotate
 from kvcalib.quant.uniform import (QuantizedTensor, dequantize_keys, dequantize_values,
                                    quantize_dequantize_values, quantize_keys, quantize_values)
 
@@ -40,6 +41,7 @@ __all__ = [
     "quantize_pack_values_reference",
     "restore_channels",
     "unpack_keep_bits",
+    "unrotate_stored",
 ]
 
 
@@ -77,6 +79,12 @@ def restore_channels(x: torch.Tensor, perm: torch.Tensor | None, mean) -> torch.
         return x + mean.float()
     codes, scale, zero = mean
     return x + (codes.float() * scale.float() + zero.float())
+
+
+def unrotate_stored(x: torch.Tensor, rot) -> torch.Tensor:
+    """Stored tokens ``x`` (B, H, N, D) of a rotated side back to the input basis: ``x R^T`` for a
+    rotation ``(matrix, signs)`` (:func:`kvcalib.quant.rotation.unrotate`); None: unchanged."""
+    return x if rot is None else unrotate(x, *rot)
 
 
 def _visible(mask: torch.Tensor | None, b: int, pos: int, n: int, device) -> torch.Tensor:
@@ -144,6 +152,8 @@ def decode_attention_reference_in(
     v_perm: torch.Tensor | None = None,
     k_mean=None,
     v_mean=None,
+    k_rot=None,
+    v_rot=None,
     config=None,
     return_lse: bool = False,
 ):
@@ -159,10 +169,12 @@ def decode_attention_reference_in(
     ks, vs, valid = [], [], []
     if k_codes is not None and k_codes.shape[2] > 0:
         n = k_codes.shape[2]
-        ks.append(restore_channels(dequantize_packed(k_codes, k_scale, k_zero, bits=k_bits, group=k_group,
-                                                     axis=k_axis), k_perm, k_mean))
-        vs.append(restore_channels(dequantize_packed(v_codes, v_scale, v_zero, bits=v_bits, group=v_group,
-                                                     axis="token"), v_perm, v_mean))
+        ks.append(unrotate_stored(restore_channels(dequantize_packed(k_codes, k_scale, k_zero, bits=k_bits,
+                                                                     group=k_group, axis=k_axis), k_perm, k_mean),
+                                  k_rot))
+        vs.append(unrotate_stored(restore_channels(dequantize_packed(v_codes, v_scale, v_zero, bits=v_bits,
+                                                                     group=v_group, axis="token"), v_perm, v_mean),
+                                  v_rot))
         idx = torch.arange(n, device=q.device)[None, :]  # (1, N)
         lo = torch.zeros(b, dtype=torch.long, device=q.device) if packed_start is None else packed_start.long()
         hi = torch.full((b,), n, dtype=torch.long, device=q.device) if packed_end is None else packed_end.long()
@@ -239,6 +251,8 @@ def decode_attention_reference(
     v_perm: torch.Tensor | None = None,
     k_mean=None,
     v_mean=None,
+    k_rot=None,
+    v_rot=None,
     config=None,
     return_lse: bool = False,
 ):
@@ -274,6 +288,9 @@ def decode_attention_reference(
         k_mean, v_mean: TaDA per-token means over the kv heads, added back after un-permuting:
             float16 ``(B, 1, N, D)`` or 8-bit ``(codes uint8 (B, 1, N, D), scale, zero float16
             (B, 1, N, 1))``; None = not centred.
+        k_rot, v_rot: per-head orthogonal rotations of the packed sides, ``(matrix (D, D) |
+            (H, D, D), signs (H, D) | None)`` float32: the stored tokens are ``x R``
+            (:mod:`kvcalib.quant.rotation`), rotated back after the mean is added; None = unrotated.
 
     Returns float32 ``(B, Hq, D)``; a row that sees no token is 0. ``return_lse``: also each
     row's log-sum-exp of its (scaled, softcapped) scores over the visible tokens, float32
@@ -286,7 +303,8 @@ def decode_attention_reference(
         softcap=softcap, packed_start=packed_start, packed_end=packed_end,
         packed_position=packed_position, fp_segments=fp_segments, fp_positions=fp_positions,
         mask=mask, mask_packed=mask_packed, keep=keep, keep_block=keep_block, pool=pool, k_perm=k_perm,
-        v_perm=v_perm, k_mean=k_mean, v_mean=v_mean, config=config, return_lse=return_lse)
+        v_perm=v_perm, k_mean=k_mean, v_mean=v_mean, k_rot=k_rot, v_rot=v_rot, config=config,
+        return_lse=return_lse)
 
 
 def merge_parts(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -43,8 +43,8 @@ from kvcalib.layout import LayerConfig
 from kvcalib.methods import MethodState, registry
 from kvcalib.methods.reorder import apply_perm
 from kvcalib.methods.schedule import requantize
-from kvcalib.quant.uniform import QuantizedTensor, dequantize, dequantize_keys, dequantize_values, quantize_keys, \
-    quantize_values
+from kvcalib.quant.uniform import QuantizedTensor, dequantize, dequantize_keys, dequantize_values, quantize_fixed, \
+    quantize_keys, quantize_values
 
 
 @dataclass
@@ -166,6 +166,9 @@ class LayerCodec:
             raise KvcalibError("two methods set stored tiers on one layer: keep one")
         # stored tiers, youngest first: (first age, k_bits, v_bits); one entry without a schedule
         self.tiers = list(tiered[0]) if tiered and cfg.compressed else [(cfg.window, cfg.k_bits, cfg.v_bits)]
+        if self.tiered and any(self._levels(side) is not None or self._fixed(side) is not None for side in ("k", "v")):
+            raise KvcalibError("non-uniform levels and fixed grids are fitted for the layer's bits; a schedule stores "
+                               "older blocks at fewer bits: use one or the other on a layer")
 
     @classmethod
     def from_tensors(cls, cfg: LayerConfig, tensors: dict[str, torch.Tensor], heads: int | None = None,
@@ -191,28 +194,58 @@ class LayerCodec:
             raise KvcalibError("two methods set a clip scale for one side: keep one")
         return clips[0] if clips else 1.0
 
+    @property
+    def needs_positions(self) -> bool:
+        """Whether some state reads the blocks' RoPE positions (pass ``positions`` to encode and
+        decode: :attr:`MethodState.needs_positions`)."""
+        return any(s.needs_positions for s in self.states.values())
+
+    def _side_data(self, positions: torch.Tensor | None) -> dict[str, Any]:
+        if positions is None and self.needs_positions:
+            raise KvcalibError("this layer's codec reads the tokens' RoPE positions (keys stored before RoPE): "
+                               "this path does not give them; use a recipe without pre-RoPE keys here")
+        return {} if positions is None else {"positions": positions}
+
+    def _fixed(self, side: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        grids = [g for s in self.states.values() if (g := s.fixed_grid(side)) is not None]
+        if len(grids) > 1:
+            raise KvcalibError("two methods fix the quantization grid of one side: keep one")
+        return grids[0] if grids else None
+
+    def _levels(self, side: str) -> torch.Tensor | None:
+        levels = [lv for s in self.states.values() if (lv := s.levels(side)) is not None]
+        if len(levels) > 1:
+            raise KvcalibError("two methods set quantization levels for one side: keep one")
+        return levels[0] if levels else None
+
     def _encode(self, side: str, x: torch.Tensor, valid: torch.Tensor | None,
-                keep: torch.Tensor | None = None) -> PackedBlock:
+                keep: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> PackedBlock:
         """x (B, H, N, D) -> PackedBlock: the states' transforms, then the clip-quantizer (ranges
         over :func:`_range_mask`'s tokens); through the Triton kernels where they cover the side
-        and every state (:func:`use_triton_encode`), else the reference (same bytes)."""
+        and every state (:func:`use_triton_encode`), else the reference (same bytes).
+        ``positions`` (B|1, N) int64: the tokens' RoPE positions, for states that read them."""
         bits, group = self._bits_group(side)
         if bits >= 16:
             return PackedBlock(None, x)
         per_channel = self.cfg.per_channel(side)
         m = _range_mask(valid, keep)  # (B, 1|H, N) or None
-        if use_triton_encode(x):
-            out = self._encode_triton(side, x, m, bits, group, per_channel)
+        levels, fixed = self._levels(side), self._fixed(side)
+        if use_triton_encode(x) and levels is None and fixed is None:  # the kernels fit min/max uniform grids only
+            out = self._encode_triton(side, x, m, bits, group, per_channel, positions)
             if out is not None:
                 return out
-        stored: dict[str, Any] = {}
+        stored = self._side_data(positions)
         for state in self._encoders:
             x = state.encode(side, x, stored)  # (B, H, N, D)
-        q = (quantize_keys if per_channel else quantize_values)(x, bits, group, clip=self._clip(side), valid=m)
+        if fixed is not None:
+            q = quantize_fixed(x, bits, group, per_channel, *fixed, levels=levels)
+        else:
+            q = (quantize_keys if per_channel else quantize_values)(x, bits, group, clip=self._clip(side), valid=m,
+                                                                    levels=levels)
         return PackedBlock(q, None, stored.get("mean"), stored.get("mean_q"))
 
     def _encode_triton(self, side: str, x: torch.Tensor, m: torch.Tensor | None, bits: int, group: int,
-                       per_channel: bool) -> PackedBlock | None:
+                       per_channel: bool, positions: torch.Tensor | None = None) -> PackedBlock | None:
         """:meth:`_encode` through :mod:`kvcalib_kernels.quant_pack` (validate=False: no device
         sync); None when the kernels do not cover this side's layout or one of its states."""
         from kvcalib_kernels import quant_pack
@@ -220,12 +253,15 @@ class LayerCodec:
         if quant_pack.supports(shape=tuple(x.shape), dtype=x.dtype, bits=bits, group=group,
                                per_channel=per_channel) is not None:
             return None
-        stored: dict[str, Any] = {}
+        stored = self._side_data(positions)
         args: dict[str, Any] = {}
         for state in self._encoders:
             got = state.kernel_encode(side, x, stored)
             if got is None:
                 return None
+            if "x" in got:  # a transform run at flush (a rotation): later states and the kernel see its block
+                got = dict(got)
+                x = got.pop("x")  # (B, H, N, D)
             args.update(got)
         perm = args.get("perm")
         if quant_pack.supports(shape=tuple(x.shape), dtype=x.dtype, bits=bits, group=group, per_channel=per_channel,
@@ -247,11 +283,13 @@ class LayerCodec:
             args.update(got)
         return args
 
-    def _decode(self, side: str, block: PackedBlock, dtype: torch.dtype) -> torch.Tensor:
+    def _decode(self, side: str, block: PackedBlock, dtype: torch.dtype,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         if block.raw is not None:
             return block.raw.to(dtype)
-        out = (dequantize_keys if self.cfg.per_channel(side) else dequantize_values)(block.quantized)  # (B, H, N, D)
-        stored = block.stored
+        out = (dequantize_keys if self.cfg.per_channel(side) else dequantize_values)(
+            block.quantized, self._levels(side))  # (B, H, N, D)
+        stored = {**block.stored, **self._side_data(positions)}
         for state in reversed(self._encoders):
             out = state.decode(side, out, stored)
         return out.to(dtype)
@@ -290,45 +328,50 @@ class LayerCodec:
 
     # -- keys
     def encode_keys(self, k: torch.Tensor, valid: torch.Tensor | None = None,
-                    keep: torch.Tensor | None = None) -> PackedBlock:
+                    keep: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> PackedBlock:
         """k (B, H, N, D) -> packed block; ``valid`` (B, N) bool excludes padding from ranges,
-        ``keep`` (B, H, N) bool excludes OTT pool entrants (False) per kv head."""
-        return self._encode("k", k, valid, keep)
+        ``keep`` (B, H, N) bool excludes OTT pool entrants (False) per kv head; ``positions``
+        (B|1, N) int64 the tokens' RoPE positions (needed when :attr:`needs_positions`)."""
+        return self._encode("k", k, valid, keep, positions)
 
-    def decode_keys(self, block: PackedBlock, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Packed block -> (B, H, N, D) in ``dtype`` (original channel order, mean added back)."""
-        return self._decode("k", block, dtype)
+    def decode_keys(self, block: PackedBlock, dtype: torch.dtype = torch.float32,
+                    positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed block -> (B, H, N, D) in ``dtype`` (original channel order, mean added back);
+        ``positions`` as at :meth:`encode_keys`."""
+        return self._decode("k", block, dtype, positions)
 
     # -- values
     def encode_values(self, v: torch.Tensor, valid: torch.Tensor | None = None,
-                      keep: torch.Tensor | None = None) -> PackedBlock:
+                      keep: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> PackedBlock:
         """v (B, H, N, D) -> packed block (per token over channel groups); masks as encode_keys."""
-        return self._encode("v", v, valid, keep)
+        return self._encode("v", v, valid, keep, positions)
 
-    def decode_values(self, block: PackedBlock, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self._decode("v", block, dtype)
+    def decode_values(self, block: PackedBlock, dtype: torch.dtype = torch.float32,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self._decode("v", block, dtype, positions)
 
     # -- fake quantization (simulation): the values decoding would see, (B, H, N, D) float32
-    def roundtrip_keys(self, k: torch.Tensor) -> torch.Tensor:
-        return self.decode_keys(self.encode_keys(k), _out_dtype(k))
+    def roundtrip_keys(self, k: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.decode_keys(self.encode_keys(k, positions=positions), _out_dtype(k), positions)
 
-    def roundtrip_values(self, v: torch.Tensor) -> torch.Tensor:
-        return self.decode_values(self.encode_values(v), _out_dtype(v))
+    def roundtrip_values(self, v: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.decode_values(self.encode_values(v, positions=positions), _out_dtype(v), positions)
 
-    def roundtrip_tiers(self, side: str, x: torch.Tensor, keep: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def roundtrip_tiers(self, side: str, x: torch.Tensor, keep: torch.Tensor | None = None,
+                        positions: torch.Tensor | None = None) -> list[torch.Tensor]:
         """What decoding sees of ``x`` (B, H, N, D) (whole flush blocks) at each stored tier:
         one tensor (B, H, N, D) per entry of :attr:`tiers`, reached as the cache reaches it --
         encoded at the first tier's bits, then requantized at every tier whose bits for this side
         are lower (PATS's chain, ``Schedule.bits_chain``). ``keep`` (B, H, N): OTT quant mask."""
         dtype = _out_dtype(x)
-        blk = self._encode(side, x, None, keep)
+        blk = self._encode(side, x, None, keep, positions)
         bits = self._bits_group(side)[0]
-        out = [self._decode(side, blk, dtype)]
+        out = [self._decode(side, blk, dtype, positions)]
         for _, kb, vb in self.tiers[1:]:
             new = kb if side == "k" else vb
             if new < bits:
                 blk, bits = self.requantize(side, blk, new, None, keep), new
-                out.append(self._decode(side, blk, dtype))
+                out.append(self._decode(side, blk, dtype, positions))
             else:
                 out.append(out[-1])
         return out

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from kvcalib.errors import KvcalibError
-from kvcalib.models import DEFAULT_MODEL, LoadedModel, ModelInfo, model_info
+from kvcalib.models import DEFAULT_MODEL, LoadedModel, ModelInfo, model_info, rope_tables
 from kvcalib.stats import CollectedStats, LayerStats, RunningChannelStats
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,6 +81,7 @@ class Recorder:
         self.blocks_seen = 0
         self.valid: torch.Tensor | None = None  # (B, T) bool, the current batch's padding mask
         self.assignments: list[tuple[int, int, int]] = []  # (batch row, start position, slot)
+        self.block_pos = torch.zeros(max(reservoir_blocks, 0), dtype=torch.int64)  # (NB,) RoPE position of each block
         self.seen_layers: set[int] = set()
 
     def begin_batch(self, valid: torch.Tensor) -> None:
@@ -93,6 +94,7 @@ class Recorder:
         self.assignments = []
         if self.n_blocks == 0:
             return
+        rope_pos = self.valid.long().cumsum(-1) - 1  # (B, T): the positions the forward gives real tokens
         for row in range(self.valid.shape[0]):
             positions = torch.nonzero(self.valid[row]).flatten()
             n_full = positions.numel() // self.block_len
@@ -108,6 +110,7 @@ class Recorder:
                 self.blocks_seen += 1
                 if slot >= 0:
                     self.assignments.append((row, int(run[0]), slot))
+                    self.block_pos[slot] = rope_pos[row, run[0]]
 
     def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scaling: float) -> None:
@@ -138,7 +141,8 @@ class Recorder:
             self.res_v[layer][slot] = value[row, :, span].transpose(0, 1).to(torch.float16).cpu()
             self.res_q[layer][slot] = query[row, :, span].transpose(0, 1).to(torch.float16).cpu()
 
-    def result(self, config: dict[str, Any]) -> CollectedStats:
+    def result(self, config: dict[str, Any], rope: list[torch.Tensor | None] | None = None) -> CollectedStats:
+        """The statistics; ``rope``: each layer's rotary table (:func:`kvcalib.models.rope_tables`)."""
         missing = sorted(set(range(self.info.num_layers)) - self.seen_layers)
         if missing:
             raise RuntimeError(f"layers {missing} were never observed: the model's attention did not go through the recorder")
@@ -154,6 +158,7 @@ class Recorder:
             layers.append(LayerStats(
                 k=self.k_stats[i].tensors(), v=self.v_stats[i].tensors(),
                 reservoir_k=res_k, reservoir_v=res_v, reservoir_q=res_q, scaling=self.scaling[i],
+                rope=None if rope is None else rope[i], positions=self.block_pos[:filled].clone(),
             ))
         return CollectedStats(model=self.info, layers=layers, config=config, filled_blocks=filled)
 
@@ -246,7 +251,7 @@ def collect_stats(
                  position_ids=positions.to(device), use_cache=False)
             if bar is not None:
                 bar.advance(len(chunk))
-    return recorder.result(config or {})
+    return recorder.result(config or {}, rope_tables(model))
 
 
 def library_versions() -> dict[str, str]:

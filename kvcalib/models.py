@@ -138,6 +138,41 @@ def model_info(config: Any, name: str) -> ModelInfo:
     )
 
 
+# RoPE types whose frequencies change with the sequence length: one table cannot describe them
+_DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def rope_tables(model: Any) -> list["torch.Tensor | None"]:
+    """Per layer, the rotary embedding the model applies to its keys, as kvcalib stores it:
+    float32 ``(R/2 + 1,)`` = the inverse frequencies of the R rotated channels (``rotate_half``
+    pairs ``(i, i + R/2)``, transformers' convention), then the attention scaling of cos/sin.
+    None for a layer whose embedding is not a static table (no ``rotary_emb`` module, or a
+    position-dependent RoPE type such as dynamic NTK), or for every layer of such a model."""
+    import torch
+
+    cfg = _text_config(model.config)
+    n = int(cfg.num_hidden_layers)
+    body = getattr(model, "model", model)
+    body = getattr(body, "language_model", body)  # multimodal wrappers keep the text model inside
+    emb = getattr(body, "rotary_emb", None)
+    if emb is None:
+        return [None] * n
+    types = getattr(cfg, "layer_types", None) or [None] * n
+    rope_type = getattr(emb, "rope_type", "default")
+    out: list[torch.Tensor | None] = []
+    for layer_type in types:
+        kind = rope_type.get(layer_type) if isinstance(rope_type, dict) else rope_type
+        inv = getattr(emb, f"{layer_type}_inv_freq", None) if layer_type else None
+        scale = getattr(emb, f"{layer_type}_attention_scaling", None) if layer_type else None
+        if inv is None:
+            inv, scale = getattr(emb, "inv_freq", None), getattr(emb, "attention_scaling", 1.0)
+        if inv is None or kind in _DYNAMIC_ROPE:
+            out.append(None)
+            continue
+        out.append(torch.cat([inv.detach().float().cpu().reshape(-1), torch.tensor([float(scale or 1.0)])]))
+    return out
+
+
 def default_device() -> str:
     """``cuda`` where a CUDA device is usable, else ``cpu``. Queries CUDA only when called."""
     import torch

@@ -176,12 +176,14 @@ class Recipe:
 
         Per layer: :func:`~kvcalib.layout.layer_bytes` over the tokens the layer keeps (a sliding
         layer its window), each packed block at the bits of its stored tier (PATS), plus what
-        every method state adds (``MethodState.bytes``: TaDA means, OTT pools and masks...);
-        fitted tensors the runtime reads are amortised as ``recipe_state``. The elements are
+        every method state adds (``MethodState.bytes``: TaDA means, OTT pools and masks...), and
+        once per model the tables the runtime shares between layers (``MethodState.shared_bytes``:
+        a Walsh-Hadamard matrix); fitted tensors the runtime reads are amortised as ``recipe_state``. The elements are
         those the model's bf16 cache holds (:func:`~kvcalib.layout.held_elements`), so the fp16
         preset is 16.0 bits on every model.
         """
         comps: dict[str, float] = {}
+        shared: dict[str, float] = {}  # tables kept once per model (MethodState.shared_bytes), by name
         for i, (cfg, codec) in enumerate(zip(self.layer_configs(info.num_layers), self.codecs(info))):
             window = info.sliding_window[i]
             kept = held_tokens(context, window)
@@ -192,6 +194,12 @@ class Recipe:
             for part in parts:
                 for key, val in part.items():
                     comps[key] = comps.get(key, 0.0) + val
+            if packed:
+                for state in codec.states.values():
+                    for key, val in state.shared_bytes(info.head_dim).items():
+                        shared[key] = max(shared.get(key, 0.0), val)
+        for key, val in shared.items():
+            comps[key] = comps.get(key, 0.0) + val
         for name, tensor in self.tensors.items():  # fitted state read at decode time, amortised
             comps["recipe_state"] = comps.get("recipe_state", 0.0) + tensor.numel() * tensor.element_size()
         return MemoryBreakdown(context, held_elements(info.num_kv_heads, info.head_dim, context, info.sliding_window), comps)

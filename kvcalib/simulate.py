@@ -123,15 +123,26 @@ def _simulated_attention(module, query, key, value, attention_mask, scaling=None
     k_hats: list[torch.Tensor] = []  # U x (B, H, T, D)
     v_hats: list[torch.Tensor] = []
     slot = None  # (B, H, T) bool
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask  # (B|1, T, T)
+        if mask.dtype != torch.bool:
+            mask = mask > torch.finfo(mask.dtype).min / 2
     if nq_total:
         span = slice(cfg.sinks, cfg.sinks + nq_total)
+        positions = None  # (B|1, N) RoPE positions of the flushed span, for states that read them
+        if codec.needs_positions:
+            if mask is not None and window is None:  # the last query sees every real key: padding skipped
+                positions = (mask[:, -1, :].long().cumsum(-1) - 1).clamp_min(0)[:, span]
+            else:
+                positions = torch.arange(span.start, span.stop, device=query.device)[None]
         keep = None  # (B, H, N) OTT quant mask over the flushed span
         if codec.pool_size:
             fp, _ = trace_outliers(key[:, :, span], cfg.flush_block, codec.pool_size, EXTRA_CAPACITY,
                                    start=cfg.sinks, v=value[:, :, span])  # (B, H, N): kept in the pool
             keep = ~fp
-        k_tiers = _blockwise_tiers(codec, "k", k[:, :, span], keep, cfg.flush_block)  # U x (B, H, N, D)
-        v_tiers = _blockwise_tiers(codec, "v", v[:, :, span], keep, cfg.flush_block)
+        k_tiers = _blockwise_tiers(codec, "k", k[:, :, span], keep, cfg.flush_block, positions)  # U x (B, H, N, D)
+        v_tiers = _blockwise_tiers(codec, "v", v[:, :, span], keep, cfg.flush_block, positions)
         for k_u, v_u in zip(k_tiers, v_tiers):
             k_hat, v_hat = k.clone(), v.clone()
             k_hat[:, :, span] = k_u.to(acc_dtype)
@@ -140,11 +151,6 @@ def _simulated_attention(module, query, key, value, attention_mask, scaling=None
             v_hats.append(v_hat)
         slot = torch.zeros(b, h, t, dtype=torch.bool, device=query.device)
         slot[:, :, span] = True if keep is None else keep
-    mask = None
-    if attention_mask is not None:
-        mask = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask  # (B|1, T, T)
-        if mask.dtype != torch.bool:
-            mask = mask > torch.finfo(mask.dtype).min / 2
     out = torch.empty(b, h, rep, t, d, dtype=acc_dtype, device=query.device)  # (B, H, rep, T, D)
     chunk = max(1, SCORE_BUDGET // max(1, b * hq * t))
     for q0 in range(0, t, chunk):
@@ -199,19 +205,21 @@ def _simulated_attention(module, query, key, value, attention_mask, scaling=None
 
 
 def _blockwise_tiers(codec: LayerCodec, side: str, x: torch.Tensor, keep: torch.Tensor | None,
-                     block: int) -> list[torch.Tensor]:
+                     block: int, positions: torch.Tensor | None = None) -> list[torch.Tensor]:
     """``codec.roundtrip_tiers`` on (B, H, N, D) with N a multiple of ``block``, every block
-    quantized on its own exactly as the runtime flushes it; ``keep`` (B, H, N) or None.
-    Returns one (B, H, N, D) per stored tier."""
+    quantized on its own exactly as the runtime flushes it; ``keep`` (B, H, N) or None;
+    ``positions`` (B|1, N) the tokens' RoPE positions or None. Returns one (B, H, N, D) per
+    stored tier."""
     b, h, n, d = x.shape
     if block == 1:  # per-token layouts: every token is its own group already
-        return codec.roundtrip_tiers(side, x, keep)
+        return codec.roundtrip_tiers(side, x, keep, positions)
     nb = n // block
     # fold blocks into the batch dim: (B * NB, H, G, D)
     xb = x.reshape(b, h, nb, block, d).permute(0, 2, 1, 3, 4).reshape(b * nb, h, block, d)
     kb = None if keep is None else keep.reshape(b, h, nb, block).permute(0, 2, 1, 3).reshape(b * nb, h, block)
+    pb = None if positions is None else positions.expand(b, n).reshape(b * nb, block)  # (B * NB, G)
     return [y.reshape(b, nb, h, block, d).permute(0, 2, 1, 3, 4).reshape(b, h, n, d)
-            for y in codec.roundtrip_tiers(side, xb, kb)]
+            for y in codec.roundtrip_tiers(side, xb, kb, pb)]
 
 
 def _register() -> None:

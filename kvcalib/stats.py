@@ -18,7 +18,13 @@ File layout (safetensors, no pickle)::
     layers.{i}.reservoir.k     (NB, BL, H, D)   float16
     layers.{i}.reservoir.v     (NB, BL, H, D)   float16
     layers.{i}.reservoir.q     (NB, BL, Hq, D)  float16
+    layers.{i}.rope            (R/2 + 1,) float32 the layer's rotary embedding: inverse frequencies
+                                                 of its R rotated channels, then the attention
+                                                 scaling of cos/sin (optional: absent for a model
+                                                 without a static RoPE, and in older files)
     reservoir.filled           ()        int64   blocks actually filled (<= NB)
+    reservoir.positions        (NB,)     int64   RoPE position of each block's first token
+                                                 (optional: absent in older files)
 
 Metadata: ``format`` = ``kvcalib-stats``, ``version``, ``model`` (ModelInfo JSON), ``scaling``
 (per-layer softmax scale JSON), ``config`` (collection config JSON).
@@ -95,6 +101,8 @@ class LayerStats:
     reservoir_v: torch.Tensor  # (NB, BL, H, D)
     reservoir_q: torch.Tensor  # (NB, BL, Hq, D)
     scaling: float  # softmax scale the model applies to q.k
+    rope: torch.Tensor | None = None  # (R/2 + 1,) float32: inv_freq of the rotated channels, then the cos/sin scaling
+    positions: torch.Tensor | None = None  # (NB,) int64: RoPE position of each reservoir block's first token
 
 
 @dataclass
@@ -119,6 +127,11 @@ class CollectedStats:
             tensors[f"layers.{i}.reservoir.k"] = layer.reservoir_k.contiguous()
             tensors[f"layers.{i}.reservoir.v"] = layer.reservoir_v.contiguous()
             tensors[f"layers.{i}.reservoir.q"] = layer.reservoir_q.contiguous()
+            if layer.rope is not None:
+                tensors[f"layers.{i}.rope"] = layer.rope.float().contiguous()
+        first = self.layers[0] if self.layers else None
+        if first is not None and first.positions is not None:
+            tensors["reservoir.positions"] = first.positions.long().contiguous()
         metadata = {
             "format": STATS_FORMAT,
             "version": str(STATS_VERSION),
@@ -147,6 +160,8 @@ class CollectedStats:
                     raise KvcalibError(f"{path} has statistics version {meta.get('version')}, this kvcalib reads {STATS_VERSION}: collect again.")
                 model = ModelInfo.from_dict(json.loads(meta["model"]))
                 scaling = json.loads(meta["scaling"])
+                names = set(f.keys())
+                positions = f.get_tensor("reservoir.positions") if "reservoir.positions" in names else None
                 layers = []
                 for i in range(model.num_layers):
                     def group(kind: str) -> dict[str, torch.Tensor]:
@@ -158,6 +173,8 @@ class CollectedStats:
                         reservoir_v=f.get_tensor(f"layers.{i}.reservoir.v"),
                         reservoir_q=f.get_tensor(f"layers.{i}.reservoir.q"),
                         scaling=float(scaling[i]),
+                        rope=f.get_tensor(f"layers.{i}.rope") if f"layers.{i}.rope" in names else None,
+                        positions=positions,
                     ))
                 filled = int(f.get_tensor("reservoir.filled"))
                 config = json.loads(meta.get("config", "{}"))

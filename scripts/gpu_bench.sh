@@ -27,6 +27,8 @@
 #         sweep       benchmarks/sweep.py with the arguments in $KV_SWEEP_ARGS; several sweeps
 #                     separated by ';' (e.g. "--name stages --layouts 2/128/128 --configs '[{}, {\"num_stages\": 3}]'")
 #         fitted      benchmarks/fitted.py: cost of SKVQ permutations / TaDA means / OTT / PATS (CUDA-graph time)
+#         quantizers-smol / quantizers-qwen   benchmarks/quantizers.py: issue 34's ablation (rotation,
+#                     levels, pre-RoPE keys, error-bounded codes + Huffman) at 8k (SmolLM2) / 16k (Qwen)
 #         groups      benchmarks/groups.py: cost of key / value groups of 32 and 16
 #         huffman     benchmarks/huffman.py (entropy-coded decode and fused attention)
 #         accuracy    benchmarks/accuracy.py: the kernel's error vs the float32 reference on
@@ -143,6 +145,13 @@ for st in $STAGES; do
     fitted)
       timeout "${KV_FITTED_TIMEOUT:-200}" $PY -m benchmarks.fitted --out "$OUT" > "$OUT/fitted.log" 2>&1
       echo "fitted exit $?"; grep -E "^  b=|Error" "$OUT/fitted.log" ;;
+    quantizers-smol|quantizers-qwen)
+      # issue 34's ablation at long context (benchmarks/quantizers.py): SmolLM2 at 8k, Qwen2.5-Coder-0.5B
+      # at 16k; rows merge into $OUT/quantizers.json (copy them into artifacts/results/quantizers.json)
+      if [ "$st" = quantizers-smol ]; then qm=smollm2-135m; qc=8192; else qm=qwen2.5-coder-0.5b; qc=16384; fi
+      timeout "${KV_QUANTIZERS_TIMEOUT:-580}" $PY benchmarks/quantizers.py --model "$qm" --context "$qc" \
+        --ppl-samples "${KV_QUANTIZERS_SAMPLES:-4}" --device cuda --out "$OUT/quantizers.json" > "$OUT/$st.log" 2>&1
+      echo "$st exit $?"; grep -E "bits  ppl|Error" "$OUT/$st.log" ;;
     groups)
       timeout "${KV_GROUPS_TIMEOUT:-420}" $PY -m benchmarks.groups --out "$OUT" > "$OUT/groups.log" 2>&1
       echo "groups exit $?"; grep -E "^  b=|Error" "$OUT/groups.log" ;;

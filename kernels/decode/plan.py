@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcalib.quant.rotation import check_rotation, rotate, unrotate
 from kvcalib_kernels.decode.combine import _combine
 from kvcalib_kernels.decode.common import (LOG2E, _cdiv, _check_fp, _dummy, _fp_segment_args, _interpreting,
                                            _packed_range, _pow2_divisor, _tl_dtype, _visibility)
@@ -393,18 +394,41 @@ def _check_mean(name: str, mean, b: int, n: int, d: int):
 @dataclass
 class _SplitCall:
     """One planned launch of :func:`_decode_split_kernel`: its grid ``(B * H, s_tot)`` and every
-    argument after the query and the partial buffers."""
+    argument after the queries and the partial buffers; ``q_packed`` (B, Hq, D): the query its
+    packed splits score with (None: the call's query); ``v_rot``: the rotation its packed splits'
+    accumulators are rotated back by before the combine (None: stored unrotated), over its first
+    ``splits`` partial columns."""
 
     bh: int
     s_tot: int
     args: tuple
     meta: dict
+    splits: int = 0
+    q_packed: torch.Tensor | None = None
+    v_rot: tuple | None = None
+
+
+def _check_rot(name: str, rot, h: int, d: int, dev) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A rotation as the launcher applies it: ``(matrix (D, D) | (H, D, D), signs (H, D) | None)``
+    float32 on ``dev`` (:mod:`kvcalib.quant.rotation`)."""
+    if not isinstance(rot, (tuple, list)) or len(rot) != 2:
+        raise ValueError(f"{name} must be a (matrix, signs) pair")
+    matrix, signs = rot
+    try:
+        check_rotation(matrix, signs, h, d)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+    for t in (matrix, signs):
+        if t is not None and (t.device != dev or t.dtype != torch.float32):
+            raise ValueError(f"{name} must be float32 on {dev}, got {t.dtype} on {t.device}")
+    return matrix, signs
 
 
 def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_bits, k_group, v_group,
              k_axis, scaling, softcap, packed_start, packed_end, packed_position, fp_segments, fp_positions,
              mask, config: DecodeConfig, k_perm=None, v_perm=None, k_mean=None, v_mean=None,
-             mask_packed: bool = True, keep=None, keep_block: int = 0, pool=None) -> _SplitCall | None:
+             mask_packed: bool = True, keep=None, keep_block: int = 0, pool=None, k_rot=None,
+             v_rot=None) -> _SplitCall | None:
     """Check shapes/dtypes/contiguity, pick the code path and plan the split kernel's launch
     (None: nothing to attend to). ``q`` must have a contiguous last dim.
 
@@ -412,7 +436,8 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     (B, H, N/k_group, D) [channel] or (B, H, N, D/k_group) [token]; v_codes (B, H, N, PV) u8;
     v_scale/v_zero f16 (B, H, N, D/v_group); fp segments (B, H, F, D); mask (B|1, L) bool/u8;
     packed_start/end (B,) int; k_perm/v_perm (H, D) int; k_mean/v_mean see :func:`_check_mean`;
-    keep (B, H, R) u8 quant masks in blocks of keep_block tokens; pool (k, v (B, H, P, D), pos (B, H, P)).
+    keep (B, H, R) u8 quant masks in blocks of keep_block tokens; pool (k, v (B, H, P, D), pos (B, H, P));
+    k_rot/v_rot rotations of the packed sides (:func:`_check_rot`).
     """
     bsz, hq, d = q.shape
     dev = q.device
@@ -551,6 +576,14 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
             means.append((bits, (mv, ms, mz, mv.stride(0), mv.stride(2), *mss)))
         else:
             means.append((0, (dummy16, dummy16, dummy16, 0, 0, 0, 0)))
+    # rotated packed sides: the packed keys score with the query rotated once here, the packed
+    # values' accumulators rotate back once in _run (never a stored token rotated back)
+    q_packed = rot_v = None
+    if n and k_rot is not None:
+        matrix, signs = _check_rot("k_rot", k_rot, h, d, dev)
+        q_packed = rotate(q.reshape(bsz, h, rep, d), matrix, signs).reshape(bsz, hq, d)  # (B, Hq, D) float32
+    if n and v_rot is not None:
+        rot_v = _check_rot("v_rot", v_rot, h, d, dev)
     has_range, lo, hi = _packed_range(packed_start, packed_end, bsz, n, dev)
     has_mask, mk, stride_mb = _visibility(mask, bsz, dev)
     segs = _fp_segment_args(fp, fp_pos, f_lens, fp_dtype, dev)
@@ -599,7 +632,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                            and split_size % block_n == 0 and not has_range and not (has_mask and mask_packed)
                            and not has_keep),
                 num_warps=config.num_warps, num_stages=stages)
-    return _SplitCall(bsz * h, s_tot, args, meta)
+    return _SplitCall(bsz * h, s_tot, args, meta, splits, q_packed, rot_v)
 
 
 def _run(q: torch.Tensor, calls: list[_SplitCall | None], return_lse: bool, out_dtype=torch.float32):
@@ -616,7 +649,11 @@ def _run(q: torch.Tensor, calls: list[_SplitCall | None], return_lse: bool, out_
         return (out, torch.full((bsz, hq), float("-inf"), device=q.device)) if return_lse else out
     s_off = 0
     for c in calls:
-        _SPLIT((c.bh, c.s_tot), (q, q.stride(0), q.stride(1), m_part, l_part, o_part, s_all, s_off, *c.args), c.meta)
+        qp = q if c.q_packed is None else c.q_packed
+        _SPLIT((c.bh, c.s_tot), (q, q.stride(0), q.stride(1), qp, qp.stride(0), qp.stride(1), m_part, l_part, o_part,
+                                 s_all, s_off, *c.args), c.meta)
+        if c.v_rot is not None and c.splits:
+            _rotate_back(o_part, bsz, c.bh // bsz, s_off, c.splits, c.v_rot)
         s_off += c.s_tot
     lse = torch.empty((bsz, hq), dtype=torch.float32, device=q.device) if return_lse else None  # (B, Hq)
     _combine(m_part, l_part, o_part, s_all, out, lse)
@@ -624,6 +661,17 @@ def _run(q: torch.Tensor, calls: list[_SplitCall | None], return_lse: bool, out_
 
 
 _SPLIT = FastLauncher(_decode_split_kernel)
+
+
+def _rotate_back(o_part: torch.Tensor, bsz: int, h: int, s_off: int, splits: int, rot) -> None:
+    """Rotate the packed splits' value accumulators of one call back to the input basis, in place:
+    o_part (B*Hq, S, D) columns [s_off, s_off + splits) of every row, ``acc -> acc R^T`` per kv head
+    (linear, so the combine's weights may come after)."""
+    rows, s_all, d = o_part.shape
+    rep = rows // (bsz * h)
+    part = o_part.view(bsz, h, rep, s_all, d)[:, :, :, s_off:s_off + splits]  # (B, H, R, S', D)
+    back = unrotate(part.reshape(bsz, h, rep * splits, d), *rot)  # (B, H, R * S', D)
+    part.copy_(back.view(bsz, h, rep, splits, d))
 
 
 def _check_q(q) -> torch.Tensor:

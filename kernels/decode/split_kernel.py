@@ -387,8 +387,9 @@ def _before(offs, end, WHOLE: tl.constexpr):
 @triton.jit(do_not_specialize=["S_TOT", "S_OFF", "N", "packed_pos", "F1_LEN", "f1_pos", "F2_LEN", "f2_pos", "F3_LEN",
                                "num_splits", "split_size", "n_f1_chunks", "n_f2_chunks"])
 def _decode_split_kernel(
-    # query (B, Hq, D), last dim contiguous
-    Q, stride_qb, stride_qh,
+    # query (B, Hq, D), last dim contiguous; QP: the query the packed keys are scored with (Q
+    # itself, or Q rotated like the stored keys: one rotation per step, never one per token)
+    Q, stride_qb, stride_qh, QP, stride_qpb, stride_qph,
     # partial results, contiguous: m, l (B*Hq, S_TOT); acc (B*Hq, S_TOT, D); float32. This call's
     # programs write columns [S_OFF, S_OFF + grid[1]) (several calls can share one buffer)
     M_part, L_part, O_part, S_TOT, S_OFF,
@@ -463,7 +464,7 @@ def _decode_split_kernel(
     VR: tl.constexpr = R_PAD * K_SUB
     offs_v = tl.arange(0, VR)
     v_ok = (offs_v % R_PAD) < R
-    q_rows_v = Q + b.to(tl.int64) * stride_qb + (h * R + offs_v % R_PAD) * stride_qh  # (VR,) pointers
+    q_rows_v = QP + b.to(tl.int64) * stride_qpb + (h * R + offs_v % R_PAD) * stride_qph  # (VR,) pointers
 
     if pid_s < num_splits:
         # ------------------------------------------------ packed split

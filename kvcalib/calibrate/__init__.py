@@ -60,13 +60,17 @@ def fit_layer(
     head_dim: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run the methods (default: :func:`default_methods`, default configuration) on one layer, in
-    pipeline order; unprefixed tensor names (``"v.perm"``...)."""
+    pipeline order, each on the statistics as the earlier ones left them
+    (:meth:`~kvcalib.methods.base.Method.transform_stats`: e.g. clip scales fitted on the rotated
+    reservoir); unprefixed tensor names (``"v.perm"``...)."""
     if methods is None:
         methods = default_methods()
     fitted: dict[str, torch.Tensor] = {}
     context = FitContext(fitted, codec=lambda tensors: LayerCodec.from_tensors(layer_cfg, tensors, heads, head_dim))
     for method in build_methods(methods):
-        fitted.update(method.fit(layer_stats, layer_cfg, seed, heads=heads, head_dim=head_dim, context=context))
+        mine = method.fit(layer_stats, layer_cfg, seed, heads=heads, head_dim=head_dim, context=context)
+        fitted.update(mine)
+        layer_stats = method.transform_stats(layer_stats, mine)  # what the later methods fit on
     return fitted
 
 

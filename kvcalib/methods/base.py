@@ -51,6 +51,10 @@ __all__ = [
     "validate_layer_stats",
     "validate_reservoir",
     "reservoir_to_bhtd",
+    "reservoir_moments",
+    "reservoir_positions",
+    "switch_section",
+    "switch_lines",
     "fake_quantize",
     "usable_tokens",
     "check_side",
@@ -208,6 +212,29 @@ def reservoir_to_bhtd(reservoir: torch.Tensor) -> torch.Tensor:
     return reservoir.float().transpose(1, 2).contiguous()
 
 
+def reservoir_moments(reservoir: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-channel moments ``(H, D)`` (min/max/mean/absmax/sq_mean, float32) of a reservoir
+    ``(NB, BL, H, D)``, with the streamed token ``count``: the statistics of a side a method moved
+    to another basis (:meth:`Method.transform_stats`), where the streamed moments no longer apply."""
+    x = reservoir.double().reshape(-1, reservoir.shape[2], reservoir.shape[3])  # (N, H, D)
+    mn, mx = x.amin(0), x.amax(0)
+    return {"count": count, "min": mn.float(), "max": mx.float(), "mean": x.mean(0).float(),
+            "absmax": torch.maximum(mn.abs(), mx.abs()).float(), "sq_mean": (x ** 2).mean(0).float()}
+
+
+def reservoir_positions(layer_stats: LayerStats) -> torch.Tensor:
+    """RoPE positions of every reservoir token, int64 ``(NB, BL)`` (blocks are consecutive tokens
+    from the recorded position of their first); refuses statistics without them."""
+    nb, bl = layer_stats.reservoir_k.shape[:2]
+    if layer_stats.positions is None:
+        raise CalibrationError("the statistics do not record the reservoir's positions (an older kvcalib): "
+                               "collect them again (kvcalib collect)")
+    if tuple(layer_stats.positions.shape) != (nb,):
+        raise CalibrationError(f"reservoir positions of shape {tuple(layer_stats.positions.shape)} do not fit "
+                               f"{nb} reservoir blocks: collect again")
+    return layer_stats.positions.long()[:, None] + torch.arange(bl)[None, :]  # (NB, BL)
+
+
 def usable_tokens(block_len: int, side: str, group: int, k_axis: str = "channel") -> int:
     """Tokens of a block that quantize: keys per channel need whole groups of ``group`` tokens.
 
@@ -234,18 +261,20 @@ def fake_quantize(
     k_axis: str = "channel",
     clip: float | torch.Tensor = 1.0,
     valid: torch.Tensor | None = None,
+    levels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What decoding sees for ``x (..., T, D)`` stored in the runtime's layout, float32 ``(..., T, D)``.
 
     Keys with ``k_axis="channel"``: per channel over groups of ``group`` consecutive tokens
     (``T % group == 0``). Keys with ``k_axis="token"`` and values: per token over groups of
-    ``group`` channels. ``bits >= 16`` returns ``x`` as float32 (not quantized).
+    ``group`` channels. ``levels``: non-uniform levels ``(2**bits,)``. ``bits >= 16`` returns ``x``
+    as float32 (not quantized).
     """
     if bits >= 16:
         return x.float()
     if check_side(side) == "k" and k_axis == "channel":
-        return quantize_dequantize_keys(x, bits, group, clip=clip, valid=valid)
-    return quantize_dequantize_values(x, bits, group, clip=clip, valid=valid)
+        return quantize_dequantize_keys(x, bits, group, clip=clip, valid=valid, levels=levels)
+    return quantize_dequantize_values(x, bits, group, clip=clip, valid=valid, levels=levels)
 
 
 @dataclass(frozen=True)
@@ -325,6 +354,9 @@ class MethodState:
     pool_size: int = 0
     #: stored tiers ``[(first age, k_bits, v_bits), ...]`` youngest first (PATS); None = one tier
     stored_tiers: list[tuple[int, int, int]] | None = None
+    #: its encode/decode read the block's RoPE positions, ``stored["positions"]`` (B|1, N) int64
+    #: (what the model's forward gives each token: padding skipped), which the codec's callers pass
+    needs_positions: bool = False
 
     # -- reference codec (the specification every kernel path is tested against)
     def encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> torch.Tensor:
@@ -340,6 +372,17 @@ class MethodState:
         """A clip scale for the quantizer's range (SKVQ), or None."""
         return None
 
+    def fixed_grid(self, side: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A quantization grid fixed by calibration, ``(scale16, zero16)`` float16 ``(H, C)`` per kv
+        head and parameter column (:func:`kvcalib.quant.uniform.quantize_fixed`), used instead of
+        each group's min/max; None: min/max groups."""
+        return None
+
+    def levels(self, side: str) -> torch.Tensor | None:
+        """Non-uniform quantization levels ``(2**bits,)`` in code units for the side's quantizer
+        and dequantizer (:mod:`kvcalib.quant.uniform`), or None (the uniform grid)."""
+        return None
+
     # -- kernel seams: a dict of kernel arguments, or None when the kernels cannot apply this state
     def _transforms(self) -> bool:
         cls = type(self)
@@ -347,7 +390,9 @@ class MethodState:
 
     def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> dict[str, Any] | None:
         """Arguments for the quantize-and-pack kernels (``perm``, ``mean``, ``clip``) of block ``x``;
-        may fill ``stored`` as :meth:`encode` does. Default: nothing to pass for a state without a
+        may fill ``stored`` as :meth:`encode` does. A transform the kernels do not fuse may run here
+        and hand its result on as ``"x"``: the block (B, H, N, D) the later states and the kernels
+        then see (e.g. a rotation at flush). Default: nothing to pass for a state without a
         transform, None (run the reference) for one with a transform the kernels do not know."""
         return None if self._transforms() else {}
 
@@ -360,6 +405,52 @@ class MethodState:
         """Bytes this state adds to one sequence's layer cache holding ``kept`` tokens, ``packed``
         of them in packed storage, by component name."""
         return {}
+
+    def shared_bytes(self, head_dim: int) -> dict[str, float]:
+        """Tables the runtime keeps once for the whole model, however many layers use them (e.g.
+        one Walsh-Hadamard matrix per head_dim), by a name that identifies the table: the memory
+        accounting counts each name once. Default: none."""
+        return {}
+
+
+def switch_section(recipe: Any, info: Any, layers: list[dict[str, Any]], method: str, sides: tuple[str, ...],
+                   kinds: dict[str, str], gain: str) -> dict[str, Any] | None:
+    """An ``inspect`` section for a method switched per layer and side, whose fit records a gain:
+    adds ``{side}_{method}`` (the label in ``kinds`` of the first applied tensor ``{side}.{name}``
+    present, None when off) and ``{side}_{method}_gain`` (``{side}.{gain}``) to every row of
+    ``layers``; returns ``{"on": {side: layers on}, "layers": n}``, None when the recipe never fitted
+    the method."""
+    seen = False
+    on = dict.fromkeys(sides, 0)
+    for row, tensors in zip(layers, recipe.layer_tensors(info.num_layers)):
+        for side in sides:
+            kind = next((label for name, label in kinds.items() if f"{side}.{name}" in tensors), None)
+            g = tensors.get(f"{side}.{gain}")
+            row[f"{side}_{method}"] = kind
+            row[f"{side}_{method}_gain"] = None if g is None else float(g)
+            on[side] += kind is not None
+            seen |= g is not None or kind is not None
+    return {"on": on, "layers": info.num_layers} if seen else None
+
+
+def switch_lines(report: dict[str, Any], method: str, title: str, marks: dict[str, str]) -> list[str]:
+    """The line of a :func:`switch_section`: layers on per side, then per layer each side's mark
+    (``marks[label]``, ``-`` off) and measured gain."""
+    sec = report.get(method)
+    if not sec:
+        return []
+    sides = tuple(sec["on"])
+
+    def fmt(row: dict[str, Any], side: str) -> str:
+        mark = marks.get(row.get(f"{side}_{method}"), "-")
+        gain = row.get(f"{side}_{method}_gain")
+        return mark if gain is None else f"{mark}({gain:+.2f})"
+
+    counts = " / ".join(f"{side.upper()} {sec['on'][side]}" for side in sides)
+    legend = ", ".join(f"{m} {label}" for label, m in marks.items())
+    return [f"{title} on {counts} of {sec['layers']} layers; {'|'.join(s.upper() for s in sides)} ({legend}, - off; "
+            "fitted gain) per layer: " + ", ".join(
+                f"{r['layer']}: {'|'.join(fmt(r, side) for side in sides)}" for r in report["layers"])]
 
 
 class Method(abc.ABC):
@@ -455,6 +546,14 @@ class Method(abc.ABC):
         geom: LayerGeometry,
     ) -> dict[str, torch.Tensor]:
         """The fit itself, on validated input (``context.fitted``: earlier methods' tensors)."""
+
+    def transform_stats(self, layer_stats: LayerStats, fitted: dict[str, torch.Tensor]) -> LayerStats:
+        """The statistics as the methods fitted after this one must see them, given the tensors
+        this method just fitted for the layer (``fitted``, unprefixed names): a method that changes
+        the basis the quantizer works in (a rotation, keys before RoPE) returns the reservoir (and
+        the moments) in that basis, so e.g. clip scales are fitted on the data the runtime
+        quantizes. Default: unchanged."""
+        return layer_stats
 
     def finish(self, recipe: Any, stats: LayerStats | Any) -> Any:
         """The whole fitted recipe after every layer's fit, for methods that need it all (e.g.

@@ -82,7 +82,7 @@ def _check_grid(grid: Sequence[float]) -> tuple[float, ...]:
     return g
 
 
-def _causal_probs(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+def causal_probs(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
     """softmax(scaling q k^T) under the causal mask: q ``(N, Hq, T, D)``, k ``(N, Hq, T, D)`` -> ``(N, Hq, T, T)``."""
     t = q.shape[2]
     scores = torch.einsum("nhtd,nhsd->nhts", q, k) * scaling  # (N, Hq, T, T)
@@ -177,14 +177,14 @@ def clip_errors(
         if side == "k":
             vs = v[s : s + chunk]
             v_rep = vs.repeat_interleave(rep, dim=1)  # (n, Hq, T, D)
-            o_ref = _causal_probs(qs, full.repeat_interleave(rep, dim=1), scaling) @ v_rep  # (n, Hq, T, D)
+            o_ref = causal_probs(qs, full.repeat_interleave(rep, dim=1), scaling) @ v_rep  # (n, Hq, T, D)
         else:
-            probs = _causal_probs(qs, k[s : s + chunk].repeat_interleave(rep, dim=1), scaling)  # (n, Hq, T, T)
+            probs = causal_probs(qs, k[s : s + chunk].repeat_interleave(rep, dim=1), scaling)  # (n, Hq, T, T)
         for a, alpha in enumerate(grid):
             xh = fake_quantize(xs, side, bits, group, k_axis, clip=alpha)  # (n, H, T, D)
             if side == "k":
                 kh = xh if ms is None else xh + ms
-                diff = _causal_probs(qs, kh.repeat_interleave(rep, dim=1), scaling) @ v_rep - o_ref
+                diff = causal_probs(qs, kh.repeat_interleave(rep, dim=1), scaling) @ v_rep - o_ref
             else:
                 diff = probs @ (xh - xs).repeat_interleave(rep, dim=1)  # P (V_hat - V), (n, Hq, T, D)
             per_q = (diff.double() ** 2).sum(dim=(0, 2, 3))  # (Hq,)

@@ -112,7 +112,7 @@ import torch
 from kvcalib.errors import RecipeError
 from kvcalib.layout import LayerConfig, MemoryBreakdown, held_tokens, quantized_token_count
 from kvcalib.methods.base import (CalibrationError, FitContext, Flag, LayerGeometry, Method, TensorSpec,
-                                  reservoir_to_bhtd)
+                                  reservoir_positions, reservoir_to_bhtd)
 from kvcalib.models import ModelInfo
 from kvcalib.quant.huffman import (
     DEFAULT_MAX_LEN,
@@ -195,13 +195,16 @@ def flush_blocks(x: torch.Tensor, flush: int) -> torch.Tensor:
     return x.permute(0, 2, 1, 3, 4).reshape(nb * n, h, flush, d)
 
 
-def side_codes(codec: Any, side: str, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+def side_codes(codec: Any, side: str, x: torch.Tensor, valid: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
     """Unpacked codes ``uint8 (B, H, N, D)`` (stored channel order) of ``x`` ``(B, H, N, D)`` as
     ``codec`` (a :class:`~kvcalib.codec.LayerCodec`) stores side ``side``. ``N`` must be
-    a multiple of the flush block (keys quantized per channel need whole groups)."""
+    a multiple of the flush block (keys quantized per channel need whole groups); ``positions``
+    (B|1, N): the tokens' RoPE positions, for a codec that reads them."""
     if side not in SIDES:
         raise ValueError(f"side must be 'k' or 'v', got {side!r}")
-    block = codec.encode_keys(x, valid) if side == "k" else codec.encode_values(x, valid)
+    block = (codec.encode_keys(x, valid, positions=positions) if side == "k"
+             else codec.encode_values(x, valid, positions=positions))
     if block.quantized is None:
         raise ValueError(f"side {side!r} is kept at 16 bits: it has no codes to entropy-code")
     q = block.quantized
@@ -281,7 +284,10 @@ def side_histograms(codec: Any, layer: LayerStats) -> dict[str, torch.Tensor]:
             raise CalibrationError("the statistics hold no reservoir blocks, so there are no symbols to "
                                    "count: collect with --reservoir-blocks >= 1")
         x = flush_blocks(reservoir_to_bhtd(res), cfg.flush_block)  # (NB*n, H, F, D)
-        out[side] = symbol_histogram(side_codes(codec, side, x), bits)  # (2**bits,)
+        pos = None
+        if codec.needs_positions:  # the same cut of the blocks' RoPE positions: (NB*n, F)
+            pos = flush_blocks(reservoir_positions(layer)[:, None, :, None], cfg.flush_block)[:, 0, :, 0]
+        out[side] = symbol_histogram(side_codes(codec, side, x, positions=pos), bits)  # (2**bits,)
     return out
 
 

@@ -39,6 +39,14 @@ Error bound (what the tests assert): for x in ``[lo', hi']``, with ``qmax = 2**b
 plus a few float32 ulps; the two ``max`` terms are the float16 rounding of the zero and of
 the scale times qmax (the extremes can fall just outside the representable grid).
 
+Non-uniform levels (optional ``levels``, float32 ``(2**bits,)`` strictly increasing, in code
+units: the uniform grid is ``levels[c] = c``): the same group parameters, then
+``t = (x - zero16) / scale16`` (the same IEEE division), ``code`` = the index of the level nearest
+``t``, ties to the lower level (``torch.bucketize`` on the midpoints ``(levels[c] + levels[c+1]) / 2``,
+so ``t`` beyond the grid takes the end codes), ``code = 0`` where ``scale16 == 0``; decode
+``x_hat = levels[code] * scale16 + zero16`` in float32 (a Lloyd-Max codebook fitted to where the
+values of a group fall: :mod:`kvcalib.methods.levels`).
+
 Padding: an optional ``valid`` bool mask, broadcastable to ``(B, H, T)`` (e.g.
 ``attention_mask[:, None, :]``), excludes invalid tokens from the min/max. Invalid tokens still
 get codes (clamped into the range of their group). A group with no valid element gets
@@ -66,6 +74,9 @@ __all__ = [
     "dequantize",
     "quantize_dequantize_keys",
     "quantize_dequantize_values",
+    "check_levels",
+    "code_units",
+    "quantize_fixed",
 ]
 
 _AXES = ("token", "channel")
@@ -268,13 +279,32 @@ def fit_params(
     return scale16, zero16
 
 
-def encode(x: torch.Tensor, scale16: torch.Tensor, zero16: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unpacked codes: ``clamp(round((x - zero16) / scale16), 0, 2**bits - 1)`` as uint8.
+def check_levels(levels: torch.Tensor | None, bits: int) -> torch.Tensor | None:
+    """Validate non-uniform levels for ``bits``: float ``(2**bits,)``, finite, strictly increasing
+    (module docstring). Returns them as float32, or None."""
+    if levels is None:
+        return None
+    n = 1 << _check_bits(bits)
+    if not isinstance(levels, torch.Tensor) or not levels.is_floating_point() or tuple(levels.shape) != (n,):
+        raise ValueError(f"levels for {bits}-bit codes must be a float tensor ({n},), got "
+                         f"{getattr(levels, 'dtype', type(levels))} {tuple(getattr(levels, 'shape', ()))}")
+    lv = levels.float()
+    if not bool(torch.isfinite(lv).all()) or not bool((lv[1:] > lv[:-1]).all()):
+        raise ValueError("levels must be finite and strictly increasing")
+    return lv
+
+
+def encode(x: torch.Tensor, scale16: torch.Tensor, zero16: torch.Tensor, bits: int,
+           levels: torch.Tensor | None = None) -> torch.Tensor:
+    """Unpacked codes: ``clamp(round((x - zero16) / scale16), 0, 2**bits - 1)`` as uint8, or with
+    ``levels`` (``(2**bits,)``) the index of the level nearest ``(x - zero16) / scale16`` (ties
+    to the lower level).
 
     Args:
         x: float32 ``X``.
         scale16, zero16: float16, broadcastable to ``X``.
         bits: 2, 4 or 8.
+        levels: optional non-uniform levels in code units (module docstring).
 
     Returns:
         uint8 ``X``. ``torch.round`` rounds half to even. Where ``scale16 == 0`` the code is 0.
@@ -285,18 +315,24 @@ def encode(x: torch.Tensor, scale16: torch.Tensor, zero16: torch.Tensor, bits: i
     nonzero = s > 0
     # guard the division: a zero scale would make 0/0 = NaN for the constant group itself
     t = (x - z) / torch.where(nonzero, s, torch.ones_like(s))
-    q = torch.round(t).clamp_(0, qmax)
+    if levels is None:
+        q = torch.round(t).clamp_(0, qmax)
+    else:
+        lv = levels.to(device=t.device, dtype=torch.float32)
+        q = torch.bucketize(t.contiguous(), (lv[1:] + lv[:-1]) * 0.5).to(t.dtype)  # nearest level, ties to the lower one
     q = torch.where(nonzero, q, torch.zeros_like(q))
     return q.to(torch.uint8)
 
 
-def decode(codes: torch.Tensor, scale16: torch.Tensor, zero16: torch.Tensor) -> torch.Tensor:
-    """``codes * scale16 + zero16`` in float32.
+def decode(codes: torch.Tensor, scale16: torch.Tensor, zero16: torch.Tensor,
+           levels: torch.Tensor | None = None) -> torch.Tensor:
+    """``codes * scale16 + zero16`` in float32, or ``levels[codes] * scale16 + zero16``.
 
-    codes uint8 ``X``; ``scale16``, ``zero16`` float16 broadcastable to ``X``.
-    Returns float32 ``X``.
+    codes uint8 ``X``; ``scale16``, ``zero16`` float16 broadcastable to ``X``; ``levels``
+    optional float ``(2**bits,)``. Returns float32 ``X``.
     """
-    return codes.float() * scale16.float() + zero16.float()
+    c = codes.float() if levels is None else levels.to(device=codes.device, dtype=torch.float32)[codes.long()]
+    return c * scale16.float() + zero16.float()
 
 
 def _group_range(
@@ -313,7 +349,7 @@ def _group_range(
     return torch.where(empty, zero, lo), torch.where(empty, zero, hi)
 
 
-def _quantize_keys_unpacked(k, bits, group, clip, valid):
+def _quantize_keys_unpacked(k, bits, group, clip, valid, levels=None):
     """Shared by the packed and the fake-quant paths: (codes (..., T, D) uint8, scale16, zero16)."""
     _check_bits(bits)
     _check_group(group)
@@ -328,11 +364,11 @@ def _quantize_keys_unpacked(k, bits, group, clip, valid):
     vg = None if valid is None else valid.reshape(*lead, t // group, group, 1)  # (..., T/G, G, 1)
     lo, hi = _group_range(xg, -2, vg)  # (..., T/G, D)
     scale16, zero16 = fit_params(lo, hi, bits, clip)  # (..., T/G, D)
-    codes = encode(xg, scale16.unsqueeze(-2), zero16.unsqueeze(-2), bits)  # (..., T/G, G, D)
+    codes = encode(xg, scale16.unsqueeze(-2), zero16.unsqueeze(-2), bits, levels)  # (..., T/G, G, D)
     return codes.reshape(*lead, t, d), scale16, zero16
 
 
-def _quantize_values_unpacked(v, bits, group, clip, valid):
+def _quantize_values_unpacked(v, bits, group, clip, valid, levels=None):
     """Shared by the packed and the fake-quant paths: (codes (..., T, D) uint8, scale16, zero16)."""
     _check_bits(bits)
     _check_group(group)
@@ -347,8 +383,75 @@ def _quantize_values_unpacked(v, bits, group, clip, valid):
     vg = None if valid is None else valid.reshape(*lead, t, 1, 1)  # (..., T, 1, 1)
     lo, hi = _group_range(xg, -1, vg)  # (..., T, D/G)
     scale16, zero16 = fit_params(lo, hi, bits, clip)  # (..., T, D/G)
-    codes = encode(xg, scale16.unsqueeze(-1), zero16.unsqueeze(-1), bits)  # (..., T, D/G, G)
+    codes = encode(xg, scale16.unsqueeze(-1), zero16.unsqueeze(-1), bits, levels)  # (..., T, D/G, G)
     return codes.reshape(*lead, t, d), scale16, zero16
+
+
+def code_units(x: torch.Tensor, bits: int, group: int, per_channel: bool, clip: ClipArg = 1.0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each element of ``x (..., T, D)`` falls on its group's grid: ``t = (x - zero16) /
+    scale16`` as the encoder computes it (0 where ``scale16 == 0``), float32 ``(..., T, D)``, and
+    each element's ``scale16`` as float32 ``(..., T, D)``. Keys per channel over ``group`` tokens
+    (``per_channel``) or per token over ``group`` channels; ``clip`` as for the quantizers. What
+    non-uniform levels are fitted to (:mod:`kvcalib.methods.levels`)."""
+    _check_bits(bits)
+    _check_group(group)
+    xf = _as_float32(x, "x")
+    *lead, t, d = xf.shape
+    if per_channel:
+        if t % group:
+            raise ValueError(f"keys are grouped along tokens: T={t} must be a multiple of group={group}")
+        xg = xf.reshape(*lead, t // group, group, d)  # (..., T/G, G, D)
+        lo, hi = _group_range(xg, -2, None)
+        scale16, zero16 = fit_params(lo, hi, bits, clip)  # (..., T/G, D)
+        s, z = scale16.float().unsqueeze(-2), zero16.float().unsqueeze(-2)
+    else:
+        if d % group:
+            raise ValueError(f"values are grouped along channels: D={d} must be a multiple of group={group}")
+        xg = xf.reshape(*lead, t, d // group, group)  # (..., T, D/G, G)
+        lo, hi = _group_range(xg, -1, None)
+        scale16, zero16 = fit_params(lo, hi, bits, clip)  # (..., T, D/G)
+        s, z = scale16.float().unsqueeze(-1), zero16.float().unsqueeze(-1)
+    nonzero = s > 0
+    units = torch.where(nonzero, (xg - z) / torch.where(nonzero, s, torch.ones_like(s)), torch.zeros_like(xg))
+    return units.reshape(*lead, t, d), s.expand_as(xg).reshape(*lead, t, d)
+
+
+def quantize_fixed(x: torch.Tensor, bits: int, group: int, per_channel: bool, scale16: torch.Tensor,
+                   zero16: torch.Tensor, levels: torch.Tensor | None = None) -> QuantizedTensor:
+    """``x`` (B, H, T, D) on a grid fixed by calibration instead of each group's min/max (KVComp's
+    error-bounded quantizer): ``scale16`` / ``zero16`` float16 ``(H, C)`` per kv head and parameter
+    column (``C = D``: keys per channel over groups of ``group`` tokens, ``per_channel``; else
+    ``C = D / group``: per token over groups of ``group`` channels). The same encode and decode
+    arithmetic as the min/max quantizers (so the same stored layout, every group holding its
+    column's fixed parameters, and the same dequantization); elements beyond the grid take the
+    end codes."""
+    _check_bits(bits)
+    _check_group(group)
+    xf = _as_float32(x, "x")
+    b, h, t, d = xf.shape
+    cols = d if per_channel else d // group
+    if (d % group and not per_channel) or (t % group and per_channel):
+        raise ValueError(f"x of shape {tuple(x.shape)} is not whole groups of {group}")
+    for name, p in (("scale16", scale16), ("zero16", zero16)):
+        if p.dtype != torch.float16 or tuple(p.shape) != (h, cols):
+            raise ValueError(f"{name} must be float16 (H={h}, {cols}), got {p.dtype} {tuple(p.shape)}")
+    lv = check_levels(levels, bits)
+    s, z = scale16.to(xf.device), zero16.to(xf.device)
+    if per_channel:
+        xg = xf.reshape(b, h, t // group, group, d)  # (B, H, T/G, G, D)
+        codes = encode(xg, s[None, :, None, None, :], z[None, :, None, None, :], bits, lv).reshape(b, h, t, d)
+        shape = (b, h, t // group, d)
+        params = (s[None, :, None, :].expand(shape), z[None, :, None, :].expand(shape))
+        axis = "token"
+    else:
+        xg = xf.reshape(b, h, t, cols, group)  # (B, H, T, D/G, G)
+        codes = encode(xg, s[None, :, None, :, None], z[None, :, None, :, None], bits, lv).reshape(b, h, t, d)
+        shape = (b, h, t, cols)
+        params = (s[None, :, None, :].expand(shape), z[None, :, None, :].expand(shape))
+        axis = "channel"
+    _check_packable(d, bits)
+    return QuantizedTensor(pack_codes(codes, bits), params[0].contiguous(), params[1].contiguous(), bits, group, axis)
 
 
 # ---------------------------------------------------------------- public API
@@ -360,6 +463,7 @@ def quantize_keys(
     group: int,
     clip: ClipArg = 1.0,
     valid: torch.Tensor | None = None,
+    levels: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Per-channel quantization of keys over groups of ``group`` consecutive tokens (KIVI).
 
@@ -370,14 +474,15 @@ def quantize_keys(
         clip: alpha in (0, 1], float or tensor broadcastable to ``(B, H, T // group, D)``.
         valid: optional bool, broadcastable to ``(B, H, T)``; False tokens are left out of
             their group's min/max.
+        levels: optional non-uniform levels ``(2**bits,)`` (module docstring).
 
     Returns:
         :class:`QuantizedTensor` with ``codes`` uint8 ``(B, H, T, packed_width(D, bits))`` and
         ``scale``/``zero`` float16 ``(B, H, T // group, D)``, ``axis="token"``.
 
-    Raises ValueError on NaN/inf, bad shapes, bits, group, clip or mask.
+    Raises ValueError on NaN/inf, bad shapes, bits, group, clip, mask or levels.
     """
-    codes, scale16, zero16 = _quantize_keys_unpacked(k, bits, group, clip, valid)
+    codes, scale16, zero16 = _quantize_keys_unpacked(k, bits, group, clip, valid, check_levels(levels, bits))
     _check_packable(codes.shape[-1], bits)
     return QuantizedTensor(pack_codes(codes, bits), scale16, zero16, bits, group, "token")
 
@@ -388,6 +493,7 @@ def quantize_values(
     group: int,
     clip: ClipArg = 1.0,
     valid: torch.Tensor | None = None,
+    levels: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Per-token quantization of values over contiguous groups of ``group`` channels (KIVI).
 
@@ -398,20 +504,22 @@ def quantize_values(
         clip: alpha in (0, 1], float or tensor broadcastable to ``(B, H, T, D // group)``.
         valid: optional bool, broadcastable to ``(B, H, T)``; False tokens get zero parameters
             (their groups hold no valid element) and decode to 0.
+        levels: optional non-uniform levels ``(2**bits,)`` (module docstring).
 
     Returns:
         :class:`QuantizedTensor` with ``codes`` uint8 ``(B, H, T, packed_width(D, bits))`` and
         ``scale``/``zero`` float16 ``(B, H, T, D // group)``, ``axis="channel"``.
 
-    Raises ValueError on NaN/inf, bad shapes, bits, group, clip or mask.
+    Raises ValueError on NaN/inf, bad shapes, bits, group, clip, mask or levels.
     """
-    codes, scale16, zero16 = _quantize_values_unpacked(v, bits, group, clip, valid)
+    codes, scale16, zero16 = _quantize_values_unpacked(v, bits, group, clip, valid, check_levels(levels, bits))
     _check_packable(codes.shape[-1], bits)
     return QuantizedTensor(pack_codes(codes, bits), scale16, zero16, bits, group, "channel")
 
 
-def dequantize_keys(qt: QuantizedTensor) -> torch.Tensor:
-    """Keys back to float32 ``(B, H, T, D)``: ``code * scale16 + zero16``.
+def dequantize_keys(qt: QuantizedTensor, levels: torch.Tensor | None = None) -> torch.Tensor:
+    """Keys back to float32 ``(B, H, T, D)``: ``code * scale16 + zero16`` (``levels[code]`` with
+    non-uniform levels).
 
     One (scale16, zero16) per (token group, channel).
     """
@@ -420,12 +528,13 @@ def dequantize_keys(qt: QuantizedTensor) -> torch.Tensor:
     *lead, t, d = qt.shape
     codes = unpack_codes(qt.codes, qt.bits)  # (..., T, D)
     codes = codes.reshape(*lead, t // qt.group, qt.group, d)  # (..., T/G, G, D)
-    x = decode(codes, qt.scale.unsqueeze(-2), qt.zero.unsqueeze(-2))  # (..., T/G, G, D)
+    x = decode(codes, qt.scale.unsqueeze(-2), qt.zero.unsqueeze(-2), check_levels(levels, qt.bits))  # (..., T/G, G, D)
     return x.reshape(*lead, t, d)
 
 
-def dequantize_values(qt: QuantizedTensor) -> torch.Tensor:
-    """Values back to float32 ``(B, H, T, D)``: ``code * scale16 + zero16``.
+def dequantize_values(qt: QuantizedTensor, levels: torch.Tensor | None = None) -> torch.Tensor:
+    """Values back to float32 ``(B, H, T, D)``: ``code * scale16 + zero16`` (``levels[code]``
+    with non-uniform levels).
 
     One (scale16, zero16) per (token, channel group).
     """
@@ -434,13 +543,13 @@ def dequantize_values(qt: QuantizedTensor) -> torch.Tensor:
     *lead, t, d = qt.shape
     codes = unpack_codes(qt.codes, qt.bits)  # (..., T, D)
     codes = codes.reshape(*lead, t, d // qt.group, qt.group)  # (..., T, D/G, G)
-    x = decode(codes, qt.scale.unsqueeze(-1), qt.zero.unsqueeze(-1))  # (..., T, D/G, G)
+    x = decode(codes, qt.scale.unsqueeze(-1), qt.zero.unsqueeze(-1), check_levels(levels, qt.bits))  # (..., T, D/G, G)
     return x.reshape(*lead, t, d)
 
 
-def dequantize(qt: QuantizedTensor) -> torch.Tensor:
+def dequantize(qt: QuantizedTensor, levels: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatch on ``qt.axis``: float32 ``(B, H, T, D)``."""
-    return dequantize_keys(qt) if qt.axis == "token" else dequantize_values(qt)
+    return dequantize_keys(qt, levels) if qt.axis == "token" else dequantize_values(qt, levels)
 
 
 def quantize_dequantize_keys(
@@ -449,16 +558,18 @@ def quantize_dequantize_keys(
     group: int,
     clip: ClipArg = 1.0,
     valid: torch.Tensor | None = None,
+    levels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fake-quantized keys, float32 ``(B, H, T, D)``: ``dequantize_keys(quantize_keys(...))``.
 
     Skips the pack/unpack round trip (which is lossless), so it is cheaper in simulation and
     does not need ``D`` to be a multiple of ``8 // bits``.
     """
-    codes, scale16, zero16 = _quantize_keys_unpacked(k, bits, group, clip, valid)
+    lv = check_levels(levels, bits)
+    codes, scale16, zero16 = _quantize_keys_unpacked(k, bits, group, clip, valid, lv)
     *lead, t, d = codes.shape
     codes = codes.reshape(*lead, t // group, group, d)  # (..., T/G, G, D)
-    return decode(codes, scale16.unsqueeze(-2), zero16.unsqueeze(-2)).reshape(*lead, t, d)
+    return decode(codes, scale16.unsqueeze(-2), zero16.unsqueeze(-2), lv).reshape(*lead, t, d)
 
 
 def quantize_dequantize_values(
@@ -467,13 +578,15 @@ def quantize_dequantize_values(
     group: int,
     clip: ClipArg = 1.0,
     valid: torch.Tensor | None = None,
+    levels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fake-quantized values, float32 ``(B, H, T, D)``: ``dequantize_values(quantize_values(...))``.
 
     Skips the pack/unpack round trip; unlike :func:`quantize_values` it does not need ``D`` to
     be a multiple of ``8 // bits``.
     """
-    codes, scale16, zero16 = _quantize_values_unpacked(v, bits, group, clip, valid)
+    lv = check_levels(levels, bits)
+    codes, scale16, zero16 = _quantize_values_unpacked(v, bits, group, clip, valid, lv)
     *lead, t, d = codes.shape
     codes = codes.reshape(*lead, t, d // group, group)  # (..., T, D/G, G)
-    return decode(codes, scale16.unsqueeze(-1), zero16.unsqueeze(-1)).reshape(*lead, t, d)
+    return decode(codes, scale16.unsqueeze(-1), zero16.unsqueeze(-1), lv).reshape(*lead, t, d)

@@ -376,8 +376,9 @@ class CompressedLayer(CacheLayerMixin):
             yield Segment(0, self.sink_k.to(dtype), self.sink_v.to(dtype))
         step = max(self.cfg.flush_block, block_tokens // self.cfg.flush_block * self.cfg.flush_block)
         for store, a, b in self.packed.runs(step):
-            yield Segment(store.start + a, self.codec.decode_keys(store.block("k", a, b), dtype),
-                          self.codec.decode_values(store.block("v", a, b), dtype), store.keep(a, b))
+            pos = self.rope_positions(store.start + a, b - a)  # (B|1, N) or None
+            yield Segment(store.start + a, self.codec.decode_keys(store.block("k", a, b), dtype, pos),
+                          self.codec.decode_values(store.block("v", a, b), dtype, pos), store.keep(a, b))
         pool = self.outliers.segment(dtype)
         if pool is not None:
             pk, pv, pos = pool  # (B, H, P + E, D) x 2, (B, H, P + E)
@@ -403,14 +404,25 @@ class CompressedLayer(CacheLayerMixin):
         each PATS store's own ``view()``)."""
         return self.packed.view()
 
+    def rope_positions(self, start: int, n: int) -> torch.Tensor | None:
+        """RoPE positions (1, n) int64 of absolute positions [start, start + n), as the model's
+        forward gives them, for a codec whose states read them (``codec.needs_positions``); None
+        otherwise. A dense layer holds no padding and a padded batch's row layer counts from its
+        row's first real token, which is where generate()'s ``attention_mask.cumsum(-1) - 1``
+        starts too, so the positions are the layer's own."""
+        if not self.codec.needs_positions:
+            return None
+        return torch.arange(start, start + n, device=self.device)[None]  # (1, n)
+
     def _flush_block(self, off: int, block: int) -> None:
         """Pending tokens [off, off + block) -> packed storage: OTT selection, then encode."""
         start = self.pend_start + off  # absolute position of the block's first token
         k_blk = self.pend_k[:, :, off:off + block]  # (B, H, G, D)
         v_blk = self.pend_v[:, :, off:off + block]  # (B, H, G, D)
         keep = self.outliers.select(k_blk, v_blk, start)  # (B, H, G): False = into the pool; or None
-        k_packed = self.codec.encode_keys(k_blk, None, keep)  # (a dense layer holds no padding)
-        v_packed = self.codec.encode_values(v_blk, None, keep)
+        pos = self.rope_positions(start, block)  # (1, G) or None
+        k_packed = self.codec.encode_keys(k_blk, None, keep, pos)  # (a dense layer holds no padding)
+        v_packed = self.codec.encode_values(v_blk, None, keep, pos)
         self.packed.append(start, k_packed, v_packed, block, None if keep is None else pack_keep(keep))
 
     def flush(self) -> None:

@@ -88,12 +88,14 @@ def _moments(x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def make_stats(k: torch.Tensor, v: torch.Tensor | None = None, q: torch.Tensor | None = None,
                rep: int = 2, seed: int = 0) -> LayerStats:
-    """LayerStats from token blocks k/v (NB, BL, H, D) and queries (NB, BL, H * rep, D)."""
+    """LayerStats from token blocks k/v (NB, BL, H, D) and queries (NB, BL, H * rep, D), with a
+    RoPE table (theta 10000 over all D channels) and blocks recorded at positions 0, BL, 2 BL..."""
     nb, bl, h, d = k.shape
     v = k.clone() if v is None else v
     q = torch.randn(nb, bl, h * rep, d, generator=_gen(seed + 99)) if q is None else q
+    rope = torch.cat([1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d)), torch.ones(1)])
     return LayerStats(k=_moments(k), v=_moments(v), reservoir_k=k.half(), reservoir_v=v.half(),
-                      reservoir_q=q.half(), scaling=d**-0.5)
+                      reservoir_q=q.half(), scaling=d**-0.5, rope=rope, positions=torch.arange(nb) * bl)
 
 
 def default_stats(h: int = 2, d: int = 16, nb: int = 3, bl: int = 32, seed: int = 0) -> LayerStats:
@@ -130,7 +132,8 @@ def _context(cfg):
 
 
 def test_registry_order_and_names():
-    assert list(METHODS) == ["center", "reorder", "clip", "outliers", "schedule", "huffman"]
+    assert list(METHODS) == ["prerope", "rotate", "center", "reorder", "clip", "errbound", "levels", "outliers", "schedule",
+                             "huffman"]
     for name, cls in METHODS.items():
         assert issubclass(cls, Method) and cls.name == name
         assert cls.tensors and all(isinstance(spec.doc, str) and spec.doc for spec in cls.tensors)

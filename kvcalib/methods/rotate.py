@@ -1,0 +1,303 @@
+"""Rotate each kv head's K and/or V by an orthogonal matrix before quantizing (QuaRot, TurboQuant,
+RotateKV; vLLM's and llama.cpp's Hadamard flags).
+
+A token's channels often hold a few outliers; an orthogonal rotation spreads them over all
+channels, so each head's channels come out near-Gaussian and of similar range, which suits a
+min/max quantizer over groups of channels (values, per-token keys). Keys quantized per channel
+over token groups (KIVI) already give each outlier channel its own range: there a rotation can
+cost more than it saves, so the fit measures it per layer and side, and leaves the side alone
+where the reservoir's error does not fall (the search may still switch it per layer).
+
+Rotations (:mod:`kvcalib.quant.rotation`): ``R_h = diag(signs_h) M_h``, ``x' = x R_h``.
+
+- ``kind="hadamard"`` (default): ``M = H_D / sqrt(D)`` (Walsh-Hadamard, shared by the heads) with
+  random signs per head from a seed. Only the seed is stored: ``{k|v}.rotate`` int64 ``(3,)`` =
+  (seed, kv heads, head_dim), the geometry so the signs can be drawn without the model.
+- ``kind="pca"``: fitted per layer from the reservoir: each head's eigenbasis of its channel
+  covariance (decorrelates the channels), then the random-sign Walsh-Hadamard (evens their
+  variances out): ``{k|v}.rotation`` float32 ``(H, D, D)``.
+
+Runtime contract:
+
+- reference codec: encode ``x -> x R`` before every later step (centering, permutation, clip and
+  quantizer then work in the rotated basis), decode ``y -> y R^T`` after them;
+- quantize-and-pack kernels: the state rotates the flushed block and hands it on
+  (``kernel_encode`` returns it as ``"x"``);
+- decode kernel: the stored tokens are never rotated back one by one. Keys: the packed tokens
+  are scored with the query rotated once per step (``q R . k R = q . k``); values: the packed
+  tokens' part of the output is accumulated in the rotated basis and rotated back once per step
+  (``k_rot`` / ``v_rot`` of :func:`kvcalib_kernels.decode_attention.decode_attention`). The
+  full-precision sinks, window and pools are stored unrotated and attended as they are.
+
+Memory: the recipe holds the seed (24 bytes with the geometry) or the fitted matrices; the runtime keeps per
+rotated side the signs (or matrices) on the device (``bytes``) and one Walsh-Hadamard matrix per
+head_dim for the whole model (``shared_bytes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, ClassVar
+
+import torch
+
+from kvcalib.errors import KvcalibError
+from kvcalib.layout import LayerConfig
+from kvcalib.methods.base import (
+    CalibrationError,
+    FitContext,
+    Flag,
+    LayerGeometry,
+    Method,
+    MethodState,
+    TensorSpec,
+    reservoir_moments,
+    reservoir_to_bhtd,
+    switch_lines,
+    switch_section,
+)
+from kvcalib.quant.rotation import check_rotation, hadamard, is_power_of_two, random_signs, rotate, unrotate
+from kvcalib.stats import LayerStats
+
+__all__ = ["KINDS", "side_seed", "fit_pca_rotation", "rotate_reservoir", "rotation_errors", "RotateState",
+           "RotateMethod"]
+
+KINDS = ("hadamard", "pca")
+_FP32 = 4  # bytes of the float32 tables the runtime keeps on the device
+
+
+def side_seed(seed: int, side: str) -> int:
+    """The seed of one side's random signs: K and V of a layer get different signs."""
+    return 2 * int(seed) + (side == "v")
+
+
+def fit_pca_rotation(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Per head, the eigenbasis of the channel covariance of ``x`` (NB, H, T, D), then the
+    random-sign Walsh-Hadamard: float32 ``(H, D, D)`` orthogonal, ``x' = x @ M_h``."""
+    nb, h, t, d = x.shape
+    tokens = x.double().transpose(0, 1).reshape(h, nb * t, d)  # (H, N, D)
+    centred = tokens - tokens.mean(1, keepdim=True)
+    cov = centred.transpose(1, 2) @ centred / max(1, nb * t)  # (H, D, D)
+    _, vecs = torch.linalg.eigh(cov)  # (H, D, D), columns = eigenvectors, ascending eigenvalues
+    had = hadamard(d).double()  # (D, D)
+    # x U diag(s) Hn: decorrelate, then spread every principal direction over all channels
+    return (vecs.flip(-1) @ (signs.double()[:, :, None] * had)).float()  # (H, D, D)
+
+
+def rotate_reservoir(reservoir: torch.Tensor, matrix: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
+    """A reservoir ``(NB, BL, Hx, D)`` rotated per head, float32 ``(NB, BL, Hx, D)`` (``Hx`` kv heads
+    or a multiple: query heads rotate with their kv head's rotation)."""
+    return rotate(reservoir.float().transpose(1, 2), matrix, signs).transpose(1, 2).contiguous()
+
+
+def rotation_errors(layer_stats: LayerStats, side: str, bits: int, group: int, k_axis: str,
+                    matrix: torch.Tensor, signs: torch.Tensor | None) -> tuple[float, float]:
+    """Quantization error of ``side`` on the reservoir without and with the rotation:
+    ``(plain, rotated)``, summed over the kv heads. Scored as clipping scores its alphas (the
+    attention output error of each block's own causal attention when queries were collected,
+    else the side's squared error): the rotation is orthogonal, so the output error in the
+    rotated basis equals the one the model sees."""
+    from kvcalib.methods.clip import clip_errors
+
+    rk, rv, rq = layer_stats.reservoir_k, layer_stats.reservoir_v, layer_stats.reservoir_q
+    objective = "output" if rq.shape[2] else "mse"
+    plain = clip_errors(rk, rv, rq, layer_stats.scaling, bits, group, side, (1.0,), k_axis=k_axis,
+                        objective=objective)
+    if side == "k":  # keys and queries rotate together: the scores stay q . k
+        rk, rq = rotate_reservoir(rk, matrix, signs), (rotate_reservoir(rq, matrix, signs) if rq.shape[2] else rq)
+    else:
+        rv = rotate_reservoir(rv, matrix, signs)
+    rotated = clip_errors(rk, rv, rq, layer_stats.scaling, bits, group, side, (1.0,), k_axis=k_axis,
+                          objective=objective)
+    return float(plain.sum()), float(rotated.sum())
+
+
+class RotateState(MethodState):
+    """The rotation of each rotated side of one layer: ``side -> (matrix (D, D) | (H, D, D), signs
+    (H, D) | None)`` float32 (the module docstring's contract)."""
+
+    def __init__(self, rotations: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        self.rot = dict(rotations)
+        self._device: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def device_rotation(self, side: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The side's rotation on ``device``, copied once per device."""
+        key = (side, device)
+        if key not in self._device:
+            m, s = self.rot[side]
+            self._device[key] = (m.to(device).contiguous(), None if s is None else s.to(device).contiguous())
+        return self._device[key]
+
+    def encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> torch.Tensor:
+        return rotate(x, *self.device_rotation(side, x.device)) if side in self.rot else x  # (B, H, N, D)
+
+    def decode(self, side: str, y: torch.Tensor, stored: dict[str, Any]) -> torch.Tensor:
+        return unrotate(y, *self.device_rotation(side, y.device)) if side in self.rot else y  # (B, H, N, D)
+
+    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> dict[str, Any] | None:
+        if side not in self.rot:
+            return {}
+        return {"x": rotate(x, *self.device_rotation(side, x.device))}  # (B, H, N, D) float32, rotated at flush
+
+    def kernel_attend(self, side: str, device: torch.device) -> dict[str, Any] | None:
+        return {f"{side}_rot": self.device_rotation(side, device)} if side in self.rot else {}
+
+    def bytes(self, cfg: LayerConfig, heads: int, head_dim: int, kept: int, packed: int) -> dict[str, float]:
+        # the device tables of this layer: per-head signs, or fitted per-head matrices
+        if not packed:
+            return {}
+        total = 0.0
+        for side, (m, s) in self.rot.items():
+            if cfg.bits(side) >= 16:
+                continue
+            total += (m.numel() if m.dim() == 3 else 0) * _FP32 + (0 if s is None else s.numel() * _FP32)
+        return {"rotate_tables": total} if total else {}
+
+    def shared_bytes(self, head_dim: int) -> dict[str, float]:
+        shared = any(m.dim() == 2 for m, _ in self.rot.values())  # the Walsh-Hadamard matrix, one per head_dim
+        return {f"rotate_hadamard_d{head_dim}": float(head_dim * head_dim * _FP32)} if shared else {}
+
+
+class RotateMethod(Method):
+    """Per-head orthogonal rotation of K and/or V before quantizing, where it lowers the error.
+
+    For each quantized side: ``{side}.rotate_gain`` = ``1 - rotated / plain`` error on the
+    reservoir (:func:`rotation_errors`); the side is rotated (``{side}.rotate``: the seed, or
+    ``{side}.rotation``: the fitted matrices) where the gain exceeds ``min_gain``. Walsh-Hadamard
+    needs a power-of-two head_dim; other shapes leave the side unrotated (gain 0).
+    """
+
+    name: ClassVar[str] = "rotate"
+    summary: ClassVar[str] = "per-head random-sign Walsh-Hadamard (or fitted) rotation before quantizing"
+    order: ClassVar[int] = 5
+    tensors: ClassVar[tuple[TensorSpec, ...]] = (
+        TensorSpec("rotate", ("k", "v"), "int64", "(3,)",
+                   "random-sign Walsh-Hadamard rotation: (seed, kv heads, head_dim)"),
+        TensorSpec("rotation", ("k", "v"), "float32", "(H, D, D)", "fitted orthogonal rotation per kv head"),
+        TensorSpec("rotate_gain", ("k", "v"), "float32", "()",
+                   "relative reservoir error reduction from rotating", applied=False),
+    )
+    search: ClassVar[str | None] = "layer"
+    letter: ClassVar[str] = "R"
+    flags: ClassVar[tuple[Flag, ...]] = (
+        Flag("rotate", str, "Rotate K/V per head before quantizing where it lowers the error: hadamard (random "
+             "signs, only a seed stored) or pca (a fitted matrix per layer).", tag="rot-{}"),
+    )
+
+    def __init__(self, kind: str = "hadamard", min_gain: float = 0.0) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if not -1.0 < float(min_gain) < 1.0:
+            raise ValueError(f"min_gain must lie in (-1, 1), got {min_gain!r}")
+        self.kind = kind
+        self.min_gain = float(min_gain)
+
+    def _fit(self, layer_stats: LayerStats, layer_cfg: LayerConfig, seed: int,
+             context: FitContext, geom: LayerGeometry) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for side in ("k", "v"):
+            bits = layer_cfg.bits(side)
+            if bits >= 16:
+                continue
+            if not is_power_of_two(geom.head_dim):
+                out[f"{side}.rotate_gain"] = torch.tensor(0.0)
+                continue
+            s = side_seed(seed, side)
+            signs = random_signs(geom.heads, geom.head_dim, s)  # (H, D)
+            if self.kind == "pca":
+                res = reservoir_to_bhtd(getattr(layer_stats, f"reservoir_{side}"))  # (NB, H, BL, D)
+                matrix, rot_signs = fit_pca_rotation(res, signs), None  # (H, D, D)
+            else:
+                matrix, rot_signs = hadamard(geom.head_dim), signs
+            plain, rotated = rotation_errors(layer_stats, side, bits, layer_cfg.group(side), layer_cfg.k_axis,
+                                             matrix, rot_signs)
+            gain = 0.0 if plain <= 0 else 1.0 - rotated / plain
+            out[f"{side}.rotate_gain"] = torch.tensor(gain, dtype=torch.float32)
+            if gain > self.min_gain:
+                if self.kind == "pca":
+                    out[f"{side}.rotation"] = matrix
+                else:
+                    out[f"{side}.rotate"] = torch.tensor([s, geom.heads, geom.head_dim], dtype=torch.int64)
+        return out
+
+    def transform_stats(self, layer_stats: LayerStats, fitted: dict[str, torch.Tensor]) -> LayerStats:
+        heads, head_dim = layer_stats.k["min"].shape
+        state = self.load(fitted, LayerConfig(), int(heads), int(head_dim))
+        if state is None:
+            return layer_stats
+        res = {"k": layer_stats.reservoir_k, "v": layer_stats.reservoir_v}
+        rq = layer_stats.reservoir_q
+        moments = {"k": layer_stats.k, "v": layer_stats.v}
+        for side, (m, s) in state.rot.items():
+            res[side] = rotate_reservoir(res[side], m, s)  # (NB, BL, H, D)
+            moments[side] = reservoir_moments(res[side], moments[side]["count"])
+            if side == "k" and rq.shape[2]:
+                rq = rotate_reservoir(rq, m, s)  # scores q . k unchanged
+        return replace(layer_stats, k=moments["k"], v=moments["v"], reservoir_k=res["k"], reservoir_v=res["v"],
+                       reservoir_q=rq)
+
+    @classmethod
+    def load(cls, tensors: dict[str, torch.Tensor], cfg: LayerConfig, heads: int | None,
+             head_dim: int | None) -> RotateState | None:
+        rot: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for side in ("k", "v"):
+            seed_t, matrix = tensors.get(f"{side}.rotate"), tensors.get(f"{side}.rotation")
+            if seed_t is not None and matrix is not None:
+                raise ValueError(f"{side}.rotate and {side}.rotation are both set: a side has one rotation")
+            if seed_t is not None:
+                if seed_t.shape != (3,) or seed_t.is_floating_point() or seed_t.dtype == torch.bool:
+                    raise ValueError(f"{side}.rotate must be int64 (3,) = (seed, kv heads, head_dim), got "
+                                     f"{seed_t.dtype} {tuple(seed_t.shape)}")
+                seed, h, d = (int(v) for v in seed_t.tolist())
+                if h < 1 or (heads is not None and h != heads) or (head_dim is not None and d != head_dim):
+                    raise ValueError(f"{side}.rotate is for {h} kv heads of head_dim {d}, the model has "
+                                     f"{heads} of {head_dim}")
+                if not is_power_of_two(d):
+                    raise ValueError(f"{side}.rotate: a Walsh-Hadamard rotation needs head_dim a power of two, "
+                                     f"got {d}")
+                rot[side] = (hadamard(d), random_signs(h, d, seed))
+            elif matrix is not None:
+                try:
+                    check_rotation(matrix, None, heads, head_dim)
+                except ValueError as err:
+                    raise ValueError(f"{side}.rotation: {err}") from None
+                if matrix.dim() != 3:
+                    raise ValueError(f"{side}.rotation must be (H, D, D), got {tuple(matrix.shape)}")
+                eye = torch.eye(matrix.shape[-1], dtype=torch.float64)
+                if float((matrix.double() @ matrix.double().transpose(1, 2) - eye).abs().max()) > 1e-4:
+                    raise ValueError(f"{side}.rotation is not orthogonal (M M^T != I): re-export the recipe")
+                rot[side] = (matrix.float(), None)
+        return RotateState(rot) if rot else None
+
+    @classmethod
+    def from_arguments(cls, cfg: LayerConfig, arguments: dict[str, Any]) -> RotateState | None:
+        """``k_rotate=(matrix, signs)`` / ``v_rotate=...`` (:mod:`kvcalib.quant.rotation`)."""
+        rot = {}
+        for side in ("k", "v"):
+            given = arguments.pop(f"{side}_rotate", None)
+            if given is None:
+                continue
+            matrix, signs = given
+            check_rotation(matrix, signs)
+            rot[side] = (matrix.float(), None if signs is None else signs.float())
+        return RotateState(rot) if rot else None
+
+    @classmethod
+    def from_flags(cls, values: dict[str, Any], layer: LayerConfig) -> "RotateMethod | None":
+        kind = values.get("rotate")
+        if kind is None:
+            return None
+        if kind not in KINDS:
+            raise KvcalibError(f"--rotate {kind!r} is not a rotation kind: use one of {', '.join(KINDS)}.")
+        return cls(kind=kind)
+
+    @classmethod
+    def inspect(cls, recipe: Any, info: Any, context: int, layers: list[dict[str, Any]],
+                elements_per_layer: list[int]) -> dict[str, Any] | None:
+        """Which sides are rotated, by which kind, and the reservoir gain the fit measured."""
+        return switch_section(recipe, info, layers, cls.name, ("k", "v"), {"rotate": "hadamard", "rotation": "pca"},
+                              "rotate_gain")
+
+    @classmethod
+    def inspect_lines(cls, report: dict[str, Any]) -> list[str]:
+        return switch_lines(report, cls.name, "rotation", {"hadamard": "H", "pca": "P"})

@@ -1,0 +1,164 @@
+"""Issue 34's quantizers on the kernel paths, against their references: rotated K/V
+(kvcalib.methods.rotate), and the fixed grids of the error-bounded quantizer
+(kvcalib.methods.errbound), which the decode kernel reads as any packed side.
+
+- decode attention with ``k_rot`` / ``v_rot``: the packed keys scored with the query rotated once
+  per call, the packed values' accumulators rotated back once per call, the full-precision
+  segments unrotated; vs :func:`kvcalib_kernels.reference.decode_attention_reference` (which
+  rotates every stored token back), with the tolerance rule of ``test_decode_attention.py``;
+- the runtime adapter (:mod:`kvcalib.runtime.triton_path`) over a rotated layer vs the runtime's
+  reference attention on the same stored bytes;
+- the quantize-and-pack path: a rotated layer's flushes through the kernels store exactly the
+  reference codec's bytes.
+
+On CPU through Triton's interpreter (small shapes), on CUDA as is.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.triton_setup import kernel_modules
+
+DEVICE, INTERPRET, (da, qp) = kernel_modules("kvcalib_kernels.decode_attention", "kvcalib_kernels.quant_pack")
+from kvcalib.codec import LayerCodec  # noqa: E402
+from kvcalib.layout import LayerConfig  # noqa: E402
+from kvcalib.quant.rotation import hadamard, random_signs  # noqa: E402
+from tests.kernels.test_decode_attention import SMALL, _filled_layer, check, make_case, with_perm_mean  # noqa: E402
+
+
+def _orthogonal(h: int, d: int, seed: int) -> torch.Tensor:
+    """Random per-head orthogonal matrices (H, D, D) float32 (QR of a Gaussian)."""
+    g = torch.Generator().manual_seed(seed)
+    qmat, r = torch.linalg.qr(torch.randn(h, d, d, generator=g, dtype=torch.float64))
+    return (qmat * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[:, None, :]).float()
+
+
+def _rotation(kind: str, h: int, d: int, seed: int):
+    """``(matrix, signs)`` on the device: the shared Walsh-Hadamard with per-head signs, or fitted
+    per-head matrices."""
+    if kind == "hadamard":
+        return hadamard(d).to(DEVICE), random_signs(h, d, seed).to(DEVICE)
+    return _orthogonal(h, d, seed).to(DEVICE), None
+
+
+@pytest.mark.parametrize("case", [
+    dict(sides="kv", kind="hadamard"), dict(sides="k", kind="hadamard"), dict(sides="v", kind="hadamard"),
+    dict(sides="kv", kind="pca"), dict(sides="kv", kind="hadamard", d=128, rep=1, k_bits=4, v_bits=4),
+    dict(sides="kv", kind="pca", rep=7, k_bits=8, v_bits=2, v_group=64),
+    dict(sides="kv", kind="hadamard", k_axis="token", k_group=16),
+    dict(sides="kv", kind="hadamard", dtype=torch.float16), dict(sides="kv", kind="pca", dtype=torch.float32),
+], ids=["kv-had", "k-had", "v-had", "kv-pca", "d128-gqa1-4b", "gqa7-k8v2-pca", "token-keys", "fp16", "fp32"])
+def test_rotated_sides_pass_the_tolerance_rule(case):
+    case = dict(case)
+    sides, kind = case.pop("sides"), case.pop("kind")
+    case.setdefault("rep", 3)
+    args, kw = make_case(**case)
+    h, d = args[1].shape[1], args[0].shape[-1]
+    rot = {f"{s}_rot": _rotation(kind, h, d, seed=i) for i, s in enumerate(sides)}
+    out = check(args, {**kw, **rot})
+    plain = da.decode_attention(*args, **kw, config=SMALL)
+    assert float((out - plain).abs().max()) > 1e-2, "the rotation changes what the packed tokens hold"
+
+
+@pytest.mark.parametrize("perm,k_mean,v_mean", [("kv", 16, 8), ("v", 8, 0), ("", 0, 16)], ids=str)
+def test_rotation_with_permutation_and_means(perm, k_mean, v_mean):
+    """Rotated, then centred and permuted (the codec's order): the kernel scores the means and
+    the permuted channels with the rotated query and rotates the value accumulators back after
+    the value mean joined them."""
+    args, kw = make_case(dtype=torch.float16)
+    args, kw = with_perm_mean(args, kw, k_perm="k" in perm, v_perm="v" in perm, k_mean=k_mean, v_mean=v_mean)
+    h, d = args[1].shape[1], args[0].shape[-1]
+    check(args, {**kw, "k_rot": _rotation("hadamard", h, d, 1), "v_rot": _rotation("pca", h, d, 2)})
+
+
+def test_rotated_parts_merge_like_one_call():
+    """Two packed parts (PATS stores) with their own rotated query and accumulators, one combine."""
+    args, kw = make_case(n=64, dtype=torch.bfloat16)
+    h, d = args[1].shape[1], args[0].shape[-1]
+    rot = {"k_rot": _rotation("hadamard", h, d, 3), "v_rot": _rotation("hadamard", h, d, 4)}
+    q, kc, ks, kz, vc, vs, vz = args
+    half = 32  # two whole key groups of 16
+    packed = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+    common = {k: v for k, v in kw.items() if k not in ("fp_segments", "fp_positions", "packed_position")}
+    first = dict(zip(packed, (kc[:, :, :half], ks[:, :, :half // 16], kz[:, :, :half // 16], vc[:, :, :half],
+                              vs[:, :, :half], vz[:, :, :half])), **common, **rot,
+                 packed_position=kw["packed_position"], fp_segments=kw["fp_segments"], fp_positions=kw["fp_positions"])
+    second = dict(zip(packed, (kc[:, :, half:], ks[:, :, half // 16:], kz[:, :, half // 16:], vc[:, :, half:],
+                               vs[:, :, half:], vz[:, :, half:])), **common, **rot,
+                  packed_position=kw["packed_position"] + half)
+    out = da.decode_attention_parts(q, [first, second], config=SMALL)
+    whole = da.decode_attention(*args, **kw, **rot, config=SMALL)
+    assert float((out - whole).abs().max()) < 2e-2
+
+
+def test_bad_rotations_are_refused():
+    args, kw = make_case()
+    h, d = args[1].shape[1], args[0].shape[-1]
+    with pytest.raises(ValueError, match="k_rot"):
+        da.decode_attention(*args, **kw, k_rot=(hadamard(d // 2).to(DEVICE), None), config=SMALL)
+    with pytest.raises(ValueError, match="v_rot"):
+        da.decode_attention(*args, **kw, v_rot=(hadamard(d).to(DEVICE), random_signs(h + 1, d, 0).to(DEVICE)),
+                            config=SMALL)
+
+
+# ---------------------------------------------------------------- the runtime adapter and the flush
+
+
+def _rotated_codec(cfg: LayerConfig, h: int, d: int, **extra) -> LayerCodec:
+    return LayerCodec(cfg, k_rotate=(hadamard(d), random_signs(h, d, 11)), v_rotate=(_orthogonal(h, d, 12), None),
+                      **extra)
+
+
+@pytest.mark.parametrize("extra", [{}, dict(k_center=16, v_center=8), "perm"], ids=["plain", "centred", "permuted"])
+def test_triton_path_runs_rotated_layers(extra):
+    """A rotated layer goes through the kernel (not the reference) and agrees with the runtime's
+    reference attention, which rotates every stored block back."""
+    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
+
+    cfg = LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2)
+    if extra == "perm":
+        g = torch.Generator().manual_seed(5)
+        extra = {"v_perm": torch.stack([torch.randperm(64, generator=g) for _ in range(2)])}
+    layer, q, vis = _filled_layer(cfg, codec=_rotated_codec(cfg, 2, 64, **extra))
+    assert layer.n_packed > 0 and _reason_unsupported(q, layer) is None
+    out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
+    ref = attend_compressed(q, layer, vis, 64 ** -0.5)
+    assert out is not None and float((out - ref).abs().max()) < 1e-4
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU tensors reach the kernels only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("center", [0, 8], ids=["plain", "center8"])
+def test_rotated_flushes_store_the_reference_bytes(monkeypatch, center):
+    """The flush rotates the block (``kernel_encode``'s ``"x"``) and the quantize-and-pack kernels
+    store exactly the bytes of the reference codec, centering included."""
+    from tests.unit.test_codec_triton import _Spy, _prompt_then_decode, _run, assert_same_storage
+
+    cfg = LayerConfig(k_bits=2, v_bits=4, k_group=8, v_group=16, window=8, sinks=2)
+    state = dict(k_rotate=(hadamard(32), random_signs(3, 32, 1)), v_rotate=(_orthogonal(3, 32, 2), None),
+                 k_center=center, v_center=center)
+    steps = _prompt_then_decode(45, 17, seed=3)
+    ref = _run(monkeypatch, "reference", cfg, steps, pad=11, **state)
+    spy = _Spy(monkeypatch)
+    tri = _run(monkeypatch, "triton", cfg, steps, pad=11, **state)
+    assert spy.key_tokens >= tri.n_packed, "every flushed token went through the kernels"
+    assert_same_storage(tri, ref)
+
+
+def test_triton_path_reads_fixed_grids():
+    """Error-bounded sides (a fixed step per column) are stored in the packed layout: the decode
+    kernel attends them like min/max groups and agrees with the reference attention."""
+    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
+
+    cfg = LayerConfig(k_bits=4, v_bits=2, k_group=16, v_group=32, window=16, sinks=2)
+    g = torch.Generator().manual_seed(9)
+    codec = LayerCodec(cfg, k_step=torch.rand(2, 64, generator=g) * 0.5 + 0.2,
+                       v_step=torch.rand(2, 2, generator=g) * 0.5 + 0.5)
+    layer, q, vis = _filled_layer(cfg, codec=codec)
+    assert layer.n_packed > 0 and _reason_unsupported(q, layer) is None
+    out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
+    ref = attend_compressed(q, layer, vis, 64 ** -0.5)
+    assert out is not None and float((out - ref).abs().max()) < 1e-4

@@ -2,7 +2,7 @@
 
 :func:`triton_decode_attention` returns None whenever the kernel does not cover the case, and
 the caller (:func:`kvcalib.runtime.backend.decode_attention`) then runs the PyTorch reference
-:func:`kvcalib.runtime.attention.attend_compressed`, which is the specification. Covered:
+:func:`kvcalib.runtime.reference.attend_compressed`, which is the specification. Covered:
 
 - one query token per sequence (decode steps, ``Tq == 1``);
 - CUDA tensors (or any device under ``TRITON_INTERPRET=1``, for the CPU tests);

@@ -115,7 +115,7 @@ def _rotated_codec(cfg: LayerConfig, h: int, d: int, **extra) -> LayerCodec:
 def test_triton_path_runs_rotated_layers(extra):
     """A rotated layer goes through the kernel (not the reference) and agrees with the runtime's
     reference attention, which rotates every stored block back."""
-    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.reference import attend_compressed
     from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
 
     cfg = LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2)
@@ -150,7 +150,7 @@ def test_rotated_flushes_store_the_reference_bytes(monkeypatch, center):
 def test_triton_path_reads_fixed_grids():
     """Error-bounded sides (a fixed step per column) are stored in the packed layout: the decode
     kernel attends them like min/max groups and agrees with the reference attention."""
-    from kvcalib.runtime.attention import attend_compressed
+    from kvcalib.runtime.reference import attend_compressed
     from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
 
     cfg = LayerConfig(k_bits=4, v_bits=2, k_group=16, v_group=32, window=16, sinks=2)

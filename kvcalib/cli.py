@@ -108,7 +108,7 @@ def collect(
 # --------------------------------------------------------------------------- search
 
 
-@app.command(epilog="Examples:\n\n    kvcalib search --model smollm2-135m --data embedded --budget-bits 3.0 --out runs/smol-search\n\n    kvcalib search --out runs/smol-search --resume --trials 60\n\n    kvcalib search --out runs/w1 --storage sqlite:////shared/study.db --study smol   (one per worker)")
+@app.command(epilog="Examples:\n\n    kvcalib search --model smollm2-135m --data embedded --budget-bits 3.0 --out runs/smol-search\n\n    kvcalib search --out runs/smol-search --resume --trials 60\n\n    kvcalib search --out runs/w1 --storage postgresql://user@db/optuna --study smol   (one per machine)\n\n    kvcalib search --out runs/smol-2gpu --workers auto   (one worker per visible GPU)\n\n    kvcalib search --out runs/smol-front --objective pareto --trials 40   (the whole front; export any budget)")
 @user_errors
 def search(
     model: str = typer.Option("smollm2-135m", help="Embedded alias, hub alias/id, local folder or .gguf file."),
@@ -125,6 +125,9 @@ def search(
     space: Optional[Path] = typer.Option(None, help="Search space file (JSON/YAML: bits, groups, windows, sinks, layer_methods, schedules)."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage shared by workers: sqlite:///PATH, postgresql://..., or journal:PATH. Default: RUN_DIR/study.db."),
     study: str = typer.Option("kvcalib-search", help="Study name inside --storage."),
+    objective: str = typer.Option("budget", help="budget: the lowest KL under --budget-bits; pareto: the whole KL vs effective-bits front in one study (multi-objective TPE), --budget-bits picking the recipe written and `kvcalib export RUN --budget-bits B` any other."),
+    workers: str = typer.Option("1", help="Worker processes sharing the study from this command: N, or auto (one per visible GPU, each pinned to it; 1 without CUDA). Run folders RUN/worker-I. On CPU N processes share the same cores: no faster."),
+    heartbeat: int = typer.Option(60, help="Seconds between a running trial's heartbeats in a database storage; a trial silent for 3 beats (its worker died) is retried by another worker."),
     resume: bool = typer.Option(False, help="Continue the interrupted study in --out: finished trials are kept, trials left unfinished by Ctrl-C or a kill run again."),
     sweep: bool = typer.Option(True, help="Per-layer sensitivity sweep to warm-start the study."),
     timeout: Optional[float] = typer.Option(None, help="Stop the trial phase after this many seconds."),
@@ -147,7 +150,8 @@ def search(
                           trials=trials, budget_bits=budget_bits, context=context,
                           space=space, storage=storage, study=study, resume=resume, sweep=sweep, timeout=timeout,
                           seed=seed, eval=not no_eval, eval_samples=eval_samples, eval_seq_len=eval_seq_len,
-                          device=device, dtype=dtype, command=command_line(),
+                          device=device, dtype=dtype, command=command_line(), objective=objective,
+                          workers=_parse_workers(workers), heartbeat=heartbeat,
                           chosen_methods=None if finish is None else tuple(
                               m.strip() for m in finish.split(",") if m.strip() and m.strip() != "none"))
     try:
@@ -167,7 +171,22 @@ def search(
         print(f"recipe: {result.recipe_path}")
     else:
         print(f"no finished trial is within {budget_bits:g} bits yet: run more trials with --resume")
+    if objective == "pareto":
+        print(f"front: {len(result.pareto)} trial(s); any budget: kvcalib export {result.run_dir} --budget-bits B -o R")
     print(f"report: {result.report_path}")
+
+
+def _parse_workers(text: str) -> int | str:
+    """``--workers``: ``auto`` or a positive integer."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise KvcalibError(f"--workers {text!r} must be auto or an integer >= 1 (worker processes sharing the study).")
+    return value
 
 
 def _with_method_flags(fn: Callable) -> Callable:

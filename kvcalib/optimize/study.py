@@ -341,7 +341,7 @@ def recover_shared(study: "optuna.Study", heartbeat: int) -> list[int]:
 
 
 def _storage_failure(err: BaseException) -> BaseException | None:
-    """The storage's own error in ``err``'s chain (SQLAlchemy, a DB driver, sqlite3, Optuna's
+    """The innermost storage error in ``err``'s chain (SQLAlchemy, a DB driver, sqlite3, Optuna's
     ``StorageInternalError``), or None. Optuna's trial bookkeeping can fail with another error
     (an AssertionError, an UnboundLocalError) while handling the storage's, so the context chain
     is followed too."""
@@ -350,7 +350,7 @@ def _storage_failure(err: BaseException) -> BaseException | None:
     while current is not None and all(current is not e for e in seen):
         seen.append(current)
         current = current.__cause__ or current.__context__
-    for e in seen:
+    for e in reversed(seen):  # the innermost: the driver's own words beat Optuna's wrapper's
         module = type(e).__module__
         if module.startswith(("sqlalchemy", "psycopg", "pymysql", "MySQLdb", "sqlite3")) \
                 or type(e).__name__ == "StorageInternalError":

@@ -244,21 +244,20 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
                           must_exist=config.resume and default_storage,
                           legacy_same=legacy_bits_factor(config.context, info.sliding_window) == 1.0,
                           objective=config.objective, heartbeat=config.heartbeat)
-    hint = (f"run the same command again{'' if config.resume or not default_storage else ' with --resume'}")
-    with st.storage_errors(url, hint):
-        # an interrupted run's unfinished trials run again; RUNNING ones only in a study we own (in a
-        # shared one, the heartbeats find a dead worker's trials)
-        if default_storage:
-            recovered = st.recover_interrupted(study, running=True) if config.resume else []
-        else:
-            recovered = st.recover_shared(study, config.heartbeat)
-        with _bar(progress, None, "search: warm start", "") as bar:
-            for m in range(objective.n_sequences):
-                objective.reference(m)
-            lock = st.claim_warm_start(study, not default_storage, config.heartbeat,
-                                       on_wait=lambda: bar.update(info="another worker runs the warm start"))
-            sensitivity = study.user_attrs.get("sensitivity")
-            if lock is not None:
+    # an interrupted run's unfinished trials run again; RUNNING ones only in a study we own (in a
+    # shared one, the heartbeats find a dead worker's trials)
+    if default_storage:
+        recovered = st.recover_interrupted(study, running=True) if config.resume else []
+    else:
+        recovered = st.recover_shared(study, config.heartbeat)
+    with _bar(progress, None, "search: warm start", "") as bar:
+        for m in range(objective.n_sequences):
+            objective.reference(m)
+        lock = st.claim_warm_start(study, not default_storage, config.heartbeat,
+                                   on_wait=lambda: bar.update(info="another worker runs the warm start"))
+        sensitivity = study.user_attrs.get("sensitivity")
+        if lock is not None:
+            with lock.held():  # released on a failure too: a waiting worker takes the warm start over
                 if config.sweep and sensitivity is None:
                     bar.update(total=n)
                     sensitivity = st.sensitivity_sweep(objective, space, on_layer=lambda i: bar.advance(1, info=f"layer {i}"))
@@ -271,27 +270,27 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
                 else:
                     pts = st.warm_start_points(objective, space, sensitivity, config.budget_bits)
                 st.enqueue(study, pts, space)
-                st.finish_warm_start(study, lock)
-        line = TrialProgress(config.trials, config.budget_bits, st.finished_count(study), timeout=config.timeout)
-        fn = st.make_objective_fn(objective, space, config.budget_bits, config.objective)
-        local = st.make_local_callback(objective, space, config.budget_bits, config.seed, pareto=pareto)
-        with _bar(progress, config.trials, "search", "trials") as bar:
-            bar.advance(line.done_at_start)
-            plain = progress and not _quiet() and not sys.stderr.isatty()  # a log file gets one line per trial
+                study.set_user_attr(st.ATTR_WARM_DONE, True)
+    line = TrialProgress(config.trials, config.budget_bits, st.finished_count(study), timeout=config.timeout)
+    fn = st.make_objective_fn(objective, space, config.budget_bits, config.objective)
+    local = st.make_local_callback(objective, space, config.budget_bits, config.seed, pareto=pareto)
+    with _bar(progress, config.trials, "search", "trials") as bar:
+        bar.advance(line.done_at_start)
+        plain = progress and not _quiet() and not sys.stderr.isatty()  # a log file gets one line per trial
 
-            def on_trial(study_, trial) -> None:
-                text = line.update(st.finished_count(study_), study_.get_trials(deepcopy=False))
-                bar.update(completed=line.done, info=text)
-                if plain:
-                    print(f"search: {line.done}/{config.trials} trials | {text}", file=sys.stderr, flush=True)
+        def on_trial(study_, trial) -> None:
+            text = line.update(st.finished_count(study_), study_.get_trials(deepcopy=False))
+            bar.update(completed=line.done, info=text)
+            if plain:
+                print(f"search: {line.done}/{config.trials} trials | {text}", file=sys.stderr, flush=True)
 
-            st.run_trials(study, fn, config.trials, timeout=config.timeout, on_trial=on_trial, extra_callbacks=(local,))
-            # the other workers' last trials (and the retries of any that died): every run folder then
-            # reports the same study
-            st.drain(study, fn, callbacks=(local, on_trial),
-                     on_wait=lambda k: bar.update(info=f"waiting for {k} trial(s) of other workers"))
-        records = st.trial_records(study, space, n, config.budget_bits)
-        params_by_number = {t.number: t.params for t in study.get_trials(deepcopy=False)}
+        st.run_trials(study, fn, config.trials, timeout=config.timeout, on_trial=on_trial, extra_callbacks=(local,))
+        # the other workers' last trials (and the retries of any that died): every run folder then
+        # reports the same study
+        st.drain(study, fn, callbacks=(local, on_trial),
+                 on_wait=lambda k: bar.update(info=f"waiting for {k} trial(s) of other workers"))
+    records = st.trial_records(study, space, n, config.budget_bits)
+    params_by_number = {t.number: t.params for t in study.get_trials(deepcopy=False)}
 
     # presets on the same objective (for the plot and the report)
     presets = []
@@ -525,8 +524,12 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
     run = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
     score_ids = scoring_sequences(run, loaded.tokenizer, config.score_samples, config.scoring_length)
     stats_samples = int(run.get("samples_packed", run.get("config", {}).get("samples", 0)) or 0)
-    doc = search_with(config, loaded.model, info, stats, score_ids, run_dir, progress=progress,
-                      extra={"stats_samples": stats_samples})
+    from kvcalib.optimize.study import storage_errors, storage_url
+
+    again = "run the same command again" + (" with --resume" if config.storage is None and not config.resume else "")
+    with storage_errors(storage_url(config.storage, run_dir), again):  # a storage that fails mid-search: one line
+        doc = search_with(config, loaded.model, info, stats, score_ids, run_dir, progress=progress,
+                          extra={"stats_samples": stats_samples})
     held: list[dict[str, Any]] = []
     if config.eval and doc.get("recipe"):
         from kvcalib.eval.harness import EvalConfig, evaluate

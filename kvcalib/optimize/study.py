@@ -283,6 +283,14 @@ class WarmStartLock:
             pass
         return self.try_take()
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator["WarmStartLock"]:
+        """The lock while the body runs, released after it whether it succeeds or fails."""
+        try:
+            yield self
+        finally:
+            self.release()
+
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -320,11 +328,6 @@ def claim_warm_start(study: "optuna.Study", shared: bool, heartbeat: int, *, pol
             return lock
         time.sleep(poll)
     return None
-
-
-def finish_warm_start(study: "optuna.Study", lock: WarmStartLock) -> None:
-    study.set_user_attr(ATTR_WARM_DONE, True)
-    lock.release()
 
 
 def recover_shared(study: "optuna.Study", heartbeat: int) -> list[int]:

@@ -61,7 +61,7 @@ def test_proposals_depend_on_the_trial_not_the_worker(tmp_path):
 
 # ------------------------------------------------------------------ warm-start lock
 def test_warm_start_lock_is_taken_once_and_taken_over_when_stale(tmp_path):
-    from kvcalib.optimize.study import WARM_LOCK, WarmStartLock, claim_warm_start, finish_warm_start, open_study
+    from kvcalib.optimize.study import ATTR_WARM_DONE, WARM_LOCK, WarmStartLock, claim_warm_start, open_study
 
     url = f"sqlite:///{tmp_path / 's.db'}"
     study = open_study(url, "s", _space(), 2)
@@ -75,7 +75,8 @@ def test_warm_start_lock_is_taken_once_and_taken_over_when_stale(tmp_path):
     storage = study._storage
     storage.set_study_user_attr(storage.get_study_id_from_name("s" + WARM_LOCK), "beat", time.time() - 500)
     assert second.take_over_if_stale()
-    finish_warm_start(study, second)
+    with second.held():
+        study.set_user_attr(ATTR_WARM_DONE, True)
     assert "s" + WARM_LOCK not in {s.study_name for s in storage.get_all_studies()}  # released
     assert claim_warm_start(study, shared=True, heartbeat=60) is None  # done: nobody runs it again
 

@@ -3,9 +3,9 @@
 Formulation. One objective, KL (``objective.py``), minimised by a TPE sampler with a constraint
 ``effective_bits - budget <= 0`` (``Trial.set_constraint``; ``TPESampler(constraints_func=...)`` on Optuna < 5): infeasible trials are
 still scored, so the whole (effective bits, KL) Pareto front is recorded and ``kvcalib export
---budget-bits`` can pick another budget later without searching again. (A two-objective NSGA-II
-would spend most of a small trial budget far from the budget; Optuna also cannot prune
-multi-objective trials.)
+--budget-bits`` can pick another budget later without searching again. (A two-objective search
+spends its trials along the whole front rather than at the budget, and Optuna cannot prune
+multi-objective trials: that is the Pareto mode below, a choice, not the default.)
 
 Warm start. A per-layer sensitivity sweep (each layer alone at the fewest bits, every other layer
 uncompressed; KL on one sequence) orders layers; a greedy allocation then gives bits to the

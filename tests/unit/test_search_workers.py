@@ -8,12 +8,9 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from kvcalib.errors import KvcalibError
-from tests.conftest import tiny_model
-
-TINY_SPACE = {"bits": [2, 4, 8], "groups": [8], "windows": [8, 16], "sinks": [0, 2], "layer_methods": ["clip"]}
+from tests.unit.test_search import TINY_SPACE, tiny  # noqa: F401  (the tiny model, statistics and scoring ids)
 
 
 def _space():
@@ -145,20 +142,6 @@ def test_storage_failure_is_one_error_naming_the_fix():
 
 
 # ------------------------------------------------------------------ Pareto mode
-@pytest.fixture(scope="module")
-def tiny():
-    from kvcalib.collection import collect_stats
-    from kvcalib.models import model_info
-
-    model = tiny_model("llama")
-    info = model_info(model.config, "tiny-llama")
-    g = torch.Generator().manual_seed(0)
-    collect_ids = torch.randint(0, 128, (4, 32), generator=g)  # (N, T) statistics
-    score_ids = torch.randint(0, 128, (2, 40), generator=g)  # (M, T) held: disjoint draws
-    stats = collect_stats(model, collect_ids, reservoir_blocks=4, block_len=16, name="tiny-llama", progress=False)
-    return model, info, stats, score_ids
-
-
 def _config(run, **kw):
     from kvcalib.optimize import SearchConfig
 

@@ -123,7 +123,7 @@ def search(
     score_seq_len: Optional[int] = typer.Option(None, help="Tokens per scoring window (default --seq-len). For a long-context search set it to the target context, with --score-last."),
     score_last: Optional[int] = typer.Option(None, help="Score only the last N positions of each scoring window, as decode steps after a compressed prompt of the rest (long-context search)."),
     space: Optional[Path] = typer.Option(None, help="Search space file (JSON/YAML: bits, groups, windows, sinks, layer_methods, schedules)."),
-    storage: Optional[str] = typer.Option(None, help="Optuna storage shared by workers: sqlite:///PATH, postgresql://..., or journal:PATH. Default: RUN_DIR/study.db."),
+    storage: Optional[str] = typer.Option(None, help="Optuna storage shared by workers on any machine: sqlite:///PATH (one machine), postgresql+psycopg://USER:PW@HOST/DB, or journal:PATH. Default: RUN_DIR/study.db (see docs/search-at-scale.md)."),
     study: str = typer.Option("kvcalib-search", help="Study name inside --storage."),
     objective: str = typer.Option("budget", help="budget: the lowest KL under --budget-bits; pareto: the whole KL vs effective-bits front in one study (multi-objective TPE), --budget-bits picking the recipe written and `kvcalib export RUN --budget-bits B` any other."),
     workers: str = typer.Option("1", help="Worker processes sharing the study from this command: N, or auto (one per visible GPU, each pinned to it; 1 without CUDA). Run folders RUN/worker-I. On CPU N processes share the same cores: no faster."),

@@ -113,11 +113,15 @@ def main() -> int:
         folder = out if w == 1 else out / "worker-0"
         doc = json.loads((folder / "search.json").read_text())
         rate, n, seconds = trial_phase_rate(doc)
+        chosen = next((t for t in doc["trials"] if t["number"] == doc["chosen"]), None)
         rows.append({"gpus": min(w, visible) if gpu else 0, "workers": w, "trials_per_min": round(rate, 2),
                      "model": args.model if not args.model.endswith(".gguf") else Path(args.model).name,
                      "gpu": device_name(device), "context": score_seq_len, "score_last": score_last,
                      "score_samples": score_samples, "trials": n, "trial_phase_seconds": round(seconds, 1),
                      "wall_seconds": round(wall, 1), "workers_seen": len({t["worker"] for t in doc["trials"] if t.get("worker")}),
+                     # same seed and budget for every W: where the searches' results differ (docs/search-at-scale.md)
+                     "chosen_kl": chosen["kl"] if chosen else None,
+                     "chosen_bits": chosen["effective_bits"] if chosen else None,
                      "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                      "command": "python scripts/search_scale.py " + " ".join(sys.argv[1:])})
         print(json.dumps(rows[-1]), flush=True)

@@ -183,7 +183,7 @@ def collect(
 # --------------------------------------------------------------------------- search
 
 
-@app.command(epilog="Examples:\n\n    kvcalib search --model smollm2-135m --data embedded --budget-bits 3.0 --out runs/smol-search\n\n    kvcalib search --out runs/smol-search --resume --trials 60\n\n    kvcalib search --out runs/w1 --storage sqlite:////shared/study.db --study smol   (one per worker)")
+@app.command(epilog="Examples:\n\n    kvcalib search --model smollm2-135m --data embedded --budget-bits 3.0 --out runs/smol-search\n\n    kvcalib search --out runs/smol-search --resume --trials 60\n\n    kvcalib search --out runs/w1 --storage postgresql://user@db/optuna --study smol   (one per machine)\n\n    kvcalib search --out runs/smol-2gpu --workers auto   (one worker per visible GPU)\n\n    kvcalib search --out runs/smol-front --objective pareto --trials 40   (the whole front; export any budget)")
 @user_errors
 def search(
     model: str = typer.Option("smollm2-135m", help="Embedded alias, hub alias/id, local folder or .gguf file."),
@@ -198,8 +198,11 @@ def search(
     score_seq_len: Optional[int] = typer.Option(None, help="Tokens per scoring window (default --seq-len). For a long-context search set it to the target context, with --score-last."),
     score_last: Optional[int] = typer.Option(None, help="Score only the last N positions of each scoring window, as decode steps after a compressed prompt of the rest (long-context search)."),
     space: Optional[Path] = typer.Option(None, help="Search space file (JSON/YAML: bits, groups, windows, sinks, layer_methods, schedules)."),
-    storage: Optional[str] = typer.Option(None, help="Optuna storage shared by workers: sqlite:///PATH, postgresql://..., or journal:PATH. Default: RUN_DIR/study.db."),
+    storage: Optional[str] = typer.Option(None, help="Optuna storage shared by workers on any machine: sqlite:///PATH (one machine), postgresql+psycopg://USER:PW@HOST/DB, or journal:PATH. Default: RUN_DIR/study.db (see docs/search-at-scale.md)."),
     study: str = typer.Option("kvcalib-search", help="Study name inside --storage."),
+    objective: str = typer.Option("budget", help="budget: the lowest KL under --budget-bits; pareto: the whole KL vs effective-bits front in one study (multi-objective TPE), --budget-bits picking the recipe written and `kvcalib export RUN --budget-bits B` any other."),
+    workers: str = typer.Option("1", help="Worker processes sharing the study from this command: N, or auto (one per visible GPU, each pinned to it; 1 without CUDA). Run folders RUN/worker-I. On CPU N processes share the same cores: no faster."),
+    heartbeat: int = typer.Option(60, help="Seconds between a running trial's heartbeats in a database storage; a trial silent for 3 beats (its worker died) is retried by another worker."),
     resume: bool = typer.Option(False, help="Continue the interrupted study in --out: finished trials are kept, trials left unfinished by Ctrl-C or a kill run again."),
     sweep: bool = typer.Option(True, help="Per-layer sensitivity sweep to warm-start the study."),
     timeout: Optional[float] = typer.Option(None, help="Stop the trial phase after this many seconds."),
@@ -223,7 +226,8 @@ def search(
                           trials=trials, budget_bits=budget_bits, context=context,
                           space=space, storage=storage, study=study, resume=resume, sweep=sweep, timeout=timeout,
                           seed=seed, eval=not no_eval, eval_samples=eval_samples, eval_seq_len=eval_seq_len,
-                          device=device, dtype=dtype, command=command_line(),
+                          device=device, dtype=dtype, command=command_line(), objective=objective,
+                          workers=_parse_workers(workers), heartbeat=heartbeat,
                           chosen_methods=None if finish is None else tuple(
                               m.strip() for m in finish.split(",") if m.strip() and m.strip() != "none"))
     config.out = Path(config.out) if config.out is not None else default_run_dir("search")
@@ -231,7 +235,10 @@ def search(
     has_stats = (config.out / "stats.safetensors").is_file()  # a collect folder, or a search to resume
     info = None if has_stats else preflight.model_info_offline(model)
     stats = preflight.stats_bytes(info, config.reservoir_blocks, min(config.block_len, seq_len)) if info else 0
-    preflight.check_output_dir(config.out, "--out", stats + SEARCH_OUTPUT_BYTES, may_exist=has_stats or resume)
+    # a --workers run folder (workers.json, worker-N/): the workers module says what it holds and how to go on
+    workers_run = (config.out / "workers.json").is_file()
+    preflight.check_output_dir(config.out, "--out", stats + SEARCH_OUTPUT_BYTES,
+                               may_exist=has_stats or resume or workers_run)
     ctx = _current_context(silent=True)
     try:
         with _trial_failures_reported_once():
@@ -261,6 +268,8 @@ def search(
         print(f"recipe: {result.recipe_path}")
     else:
         print(f"no finished trial is within {budget_bits:g} bits yet: run more trials with --resume")
+    if objective == "pareto":
+        print(f"front: {len(result.pareto)} trial(s); any budget: kvcalib export {result.run_dir} --budget-bits B -o R")
     print(f"report: {result.report_path}")
 
 
@@ -348,6 +357,19 @@ def _trial_failures_reported_once() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(drop)
+
+
+def _parse_workers(text: str) -> int | str:
+    """``--workers``: ``auto`` or a positive integer."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise KvcalibError(f"--workers {text!r} must be auto or an integer >= 1 (worker processes sharing the study).")
+    return value
 
 
 def _with_method_flags(fn: Callable) -> Callable:

@@ -10,8 +10,9 @@
 #   1. budgets: KIVI-2's and KIVI-4's effective bits exactly, per-token-4's, 3.0, 4.0 and just
 #      above the floor of the search space (python -m kvcalib.optimize.curve plan);
 #   2. statistics collected once on the embedded calibration text, then one `kvcalib search
-#      --budget-bits B` per budget (the search is constrained, not NSGA-II: a search spends its
-#      trials at its budget), each chosen point exported with `kvcalib export --budget-bits B`;
+#      --budget-bits B` per budget (constrained: a search spends its trials at its budget;
+#      scripts/search_front.py compares this with one --objective pareto study), each chosen
+#      point exported with `kvcalib export --budget-bits B`;
 #   3. one `kvcalib eval --metrics ppl` over every exported point and the presets fp16, kivi-2,
 #      kivi-4, pertoken-4 on identical held-out inputs (evaluation split), with the perplexity
 #      settings of scripts/preset_table.sh (SmolLM2 8 x 1024 tokens, others 4 x 1024);

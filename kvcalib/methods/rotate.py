@@ -44,7 +44,6 @@ import torch
 from kvcalib.errors import KvcalibError
 from kvcalib.layout import LayerConfig
 from kvcalib.methods.base import (
-    CalibrationError,
     FitContext,
     Flag,
     LayerGeometry,

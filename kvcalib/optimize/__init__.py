@@ -80,6 +80,13 @@ class SearchConfig:
     # methods applied to the chosen recipe only (``Method.search == "chosen"``; default: all of them,
     # today Huffman codebooks where coding shrinks a side); () = none
     chosen_methods: tuple[str, ...] | None = None
+    # "budget": the lowest KL under budget_bits (constrained TPE); "pareto": the whole (KL, effective
+    # bits) front in one study (multi-objective TPE), budget_bits picking the recipe written
+    objective: str = "budget"
+    # worker processes sharing the study from this one command ("auto": one per visible GPU, 1 on CPU);
+    # each pinned to one device, loading the model once (:mod:`.workers`)
+    workers: int | str = 1
+    heartbeat: int = 60  # seconds between a running trial's heartbeats (RDB storages; :mod:`.study`)
 
     def __post_init__(self) -> None:
         for name, low in (("samples", 1), ("seq_len", 2), ("score_samples", 1), ("trials", 1), ("context", 1),
@@ -93,6 +100,14 @@ class SearchConfig:
             raise KvcalibError(f"--timeout must be positive seconds, got {self.timeout!r}.")
         if not self.study or not str(self.study).strip():
             raise KvcalibError("--study must be a non-empty name.")
+        if self.objective not in ("budget", "pareto"):
+            raise KvcalibError(f"--objective {self.objective!r} is not known: use budget (the best recipe under "
+                               "--budget-bits) or pareto (the whole quality/memory front in one study).")
+        if not (self.workers == "auto" or (isinstance(self.workers, int) and not isinstance(self.workers, bool)
+                                           and self.workers >= 1)):
+            raise KvcalibError(f"--workers must be auto or an integer >= 1, got {self.workers!r}.")
+        if not isinstance(self.heartbeat, int) or isinstance(self.heartbeat, bool) or self.heartbeat < 1:
+            raise KvcalibError(f"--heartbeat must be an integer number of seconds >= 1, got {self.heartbeat!r}.")
         if self.block_len > self.seq_len:
             self.block_len = self.seq_len
         if self.score_seq_len is not None and (not isinstance(self.score_seq_len, int) or self.score_seq_len < 2):
@@ -228,27 +243,44 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     if config.resume and default_storage and not (run_dir / "study.db").exists():  # opening would create it
         raise KvcalibError(f"nothing to resume in {run_dir}: it holds no study yet: run without --resume.")
     warm_n = 5
-    study = st.open_study(url, config.study, space, n, sampler=st.make_sampler(config.seed, config.budget_bits, warm_n),
-                          pruner=st.make_pruner(objective.n_sequences),
+    pareto = config.objective == "pareto"
+    study = st.open_study(url, config.study, space, n,
+                          sampler=st.make_sampler(config.seed, config.budget_bits, warm_n, config.objective),
+                          pruner=None if pareto else st.make_pruner(objective.n_sequences),
                           must_exist=config.resume and default_storage,
-                          legacy_same=legacy_bits_factor(config.context, info.sliding_window) == 1.0)
+                          legacy_same=legacy_bits_factor(config.context, info.sliding_window) == 1.0,
+                          objective=config.objective, heartbeat=config.heartbeat)
     guards.record_objective(study, config, str(run_dir) if default_storage else url)  # or refuse another one
-    # an interrupted run's unfinished trials run again; RUNNING ones only in a study we own
-    recovered = st.recover_interrupted(study, running=default_storage) if (config.resume or not default_storage) else []
-    sensitivity = study.user_attrs.get("sensitivity")
-    new_study = len(study.trials) == 0
+    # an interrupted run's unfinished trials run again; RUNNING ones only in a study we own (in a
+    # shared one, the heartbeats find a dead worker's trials)
+    if default_storage:
+        recovered = st.recover_interrupted(study, running=True) if config.resume else []
+    else:
+        recovered = st.recover_shared(study, config.heartbeat)
     with _bar(progress, None, "search: warm start", "") as bar:
         for m in range(objective.n_sequences):
             objective.reference(m)
-        if new_study and config.sweep:
-            bar.update(total=n)
-            sensitivity = st.sensitivity_sweep(objective, space, on_layer=lambda i: bar.advance(1, info=f"layer {i}"))
-            study.set_user_attr("sensitivity", sensitivity)
-        if new_study:
-            pts = (st.warm_start_points(objective, space, sensitivity, config.budget_bits) if sensitivity
-                   else [space.floor_point(n)])
-            st.enqueue(study, pts, space)
+        lock = st.claim_warm_start(study, not default_storage, config.heartbeat,
+                                   on_wait=lambda: bar.update(info="another worker runs the warm start"))
+        sensitivity = study.user_attrs.get("sensitivity")
+        if lock is not None:
+            with lock.held():  # released on a failure too: a waiting worker takes the warm start over
+                if config.sweep and sensitivity is None:
+                    bar.update(total=n)
+                    sensitivity = st.sensitivity_sweep(objective, space, on_layer=lambda i: bar.advance(1, info=f"layer {i}"))
+                    study.set_user_attr("sensitivity", sensitivity)
+                if not sensitivity:
+                    pts = [space.floor_point(n)]
+                elif pareto:
+                    pts = st.front_warm_start_points(objective, space, sensitivity, floor_bits,
+                                                     front_top(config.budget_bits, floor_bits))
+                else:
+                    pts = st.warm_start_points(objective, space, sensitivity, config.budget_bits)
+                st.enqueue(study, pts, space)
+                study.set_user_attr(st.ATTR_WARM_DONE, True)
     line = TrialProgress(config.trials, config.budget_bits, st.finished_count(study), timeout=config.timeout)
+    fn = st.make_objective_fn(objective, space, config.budget_bits, config.objective)
+    local = st.make_local_callback(objective, space, config.budget_bits, config.seed, pareto=pareto)
     with _bar(progress, config.trials, "search", "trials") as bar:
         bar.advance(line.done_at_start)
         plain = progress and not _quiet() and not sys.stderr.isatty()  # a log file gets one line per trial
@@ -259,9 +291,13 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
             if plain:
                 print(f"search: {line.done}/{config.trials} trials | {text}", file=sys.stderr, flush=True)
 
-        st.run_trials(study, st.make_objective_fn(objective, space, config.budget_bits), config.trials, timeout=config.timeout,
-                      on_trial=on_trial,
-                      extra_callbacks=(st.make_local_callback(objective, space, config.budget_bits, config.seed + len(study.trials)),))
+        st.run_trials(study, fn, config.trials, timeout=config.timeout, on_trial=on_trial, extra_callbacks=(local,))
+        # the other workers' last trials (and the retries of any that died): every run folder then
+        # reports the same study
+        st.drain(study, fn, callbacks=(local, on_trial),
+                 on_wait=lambda k: bar.update(info=f"waiting for {k} trial(s) of other workers"))
+    records = st.trial_records(study, space, n, config.budget_bits)
+    params_by_number = {t.number: t.params for t in study.get_trials(deepcopy=False)}
 
     # presets on the same objective (for the plot and the report)
     presets = []
@@ -269,18 +305,19 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
         rec = load_preset(name)
         presets.append({"name": name, "effective_bits": rec.memory(info, config.context).effective_bits,
                         "kl": objective.kl_recipe(rec)})
-    records = st.trial_records(study, space, n, config.budget_bits)
     front = st.pareto_front(records)
     chosen = None
     try:
         chosen = st.choose(records, config.budget_bits)
     except KvcalibError:
         chosen = None
+
     doc: dict[str, Any] = {
         "format": "kvcalib-search", "version": SEARCH_VERSION, "accounting": ACCOUNTING, "kvcalib_version": __version__,
         "run_dir": display_path(run_dir), "command": config.command,
         "config": config.to_dict(), "model": info.to_dict(), "space": space.to_dict(),
         "study": config.study, "storage": describe_storage(config.storage), "budget_bits": config.budget_bits,
+        "objective": config.objective,
         "context": config.context,
         "floor_bits": floor_bits, "score_sequences": objective.n_sequences, "score_seq_len": int(score_ids.shape[1]),
         "score_last": config.score_last,
@@ -290,7 +327,7 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     }
     doc.update(extra or {})
     if chosen is not None:
-        point = Point.from_params(study.trials[chosen["number"]].params, space, n)
+        point = Point.from_params(params_by_number[chosen["number"]], space, n)
         name = f"{info.name}-search-{config.budget_bits:g}b"
         recipe = objective.recipe(point, name, provenance=search_provenance(doc, chosen))
         if objective.stats is not None:
@@ -310,6 +347,12 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     write_json_atomic(run_dir / "search.json", doc)
     report.write_report(doc, run_dir / "report.md")
     return doc
+
+
+def front_top(budget: float, floor_bits: float) -> float:
+    """The top of the bits range the Pareto mode's warm start covers: twice the budget (a budget
+    of 3 bits: up to 6, past KIVI-4's 5.3), at least 2 bits above the floor."""
+    return max(2.0 * budget, floor_bits + 2.0)
 
 
 def check_budget(config: SearchConfig, space: SearchSpace, floor_bits: float) -> None:
@@ -359,11 +402,11 @@ class TrialProgress:
     def update(self, done: int, trials: Sequence[Any]) -> str:
         """The line after a trial; ``trials``: the study's frozen trials."""
         self.done = done
-        feasible = [t for t in trials if t.value is not None
+        feasible = [t for t in trials if t.values is not None
                     and t.user_attrs.get("effective_bits", math.inf) <= self.budget + 1e-9]
-        best = min(feasible, key=lambda t: t.value, default=None)
+        best = min(feasible, key=lambda t: t.values[0], default=None)
         left = self.seconds_left()
-        best_s = "-" if best is None else f"{best.value:.4g} (trial {best.number}, {best.user_attrs['effective_bits']:.3f} bits)"
+        best_s = "-" if best is None else f"{best.values[0]:.4g} (trial {best.number}, {best.user_attrs['effective_bits']:.3f} bits)"
         left_s = "?" if left is None else _duration(left)
         return f"best KL at <= {self.budget:g} bits: {best_s} | ~{left_s} left"
 
@@ -444,6 +487,12 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
     from kvcalib.optimize import report
     from kvcalib.stats import CollectedStats
 
+    if config.workers != 1:
+        from kvcalib.optimize.workers import resolve_workers, search_workers, visible_gpus
+
+        if resolve_workers(config.workers, visible_gpus(config.device)) > 1:
+            return search_workers(config, progress=progress)
+        config.workers = 1  # auto without a GPU: this process is the one worker
     t0 = time.perf_counter()
     torch.manual_seed(config.seed)
     if config.out is None:
@@ -487,7 +536,11 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
     run = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
     score_ids = scoring_sequences(run, loaded.tokenizer, config.score_samples, config.scoring_length)
     stats_samples = int(run.get("samples_packed", run.get("config", {}).get("samples", 0)) or 0)
-    with guards.no_empty_study(config):  # a start that fails before its first trial leaves no study.db
+    from kvcalib.optimize.study import storage_errors, storage_url
+
+    again = "run the same command again" + (" with --resume" if config.storage is None and not config.resume else "")
+    # a start that fails before its first trial leaves no study.db; a storage that fails mid-search: one line
+    with guards.no_empty_study(config), storage_errors(storage_url(config.storage, run_dir), again):
         doc = search_with(config, loaded.model, info, stats, score_ids, run_dir, progress=progress,
                           extra={"stats_samples": stats_samples})
     held: list[dict[str, Any]] = []
@@ -508,10 +561,18 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
     from kvcalib.io import write_json_atomic
 
     write_json_atomic(run_dir / "search.json", doc)
-    table = report.write_report(doc, run_dir / "report.md")
+    report.write_report(doc, run_dir / "report.md")
+    return result_from_doc(doc, run_dir)
+
+
+def result_from_doc(doc: dict[str, Any], run_dir: Path) -> SearchResult:
+    """The :class:`SearchResult` of a run folder's ``search.json`` document."""
+    from kvcalib.optimize.report import held_out_table
+
+    table = held_out_table(doc)
     chosen = next((r for r in doc["trials"] if r["number"] == doc["chosen"]), None)
     return SearchResult(run_dir=run_dir, recipe_path=run_dir / "recipe.safetensors" if doc.get("recipe") else None,
                         chosen_trial=doc["chosen"], kl=chosen["kl"] if chosen else None,
                         effective_bits=chosen["effective_bits"] if chosen else None, floor_bits=doc["floor_bits"],
-                        n_trials=len(doc["trials"]), pareto=doc["pareto"], held_out=held, table=table,
-                        report_path=run_dir / "report.md", seconds=doc["seconds"])
+                        n_trials=len(doc["trials"]), pareto=doc["pareto"], held_out=doc.get("held_out", []),
+                        table=table, report_path=run_dir / "report.md", seconds=doc["seconds"])

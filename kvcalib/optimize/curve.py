@@ -7,7 +7,7 @@ against the presets, on held-out perplexity. ``scripts/search_curve.sh MODEL`` d
    issue's "within 1% at <= 3.0 bits"), 4.0, and just above the floor of the search space;
 2. the script collects statistics once (``RUN/stats``), runs ``kvcalib search --budget-bits B``
    for each budget in ``RUN/budget-LABEL`` (a constrained search spends its trials at its
-   budget; the code has no NSGA-II mode, so one search per budget instead of one Pareto front),
+   budget; ``scripts/search_front.py`` compares it with one ``--objective pareto`` study),
    exports each chosen point with ``kvcalib export RUN/budget-LABEL --budget-bits B -o
    RUN/points/LABEL.safetensors`` and evaluates all of them with the presets in one
    ``kvcalib eval`` call (identical held-out inputs) into ``RUN/eval.json``;

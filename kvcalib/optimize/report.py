@@ -162,6 +162,18 @@ def _storage_md(storage: str) -> str:
     return f"`{storage}`"
 
 
+def held_out_table(doc: dict[str, Any]) -> str:
+    """The held-out table (markdown) of a ``search.json`` document; "" without a held-out proof."""
+    if not doc.get("held_out"):
+        return ""
+    kl_by_name = {p["name"]: p["kl"] for p in doc.get("presets", [])}
+    chosen = next((r for r in doc["trials"] if r["number"] == doc.get("chosen")), None)
+    if chosen is not None:
+        kl_by_name[doc.get("recipe_name", "searched")] = chosen["kl"]
+    cols, rows = held_out_rows(doc["held_out"], kl_by_name, doc.get("recipe_name"))
+    return markdown_table(cols, rows)
+
+
 def write_report(doc: dict[str, Any], path: Path) -> str:
     """``report.md`` from the ``search.json`` document; returns the held-out table (markdown)."""
     from kvcalib.io import atomic_path
@@ -172,9 +184,6 @@ def write_report(doc: dict[str, Any], path: Path) -> str:
     states: dict[str, int] = {}
     for r in doc["trials"]:
         states[r["state"]] = states.get(r["state"], 0) + 1
-    kl_by_name = {p["name"]: p["kl"] for p in doc.get("presets", [])}
-    if c is not None:
-        kl_by_name[doc.get("recipe_name", "searched")] = c["kl"]
     lines = [f"# kvcalib search: {doc['model']['name']}", ""]
     cfg = doc["config"]
     lines += [f"- budget: **{doc['budget_bits']:g}** effective bits per element at context {doc['context']}, i.e. "
@@ -201,10 +210,8 @@ def write_report(doc: dict[str, Any], path: Path) -> str:
                   f"{16.0 / c['effective_bits']:.2f}x smaller than bf16 (group {c['point']['group']}, window {c['point']['window']}, sinks {c['point']['sinks']}"
                   + (f", schedule {c['point']['schedule']}" if c["point"].get("schedule", "none") != "none" else "")
                   + f") -> [`{doc.get('recipe')}`]({doc.get('recipe')})", ""]
-    table = ""
-    if doc.get("held_out"):
-        cols, rows = held_out_rows(doc["held_out"], kl_by_name, doc.get("recipe_name"))
-        table = markdown_table(cols, rows)
+    table = held_out_table(doc)
+    if table:
         ho = doc.get("held_out_config", {})
         lines += ["## Held-out proof", "",
                   f"Decode-faithful perplexity on {ho.get('ppl_samples')} sequence(s) of {ho.get('ppl_seq_len')} tokens "

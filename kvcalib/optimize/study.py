@@ -3,9 +3,9 @@
 Formulation. One objective, KL (``objective.py``), minimised by a TPE sampler with a constraint
 ``effective_bits - budget <= 0`` (``Trial.set_constraint``; ``TPESampler(constraints_func=...)`` on Optuna < 5): infeasible trials are
 still scored, so the whole (effective bits, KL) Pareto front is recorded and ``kvcalib export
---budget-bits`` can pick another budget later without searching again. (A two-objective NSGA-II
-would spend most of a small trial budget far from the budget; Optuna also cannot prune
-multi-objective trials.)
+--budget-bits`` can pick another budget later without searching again. (A two-objective search
+spends its trials along the whole front rather than at the budget, and Optuna cannot prune
+multi-objective trials: that is the Pareto mode below, a choice, not the default.)
 
 Warm start. A per-layer sensitivity sweep (each layer alone at the fewest bits, every other layer
 uncompressed; KL on one sequence) orders layers; a greedy allocation then gives bits to the
@@ -26,15 +26,43 @@ Storage. SQLite in the run folder (``RUN_DIR/study.db``) by default; ``storage``
 Optuna RDB URL (``sqlite:///path``, ``postgresql://...``) or a journal file (``journal:PATH`` or a
 path ending in ``.log``/``.journal``) so several processes or machines join one study. The study
 records a fingerprint of its space: another space under the same name is refused.
+
+Many workers (issue 37). Every RDB storage records a heartbeat of each running trial
+(``heartbeat`` seconds; :func:`open_storage`); a trial whose worker stopped beating for
+``GRACE_BEATS`` heartbeats (SIGKILL, a lost machine) is failed by the next worker that asks for a
+trial and re-enqueued by Optuna's ``RetryFailedTrialCallback`` (``RetryHeartbeatStaleTrialCallback``
+since Optuna 4.9), so the others retry it; at the
+end every worker waits for the study to fall quiet (:func:`drain`: no trial running, no retry
+waiting), so all run folders report the same trials. The warm start runs once per study: the
+worker that takes its lock (:func:`claim_warm_start`, a study named ``NAME:warm-start``, whose
+creation is atomic in every storage) sweeps and enqueues while the others wait; a lock whose
+holder stopped beating is taken over. Samplers are seeded per trial (:class:`TrialSeededTPE`):
+a proposal depends on the seed, the trial number and the trials finished before it, never on which
+worker asks, so workers never draw the same random point. A storage that fails mid-search
+becomes one :class:`~kvcalib.errors.KvcalibError` (:func:`storage_errors`); its finished trials
+are already committed.
+
+Pareto mode (``objective="pareto"``): two objectives (KL, effective bits), both minimised by
+Optuna's multi-objective TPE, warm-started with greedy points spread over the bits range
+(:func:`front_warm_start_points`) and local moves that improve a random member of the front at its
+own memory (:func:`make_local_callback` with ``pareto=True``); no pruning (Optuna cannot prune
+multi-objective trials). One study holds the whole front; ``kvcalib export RUN --budget-bits B``
+picks from it.
 Optuna is imported inside the functions only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
+import os
+import socket
+import threading
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from kvcalib.errors import KvcalibError
 from kvcalib.optimize.space import Point, SearchSpace, point_params
@@ -50,6 +78,13 @@ PRUNE_MARGIN = 1.25
 DEFAULT_STUDY = "kvcalib-search"
 ATTR_SPACE = "space_fingerprint"
 ATTR_ACCOUNTING = "accounting"  # kvcalib.layout.ACCOUNTING of the trials' effective bits
+ATTR_WARM_DONE = "warm_start_done"  # study user attr: the warm start's points are enqueued
+ATTR_WORKER = "worker"  # trial user attr: "host:pid" of the worker that ran it
+DEFAULT_HEARTBEAT = 60  # seconds between a running trial's heartbeats
+GRACE_BEATS = 3  # a trial is stale after this many missed heartbeats (Optuna's default is 2)
+WARM_LOCK = ":warm-start"  # suffix of the study whose existence is the warm-start lock
+RECOVER_LOCK = ":recover"  # ... and of the one held while a joining worker re-enqueues failed trials
+OBJECTIVES = ("budget", "pareto")
 
 
 # ------------------------------------------------------------------ storage
@@ -57,8 +92,13 @@ def storage_url(storage: str | None, run_dir: Path) -> str:
     return storage if storage else f"sqlite:///{Path(run_dir).resolve() / 'study.db'}"
 
 
-def open_storage(url: str):
-    """An Optuna storage for ``url``; KvcalibError when it cannot be reached."""
+def open_storage(url: str, heartbeat: int | None = None):
+    """An Optuna storage for ``url``; KvcalibError when it cannot be reached.
+
+    ``heartbeat`` (seconds, RDB storages only): running trials record a heartbeat this often; one
+    silent for ``GRACE_BEATS`` beats is failed by the next worker that asks for a trial, and
+    Optuna's retry callback (:func:`_retry_callback`) enqueues its point again (journal files keep no
+    heartbeat: a killed worker's trial stays RUNNING until a resume with the run-folder storage)."""
     import optuna
 
     try:
@@ -76,17 +116,63 @@ def open_storage(url: str):
             parent = Path(url[len("sqlite:///"):]).parent
             if not parent.is_dir():
                 raise KvcalibError(f"--storage {url}: folder {parent} does not exist; create it or pass another URL.")
-        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None)
+        engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+        import warnings
+
+        with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna: a warning per worker
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            beat: dict[str, Any] = {}
+            if heartbeat:
+                beat = {"heartbeat_interval": int(heartbeat), "grace_period": GRACE_BEATS * int(heartbeat),
+                        **_retry_callback()}
+            return _quiet_rdb()(url, engine_kwargs=engine, **beat)
     except KvcalibError:
         raise
     except Exception as err:  # SQLAlchemy/driver errors vary by backend; all mean "unreachable"
         raise KvcalibError(f"cannot open study storage {url}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. "
-                           "Check the URL, the server and the credentials.") from None
+                           "Check the URL, the server and the credentials"
+                           + (" (PostgreSQL needs a driver: pip install 'psycopg[binary]')"
+                              if isinstance(err, ImportError) else "") + ".") from None
+
+
+def _retry_callback() -> dict[str, Any]:
+    """RDBStorage's stale-trial callback argument: Optuna's retry of a trial whose worker stopped
+    beating, each point retried at most twice. Optuna 4.9 renamed both
+    (``RetryFailedTrialCallback`` / ``failed_trial_callback`` -> ``RetryHeartbeatStaleTrialCallback``
+    / ``heartbeat_stale_trial_callback``; the old names warn): the new ones where they exist."""
+    import optuna
+
+    new = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
+    if new is not None:
+        return {"heartbeat_stale_trial_callback": new(max_retry=2)}
+    return {"failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=2)}
+
+
+@functools.lru_cache(maxsize=None)
+def _quiet_rdb():
+    """RDBStorage whose heartbeat thread never prints a traceback: when the database goes away,
+    the trial's own next write reports it (:func:`storage_errors`), once. (A class made on first
+    use: Optuna is imported lazily.)"""
+    import optuna
+
+    class QuietHeartbeatRDB(optuna.storages.RDBStorage):
+        def record_heartbeat(self, trial_id: int) -> None:
+            try:
+                super().record_heartbeat(trial_id)
+            except Exception as err:  # noqa: BLE001  (the main thread reports the storage failure)
+                log.debug("heartbeat of trial id %s not recorded: %s", trial_id, err)
+
+    return QuietHeartbeatRDB
 
 
 def open_study(storage_url_: str, name: str, space: SearchSpace, num_layers: int, *, sampler=None,
-               pruner=None, create: bool = True, must_exist: bool = False, legacy_same: bool = False) -> "optuna.Study":
+               pruner=None, create: bool = True, must_exist: bool = False, legacy_same: bool = False,
+               objective: str = "budget", heartbeat: int | None = None) -> "optuna.Study":
     """Create or load study ``name``; refuse a study made over another space (nothing is changed).
+
+    ``objective``: "budget" (one direction: KL under the budget constraint) or "pareto" (two: KL
+    and effective bits); a study made for the other one is refused. ``heartbeat``: see
+    :func:`open_storage`.
 
     A study records the memory accounting of its trials' effective bits (``ATTR_ACCOUNTING``). One
     made before it did counted every layer at the full context: it is adopted when that gives the
@@ -97,8 +183,9 @@ def open_study(storage_url_: str, name: str, space: SearchSpace, num_layers: int
     from kvcalib.layout import ACCOUNTING, LEGACY_ACCOUNTING
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our progress line says what happens
-    storage = open_storage(storage_url_)
+    storage = open_storage(storage_url_, heartbeat=heartbeat)
     fingerprint = space.fingerprint(num_layers)
+    directions = ["minimize"] * (2 if objective == "pareto" else 1)
     existing = {s.study_name: s for s in storage.get_all_studies()} if hasattr(storage, "get_all_studies") else {}
     if name in existing:
         got = existing[name].user_attrs.get(ATTR_SPACE)
@@ -113,12 +200,17 @@ def open_study(storage_url_: str, name: str, space: SearchSpace, num_layers: int
                 f"study {name!r} in {storage_url_} counted effective bits as {got!r} (every layer at the full "
                 f"context), which differs on this model's sliding-window layers from today's {ACCOUNTING!r}: "
                 "search again in another --out (kvcalib export RUN --budget-bits still reads the old run, converted).")
+        got = len(existing[name].directions)
+        if got != len(directions):
+            raise KvcalibError(
+                f"study {name!r} in {storage_url_} was made with --objective {OBJECTIVES[got - 1]}, not {objective}: "
+                f"pass --objective {OBJECTIVES[got - 1]} to continue it, or another --study name.")
     elif must_exist:
         raise KvcalibError(f"no study {name!r} in {storage_url_} to resume: drop --resume to start one.")
     elif not create:
         raise KvcalibError(f"no study {name!r} in {storage_url_}.")
     try:
-        study = optuna.create_study(storage=storage, study_name=name, direction="minimize", sampler=sampler,
+        study = optuna.create_study(storage=storage, study_name=name, directions=directions, sampler=sampler,
                                     pruner=pruner, load_if_exists=True)
     except Exception as err:  # storage errors surface here for lazily-connecting backends
         raise KvcalibError(f"cannot open study {name!r} in {storage_url_}: {type(err).__name__}: {err}") from None
@@ -129,6 +221,198 @@ def open_study(storage_url_: str, name: str, space: SearchSpace, num_layers: int
         study.set_user_attr("space", space.to_dict())
         study.set_user_attr("num_layers", num_layers)
     return study
+
+
+# ------------------------------------------------------------------ many workers
+def warm_start_done(study: "optuna.Study") -> bool:
+    """Whether the study's warm start is over: its points enqueued (or the study made before
+    the flag existed already holds trials)."""
+    return bool(study.user_attrs.get(ATTR_WARM_DONE)) or len(study.get_trials(deepcopy=False)) > 0
+
+
+class WarmStartLock:
+    """The right to run a shared study's warm start: study ``NAME:warm-start`` in the same
+    storage. Creating a study is atomic in every Optuna storage (the name is unique), so exactly
+    one worker gets it; its holder beats (user attr ``beat``, wall-clock seconds) from a thread
+    every ``heartbeat`` seconds, and a lock silent for ``GRACE_BEATS`` beats is taken over (deleted
+    by id, so two waiters cannot both delete and re-take it)."""
+
+    def __init__(self, study: "optuna.Study", heartbeat: int, suffix: str = WARM_LOCK) -> None:
+        self.storage, self.name, self.heartbeat = study._storage, study.study_name + suffix, heartbeat
+        self.study_id: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def try_take(self) -> bool:
+        import optuna
+
+        try:
+            self.study_id = self.storage.create_new_study([optuna.study.StudyDirection.MINIMIZE], self.name)
+        except optuna.exceptions.DuplicatedStudyError:
+            return False
+        self._beat()
+        self._thread = threading.Thread(target=self._beating, name="kvcalib-warm-start-beat", daemon=True)
+        self._thread.start()
+        return True
+
+    def _beat(self) -> None:
+        try:
+            self.storage.set_study_user_attr(self.study_id, "beat", time.time())
+            self.storage.set_study_user_attr(self.study_id, ATTR_WORKER, worker_name())
+        except Exception as err:  # noqa: BLE001  (the main thread meets a broken storage itself)
+            log.debug("warm-start lock beat not recorded: %s", err)
+
+    def _beating(self) -> None:
+        while not self._stop.wait(self.heartbeat):
+            self._beat()
+
+    def take_over_if_stale(self) -> bool:
+        """Delete the lock when its holder stopped beating and take it; False otherwise."""
+        try:
+            held = self.storage.get_study_id_from_name(self.name)
+        except KeyError:
+            return self.try_take()
+        beat = self.storage.get_study_user_attrs(held).get("beat", 0.0)
+        if time.time() - float(beat) <= GRACE_BEATS * self.heartbeat:
+            return False
+        log.warning("the worker holding %s stopped beating %.0f s ago: taking it over", self.name,
+                    time.time() - float(beat))
+        try:
+            self.storage.delete_study(held)
+        except KeyError:  # another waiter deleted it first; it may hold a new lock now
+            pass
+        return self.try_take()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator["WarmStartLock"]:
+        """The lock while the body runs, released after it whether it succeeds or fails."""
+        try:
+            yield self
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.study_id is not None:
+            with contextlib.suppress(KeyError):
+                self.storage.delete_study(self.study_id)
+            self.study_id = None
+
+
+def claim_warm_start(study: "optuna.Study", shared: bool, heartbeat: int, *, poll: float = 0.5,
+                     on_wait: Callable[[], None] | None = None) -> WarmStartLock | None:
+    """A lock when this process must run the warm start of ``study``; None when it is done
+    (by another worker, or earlier). In a ``shared`` storage a worker that finds the lock held
+    waits (``on_wait`` once) until the holder is done, or takes it over when the holder stopped."""
+    if warm_start_done(study):
+        return None
+    lock = WarmStartLock(study, heartbeat)
+    if not shared:  # the run folder's own study: nobody else works on it
+        return lock
+    if lock.try_take():
+        if warm_start_done(study):  # finished between our check and the lock
+            lock.release()
+            return None
+        return lock
+    waited = False
+    while not warm_start_done(study):
+        if not waited and on_wait is not None:
+            on_wait()
+        waited = True
+        if lock.take_over_if_stale():
+            if warm_start_done(study):
+                lock.release()
+                return None
+            return lock
+        time.sleep(poll)
+    return None
+
+
+def recover_shared(study: "optuna.Study", heartbeat: int) -> list[int]:
+    """:func:`recover_interrupted` for a shared study (RUNNING trials are left to the
+    heartbeats), by one worker at a time: workers that start together would each re-enqueue the
+    same failed trials. A worker that finds the lock held skips it: the holder does the work."""
+    lock = WarmStartLock(study, heartbeat, RECOVER_LOCK)
+    if not lock.try_take() and not lock.take_over_if_stale():
+        return []
+    try:
+        return recover_interrupted(study, running=False)
+    finally:
+        lock.release()
+
+
+def _storage_failure(err: BaseException) -> BaseException | None:
+    """The innermost storage error in ``err``'s chain (SQLAlchemy, a DB driver, sqlite3, Optuna's
+    ``StorageInternalError``), or None. Optuna's trial bookkeeping can fail with another error
+    (an AssertionError, an UnboundLocalError) while handling the storage's, so the context chain
+    is followed too."""
+    seen: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and all(current is not e for e in seen):
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    for e in reversed(seen):  # the innermost: the driver's own words beat Optuna's wrapper's
+        module = type(e).__module__
+        if module.startswith(("sqlalchemy", "psycopg", "pymysql", "MySQLdb", "sqlite3")) \
+                or type(e).__name__ == "StorageInternalError":
+            return e
+    return None
+
+
+@contextlib.contextmanager
+def storage_errors(url: str, resume_hint: str) -> Iterator[None]:
+    """Turn a storage that fails mid-search into one :class:`KvcalibError`: what failed, that the
+    finished trials are kept (each is committed when it finishes), and how to go on."""
+    try:
+        yield
+    except KvcalibError:
+        raise
+    except Exception as err:
+        inner = _storage_failure(err)
+        if inner is None:
+            raise
+        from kvcalib.optimize.provenance import describe_storage
+
+        first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:160]
+        raise KvcalibError(f"the study storage {describe_storage(url)} failed mid-search ({type(inner).__name__}: "
+                           f"{first}): every finished trial is kept there; once it is reachable again, {resume_hint} "
+                           "(the trial that was running is retried).") from None
+
+
+def drain(study: "optuna.Study", fn: Callable, *, poll: float = 1.0, callbacks: tuple[Callable, ...] = (),
+          on_wait: Callable[[int], None] | None = None) -> int:
+    """After this worker's share of the trials: wait until the study is quiet -- no trial running,
+    no retry waiting -- failing heartbeat-stale trials (their retries are enqueued by the storage's
+    callback) and running the retries here. Every worker's outputs then report the same trials.
+    Returns the number of retries this worker ran."""
+    import optuna
+    from optuna.storages import fail_stale_trials
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
+    state = optuna.trial.TrialState
+    ran = 0
+    while True:
+        if is_heartbeat_enabled(study._storage):
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                fail_stale_trials(study)
+        trials = study.get_trials(deepcopy=False, states=(state.RUNNING, state.WAITING))
+        retries = [t for t in trials if t.state == state.WAITING and t.system_attrs.get("failed_trial") is not None]
+        if retries:  # Optuna runs the oldest waiting trial first: the retry comes within a few
+            study.optimize(fn, n_trials=1, callbacks=list(callbacks), catch=(), gc_after_trial=False)
+            ran += 1
+            continue
+        running = [t for t in trials if t.state == state.RUNNING]
+        if not running or not is_heartbeat_enabled(study._storage):
+            # without heartbeats (a journal file) a RUNNING trial may be a dead worker's: no wait
+            return ran
+        if on_wait is not None:
+            on_wait(len(running))
+        time.sleep(poll)
 
 
 ATTR_INTERRUPTED = "interrupted"  # user attr of a trial stopped by Ctrl-C / SIGINT
@@ -164,7 +448,7 @@ def recover_interrupted(study: "optuna.Study", *, running: bool = True) -> list[
 
     state = optuna.trial.TrialState
     trials = study.get_trials(deepcopy=False)
-    retried = {t.user_attrs.get(ATTR_RECOVERED) for t in trials if t.user_attrs.get(ATTR_RECOVERED) is not None}
+    retried = {retry_of(t) for t in trials if retry_of(t) is not None}
     out: list[int] = []
     waiting = [t for t in trials if t.state == state.WAITING]
     for t in trials:
@@ -174,15 +458,15 @@ def recover_interrupted(study: "optuna.Study", *, running: bool = True) -> list[
             continue
         if t.number in retried or t.user_attrs.get(ATTR_REQUEUED):
             continue
-        if t.user_attrs.get(ATTR_RECOVERED) is not None and t.user_attrs.get(ATTR_ERROR):
+        if retry_of(t) is not None and t.user_attrs.get(ATTR_ERROR):
             log.warning("trial %d (a retry of trial %d) failed again with %s: not retried", t.number,
-                        t.user_attrs[ATTR_RECOVERED], t.user_attrs[ATTR_ERROR])
+                        retry_of(t), t.user_attrs[ATTR_ERROR])
             continue
         params = {**t.system_attrs.get("fixed_params", {}), **t.params}
         if not params:  # failed before any parameter was fixed: nothing of it to keep
             continue
         attrs = {k: v for k, v in t.user_attrs.items()
-                 if k not in ("effective_bits", ATTR_INTERRUPTED, ATTR_ERROR, ATTR_RECOVERED)}
+                 if k not in ("effective_bits", ATTR_INTERRUPTED, ATTR_ERROR, ATTR_RECOVERED, ATTR_WORKER)}
         study.enqueue_trial(params, user_attrs={**attrs, ATTR_RECOVERED: t.number})
         out.append(t.number)
     if out and running:
@@ -193,32 +477,74 @@ def recover_interrupted(study: "optuna.Study", *, running: bool = True) -> list[
     return out
 
 
+def retry_of(trial) -> int | None:
+    """The number of the trial ``trial`` retries: ours (user attr ``recovered_from``, by
+    :func:`recover_interrupted`) or Optuna's (system attr ``failed_trial``, by the
+    ``RetryFailedTrialCallback`` of a heartbeat-stale trial); None for a first run."""
+    mine = trial.user_attrs.get(ATTR_RECOVERED)
+    return mine if mine is not None else trial.system_attrs.get("failed_trial")
+
+
 def _has_set_constraint() -> bool:
     import optuna
 
     return hasattr(optuna.trial.Trial, "set_constraint")  # Optuna >= 5; constraints_func before
 
 
-def set_bits(trial, bits: float, budget: float) -> None:
-    """Record a trial's effective bits and its budget constraint (feasible when bits - budget <= 0)."""
+def set_bits(trial, bits: float, budget: float | None) -> None:
+    """Record a trial's effective bits and its budget constraint (feasible when bits - budget <= 0;
+    ``budget`` None: no constraint, the Pareto mode)."""
     trial.set_user_attr("effective_bits", float(bits))
-    if _has_set_constraint():
+    if budget is not None and _has_set_constraint():
         trial.set_constraint("budget_bits", float(bits) - budget)
 
 
-def make_sampler(seed: int, budget: float, n_startup: int):
-    """TPE over the space with the budget as a constraint."""
+def trial_seed(seed: int, number: int) -> int:
+    """The sampler seed of trial ``number`` (:class:`TrialSeededTPE`)."""
+    return (seed * 1_000_003 + number * 7_919 + 1) % 2**32
+
+
+@functools.lru_cache(maxsize=None)
+def _trial_seeded_tpe():
     import optuna
 
+    class TrialSeededTPE(optuna.samplers.TPESampler):
+        """TPE whose random state is reset from (seed, trial number) before each trial: what it
+        proposes depends on the trials finished before, never on the worker that asks, so two
+        workers never draw the same random point and one worker repeats itself exactly."""
+
+        def __init__(self, *args, seed: int = 0, **kwargs) -> None:
+            super().__init__(*args, seed=seed, **kwargs)
+            self._base_seed = seed
+
+        def before_trial(self, study, trial) -> None:
+            s = trial_seed(self._base_seed, trial.number)
+            self._rng.rng.seed(s)  # TPE's own draws (the EI candidates)
+            self._random_sampler._rng.rng.seed(s)  # the startup trials' and independent draws
+            super().before_trial(study, trial)
+
+    return TrialSeededTPE
+
+
+def make_sampler(seed: int, budget: float, n_startup: int, objective: str = "budget"):
+    """TPE over the space (seeded per trial, :class:`TrialSeededTPE`; ``constant_liar`` so that
+    parallel workers do not propose next to each other's running trials): with the budget as a
+    constraint, or, for ``objective="pareto"``, multi-objective TPE on (KL, effective bits)."""
     kwargs: dict[str, Any] = {}
-    if not _has_set_constraint():
+    if objective == "budget" and not _has_set_constraint():
         def constraints(trial) -> list[float]:
             bits = trial.user_attrs.get("effective_bits")
             return [float(bits) - budget if bits is not None else 1.0]
 
         kwargs["constraints_func"] = constraints
-    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(1, n_startup), multivariate=True,
-                                      **kwargs)
+    import warnings
+
+    import optuna
+
+    with warnings.catch_warnings():  # multivariate / constant_liar are "experimental" in Optuna
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return _trial_seeded_tpe()(seed=seed, n_startup_trials=max(1, n_startup), multivariate=True,
+                                   constant_liar=True, **kwargs)
 
 
 def make_pruner(n_steps: int, margin: float = PRUNE_MARGIN):
@@ -327,6 +653,28 @@ def warm_start_points(objective: "SearchObjective", space: SearchSpace, sensitiv
     return out
 
 
+def front_warm_start_points(objective: "SearchObjective", space: SearchSpace, sensitivity: list[float],
+                            low: float, high: float, count: int = 6) -> list[Point]:
+    """Distinct warm-start points of the Pareto mode: the floor, then the greedy allocation
+    (methods on, and off when the space has any) at ``count`` budgets spread evenly over
+    (``low``, ``high``], so the front starts covering the whole bits range."""
+    n = objective.info.num_layers
+    all_methods = tuple(space.layer_methods)
+    floor = space.floor_point(n)
+    pts = [Point(floor.group, floor.window, floor.sinks, floor.k_bits, floor.v_bits, (all_methods,) * n,
+                 floor.k_axis, floor.schedule)]
+    for j in range(1, count + 1):
+        b = low + (high - low) * j / count
+        pts.append(greedy_point(objective, space, sensitivity, b, all_methods))
+        if all_methods and j % 2 == 0:
+            pts.append(greedy_point(objective, space, sensitivity, b, ()))
+    out: list[Point] = []
+    for p in pts:
+        if p not in out:
+            out.append(p)
+    return out
+
+
 def enqueue(study: "optuna.Study", points: list[Point], space: SearchSpace) -> None:
     for p in points:
         study.enqueue_trial(point_params(p, space), user_attrs={"warm_start": True}, skip_if_exists=True)
@@ -387,29 +735,43 @@ def local_move(best: Point, space: SearchSpace, sensitivity: list[float] | None,
 
 
 def make_local_callback(objective: "SearchObjective", space: SearchSpace, budget: float, seed: int,
-                        fraction: float = 0.7) -> Callable:
+                        fraction: float = 0.7, pareto: bool = False) -> Callable:
     """After each finished trial, enqueue (with probability ``fraction``) a neighbour of the best
-    feasible trial; the sampler (TPE) proposes the rest."""
+    feasible trial (``pareto``: of a random member of the front, repaired to its own bits, so the
+    move tries to lower KL at that memory); the sampler (TPE) proposes the rest. The draws are
+    seeded by (seed, trial number), like the sampler's: workers sharing a study draw apart."""
     import random
 
     import optuna
 
-    rng = random.Random(seed)
     n = objective.info.num_layers
 
     def callback(study: "optuna.Study", trial) -> None:
+        rng = random.Random(trial_seed(seed, trial.number))
         if rng.random() >= fraction:
             return
-        feasible = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-                    if t.user_attrs.get("effective_bits", math.inf) <= budget + 1e-9 and t.value is not None]
-        if not feasible:
-            return
-        best = min(feasible, key=lambda t: t.value)
+        done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+                if t.values is not None and t.user_attrs.get("effective_bits") is not None]
+        if pareto:
+            records = [{"number": t.number, "state": "COMPLETE", "kl": t.values[0],
+                        "effective_bits": t.user_attrs["effective_bits"]} for t in done]
+            front = set(pareto_front(records))
+            members = [t for t in done if t.number in front]
+            if not members:
+                return
+            best = rng.choice(members)
+            target = float(best.user_attrs["effective_bits"]) + 2e-3  # the repair keeps it at these bits
+        else:
+            feasible = [t for t in done if t.user_attrs["effective_bits"] <= budget + 1e-9]
+            if not feasible:
+                return
+            best = min(feasible, key=lambda t: t.values[0])
+            target = budget
         incumbent = Point.from_params(best.params, space, n)
         seen = {tuple(sorted(t.params.items())) for t in study.get_trials(deepcopy=False)}
         sens = study.user_attrs.get("sensitivity")
         for _ in range(20):
-            p = local_move(incumbent, space, sens, budget, lambda q: objective.effective_bits(q, with_tensors="layers"), rng)
+            p = local_move(incumbent, space, sens, target, lambda q: objective.effective_bits(q, with_tensors="layers"), rng)
             params = point_params(p, space)
             if tuple(sorted(params.items())) not in seen:
                 study.enqueue_trial(params, user_attrs={"local_move": best.number})
@@ -419,14 +781,27 @@ def make_local_callback(objective: "SearchObjective", space: SearchSpace, budget
 
 
 # ------------------------------------------------------------------ running
-def make_objective_fn(objective: "SearchObjective", space: SearchSpace, budget: float) -> Callable:
+def worker_name() -> str:
+    """``host:pid``: which worker ran a trial (trial user attr ``worker``)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def make_objective_fn(objective: "SearchObjective", space: SearchSpace, budget: float,
+                      mode: str = "budget") -> Callable:
+    """The trial function: KL of the sampled point (pruned when Pareto-dominated so far), or for
+    ``mode="pareto"`` the pair (KL, effective bits), unpruned."""
     import optuna
 
     n = objective.info.num_layers
+    pareto = mode == "pareto"
 
-    def fn(trial: "optuna.Trial") -> float:
+    def fn(trial: "optuna.Trial"):
         point = space.sample(trial, n)
-        set_bits(trial, objective.effective_bits(point), budget)
+        bits = objective.effective_bits(point)
+        set_bits(trial, bits, None if pareto else budget)
+        trial.set_user_attr(ATTR_WORKER, worker_name())
+        if pareto:  # Optuna cannot report or prune multi-objective trials
+            return objective.kl(point), float(bits)
 
         def report(step: int, value: float) -> None:
             trial.report(value, step)
@@ -501,7 +876,7 @@ def trial_records(study: "optuna.Study", space: SearchSpace, num_layers: int, bu
         if t.user_attrs.get(ATTR_REQUEUED):  # a waiting entry moved behind a retry: never ran
             continue
         bits = t.user_attrs.get("effective_bits")
-        kl = t.value if t.value is not None else (t.intermediate_values[t.last_step] if t.last_step is not None else None)
+        kl = t.values[0] if t.values is not None else (t.intermediate_values[t.last_step] if t.last_step is not None else None)
         try:
             point = Point.from_params(t.params, space, num_layers).to_dict()
         except KeyError:
@@ -509,7 +884,10 @@ def trial_records(study: "optuna.Study", space: SearchSpace, num_layers: int, bu
         out.append({"number": t.number, "state": t.state.name, "kl": kl, "effective_bits": bits,
                     "feasible": bits is not None and bits <= budget + 1e-9,
                     "sequences": len(t.intermediate_values), "warm_start": bool(t.user_attrs.get("warm_start")),
-                    "local_move_of": t.user_attrs.get("local_move"), "recovered_from": t.user_attrs.get(ATTR_RECOVERED),
+                    "local_move_of": t.user_attrs.get("local_move"), "recovered_from": retry_of(t),
+                    "worker": t.user_attrs.get(ATTR_WORKER),
+                    "started": t.datetime_start.isoformat() if t.datetime_start else None,
+                    "finished": t.datetime_complete.isoformat() if t.datetime_complete else None,
                     "seconds": t.duration.total_seconds() if t.duration else None, "point": point})
     return out
 

@@ -20,7 +20,7 @@ from kvcalib.eval.perplexity import decode_faithful_nll, perplexity, scored_slic
 from kvcalib.layout import LayerConfig, quantized_token_count
 from kvcalib.recipe import Recipe, resolve_recipe
 from kvcalib.runtime.cache import CompressedCache
-from tests.conftest import TINY_ARCHS, corpus_lines as _corpus, tiny_config, tiny_loaded_model, tiny_model
+from tests.conftest import TINY_ARCHS, corpus_lines as _corpus, tiny_loaded_model, tiny_model
 
 LOSSY = LayerConfig(k_bits=2, v_bits=2, k_group=8, v_group=8, window=8)  # tiny model: head_dim 16
 

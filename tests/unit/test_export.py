@@ -10,7 +10,6 @@ from kvcalib.errors import KvcalibError
 from kvcalib.export import ExportConfig, export_recipe, parse_bits
 from kvcalib.layout import LayerConfig
 from kvcalib.recipe import Recipe
-from kvcalib.runtime.cache import CompressedCache
 from kvcalib.recipe import build_codecs
 from kvcalib.simulate import simulated_logits
 from tests.conftest import tiny_model

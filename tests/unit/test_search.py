@@ -85,7 +85,6 @@ def tiny():
 
 
 def _config(tmp_path, **kw):
-    from kvcalib.optimize import SearchConfig
 
     base = dict(out=tmp_path / "run", trials=4, budget_bits=None, space=dict(TINY_SPACE), eval=False,
                 presets=("kivi-2",), context=256)
@@ -503,9 +502,9 @@ def test_progress_line_counts_this_session_only():
 
     now = [100.0]
     line = TrialProgress(total=10, budget=3.0, done_at_start=4, clock=lambda: now[0])
-    trials = [SimpleNamespace(number=0, value=0.5, user_attrs={"effective_bits": 2.9}),
-              SimpleNamespace(number=1, value=0.1, user_attrs={"effective_bits": 3.5}),  # over budget
-              SimpleNamespace(number=2, value=None, user_attrs={"effective_bits": 2.0})]
+    trials = [SimpleNamespace(number=0, values=[0.5], user_attrs={"effective_bits": 2.9}),
+              SimpleNamespace(number=1, values=[0.1], user_attrs={"effective_bits": 3.5}),  # over budget
+              SimpleNamespace(number=2, values=None, user_attrs={"effective_bits": 2.0})]
     assert line.seconds_left() is None
     now[0] = 120.0
     text = line.update(6, trials)  # 2 trials in 20 s here; the 4 resumed ones do not count

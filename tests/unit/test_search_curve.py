@@ -44,7 +44,7 @@ def fake_run(tmp_path):
     for label, (kl, bits, ppl, delta) in searched.items():
         (run / f"budget-{label}").mkdir()
         (run / f"budget-{label}" / "search.json").write_text(json.dumps(_search_json(kl, bits)))
-        results.append({"name": f"tiny-search-trial3", "recipe": str(run / "points" / f"{label}.safetensors"),
+        results.append({"name": "tiny-search-trial3", "recipe": str(run / "points" / f"{label}.safetensors"),
                         "effective_bits": bits, "ppl": ppl, "ppl_fp": 27.5, "ppl_delta_pct": delta})
     results += [{"name": "fp16", "recipe": "fp16", "effective_bits": 16.0, "ppl": 27.5, "ppl_fp": 27.5, "ppl_delta_pct": 0.0},
                 {"name": "kivi-2", "recipe": "kivi-2", "effective_bits": 3.40625, "ppl": 30.5, "ppl_fp": 27.5,

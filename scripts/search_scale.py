@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Trials per minute of ``kvcalib search --workers W`` (issue 37), rows into
+``artifacts/bench/search_scale.json``: a list of {gpus, workers, trials_per_min, model, gpu,
+context, ...}.
+
+On the lent 2-GPU machine (both GPUs visible), from the repository root:
+
+    source scripts/device_env.sh        # wheels (optuna, gguf), KVCALIB_HOME, the SmolLM2 GGUF
+    python scripts/search_scale.py --model "${KVCALIB_SCALE_MODEL:-smollm2-135m}" --workers 1,2
+
+Each W runs one ``kvcalib search --workers W --trials T --no-eval`` in a fresh folder: W worker
+processes, each pinned to one GPU (``CUDA_VISIBLE_DEVICES``) and loading the model once, on the
+run folder's SQLite study. The rate is the study's finished trials over the trial phase's wall
+time (first trial started to last trial finished, from ``search.json``: model loading, statistics
+and the sensitivity sweep are not in it, so W workers are compared on the part they share). On a
+GPU each trial scores ``--score-samples`` windows of ``--score-seq-len`` tokens whose last
+``--score-last`` are decode steps (default 4 x 2048 / 512: ~a second a trial on an H100, so the
+study's storage round trips stay small beside it). The issue's target: 2 workers on 2 GPUs >= 1.8x
+the trials per minute of 1.
+
+On CPU (``--device cpu``) W processes share the same cores: the rows check the code path, they
+are no speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+OUT = Path("artifacts/bench/search_scale.json")
+KEY = ("gpus", "workers", "model", "gpu", "context")  # a new row replaces the old one with these
+
+
+def trial_phase_rate(doc: dict) -> tuple[float, int, float]:
+    """(trials per minute, finished trials, seconds) of a ``search.json`` document."""
+    done = [t for t in doc["trials"] if t["state"] in ("COMPLETE", "PRUNED") and t.get("started") and t.get("finished")]
+    if not done:
+        raise SystemExit("no finished trial with timestamps in search.json")
+    start = min(datetime.fromisoformat(t["started"]) for t in done)
+    end = max(datetime.fromisoformat(t["finished"]) for t in done)
+    seconds = (end - start).total_seconds()
+    return 60.0 * len(done) / seconds, len(done), seconds
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def merge_rows(rows: list[dict], path: Path = OUT) -> list[dict]:
+    old = json.loads(path.read_text()) if path.is_file() else []
+    keys = {tuple(r[k] for k in KEY) for r in rows}
+    out = [r for r in old if tuple(r.get(k) for k in KEY) not in keys] + rows
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=os.environ.get("KVCALIB_SCALE_MODEL", "smollm2-135m"))
+    ap.add_argument("--workers", default="1,2", help="comma-separated worker counts")
+    ap.add_argument("--trials", type=int, default=40)
+    ap.add_argument("--device", default=None, help="cuda (default where available) or cpu")
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--score-samples", type=int, default=None, help="default 4 on GPU, 2 on CPU")
+    ap.add_argument("--score-seq-len", type=int, default=None, help="default 2048 on GPU, --seq-len on CPU")
+    ap.add_argument("--score-last", type=int, default=None, help="default 512 on GPU, none on CPU")
+    ap.add_argument("--run", type=Path, default=None, help="folder for the runs (default artifacts/runs/scale-<time>)")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = device.startswith("cuda")
+    visible = torch.cuda.device_count() if gpu else 0
+    score_samples = args.score_samples or (4 if gpu else 2)
+    score_seq_len = args.score_seq_len or (2048 if gpu else args.seq_len)
+    score_last = args.score_last if args.score_last is not None else (512 if gpu else None)
+    run = args.run or Path(f"artifacts/runs/scale-{time.strftime('%Y%m%d-%H%M%S')}")
+    rows = []
+    for w in [int(x) for x in args.workers.split(",")]:
+        if gpu and w > visible:
+            print(f"skipping {w} workers: {visible} GPU(s) visible", file=sys.stderr)
+            continue
+        out = run / f"w{w}"
+        if out.exists():
+            shutil.rmtree(out)
+        cmd = [sys.executable, "-m", "kvcalib.cli", "search", "--model", args.model, "--data", "embedded",
+               "--budget-bits", "3.0", "--trials", str(args.trials), "--samples", str(args.samples),
+               "--seq-len", str(args.seq_len), "--score-samples", str(score_samples),
+               "--score-seq-len", str(score_seq_len), "--workers", str(w), "--device", device, "--no-eval",
+               "--out", str(out)] + (["--score-last", str(score_last)] if score_last else [])
+        print("+", " ".join(cmd), file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd)
+        wall = time.perf_counter() - t0
+        if done.returncode:
+            print(f"{w} workers: the search failed ({done.returncode})", file=sys.stderr)
+            return done.returncode
+        folder = out if w == 1 else out / "worker-0"
+        doc = json.loads((folder / "search.json").read_text())
+        rate, n, seconds = trial_phase_rate(doc)
+        chosen = next((t for t in doc["trials"] if t["number"] == doc["chosen"]), None)
+        rows.append({"gpus": min(w, visible) if gpu else 0, "workers": w, "trials_per_min": round(rate, 2),
+                     "model": args.model if not args.model.endswith(".gguf") else Path(args.model).name,
+                     "gpu": device_name(device), "context": score_seq_len, "score_last": score_last,
+                     "score_samples": score_samples, "trials": n, "trial_phase_seconds": round(seconds, 1),
+                     "wall_seconds": round(wall, 1), "workers_seen": len({t["worker"] for t in doc["trials"] if t.get("worker")}),
+                     # same seed and budget for every W: where the searches' results differ (docs/search-at-scale.md)
+                     "chosen_kl": chosen["kl"] if chosen else None,
+                     "chosen_bits": chosen["effective_bits"] if chosen else None,
+                     "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                     "command": "python scripts/search_scale.py " + " ".join(sys.argv[1:])})
+        print(json.dumps(rows[-1]), flush=True)
+    merge_rows(rows, args.out)
+    base = next((r for r in rows if r["workers"] == 1), None)
+    for r in rows:
+        if base and r is not base:
+            print(f"{r['workers']} workers / {r['gpus']} GPUs: {r['trials_per_min'] / base['trials_per_min']:.2f}x "
+                  f"the trials per minute of 1 ({r['trials_per_min']} vs {base['trials_per_min']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Search at scale, in process (issue 37): per-trial seeding, the warm-start lock, heartbeats and
+retries of a dead worker's trial, the end-of-study drain, storage failures as one error, and the
+Pareto mode on a tiny random model. The real multi-process runs (PostgreSQL, SIGKILL, a server
+stopped mid-search, ``--workers``) are in tests/integration/test_search_scale.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvcalib.errors import KvcalibError
+from tests.unit.test_search import TINY_SPACE, tiny  # noqa: F401  (the tiny model, statistics and scoring ids)
+
+
+def _space():
+    from kvcalib.optimize.space import SearchSpace
+
+    return SearchSpace.from_dict(TINY_SPACE)
+
+
+def _points(study):
+    return [tuple(sorted(t.params.items())) for t in study.trials]
+
+
+# ------------------------------------------------------------------ seeding
+def test_proposals_depend_on_the_trial_not_the_worker(tmp_path):
+    """Two workers (two samplers, same seed) on one study propose what one worker proposes alone
+    (the sampler is reseeded by trial number), and never the same random point twice."""
+    import optuna
+
+    from kvcalib.optimize.study import make_sampler, open_study
+
+    space = _space()
+
+    def sample(trial):
+        space.sample(trial, 2)
+        return 0.0
+
+    one = open_study(f"sqlite:///{tmp_path / 'one.db'}", "s", space, 2, sampler=make_sampler(0, 4.0, 5))
+    for _ in range(4):
+        t = one.ask()
+        one.tell(t, sample(t))
+    url = f"sqlite:///{tmp_path / 'two.db'}"
+    a = open_study(url, "s", space, 2, sampler=make_sampler(0, 4.0, 5))
+    b = open_study(url, "s", space, 2, sampler=make_sampler(0, 4.0, 5))
+    for worker in (a, b, a, b):
+        t = worker.ask()
+        worker.tell(t, sample(t))
+    assert _points(a) == _points(one)
+    assert len(set(_points(one))) == 4  # the old shared seed made worker b repeat worker a's draws
+    other = open_study(f"sqlite:///{tmp_path / 'other.db'}", "s", space, 2, sampler=make_sampler(1, 4.0, 5))
+    t = other.ask()
+    other.tell(t, sample(t))
+    assert _points(other)[0] != _points(one)[0]  # the seed still matters
+    assert optuna.trial.TrialState.COMPLETE in {t.state for t in one.trials}
+
+
+# ------------------------------------------------------------------ warm-start lock
+def test_warm_start_lock_is_taken_once_and_taken_over_when_stale(tmp_path):
+    from kvcalib.optimize.study import ATTR_WARM_DONE, WARM_LOCK, WarmStartLock, claim_warm_start, open_study
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    study = open_study(url, "s", _space(), 2)
+    first = claim_warm_start(study, shared=True, heartbeat=60)
+    assert first is not None
+    second = WarmStartLock(open_study(url, "s", _space(), 2), heartbeat=60)
+    assert not second.try_take() and not second.take_over_if_stale()  # its holder beats
+    # the holder dies: its beat ages past GRACE_BEATS heartbeats
+    first._stop.set()
+    first._thread.join()
+    storage = study._storage
+    storage.set_study_user_attr(storage.get_study_id_from_name("s" + WARM_LOCK), "beat", time.time() - 500)
+    assert second.take_over_if_stale()
+    with second.held():
+        study.set_user_attr(ATTR_WARM_DONE, True)
+    assert "s" + WARM_LOCK not in {s.study_name for s in storage.get_all_studies()}  # released
+    assert claim_warm_start(study, shared=True, heartbeat=60) is None  # done: nobody runs it again
+
+
+# ------------------------------------------------------------------ heartbeats, retries, drain
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")  # the test's own ask()
+def test_a_dead_workers_trial_is_failed_retried_and_drained(tmp_path):
+    """A RUNNING trial whose heartbeat stopped is failed after the grace period by the worker that
+    drains the study, enqueued again by RetryFailedTrialCallback with its parameters, and run."""
+    import optuna
+
+    from kvcalib.optimize.study import drain, open_study, recover_interrupted, retry_of, trial_records
+
+    space = _space()
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    dead = open_study(url, "s", space, 2, heartbeat=1)
+    killed = dead.ask()
+    space.sample(killed, 2)
+    dead._storage.record_heartbeat(killed._trial_id)  # then the process "dies": no more beats
+    alive = open_study(url, "s", space, 2, heartbeat=1)
+    ran = []
+
+    def fn(trial):
+        space.sample(trial, 2)
+        ran.append(trial.number)
+        return 1.0
+
+    t0 = time.monotonic()
+    assert drain(alive, fn, poll=0.2) == 1
+    assert time.monotonic() - t0 >= 2.5  # not before the grace period (3 beats of 1 s)
+    by_num = {t.number: t for t in alive.trials}
+    assert by_num[killed.number].state == optuna.trial.TrialState.FAIL
+    retry = by_num[ran[0]]
+    assert retry.state == optuna.trial.TrialState.COMPLETE and retry_of(retry) == killed.number
+    assert retry.params == by_num[killed.number].params
+    assert recover_interrupted(alive, running=False) == []  # Optuna's retry counts as the retry
+    rec = {r["number"]: r for r in trial_records(alive, space, 2, 4.0)}
+    assert rec[ran[0]]["recovered_from"] == killed.number
+
+
+def test_storage_failure_is_one_error_naming_the_fix():
+    import sqlite3
+
+    from kvcalib.optimize.study import storage_errors
+
+    class OperationalError(Exception):  # what SQLAlchemy raises when the server is gone
+        pass
+
+    OperationalError.__module__ = "sqlalchemy.exc"
+    with pytest.raises(KvcalibError) as err:
+        with storage_errors("postgresql://bob:pw@db/optuna", "run the same command again"):
+            try:
+                raise OperationalError("connection refused\nmore lines")
+            except OperationalError:
+                x = None
+                x.boom  # Optuna's bookkeeping failing while it handles the storage error
+    text = str(err.value)
+    assert "postgresql://bob:***@db/optuna failed mid-search (OperationalError: connection refused)" in text
+    assert "every finished trial is kept" in text and "run the same command again" in text and "\n" not in text
+    with pytest.raises(ZeroDivisionError):  # anything else is a bug: not dressed as a storage error
+        with storage_errors("sqlite:///x.db", "again"):
+            1 / 0
+    with pytest.raises(KvcalibError, match=r"\(OperationalError: disk I/O error\)"):
+        with storage_errors("sqlite:///x.db", "again"):
+            raise sqlite3.OperationalError("disk I/O error")
+
+
+# ------------------------------------------------------------------ Pareto mode
+def _config(run, **kw):
+    from kvcalib.optimize import SearchConfig
+
+    base = dict(out=run, trials=10, budget_bits=4.0, space=dict(TINY_SPACE), eval=False, presets=("kivi-2",),
+                context=256)
+    base.update(kw)
+    return SearchConfig(**base)
+
+
+def test_pareto_mode_holds_the_front_and_exports_any_budget(tiny, tmp_path):
+    from kvcalib.export import export_search_point
+    from kvcalib.optimize import search_with
+    from kvcalib.optimize.study import open_study
+
+    from kvcalib.optimize.objective import SearchObjective
+
+    model, info, stats, ids = tiny
+    run = tmp_path / "run"
+    run.mkdir()
+    stats.save(run / "stats.safetensors")
+    floor = SearchObjective(model, info, stats, ids, context=256).effective_bits(
+        _space().floor_point(2), with_tensors=False)  # 6.31: window and scales weigh much at 256 tokens
+    doc = search_with(_config(run, objective="pareto", budget_bits=round(floor + 1.0, 3)), model, info, stats, ids,
+                      run, progress=False)
+    assert doc["objective"] == "pareto"
+    done = [t for t in doc["trials"] if t["state"] == "COMPLETE"]
+    assert len(done) == 10 and all(t["kl"] is not None and t["effective_bits"] is not None for t in done)
+    assert all(t["state"] != "PRUNED" for t in doc["trials"])  # no pruning in two objectives
+    bits = sorted(t["effective_bits"] for t in done if t["warm_start"])
+    assert bits[0] < floor + 0.5 and bits[-1] > floor + 2.0  # the warm start spans the range, not one budget
+    front = [t for t in done if t["number"] in doc["pareto"]]
+    assert len(front) >= 3
+    for a in front:  # no trial beats a front member in both objectives
+        assert not any(t["effective_bits"] <= a["effective_bits"] and t["kl"] < a["kl"] for t in done)
+    # the front's cheapest and dearest members are what export picks at their bits
+    low, high = min(front, key=lambda t: t["effective_bits"]), max(front, key=lambda t: t["effective_bits"])
+    _, rec_low = export_search_point(run, tmp_path / "low.safetensors", budget_bits=low["effective_bits"])
+    _, rec_high = export_search_point(run, tmp_path / "high.safetensors", budget_bits=high["effective_bits"])
+    assert rec_low["number"] == low["number"] and rec_high["number"] == high["number"]
+    assert rec_high["kl"] < rec_low["kl"]
+    # one objective per study: a budget search cannot join a Pareto study, nor the reverse
+    url = f"sqlite:///{run / 'study.db'}"
+    with pytest.raises(KvcalibError, match="--objective pareto"):
+        open_study(url, "kvcalib-search", _config(run).space, 2)
+    with pytest.raises(KvcalibError, match="--objective budget"):
+        open_study(f"sqlite:///{tmp_path / 'b.db'}", "b", _config(run).space, 2)  # make a budget study
+        open_study(f"sqlite:///{tmp_path / 'b.db'}", "b", _config(run).space, 2, objective="pareto")
+
+
+def test_config_refuses_bad_objective_and_workers(tmp_path):
+    for kw, match in (({"objective": "nsga"}, "--objective 'nsga'"), ({"workers": 0}, "--workers"),
+                      ({"workers": "many"}, "--workers"), ({"heartbeat": 0}, "--heartbeat")):
+        with pytest.raises(KvcalibError, match=match):
+            _config(tmp_path / "run", **kw)
+
+
+def test_worker_environment_pins_one_gpu_each(monkeypatch):
+    from kvcalib.optimize.workers import resolve_workers, visible_gpus, worker_env
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    gpus = visible_gpus(None)
+    assert gpus == ["3", "5"] and visible_gpus("cpu") == []
+    assert resolve_workers("auto", gpus) == 2 and resolve_workers("auto", []) == 1 and resolve_workers(3, gpus) == 3
+    envs = [worker_env(i, gpus, 3, base={}) for i in range(3)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3", "5", "3"]  # round robin past the GPUs
+    assert "KVCALIB_QUIET" not in envs[0] and envs[1]["KVCALIB_QUIET"] == "1"
+    cpu = worker_env(1, [], 2, base={})
+    assert "CUDA_VISIBLE_DEVICES" not in cpu and int(cpu["KVCALIB_WORKER_THREADS"]) >= 1

@@ -60,9 +60,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     rows: list[dict] = []
     for context in args.context:
         metrics = [m for m in args.metrics.split(",") if m]
+        # the passkey prompt plus its answer must fit the model: at its full context (SmolLM2's 8192)
+        # the prompt gives up the answer's tokens
+        limit = loaded.info.max_positions or context + EvalConfig.passkey_new_tokens
+        passkey_len = min(context, limit - EvalConfig.passkey_new_tokens)
         config = EvalConfig(model=args.model, recipes=list(args.recipe), data="longtext", metrics=tuple(metrics),
                             context_len=context, ppl_samples=args.ppl_samples, ppl_seq_len=context,
-                            passkey_lengths=(context,), passkey_depths=tuple(args.passkey_depths),
+                            passkey_lengths=(passkey_len,), passkey_depths=tuple(args.passkey_depths),
                             passkey_trials=args.passkey_trials, batch_size=1, seed=args.seed)
         results = evaluate(config, loaded)
         for spec, r in zip(args.recipe, results):

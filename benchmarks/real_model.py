@@ -84,6 +84,12 @@ def rate(fn, batch: int, new: int) -> tuple[float, float, torch.Tensor]:
     return first, batch * (new - 1) / max(tn - t1, 1e-9), tokens
 
 
+def save(out: Path, rows: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "real_model.json.tmp").write_text(json.dumps(rows, indent=1))
+    (out / "real_model.json.tmp").replace(out / "real_model.json")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -125,8 +131,8 @@ def main() -> None:
                 rows.append({**base, "cache": recipe.name, "mode": mode, "tokens_per_s": gtps, "first_call_s": gfirst,
                              "graph_equals_eager": same, "token_agreement": agree})
                 print(json.dumps(rows[-1]), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "real_model.json").write_text(json.dumps(rows, indent=1))
+                save(args.out, rows)  # after every row: a run cut short by its time limit keeps what it measured
+    save(args.out, rows)
     print(f"\n{'batch':>5} {'cache':<32} {'mode':<15} {'tok/s':>8} {'first s':>8} graph==eager")
     for r in rows:
         print(f"{r['batch']:>5} {r['cache'][:32]:<32} {r['mode']:<15} {r['tokens_per_s']:8.1f} {r['first_call_s']:8.1f} "

@@ -497,7 +497,7 @@ def run(
 
     from kvcalib.models import DEFAULT_MODEL, default_device, load_model
     from kvcalib.recipe import resolve_recipe
-    from kvcalib.runtime.generate import generate, token_agreement
+    from kvcalib.runtime.generate import generate, token_agreement, too_short_note
     from kvcalib.runtime.sampling import sampling_from_flags
 
     from kvcalib import preflight
@@ -527,15 +527,26 @@ def run(
     rec.check_model(loaded.info)
     print(f"[{rec.name}] ", end="", flush=True)
     result = generate(loaded, prompt, rec, max_new_tokens, stream=True, cuda_graph=cuda_graph, sampling=sampling)
-    rows = [[result.label, len(result.new_tokens), result.tokens_per_second, result.kv_bytes,
-             result.effective_bits, result.effective_bits_16]]
+
+    def row(r: Any, bits16: float) -> list[Any]:
+        first = "-" if r.first_token_seconds is None else round(r.first_token_seconds, 3)
+        return [r.label, len(r.new_tokens), first, r.decode_tokens_per_second, r.tokens_per_second, r.kv_bytes,
+                r.effective_bits, bits16]
+
+    rows = [row(result, result.effective_bits_16)]
     if compare:
         print("[full precision] ", end="", flush=True)
         ref = generate(loaded, prompt, None, max_new_tokens, stream=True, sampling=sampling)
-        rows.append([ref.label, len(ref.new_tokens), ref.tokens_per_second, ref.kv_bytes,
-                     ref.effective_bits, 16.0])
-    print_table(f"{loaded.info.name}: generation", ["name", "new tokens", "tokens/s", "KV bytes",
-                "bits/elem (held)", "bits/elem (16-bit accounting)"], rows)
+        rows.append(row(ref, 16.0))
+    print_table(f"{loaded.info.name}: generation ({result.prompt_tokens}-token prompt)",
+                ["name", "new tokens", "first token s", "decode tokens/s", "tokens/s (all)", "KV bytes",
+                 "bits/elem (held)", "bits/elem (16-bit accounting)"], rows)
+    print("first token s: the prefill, and on first use the Triton kernels' compilation (Triton keeps them "
+          "on disk; later runs skip it); decode tokens/s: the tokens after the first (warm)"
+          + ("; --cuda-graph runs without per-token times: tokens/s (all) counts its captures" if cuda_graph else ""))
+    note = too_short_note(result, rec)
+    if note:
+        print(note)
     if compare:
         line = f"token agreement with full precision: {token_agreement(result.new_tokens, ref.new_tokens):.3f}"
         if sampling is not None:

@@ -26,10 +26,49 @@ class GenerationResult:
     kv_bytes_by_component: dict[str, int] = field(default_factory=dict)
     effective_bits: float = 16.0  # held bytes over elements, at the cache's real dtypes
     effective_bits_16: float = 16.0  # the recipe's accounting at 16-bit full-precision storage
+    # seconds to the first new token: the prompt's prefill, and on first use the Triton kernels'
+    # compilation (cached on disk by Triton: later runs skip it); None where not measured
+    first_token_seconds: float | None = None
+    # warm decode rate: the new tokens after the first over the time after it (nan for one token)
+    decode_tokens_per_second: float = float("nan")
+    prompt_tokens: int = 0
+    compressed_tokens: int = 0  # tokens the cache holds quantized at the end (0: all in full precision)
 
     @property
     def tokens_per_second(self) -> float:
         return len(self.new_tokens) / self.seconds if self.seconds > 0 else float("nan")
+
+
+class _TokenClock:
+    """A ``model.generate`` streamer that notes when each new token arrives (and passes everything
+    on to ``inner``, the text streamer, when given). transformers calls ``put`` with the prompt
+    first, then once per new token."""
+
+    def __init__(self, inner: Any, cuda: bool) -> None:
+        self.inner, self.cuda, self.seen_prompt, self.times = inner, cuda, False, []
+
+    def put(self, value: Any) -> None:
+        if self.seen_prompt:
+            if self.cuda:  # the token's time, not the time its kernels were queued
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+        self.seen_prompt = True
+        if self.inner is not None:
+            self.inner.put(value)
+
+    def end(self) -> None:
+        if self.inner is not None:
+            self.inner.end()
+
+
+def _split_time(t0: float, token_times: list[float]) -> tuple[float | None, float]:
+    """(seconds to the first token, warm tokens/s after it) from the arrival times."""
+    if not token_times:
+        return None, float("nan")
+    first = token_times[0] - t0
+    if len(token_times) < 2 or token_times[-1] <= token_times[0]:
+        return first, float("nan")
+    return first, (len(token_times) - 1) / (token_times[-1] - token_times[0])
 
 
 def token_agreement(a: list[int], b: list[int]) -> float:
@@ -87,6 +126,7 @@ def generate(loaded: LoadedModel, prompt: str, recipe: Recipe | None, max_new_to
                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+        token_times: list[float] = []  # the graph decoder runs its steps without a streamer
         new = res.tokens[0].tolist()
         if tok.eos_token_id is not None and tok.eos_token_id in new:
             new = new[:new.index(tok.eos_token_id) + 1]  # as generate: up to and including the first EOS
@@ -101,14 +141,18 @@ def generate(loaded: LoadedModel, prompt: str, recipe: Recipe | None, max_new_to
                    "top_p": sampling.top_p}
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
+        clock = _TokenClock(_streamer(tok, stream), next(model.parameters()).is_cuda)
         t0 = time.perf_counter()
         out = model.generate(**enc, past_key_values=cache, max_new_tokens=max_new_tokens, **decoding,
-                             streamer=_streamer(tok, stream), pad_token_id=tok.pad_token_id)
+                             streamer=clock, pad_token_id=tok.pad_token_id)
         if next(model.parameters()).is_cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+        token_times = clock.times
         new = out[0, enc["input_ids"].shape[1]:].tolist()
         text = tok.decode(new, skip_special_tokens=True)
+    first_s, decode_tps = _split_time(t0, token_times)
+    prompt_len = int(enc["input_ids"].shape[1])
     if recipe is None:
         elem = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers if layer.keys is not None)
         size = next(iter(cache.layers)).keys.element_size()
@@ -119,4 +163,21 @@ def generate(loaded: LoadedModel, prompt: str, recipe: Recipe | None, max_new_to
         eff = cache.effective_bits()
         length = enc["input_ids"].shape[1] + len(new) - 1
         eff16 = recipe.memory(loaded.info, max(length, 1)).effective_bits
-    return GenerationResult(label, text, new, seconds, int(sum(by.values())), by, eff, eff16)
+    packed = max((layer.n_packed for layer in cache.layers if hasattr(layer, "n_packed")), default=0) \
+        if recipe is not None else 0
+    return GenerationResult(label, text, new, seconds, int(sum(by.values())), by, eff, eff16,
+                            first_token_seconds=first_s, decode_tokens_per_second=decode_tps,
+                            prompt_tokens=prompt_len, compressed_tokens=int(packed))
+
+
+def too_short_note(result: GenerationResult, recipe: Recipe) -> str | None:
+    """The line ``kvcalib run`` prints when nothing was compressed: the prompt and the new tokens
+    fit the recipe's full-precision window (and sinks), so the run measured an uncompressed cache."""
+    if result.compressed_tokens > 0:
+        return None
+    layer = recipe.default_layer
+    held = result.prompt_tokens + len(result.new_tokens)
+    return (f"note: nothing was compressed: the {result.prompt_tokens}-token prompt and {len(result.new_tokens)} new "
+            f"tokens ({held} in all) fit the recipe's full-precision window ({layer.window} tokens, {layer.sinks} "
+            f"sinks, flushed in groups), so this run measured an uncompressed cache: pass a longer --prompt-file "
+            f"(over {layer.window + layer.sinks} tokens) to see compression.")

@@ -173,6 +173,32 @@ def rope_tables(model: Any) -> list["torch.Tensor | None"]:
     return out
 
 
+def cache_kwarg(model: Any) -> str:
+    """The keyword a model's ``forward`` and ``generate`` take a KV cache by: ``cache`` where the
+    installed transformers has it (5.2x+, which deprecates ``past_key_values`` and warns on every
+    call), else ``past_key_values``. Read from the forward's signature, once per class."""
+    cls = type(model)
+    name = _CACHE_KWARG.get(cls)
+    if name is None:
+        import inspect
+
+        try:
+            params = inspect.signature(cls.forward).parameters
+        except (TypeError, ValueError):  # a forward without a readable signature: the old name
+            params = {}
+        name = _CACHE_KWARG[cls] = "cache" if "cache" in params else "past_key_values"
+    return name
+
+
+_CACHE_KWARG: dict[type, str] = {}
+
+
+def cache_from(kwargs: dict[str, Any]) -> Any:
+    """The KV cache a ``forward`` call was given, under either keyword (:func:`cache_kwarg`)."""
+    cache = kwargs.get("cache")
+    return kwargs.get("past_key_values") if cache is None else cache
+
+
 def default_device() -> str:
     """``cuda`` where a CUDA device is usable, else ``cpu``. Queries CUDA only when called."""
     import torch

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from kvcalib.models import cache_kwarg
 from kvcalib.recipe import Recipe
 
 
@@ -52,7 +53,7 @@ def greedy_generate(model, prompts: torch.Tensor, max_new_tokens: int, recipe: R
         batch = prompts[start:start + batch_size].to(device)  # (B, P)
         kwargs = {}
         if recipe is not None:
-            kwargs["past_key_values"] = CompressedCache.from_recipe(model, recipe)
+            kwargs[cache_kwarg(model)] = CompressedCache.from_recipe(model, recipe)
         seq = model.generate(
             input_ids=batch, attention_mask=torch.ones_like(batch), max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens, do_sample=False, num_beams=1, top_k=None, top_p=None,
@@ -122,7 +123,7 @@ def greedy_decode(model, chunks: Sequence[torch.Tensor], max_new_tokens: int, ca
         chunk = chunk.to(device)  # (B, T_i)
         # logits_to_keep=1: only the last position's logits (the LM head over a long chunk costs
         # about as much as the rest of a small model)
-        logits = model(input_ids=chunk, past_key_values=cache, use_cache=True,
+        logits = model(input_ids=chunk, **{cache_kwarg(model): cache}, use_cache=True,
                        logits_to_keep=1).logits[:, -1]  # (B, V)
     if logits is None:
         raise ValueError("greedy_decode needs at least one chunk")
@@ -132,7 +133,7 @@ def greedy_decode(model, chunks: Sequence[torch.Tensor], max_new_tokens: int, ca
         new.append(tok)
         if step + 1 == max_new_tokens or (stop is not None and stop(torch.cat(new, 1))):
             break
-        logits = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1]  # (B, V)
+        logits = model(input_ids=tok, **{cache_kwarg(model): cache}, use_cache=True).logits[:, -1]  # (B, V)
     return torch.cat(new, 1).cpu()  # (B, n)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kvcalib.errors import KvcalibError
-from kvcalib.models import LoadedModel
+from kvcalib.models import LoadedModel, cache_kwarg
 from kvcalib.recipe import Recipe
 from kvcalib.runtime.sampling import Sampling
 
@@ -143,7 +143,7 @@ def generate(loaded: LoadedModel, prompt: str, recipe: Recipe | None, max_new_to
                 torch.manual_seed(sampling.seed)
         clock = _TokenClock(_streamer(tok, stream), next(model.parameters()).is_cuda)
         t0 = time.perf_counter()
-        out = model.generate(**enc, past_key_values=cache, max_new_tokens=max_new_tokens, **decoding,
+        out = model.generate(**enc, **{cache_kwarg(model): cache}, max_new_tokens=max_new_tokens, **decoding,
                              streamer=clock, pad_token_id=tok.pad_token_id)
         if next(model.parameters()).is_cuda:
             torch.cuda.synchronize()

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcalib.errors import KvcalibError
+from kvcalib.models import cache_from, cache_kwarg
 from kvcalib.runtime.sampling import Sampling, make_generator, sample
 
 
@@ -95,6 +96,7 @@ class GraphDecoder:
                                "the fused kernel: unset it, or decode without CUDA graphs")
         self.model = model
         self.cache = cache
+        self._cache_kw = cache_kwarg(model)  # `cache` on transformers 5.2x+, else `past_key_values`
         self.compressed = isinstance(cache, CompressedCache)
         self.device = next(model.parameters()).device
         if capture and self.device.type != "cuda":
@@ -126,7 +128,7 @@ class GraphDecoder:
             extra["attention_mask"] = self._mask4d
         if self._with_cache_position:
             extra["cache_position"] = self.position
-        out = self.model(input_ids=self.tok, position_ids=self.position_ids, past_key_values=self.cache,
+        out = self.model(input_ids=self.tok, position_ids=self.position_ids, **{self._cache_kw: self.cache},
                          use_cache=True, logits_to_keep=1, **extra)
         self._pick(out.logits[:, -1].float())
 
@@ -193,7 +195,7 @@ class GraphDecoder:
         """A step over the cache in its ordinary (dynamic) mode, e.g. while the sinks fill."""
         valid = self.cache.padding_mask()  # (B, n_seen) bool or None
         mask = None if valid is None else torch.cat([valid, valid.new_ones((valid.shape[0], 1))], 1).long()
-        out = self.model(input_ids=self.tok, position_ids=self.position_ids, past_key_values=self.cache,
+        out = self.model(input_ids=self.tok, position_ids=self.position_ids, **{self._cache_kw: self.cache},
                          use_cache=True, logits_to_keep=1, attention_mask=mask)
         self._pick(out.logits[:, -1].float())
 
@@ -283,7 +285,7 @@ class GraphDecoder:
             attention_mask = attention_mask.to(dev)
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                         **{self._cache_kw: self.cache}, use_cache=True, logits_to_keep=1)
         first_logits = out.logits[:, -1].float()  # (B, V)
         first = self._choose(first_logits)  # (B, 1) int64
         res = self.decode(first, t, position_ids[:, -1:] + 1, max_new_tokens - 1, eos_token_id, pad_token_id)
@@ -313,7 +315,7 @@ class _GenerateSteps(GraphDecoder):
     def _forward_step(self) -> None:
         self.state.refresh()
         extra = {"cache_position": self.position} if self._with_cache_position else {}
-        out = self.model(input_ids=self.tok, position_ids=self.position_ids, past_key_values=self.cache,
+        out = self.model(input_ids=self.tok, position_ids=self.position_ids, **{self._cache_kw: self.cache},
                          use_cache=True, logits_to_keep=1, **extra)
         self.logits.copy_(out.logits[:, -1])
 
@@ -353,7 +355,9 @@ class _GenerateSteps(GraphDecoder):
             self._retired, self._graph = self._graph, None
         elif self._graph is None and self.capture:
             self._capture()
-        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+        # the output's cache field is `cache` on transformers 5.2x+ (`past_key_values` before)
+        field_name = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+        return CausalLMOutputWithPast(logits=logits, **{field_name: cache})
 
     def close(self) -> None:
         self._graph = self._retired = None
@@ -365,7 +369,8 @@ class _GenerateSteps(GraphDecoder):
 
 @contextlib.contextmanager
 def cuda_graphs(model, *, capture: bool = True):
-    """Within the block, ``model.generate(..., past_key_values=CompressedCache)`` replays every
+    """Within the block, ``model.generate(..., past_key_values=CompressedCache)`` (or ``cache=``, the
+    keyword of transformers 5.2x+) replays every
     decode step from a CUDA graph: the one-liner for graph decoding in the generate call you
     already use (sampling, logits processors and stopping criteria stay generate's own)::
 
@@ -387,7 +392,7 @@ def cuda_graphs(model, *, capture: bool = True):
 
     @functools.wraps(original)  # generate reads the forward's signature (position_ids from the mask)
     def forward(*args, **kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = cache_from(kwargs)  # generate passes it as `cache` on transformers 5.2x+
         ids = kwargs.get("input_ids", args[0] if args else None)
         stepper = steppers.get(id(cache))
         eligible = (isinstance(cache, CompressedCache) and ids is not None and ids.dim() == 2 and ids.shape[1] == 1

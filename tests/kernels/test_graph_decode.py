@@ -265,12 +265,26 @@ def test_kvcalib_run_with_cuda_graphs_generates_the_eager_text(tiny_tokenizer):
     assert graph.kv_bytes > 0 and graph.effective_bits < 16
 
 
-@pytest.mark.parametrize("case", ["plain", "left-padding", "fitted"])
+@pytest.mark.parametrize("case", ["plain", "left-padding", "fitted", "cache-keyword"])
 def test_generate_inside_cuda_graphs_equals_plain_generate(monkeypatch, case):
     """kvcalib.cuda_graphs(model): plain model.generate with its decode steps in static mode (on CPU
     without capture, through the interpreter) gives the logits and tokens of plain generate, bit
-    for bit, across flushes; the model's forward is its own again after the block."""
+    for bit, across flushes; the model's forward is its own again after the block. The static
+    steps really run (counted), whichever keyword the cache comes by: ``past_key_values``, or
+    ``cache`` (transformers 5.2x+, which passes the cache to forward under that name either way)."""
+    from kvcalib.models import cache_kwarg
+    from kvcalib.runtime import graphs
     from kvcalib.runtime.graphs import cuda_graphs
+
+    taken = []
+    real_step = graphs._GenerateSteps.step
+
+    def counted(self, *args):
+        out = real_step(self, *args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(graphs._GenerateSteps, "step", counted)
 
     monkeypatch.setenv("KVCALIB_BACKEND", "triton")
     model = _model()
@@ -281,16 +295,22 @@ def test_generate_inside_cuda_graphs_equals_plain_generate(monkeypatch, case):
     if case == "left-padding":
         mask[1, :5] = 0
 
+    keyword = cache_kwarg(model) if case == "cache-keyword" else "past_key_values"
+    if case == "cache-keyword" and keyword != "cache":
+        pytest.skip("this transformers takes the cache as past_key_values only")
+
     def run():
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=36, min_new_tokens=36,
-                              do_sample=False, past_key_values=CompressedCache.from_recipe(model, recipe),
+                              do_sample=False, **{keyword: CompressedCache.from_recipe(model, recipe)},
                               output_logits=True, return_dict_in_generate=True, pad_token_id=0)
 
     plain = run()
+    assert not taken
     with cuda_graphs(model, capture=False) as same:
         assert same is model and "forward" in model.__dict__
         graphed = run()
     assert "forward" not in model.__dict__
+    assert sum(taken) >= 30, taken  # the decode steps ran static (all but those before the sinks fill)
     assert torch.equal(plain.sequences, graphed.sequences)
     assert torch.equal(torch.stack(plain.logits), torch.stack(graphed.logits))
 

@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as _cx
     from click import get_current_context as _current_context
 
-from kvcalib.errors import KvcalibError, environment_error, interrupted
+from kvcalib.errors import KvcalibError, StorageFailed, environment_error, interrupted
 from kvcalib.paths import default_run_dir
 
 _ABORT = (typer.Abort, getattr(_cx, "Abort", typer.Abort))  # Ctrl-C during parsing, in either click
@@ -218,7 +218,7 @@ def search(
     """Optuna per-layer {2,4,8}-bit search for the best recipe under a memory budget."""
     from kvcalib import preflight
     from kvcalib.optimize import SearchConfig
-    from kvcalib.optimize import search as run_search
+    from kvcalib.optimize.workers import search_any as run_search
     from kvcalib.optimize.provenance import command_line
 
     config = SearchConfig(model=model, data=data, text_field=text_field, out=out, samples=samples, seq_len=seq_len,
@@ -246,6 +246,9 @@ def search(
     except KeyboardInterrupt:
         _err(f"interrupted; {_search_left(config, ctx)}")
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except StorageFailed as err:  # what failed, then the exact command that goes on
+        _err(f"{err.problem}. {_search_left(config, ctx, failed=True)}")
+        raise typer.Exit(EXIT_USER_ERROR) from None
     except KvcalibError:
         raise
     except Exception as err:  # noqa: BLE001  (a storage or disk that failed mid-search; else a bug)

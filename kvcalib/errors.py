@@ -14,6 +14,15 @@ class KvcalibError(Exception):
     """
 
 
+class StorageFailed(KvcalibError):
+    """A study storage that failed mid-search. ``problem`` names what failed and what is kept,
+    without the advice on how to go on, which the command line replaces with the exact command."""
+
+    def __init__(self, problem: str, how_to_go_on: str) -> None:
+        super().__init__(f"{problem}; {how_to_go_on}")
+        self.problem = problem
+
+
 class RecipeError(KvcalibError):
     """A recipe file is corrupt, truncated, of another schema version or for another model."""
 

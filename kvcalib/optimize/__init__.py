@@ -235,7 +235,7 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     objective = SearchObjective(model, info, stats, score_ids, context=config.context, seed=config.seed,
                                 score_last=config.score_last)
     floor_bits = st.floor_bits(objective, space)
-    check_budget(config, space, floor_bits)
+    check_budget(config, space, floor_bits, objective)
     url = st.storage_url(config.storage, run_dir)
     default_storage = config.storage is None
     if default_storage and (run_dir / "study.db").exists() and not config.resume:
@@ -355,12 +355,31 @@ def front_top(budget: float, floor_bits: float) -> float:
     return max(2.0 * budget, floor_bits + 2.0)
 
 
-def check_budget(config: SearchConfig, space: SearchSpace, floor_bits: float) -> None:
-    """Refuse a budget below the cheapest point of the space (nothing could satisfy it)."""
+def check_budget(config: SearchConfig, space: SearchSpace, floor_bits: float, objective: Any = None) -> None:
+    """Refuse a budget below the cheapest point of the space (nothing could satisfy it), and (given
+    the ``objective`` that counts bits) a budget so close to it that no layer can take more bits:
+    every trial would then be the cheapest point again, and the search would choose nothing.
+    A Pareto search is not held to the second (its budget only picks the recipe it writes)."""
     if config.budget_bits < floor_bits - 1e-9:
         raise KvcalibError(f"--budget-bits {config.budget_bits:g} is below the floor of the search space: every layer at "
                            f"{min(space.bits)} bits (group {max(space.groups)}, window {min(space.windows)}) already takes "
                            f"{floor_bits:.3f} effective bits at context {config.context}. Pass --budget-bits {math.ceil(floor_bits * 100) / 100:.2f} or more.")
+    levels = sorted(set(space.bits))
+    if objective is None or len(levels) < 2 or getattr(config, "objective", "budget") == "pareto":
+        return
+    import dataclasses
+
+    n = objective.info.num_layers
+    floor = space.floor_point(n)
+    raised = dataclasses.replace(floor, v_bits=(levels[1],) + floor.v_bits[1:])  # one layer's values a level up
+    step_bits = min(objective.effective_bits(dataclasses.replace(raised, schedule=s), with_tensors="layers")
+                    for s in space.schedules)
+    if config.budget_bits < step_bits - 1e-9:
+        raise KvcalibError(f"--budget-bits {config.budget_bits:g} leaves no room to search: the cheapest point takes "
+                           f"{floor_bits:.3f} effective bits and raising a single layer's values to {levels[1]} bits "
+                           f"already takes {step_bits:.3f}, so every trial would be the cheapest point. Pass "
+                           f"--budget-bits {math.ceil(step_bits * 100) / 100:.2f} or more (well above it lets the "
+                           f"search place bits where they matter).")
 
 
 def _quiet() -> bool:
@@ -487,12 +506,9 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
     from kvcalib.optimize import report
     from kvcalib.stats import CollectedStats
 
-    if config.workers != 1:
-        from kvcalib.optimize.workers import resolve_workers, search_workers, visible_gpus
-
-        if resolve_workers(config.workers, visible_gpus(config.device)) > 1:
-            return search_workers(config, progress=progress)
-        config.workers = 1  # auto without a GPU: this process is the one worker
+    if config.workers != 1:  # the launcher imports this module, so it is not imported from here
+        raise KvcalibError(f"search() runs one worker; workers={config.workers!r} runs through "
+                           "kvcalib.optimize.workers.search_any(config), which starts the processes.")
     t0 = time.perf_counter()
     torch.manual_seed(config.seed)
     if config.out is None:
@@ -523,8 +539,8 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
     from kvcalib.optimize.objective import SearchObjective
     from kvcalib.optimize.study import floor_bits
 
-    check_budget(config, space, floor_bits(SearchObjective(loaded.model, info, None, torch.zeros(1, 2, dtype=torch.long),
-                                                           context=config.context), space))
+    counter = SearchObjective(loaded.model, info, None, torch.zeros(1, 2, dtype=torch.long), context=config.context)
+    check_budget(config, space, floor_bits(counter, space), counter)
     if not has_stats:
         collect(CollectConfig(model=config.model, data=config.data, split="calib", text_field=config.text_field,
                               samples=config.samples, seq_len=config.seq_len, batch_size=4,

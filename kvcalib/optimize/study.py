@@ -64,7 +64,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from kvcalib.errors import KvcalibError
+from kvcalib.errors import KvcalibError, StorageFailed
 from kvcalib.optimize.space import Point, SearchSpace, point_params
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -90,6 +90,24 @@ OBJECTIVES = ("budget", "pareto")
 # ------------------------------------------------------------------ storage
 def storage_url(storage: str | None, run_dir: Path) -> str:
     return storage if storage else f"sqlite:///{Path(run_dir).resolve() / 'study.db'}"
+
+
+def _create_rdb(url: str, engine: dict, beat: dict, attempts: int = 5):
+    """Optuna's RDB storage for ``url``. Workers that start together on a fresh database all
+    create its tables at once; on PostgreSQL the losers of that race fail with an IntegrityError
+    (or a ProgrammingError: "relation already exists"). Another try then finds the tables made."""
+    import random
+    import time as _time
+
+    for attempt in range(attempts):
+        try:
+            return _quiet_rdb()(url, engine_kwargs=engine, **beat)
+        except Exception as err:  # noqa: BLE001  (SQLAlchemy's types; matched by name, imported lazily)
+            race = type(err).__name__ in ("IntegrityError", "ProgrammingError") or "already exists" in str(err)
+            if not race or attempt == attempts - 1:
+                raise
+            _time.sleep(0.2 + random.random() * 0.5)  # jittered: the racers do not meet again
+    raise AssertionError("unreachable")
 
 
 def open_storage(url: str, heartbeat: int | None = None):
@@ -125,7 +143,7 @@ def open_storage(url: str, heartbeat: int | None = None):
             if heartbeat:
                 beat = {"heartbeat_interval": int(heartbeat), "grace_period": GRACE_BEATS * int(heartbeat),
                         **_retry_callback()}
-            return _quiet_rdb()(url, engine_kwargs=engine, **beat)
+            return _create_rdb(url, engine, beat)
     except KvcalibError:
         raise
     except Exception as err:  # SQLAlchemy/driver errors vary by backend; all mean "unreachable"
@@ -376,9 +394,17 @@ def storage_errors(url: str, resume_hint: str) -> Iterator[None]:
         from kvcalib.optimize.provenance import describe_storage
 
         first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:160]
-        raise KvcalibError(f"the study storage {describe_storage(url)} failed mid-search ({type(inner).__name__}: "
-                           f"{first}): every finished trial is kept there; once it is reachable again, {resume_hint} "
-                           "(the trial that was running is retried).") from None
+        where = describe_storage(url)
+        if "disk is full" in first or "No space left" in first:
+            raise StorageFailed(f"no space left on the device holding the study's database ({where}); every "
+                                "finished trial is kept", f"free some space, then {resume_hint}.") from None
+        if "not a database" in first or "malformed" in first:  # the file itself was overwritten
+            raise StorageFailed(f"the study storage failed: {where} is corrupt ({type(inner).__name__}: {first}) "
+                                "and its trials are lost with it",
+                                "restore it from a copy, or start a new search with another --out.") from None
+        raise StorageFailed(f"the study storage {where} failed mid-search ({type(inner).__name__}: {first}): every "
+                            "finished trial is kept there",
+                            f"once it is reachable again, {resume_hint} (the trial that was running is retried).") from None
 
 
 def drain(study: "optuna.Study", fn: Callable, *, poll: float = 1.0, callbacks: tuple[Callable, ...] = (),

@@ -98,6 +98,17 @@ def worker_env(index: int, gpus: Sequence[str], n: int, base: dict[str, str] | N
     return env
 
 
+def search_any(config, *, progress: bool = True):
+    """``kvcalib search`` with ``config.workers`` as given: several processes sharing one study
+    (:func:`search_workers`), or this process alone (``auto`` without a GPU, or 1)."""
+    from kvcalib.optimize import search
+
+    if config.workers != 1 and resolve_workers(config.workers, visible_gpus(config.device)) > 1:
+        return search_workers(config, progress=progress)
+    config.workers = 1  # auto without a GPU: this process is the one worker
+    return search(config, progress=progress)
+
+
 def search_workers(config, *, progress: bool = True):
     """Run ``config`` as ``config.workers`` processes sharing one study; the
     :class:`~kvcalib.optimize.SearchResult` of the first worker that finished (worker 0's)."""

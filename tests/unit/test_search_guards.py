@@ -153,3 +153,30 @@ def test_storage_lost_tells_a_vanished_or_replaced_study_from_a_bug(tmp_path):
     assert "no longer holds study 'mine'" in guards.storage_lost(cfg)
     journal.write_bytes(b"\xff\xfe not a journal")  # Optuna skips lines it cannot parse: no study left
     assert str(journal) in guards.storage_lost(cfg)
+
+
+def test_a_budget_with_no_room_above_the_floor_is_refused_with_the_budget_that_works(run, tmp_path):
+    """Between the cheapest point and the cheapest point with one layer's values a level up, every
+    trial is the cheapest point: refused before any work, naming the budget that leaves room; at
+    that budget the search runs."""
+    import math
+    import re
+
+    from kvcalib.optimize import search
+
+    loaded, run_dir, text = run
+    folder = _copy(run_dir, tmp_path / "run")
+    import torch
+
+    from kvcalib.optimize.objective import SearchObjective
+    from kvcalib.optimize.study import floor_bits
+
+    counter = SearchObjective(loaded.model, loaded.info, None, torch.zeros(1, 2, dtype=torch.long), context=256)
+    floor = floor_bits(counter, _config(folder, text).space)
+    with pytest.raises(KvcalibError, match=r"leaves no room to search.*Pass --budget-bits") as err:
+        search(_config(folder, text, budget_bits=math.ceil(floor * 100) / 100 + 0.001), loaded=loaded, progress=False)
+    needed = float(re.search(r"Pass --budget-bits ([0-9.]+)", str(err.value)).group(1))
+    assert needed > floor
+    assert not (folder / "study.db").exists()  # refused before the study is created
+    doc = search(_config(folder, text, budget_bits=needed), loaded=loaded, progress=False)
+    assert doc.n_trials == 2

@@ -210,3 +210,34 @@ def test_worker_environment_pins_one_gpu_each(monkeypatch):
     assert "KVCALIB_QUIET" not in envs[0] and envs[1]["KVCALIB_QUIET"] == "1"
     cpu = worker_env(1, [], 2, base={})
     assert "CUDA_VISIBLE_DEVICES" not in cpu and int(cpu["KVCALIB_WORKER_THREADS"]) >= 1
+
+
+def test_workers_racing_to_create_a_fresh_databases_tables_try_again(monkeypatch):
+    """PostgreSQL: workers that start together all create the study tables; the losers' IntegrityError
+    means the tables are there now, so opening tries again (and a real failure is not retried forever)."""
+    from kvcalib.optimize import study
+
+    class IntegrityError(Exception):
+        pass
+
+    calls = []
+
+    def storage_class():
+        def make(url, **kw):
+            calls.append(url)
+            if len(calls) == 1:
+                raise IntegrityError('duplicate key value violates unique constraint "pg_type_typname_nsp_index"')
+            return "storage"
+        return make
+
+    monkeypatch.setattr(study, "_quiet_rdb", storage_class)
+    assert study._create_rdb("postgresql://x/y", {}, {}) == "storage" and len(calls) == 2
+
+    def always_refused():
+        def make(url, **kw):
+            raise ConnectionRefusedError("connection refused")
+        return make
+
+    monkeypatch.setattr(study, "_quiet_rdb", always_refused)
+    with pytest.raises(ConnectionRefusedError):
+        study._create_rdb("postgresql://x/y", {}, {})

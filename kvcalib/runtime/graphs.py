@@ -382,11 +382,21 @@ def cuda_graphs(model, *, capture: bool = True):
     prompt, other caches, a layer the kernel does not cover raises as GraphDecoder does) run the
     model as it is. The model's forward is wrapped for the block only (on the instance; restored
     on exit, also after an error). ``capture=False`` runs the same static steps without graphs
-    (CPU tests under the Triton interpreter)."""
+    (CPU tests under the Triton interpreter). A model off CUDA is left as it is, with a warning:
+    generate inside the block then runs eagerly."""
     from kvcalib.runtime.cache import CompressedCache
 
     import functools
 
+    if capture and next(model.parameters()).device.type != "cuda":
+        # the same code runs on a laptop and on the GPU server: off CUDA there is nothing to replay,
+        # and generate inside the block is generate
+        import warnings
+
+        warnings.warn("kvcalib.cuda_graphs: the model is not on a CUDA device, so generate runs as it is "
+                      "(no CUDA graphs)", stacklevel=3)
+        yield model
+        return
     original = model.forward
     steppers: dict[int, _GenerateSteps] = {}
 

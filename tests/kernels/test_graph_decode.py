@@ -331,3 +331,13 @@ def test_generate_inside_cuda_graphs_replays_captured_steps():
             runs.append(model.generate(input_ids=ids, max_new_tokens=70, min_new_tokens=70, do_sample=False,
                                        past_key_values=cache, pad_token_id=0))
     assert torch.equal(runs[0], runs[1])
+
+
+def test_cuda_graphs_on_a_cpu_model_leaves_generate_as_it_is():
+    """The README's one-liner runs anywhere: off CUDA the block warns and changes nothing."""
+    import kvcalib
+
+    model = _model().cpu()
+    with pytest.warns(UserWarning, match="not on a CUDA device"):
+        with kvcalib.cuda_graphs(model) as same:
+            assert same is model and "forward" not in model.__dict__

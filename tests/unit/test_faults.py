@@ -113,7 +113,8 @@ def _resume_command(stderr: str) -> list[str]:
 
 
 def _wait_running(db: Path, complete: int, timeout: float = 300) -> None:
-    """Until ``db`` holds ``complete`` finished trials and one running (a kill now lands mid-trial)."""
+    """Until ``db`` holds ``complete`` finished (complete or pruned) trials and one running (a kill now
+    lands mid-trial)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
@@ -121,7 +122,7 @@ def _wait_running(db: Path, complete: int, timeout: float = 300) -> None:
         except sqlite3.Error:  # the writer holds a lock: read again
             trials = {}
         states = [s for s, _ in trials.values()]
-        if states.count("COMPLETE") >= complete and "RUNNING" in states:
+        if states.count("COMPLETE") + states.count("PRUNED") >= complete and "RUNNING" in states:
             return
         time.sleep(0.05)
     raise AssertionError(f"no running trial after {complete} complete ones within {timeout} s")
@@ -150,8 +151,13 @@ def test_sigint_mid_search_prints_the_command_that_resumes_it(world, tmp_path):
 def test_kill_9_mid_trial_loses_no_finished_trial(world, tmp_path):
     base, collected, _ = world
     out = shutil.copytree(collected, tmp_path / "run")
-    run = Running([*base, "--out", str(out)])
-    run.wait_for(f"search: 2/{TRIALS}")
+    # a trial budget the search cannot finish before the kill: with TRIALS, fast trials could all
+    # end before a running one is seen (it happened in full CI runs); the resume asks for TRIALS
+    # (the trial count is no part of the study's objective)
+    long = [*base[:-1], "40"]
+    assert base[-2] == "--trials"
+    run = Running([*long, "--out", str(out)])
+    run.wait_for("search: 2/40")
     _wait_running(out / "study.db", 2)
     run.proc.kill()
     code, _ = run.finish()
@@ -159,7 +165,8 @@ def test_kill_9_mid_trial_loses_no_finished_trial(world, tmp_path):
     before = _trials(out / "study.db")
     kept = {n: v for n, (s, v) in before.items() if s == "COMPLETE"}
     killed = [n for n, (s, _) in before.items() if s == "RUNNING"]
-    assert len(kept) >= 2 and len(killed) == 1
+    finished = [n for n, (s, _) in before.items() if s in ("COMPLETE", "PRUNED")]
+    assert len(finished) >= 2 and len(killed) == 1
     resumed = subprocess.run([*base, "--out", str(out), "--resume"], env=ENV, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     after = _complete(out / "study.db")

@@ -169,7 +169,10 @@ class SearchObjective:
             keep = {"logits_to_keep": self.keep} if self.keep else {}
             with torch.no_grad():
                 logits = self.model(input_ids=self.ids[m:m + 1].to(self._device), use_cache=False, **keep).logits[0]
-            self._ref[m] = torch.log_softmax(logits.float(), dim=-1).cpu()  # (T, V)
+            logp = torch.log_softmax(logits.float(), dim=-1).cpu()  # (T, V)
+            # held in host memory (every sequence's (T, V) would crowd the GPU), pinned there so
+            # that each trial's copy back to the device is one fast DMA
+            self._ref[m] = logp.pin_memory() if logits.is_cuda else logp
         return self._ref[m]
 
     @property
@@ -194,9 +197,12 @@ class SearchObjective:
             ref = self.reference(m)
             if any(c.compressed for c in configs):
                 logits = simulated_logits(self.model, self.ids[m:m + 1].to(self._device), configs, codecs,
-                                          self.prompt_len, self.keep or 0)[0].cpu()  # (T | keep, V)
+                                          self.prompt_len, self.keep or 0)[0]  # (T | keep, V)
                 self.simulations += 1
-                total += kl_to_reference(ref, logits, 0 if self.keep else self.prompt_len)
+                # the KL where the logits are: on a GPU, float64 over (512, V) on the host took most
+                # of a trial, and workers sharing the host's cores slowed each other 2-10x
+                total += kl_to_reference(ref.to(logits.device, non_blocking=True), logits,
+                                         0 if self.keep else self.prompt_len)
             if report is not None:
                 report(step, total / (step + 1))
         return total / max(len(seqs), 1)

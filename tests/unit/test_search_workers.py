@@ -210,6 +210,11 @@ def test_worker_environment_pins_one_gpu_each(monkeypatch):
     assert "KVCALIB_QUIET" not in envs[0] and envs[1]["KVCALIB_QUIET"] == "1"
     cpu = worker_env(1, [], 2, base={})
     assert "CUDA_VISIBLE_DEVICES" not in cpu and int(cpu["KVCALIB_WORKER_THREADS"]) >= 1
+    # GPU workers share the host's cores too: each gets its share of threads, torch's and OpenMP's
+    monkeypatch.setattr("os.cpu_count", lambda: 32)
+    gpu_envs = [worker_env(i, gpus, 2, base={}) for i in range(2)]
+    assert [(e["KVCALIB_WORKER_THREADS"], e["OMP_NUM_THREADS"]) for e in gpu_envs] == [("16", "16")] * 2
+    assert worker_env(0, gpus, 2, base={"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"  # the user's setting stays
 
 
 def test_workers_racing_to_create_a_fresh_databases_tables_try_again(monkeypatch):

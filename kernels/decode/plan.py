@@ -18,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcalib.quant.rotation import check_rotation, rotate, unrotate
+from kvcalib.quant.rotation import check_rotation
 from kvcalib_kernels.decode.combine import _combine
+from kvcalib_kernels.decode.rotation import rotate_back_partials, rotate_query
 from kvcalib_kernels.decode.common import (LOG2E, _cdiv, _check_fp, _dummy, _fp_segment_args, _interpreting,
                                            _packed_range, _pow2_divisor, _tl_dtype, _visibility)
 from kvcalib_kernels.decode.split_kernel import _decode_split_kernel
@@ -581,7 +582,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     q_packed = rot_v = None
     if n and k_rot is not None:
         matrix, signs = _check_rot("k_rot", k_rot, h, d, dev)
-        q_packed = rotate(q.reshape(bsz, h, rep, d), matrix, signs).reshape(bsz, hq, d)  # (B, Hq, D) float32
+        q_packed = rotate_query(q, h, (matrix, signs))  # (B, Hq, D) float32
     if n and v_rot is not None:
         rot_v = _check_rot("v_rot", v_rot, h, d, dev)
     has_range, lo, hi = _packed_range(packed_start, packed_end, bsz, n, dev)
@@ -653,7 +654,7 @@ def _run(q: torch.Tensor, calls: list[_SplitCall | None], return_lse: bool, out_
         _SPLIT((c.bh, c.s_tot), (q, q.stride(0), q.stride(1), qp, qp.stride(0), qp.stride(1), m_part, l_part, o_part,
                                  s_all, s_off, *c.args), c.meta)
         if c.v_rot is not None and c.splits:
-            _rotate_back(o_part, bsz, c.bh // bsz, s_off, c.splits, c.v_rot)
+            rotate_back_partials(o_part, bsz, c.bh // bsz, s_off, c.splits, c.v_rot)
         s_off += c.s_tot
     lse = torch.empty((bsz, hq), dtype=torch.float32, device=q.device) if return_lse else None  # (B, Hq)
     _combine(m_part, l_part, o_part, s_all, out, lse)
@@ -661,17 +662,6 @@ def _run(q: torch.Tensor, calls: list[_SplitCall | None], return_lse: bool, out_
 
 
 _SPLIT = FastLauncher(_decode_split_kernel)
-
-
-def _rotate_back(o_part: torch.Tensor, bsz: int, h: int, s_off: int, splits: int, rot) -> None:
-    """Rotate the packed splits' value accumulators of one call back to the input basis, in place:
-    o_part (B*Hq, S, D) columns [s_off, s_off + splits) of every row, ``acc -> acc R^T`` per kv head
-    (linear, so the combine's weights may come after)."""
-    rows, s_all, d = o_part.shape
-    rep = rows // (bsz * h)
-    part = o_part.view(bsz, h, rep, s_all, d)[:, :, :, s_off:s_off + splits]  # (B, H, R, S', D)
-    back = unrotate(part.reshape(bsz, h, rep * splits, d), *rot)  # (B, H, R * S', D)
-    part.copy_(back.view(bsz, h, rep, splits, d))
 
 
 def _check_q(q) -> torch.Tensor:

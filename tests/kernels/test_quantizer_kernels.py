@@ -43,6 +43,34 @@ def _rotation(kind: str, h: int, d: int, seed: int):
     return _orthogonal(h, d, seed).to(DEVICE), None
 
 
+@pytest.mark.parametrize("kind", ["hadamard", "pca"])
+@pytest.mark.parametrize("h,rep,d,splits", [(2, 4, 32, 3), (1, 7, 64, 20), (3, 1, 16, 1)])
+def test_rotation_kernels_match_the_torch_products(kind, h, rep, d, splits):
+    """The launcher's two rotation kernels against :mod:`kvcalib.quant.rotation`'s products: the
+    query rotated (any float dtype in, float32 out) and the accumulators of a call's packed
+    columns rotated back in place, the other columns untouched."""
+    from kvcalib.quant.rotation import rotate, unrotate
+    from kvcalib_kernels.decode.rotation import rotate_back_partials, rotate_query
+
+    torch.manual_seed(h * 100 + d)
+    bsz, s_all, s_off = 2, splits + 5, 2
+    rot = _rotation(kind, h, d, seed=d)
+    q = torch.randn(bsz, h * rep, d, device=DEVICE).to(torch.bfloat16)  # (B, Hq, D)
+    want = rotate(q.reshape(bsz, h, rep, d), *rot).reshape(bsz, h * rep, d)  # (B, Hq, D) float32
+    got = rotate_query(q, h, rot)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+    o_part = torch.randn(bsz * h * rep, s_all, d, device=DEVICE)  # (B*Hq, S, D) float32
+    before = o_part.clone()
+    rotate_back_partials(o_part, bsz, h, s_off, splits, rot)
+    cols = before.view(bsz, h, rep, s_all, d)[:, :, :, s_off:s_off + splits]  # (B, H, R, S', D)
+    back = unrotate(cols.reshape(bsz, h, rep * splits, d), *rot).view(bsz, h, rep, splits, d)
+    after = o_part.view(bsz, h, rep, s_all, d)
+    assert torch.allclose(after[:, :, :, s_off:s_off + splits], back, atol=1e-5, rtol=1e-5)
+    assert torch.equal(after[:, :, :, :s_off], before.view(bsz, h, rep, s_all, d)[:, :, :, :s_off])
+    assert torch.equal(after[:, :, :, s_off + splits:], before.view(bsz, h, rep, s_all, d)[:, :, :, s_off + splits:])
+
+
 @pytest.mark.parametrize("case", [
     dict(sides="kv", kind="hadamard"), dict(sides="k", kind="hadamard"), dict(sides="v", kind="hadamard"),
     dict(sides="kv", kind="pca"), dict(sides="kv", kind="hadamard", d=128, rep=1, k_bits=4, v_bits=4),

@@ -9,7 +9,7 @@
 # SmolLM2-135M GGUF arrive in parts: .gpu/p1 (first part, the stamp, the texts) and .gpu/p2 (the
 # second part) come in two calls made back to back (a warm machine keeps /tmp between them); the
 # GGUF is assembled once both parts are there (kvcalib checks it against the pinned sha256 on use).
-# Qwen2.5-Coder-0.5B likewise from .gpu/q1 .. .gpu/q8. (The .gpu/ parts are made by splitting the
+# Qwen2.5-Coder-0.5B likewise from .gpu/q1 .. .gpu/q9. (The .gpu/ parts are made by splitting the
 # files of ~/.cache/kvcalib/models with `split -b`; .gpu/ is git-ignored.)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVCALIB_QUIET=1
 if [ -d .whl ] && [ ! -e /tmp/site/.done ]; then
@@ -34,14 +34,16 @@ if [ ! -s "$GGUF" ] && [ -s "$KVCALIB_HOME/parts/smol.part.00" ] && [ -s "$KVCAL
   cat "$KVCALIB_HOME"/parts/smol.part.0* > "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF"
   echo "device_env: SmolLM2 GGUF assembled: $(sha256sum "$GGUF" | cut -c1-16)"
 fi
-# Qwen2.5-Coder-0.5B: eight parts in .gpu/q1 .. .gpu/q8, one a call (q1 brings the stamp too)
+# Qwen2.5-Coder-0.5B: nine parts in .gpu/q1 .. .gpu/q9, one a call (q1 brings the stamp and the count)
 QWEN=$KVCALIB_HOME/models/qwen2.5-coder-0.5b
 mkdir -p "$QWEN"
 for d in .gpu/q*; do [ -d "$d" ] && cp "$d"/qwen.part.* "$KVCALIB_HOME/parts/"; done
-[ -d .gpu/q1 ] && cp .gpu/q1/*.json .gpu/q1/ATTRIBUTION.txt "$QWEN/"
+[ -d .gpu/q1 ] && cp .gpu/q1/*.json .gpu/q1/ATTRIBUTION.txt .gpu/q1/qwen.parts "$QWEN/"
 QGGUF=$QWEN/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
-if [ ! -s "$QGGUF" ] && [ "$(ls "$KVCALIB_HOME"/parts/qwen.part.0* 2>/dev/null | wc -l)" = 8 ]; then
-  cat "$KVCALIB_HOME"/parts/qwen.part.0* > "$QGGUF.tmp" && mv "$QGGUF.tmp" "$QGGUF"
+# qwen.parts (from .gpu/q1): how many parts make the file (each call carries < 64 MiB with the tree)
+if [ ! -s "$QGGUF" ] && [ -s "$QWEN/qwen.parts" ] \
+    && [ "$(ls "$KVCALIB_HOME"/parts/qwen.part.* 2>/dev/null | wc -l)" = "$(cat "$QWEN/qwen.parts")" ]; then
+  cat "$KVCALIB_HOME"/parts/qwen.part.* > "$QGGUF.tmp" && mv "$QGGUF.tmp" "$QGGUF"
   echo "device_env: Qwen GGUF assembled: $(sha256sum "$QGGUF" | cut -c1-16)"
 fi
 echo "device_env: parts held: $(ls "$KVCALIB_HOME/parts" | tr '\n' ' ')"

@@ -15,7 +15,9 @@
 #    recipes, into artifacts/results/long_context.{json,md} and a PNG per context.
 # Env: TRIALS (30), SCORE_LAST (CONTEXT/8), SCORE_SAMPLES (2), COLLECT_LEN (2048), SAMPLES (8),
 # PPL_SAMPLES (2), PASSKEY_TRIALS (2), RUNS (artifacts/runs/long-MODEL-CONTEXT), KVCALIB (the command:
-# default `kvcalib`, or `python3 -m kvcalib.cli` where it is not installed). A GPU makes it minutes.
+# default `kvcalib`, or `python3 -m kvcalib.cli` where it is not installed), SEARCH_ARGS (more options
+# for `kvcalib search`, e.g. "--timeout 300"). A GPU makes it minutes. Steps already done in RUNS are
+# skipped, so the script can go on in a later call; an empty "EVAL CONTEXTS" stops after the searches.
 set -euo pipefail
 MODEL=$1; CTX=$2; EVAL_CTXS=$3; BUDGETS=${4:-"3.0 4.0"}
 TRIALS=${TRIALS:-30}; SCORE_LAST=${SCORE_LAST:-$((CTX / 8))}; SCORE_SAMPLES=${SCORE_SAMPLES:-2}
@@ -33,13 +35,15 @@ for B in $BUDGETS; do
     mkdir -p "$run" && cp "$RUNS/stats/stats.safetensors" "$RUNS/stats/run.json" "$run/"
     $KVCALIB search --model "$MODEL" --data longtext --out "$run" --budget-bits "$B" --context "$CTX" \
       --samples "$SAMPLES" --seq-len "$COLLECT_LEN" --score-seq-len "$CTX" --score-last "$SCORE_LAST" \
-      --score-samples "$SCORE_SAMPLES" --trials "$TRIALS" --eval-seq-len "$CTX" --eval-samples "$PPL_SAMPLES"
+      --score-samples "$SCORE_SAMPLES" --trials "$TRIALS" --eval-seq-len "$CTX" --eval-samples "$PPL_SAMPLES" \
+      ${SEARCH_ARGS:-}
   fi
   if [ -f "$run/recipe.safetensors" ]; then
     mkdir -p "$dest" && cp "$run"/recipe.safetensors "$run"/report.md "$run"/search.json "$run"/*.png "$dest/"
     recipes+=(--recipe "$dest/recipe.safetensors")
   fi
 done
+[ -n "${EVAL_CTXS// }" ] || exit 0
 ctx_args=(); for c in $EVAL_CTXS; do ctx_args+=(--context "$c"); done
 $PY benchmarks/long_context.py --model "$MODEL" "${ctx_args[@]}" "${recipes[@]}" --ppl-samples "$PPL_SAMPLES" \
   --passkey-trials "$PASSKEY_TRIALS"

@@ -175,9 +175,14 @@ def too_short_note(result: GenerationResult, recipe: Recipe) -> str | None:
     fit the recipe's full-precision window (and sinks), so the run measured an uncompressed cache."""
     if result.compressed_tokens > 0:
         return None
-    layer = recipe.default_layer
+    # a fitted recipe has one config per layer (no default_layer): the note names the longest
+    # window + sinks among its compressed layers, what a prompt must pass for every layer to compress
+    layers = [c for c in (recipe.layers or [recipe.default_layer]) if c is not None and c.compressed]
+    if not layers:
+        return None  # a full-precision recipe: nothing is ever compressed, by design
+    widest = max(layers, key=lambda c: c.window + c.sinks)
     held = result.prompt_tokens + len(result.new_tokens)
     return (f"note: nothing was compressed: the {result.prompt_tokens}-token prompt and {len(result.new_tokens)} new "
-            f"tokens ({held} in all) fit the recipe's full-precision window ({layer.window} tokens, {layer.sinks} "
+            f"tokens ({held} in all) fit the recipe's full-precision window ({widest.window} tokens, {widest.sinks} "
             f"sinks, flushed in groups), so this run measured an uncompressed cache: pass a longer --prompt-file "
-            f"(over {layer.window + layer.sinks} tokens) to see compression.")
+            f"(over {widest.window + widest.sinks} tokens) to see compression.")

@@ -34,3 +34,19 @@ def test_a_short_prompt_is_named_and_a_long_one_compresses(tiny_tokenizer):
     # per-token times: a first-token time and a warm rate, both from the streamer's clock
     assert long.first_token_seconds is not None and 0 < long.first_token_seconds <= long.seconds
     assert long.decode_tokens_per_second > 0 and len(long.new_tokens) == 6
+
+
+def test_the_short_prompt_note_reads_a_fitted_recipes_layers(tiny_tokenizer):
+    """A fitted recipe has a config per layer and no default layer: the note names the widest
+    window + sinks of its compressed layers (a 16-bit layer never compresses)."""
+    loaded = tiny_loaded_model(tiny_tokenizer)
+    n = loaded.info.num_layers
+    layers = [LayerConfig(k_bits=2, v_bits=2, k_group=16, v_group=16, window=16)] * (n - 1) + [
+        LayerConfig(k_bits=4, v_bits=4, k_group=16, v_group=16, window=32, sinks=4)]
+    fitted = Recipe(name="fitted", layers=layers, model=loaded.info)
+    short = generate(loaded, "the cat", fitted, max_new_tokens=3)
+    note = too_short_note(short, fitted)
+    assert note is not None and "32 tokens, 4 sinks" in note and "over 36 tokens" in note
+    fp = Recipe(name="fp", layers=[LayerConfig(k_bits=16, v_bits=16)] * n, model=loaded.info)
+    assert too_short_note(generate(loaded, "the cat", fp, max_new_tokens=2), fp) is None
+

@@ -49,23 +49,37 @@ def interrupted(err: BaseException) -> bool:
     return any(isinstance(e, KeyboardInterrupt) for e in _chain(err))
 
 
+# modules whose errors are a study storage failing: SQLAlchemy (Optuna's RDB storage), the database
+# drivers under it, sqlite3; and Optuna's own StorageInternalError (by name: nothing imported here)
+STORAGE_ERROR_MODULES = ("sqlalchemy", "psycopg", "pymysql", "MySQLdb", "sqlite3")
+
+
+def innermost_storage_error(chain: list[BaseException]) -> BaseException | None:
+    """The innermost study-storage error of an exception ``chain`` (outermost first), or None:
+    the one classifier the command line (:func:`environment_error`) and the search's
+    mid-search handler (:func:`kvcalib.optimize.study.storage_errors`) share."""
+    for e in reversed(chain):
+        if type(e).__module__.startswith(STORAGE_ERROR_MODULES) or type(e).__name__ == "StorageInternalError":
+            return e
+    return None
+
+
 def environment_error(err: BaseException) -> str | None:
     """One line for an error of the user's environment that reached the command line (a write to a
     full or read-only disk, a file that vanished, a study database that went away), naming the
     problem and the fix; None for anything else, which is a bug and keeps its traceback.
 
     Third-party error types are recognised by name, so this module imports none of them:
-    SQLAlchemy's and sqlite3's errors (Optuna's RDB storage), Optuna's ``StorageInternalError``,
+    SQLAlchemy's, the database drivers' and sqlite3's errors (Optuna's RDB storage, PostgreSQL
+    included), Optuna's ``StorageInternalError``,
     and safetensors' I/O errors (it reports a full disk as ``SafetensorError: ... IoError``).
     """
     chain = _chain(err)
     for e in chain:  # the most specific first: an OS error names the path
         if isinstance(e, OSError):
             return os_error_line(e)
-    storage = [e for e in chain if type(e).__module__.startswith(("sqlalchemy", "sqlite3"))
-               or type(e).__name__ == "StorageInternalError"]
-    if storage:
-        inner = storage[-1]  # the driver's own words ("database or disk is full") beat Optuna's wrapper's
+    inner = innermost_storage_error(chain)  # the driver's own words ("database or disk is full") beat Optuna's
+    if inner is not None:
         first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:200]
         if "disk is full" in first or "No space left" in first:
             return "no space left on the device holding the study's database: free some space"

@@ -64,7 +64,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from kvcalib.errors import KvcalibError, StorageFailed
+from kvcalib.errors import KvcalibError, StorageFailed, innermost_storage_error
 from kvcalib.optimize.space import Point, SearchSpace, point_params
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -371,12 +371,7 @@ def _storage_failure(err: BaseException) -> BaseException | None:
     while current is not None and all(current is not e for e in seen):
         seen.append(current)
         current = current.__cause__ or current.__context__
-    for e in reversed(seen):  # the innermost: the driver's own words beat Optuna's wrapper's
-        module = type(e).__module__
-        if module.startswith(("sqlalchemy", "psycopg", "pymysql", "MySQLdb", "sqlite3")) \
-                or type(e).__name__ == "StorageInternalError":
-            return e
-    return None
+    return innermost_storage_error(seen)  # the driver's own words beat Optuna's wrapper's
 
 
 @contextlib.contextmanager

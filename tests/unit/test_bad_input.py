@@ -336,6 +336,25 @@ def test_a_storage_error_is_one_line_naming_the_drivers_words(monkeypatch):
     assert "no space left on the device holding the study's database" in result.stderr
 
 
+def test_a_postgresql_drivers_error_is_a_storage_failure_too(monkeypatch):
+    """The command line and the search's mid-search handler share one classifier: a PostgreSQL
+    driver's error (psycopg) reaching the command line is one line, not a traceback."""
+    import kvcalib.inspect
+
+    OperationalError = type("OperationalError", (Exception,), {"__module__": "psycopg.errors"})
+    try:
+        try:
+            raise OperationalError("connection to server at 127.0.0.1, port 5432 failed: Connection refused")
+        except Exception as inner:
+            raise RuntimeError("An exception is raised during the commit.") from inner
+    except RuntimeError as outer:
+        err = outer
+    monkeypatch.setattr(kvcalib.inspect, "inspect_recipe", _raise(err))
+    result = CliRunner().invoke(app, ["inspect", "kivi-2"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "the study storage failed (OperationalError: connection to server" in result.stderr
+
+
 def test_ctrl_c_is_one_line_and_exit_130(monkeypatch):
     import kvcalib.inspect
 

@@ -51,14 +51,20 @@ def test_levels_encode_to_the_nearest_and_decode_by_lookup():
             check_levels(bad, 2)
 
 
-def test_lloyd_max_on_a_uniform_density():
-    """Four levels for a uniform density on [0, 3]: the cell midpoints 3/8, 9/8, 15/8, 21/8."""
+def test_lloyd_max_pins_the_ends_and_moves_the_inner_levels():
+    """A uniform density on [0, 3] keeps the uniform grid (with the ends pinned it is the fixed
+    point: the inner levels are their cells' means); a density peaked in the middle pulls the
+    inner levels toward it and lowers the error, the ends staying on the group's min and max."""
     t = torch.linspace(0, 3, 200001)
     lv = lloyd_max(t, torch.ones_like(t), 2)
-    assert torch.allclose(lv, torch.tensor([0.375, 1.125, 1.875, 2.625]), atol=2e-3)
+    assert torch.allclose(lv, torch.arange(4.0), atol=2e-3)
     peaked = torch.randn(100000, generator=torch.Generator().manual_seed(1)).clamp(-3, 3) * 0.5 + 1.5
     w = torch.ones_like(peaked)
-    assert grid_error(peaked, w, lloyd_max(peaked, w, 2)) < 0.8 * grid_error(peaked, w, torch.arange(4.0))
+    fit = lloyd_max(peaked, w, 2)
+    assert fit[0] == 0 and fit[-1] == 3 and 1.0 < fit[1] < fit[2] < 2.0
+    assert grid_error(peaked, w, fit) < 0.95 * grid_error(peaked, w, torch.arange(4.0))
+    fit4 = lloyd_max(peaked * 5, w, 4)
+    assert fit4[0] == 0 and fit4[-1] == 15 and bool((fit4[1:] > fit4[:-1]).all())
 
 
 def test_code_units_are_the_encoders_view():

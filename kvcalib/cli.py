@@ -634,17 +634,19 @@ def inspect(
     recipe: str = typer.Argument(..., help="Recipe file or preset name."),
     diff: Optional[str] = typer.Option(None, "--diff", metavar="OTHER", help="Compare with this recipe (file or preset) layer by layer; only differing layers are shown."),
     model: Optional[str] = typer.Option(None, help="Model geometry for a preset's memory numbers (default smollm2-135m)."),
-    context: int = typer.Option(4096, help="Context length for effective bits and bytes."),
+    context: Optional[int] = typer.Option(None, help="Context length for effective bits and bytes [default: the "
+                                          "context the recipe was searched for, else 4096]."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Show a recipe's per-layer configuration, memory at a context length, and where it came from
     (model, data, samples, search budget, objective, held-out result: whatever it records)."""
     if diff is not None:
-        _inspect_diff(recipe, diff, model, context, as_json)
+        _inspect_diff(recipe, diff, model, 4096 if context is None else context, as_json)
         return
     from kvcalib.inspect import inspect_recipe
 
     report = inspect_recipe(recipe, model=model, context=context)
+    context = report["context"]
     if as_json:
         print(json.dumps(report, indent=2))
         return

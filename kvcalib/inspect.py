@@ -56,16 +56,21 @@ def _method_sections(recipe: Recipe, info: ModelInfo, context: int, layers: list
             for name, method in registry().items() if method.inspect is not None}
 
 
-def inspect_recipe(spec: str | Recipe, model: str | ModelInfo | None = None, context: int = 4096) -> dict[str, Any]:
-    """Everything `kvcalib inspect` shows, as a JSON-ready dict.
+def inspect_recipe(spec: str | Recipe, model: str | ModelInfo | None = None, context: int | None = None) -> dict[str, Any]:
+    """Everything `kvcalib inspect` shows, as a JSON-ready dict, at ``context`` tokens (None: the
+    context the recipe was searched for, as its provenance records it, else 4096: a recipe searched
+    for 16k is judged where it was made to be used).
 
     Every registered method adds its own section under its name (``Method.inspect``; None when
     the recipe does not use it) and may add per-layer fields: e.g. with Huffman codebooks each
     layer gets ``k_huffman_bits`` / ``v_huffman_bits`` and ``coded_effective_bits``, and
     ``report["huffman"]`` holds the coded memory at ``context``.
     """
-    check_context(context)
     recipe = resolve_recipe(spec)
+    if context is None:
+        recorded = recipe.provenance.get("context")
+        context = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0 else 4096
+    check_context(context)
     info = _model_info_for(recipe, model)
     recipe.check_model(info)
     elements_per_layer = _layer_elements(info, context)

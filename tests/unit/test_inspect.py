@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 from typer.testing import CliRunner
@@ -132,3 +133,17 @@ def test_inspect_without_codebooks_has_no_huffman_section(tmp_path):
     report = inspect_recipe(pa)
     assert report["huffman"] is None and huffman_lines(report) == []
     assert "k_huffman_bits" not in report["layers"][0]
+
+
+def test_inspect_defaults_to_the_context_the_recipe_was_searched_for():
+    """A recipe searched for 16k tokens is shown at 16k unless --context says otherwise (its bits
+    at 4096 are another number: the window and sinks are a larger share of a shorter cache)."""
+    path = str(Path(__file__).resolve().parents[2] / "recipes" / "qwen2.5-coder-0.5b" / "long-16384-3.0b"
+               / "recipe.safetensors")
+    searched = inspect_recipe(path)
+    assert searched["context"] == 16384
+    assert abs(searched["memory"]["effective_bits"] - 2.978) < 0.01  # what its search reported at 16k
+    assert inspect_recipe(path, context=4096)["memory"]["effective_bits"] > searched["memory"]["effective_bits"]
+    assert inspect_recipe("kivi-2")["context"] == 4096  # a preset records no context
+    res = CliRunner().invoke(app, ["inspect", path])
+    assert res.exit_code == 0 and "(context 16384)" in res.stdout

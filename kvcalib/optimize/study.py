@@ -205,6 +205,8 @@ def open_study(storage_url_: str, name: str, space: SearchSpace, num_layers: int
     fingerprint = space.fingerprint(num_layers)
     directions = ["minimize"] * (2 if objective == "pareto" else 1)
     existing = {s.study_name: s for s in storage.get_all_studies()} if hasattr(storage, "get_all_studies") else {}
+    if name in existing and existing[name].user_attrs.get(ATTR_SPACE) is None:
+        existing[name] = _await_fingerprint(storage, name, existing[name])
     if name in existing:
         got = existing[name].user_attrs.get(ATTR_SPACE)
         if got != fingerprint:
@@ -235,10 +237,26 @@ def open_study(storage_url_: str, name: str, space: SearchSpace, num_layers: int
     if existing.get(name) is None or existing[name].user_attrs.get(ATTR_ACCOUNTING) != ACCOUNTING:
         study.set_user_attr(ATTR_ACCOUNTING, ACCOUNTING)  # new, or an old one whose numbers are the same
     if name not in existing:
-        study.set_user_attr(ATTR_SPACE, fingerprint)
         study.set_user_attr("space", space.to_dict())
         study.set_user_attr("num_layers", num_layers)
+        study.set_user_attr(ATTR_SPACE, fingerprint)  # last: another worker reads it as "attributes written"
     return study
+
+
+FINGERPRINT_WAIT = 15.0  # seconds a study without its fingerprint is watched before it is called foreign
+
+
+def _await_fingerprint(storage, name: str, summary):
+    """The study summary of ``name`` once its space fingerprint is written, or as it is after
+    :data:`FINGERPRINT_WAIT` seconds. Why: a worker creating a shared study writes its attributes
+    after the study itself (Optuna cannot do both at once), so a second worker starting at the same
+    moment can see the study bare; refusing it as "made with another search space" then killed that
+    worker (seen in CI with two workers on PostgreSQL). A study made outside kvcalib never gets one."""
+    deadline = time.monotonic() + FINGERPRINT_WAIT
+    while summary.user_attrs.get(ATTR_SPACE) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        summary = next((s for s in storage.get_all_studies() if s.study_name == name), summary)
+    return summary
 
 
 # ------------------------------------------------------------------ many workers

@@ -575,3 +575,40 @@ def test_search_with_outliers_and_schedule(tiny, tmp_path):
     has_pool = any(k.endswith("kv.outlier_pool") for k in rec.tensors)
     assert has_pool == any("outliers" in m for m in chosen["point"]["methods"])
     assert any(k.endswith("kv.schedule") for k in rec.tensors) == (chosen["point"]["schedule"] != "none")
+
+
+def test_a_study_seen_before_its_attributes_are_written_is_awaited(tmp_path, monkeypatch):
+    """Two workers starting at once: one has created the shared study but not yet written its
+    space fingerprint (Optuna writes attributes after the study) when the other opens it. The
+    second waits for the fingerprint instead of refusing the study as another space's; a study
+    that never gets one (made outside kvcalib) is still refused, after the wait."""
+    import threading
+    import time
+
+    import optuna
+
+    from kvcalib.layout import ACCOUNTING
+    from kvcalib.optimize import study as study_mod
+    from kvcalib.optimize.space import SearchSpace
+
+    space = SearchSpace.from_dict(TINY_SPACE)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    bare = optuna.create_study(storage=url, study_name="shared")  # the first worker, attributes not yet written
+
+    def first_worker_finishes_creating():
+        time.sleep(0.6)
+        bare.set_user_attr(study_mod.ATTR_ACCOUNTING, ACCOUNTING)
+        bare.set_user_attr(study_mod.ATTR_SPACE, space.fingerprint(2))
+
+    writer = threading.Thread(target=first_worker_finishes_creating)
+    writer.start()
+    opened = study_mod.open_study(url, "shared", space, 2)
+    writer.join()
+    assert opened.user_attrs[study_mod.ATTR_SPACE] == space.fingerprint(2)
+
+    optuna.create_study(storage=url, study_name="foreign")
+    monkeypatch.setattr(study_mod, "FINGERPRINT_WAIT", 0.5)
+    t0 = time.monotonic()
+    with pytest.raises(KvcalibError, match="another search space"):
+        study_mod.open_study(url, "foreign", space, 2)
+    assert time.monotonic() - t0 >= 0.5

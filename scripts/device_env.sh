@@ -10,7 +10,9 @@
 # second part) come in two calls made back to back (a warm machine keeps /tmp between them); the
 # GGUF is assembled once both parts are there (kvcalib checks it against the pinned sha256 on use).
 # Qwen2.5-Coder-0.5B likewise from .gpu/q1 .. .gpu/q9. (The .gpu/ parts are made by splitting the
-# files of ~/.cache/kvcalib/models with `split -b`; .gpu/ is git-ignored.)
+# files of ~/.cache/kvcalib/models with `split -b 55000000 -d -a 2 FILE qwen.part.`, one part per
+# folder: a call carries < 64 MiB with the work tree, ~6 MB; .gpu/q1 also holds the stamp, the
+# ATTRIBUTION and `qwen.parts`, the number of parts; .gpu/ is git-ignored.)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVCALIB_QUIET=1
 if [ -d .whl ] && [ ! -e /tmp/site/.done ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

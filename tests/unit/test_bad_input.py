@@ -316,22 +316,31 @@ def test_environment_errors_are_one_line(monkeypatch, err, words):
     assert "Traceback" not in result.stderr
 
 
+def _raised_from(driver_error: BaseException) -> RuntimeError:
+    """A wrapper raised from a database driver's error, as Optuna's storage raises one."""
+    try:
+        try:
+            raise driver_error
+        except type(driver_error) as inner:
+            raise RuntimeError("An exception is raised during the commit.") from inner
+    except RuntimeError as outer:
+        return outer
+
+
+def _inspect_failing_with(monkeypatch, err: BaseException):
+    """``kvcalib inspect kivi-2`` with ``err`` raised under it."""
+    import kvcalib.inspect
+
+    monkeypatch.setattr(kvcalib.inspect, "inspect_recipe", _raise(err))
+    return CliRunner().invoke(app, ["inspect", "kivi-2"])
+
+
 def test_a_storage_error_is_one_line_naming_the_drivers_words(monkeypatch):
     """A wrapper raised from sqlite3's error (as Optuna's storage raises one) is read down to the
     driver's words."""
     import sqlite3
 
-    import kvcalib.inspect
-
-    try:
-        try:
-            raise sqlite3.OperationalError("database or disk is full")
-        except sqlite3.OperationalError as inner:
-            raise RuntimeError("An exception is raised during the commit.") from inner
-    except RuntimeError as outer:
-        err = outer
-    monkeypatch.setattr(kvcalib.inspect, "inspect_recipe", _raise(err))
-    result = CliRunner().invoke(app, ["inspect", "kivi-2"])
+    result = _inspect_failing_with(monkeypatch, _raised_from(sqlite3.OperationalError("database or disk is full")))
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "no space left on the device holding the study's database" in result.stderr
 
@@ -339,18 +348,9 @@ def test_a_storage_error_is_one_line_naming_the_drivers_words(monkeypatch):
 def test_a_postgresql_drivers_error_is_a_storage_failure_too(monkeypatch):
     """The command line and the search's mid-search handler share one classifier: a PostgreSQL
     driver's error (psycopg) reaching the command line is one line, not a traceback."""
-    import kvcalib.inspect
-
     OperationalError = type("OperationalError", (Exception,), {"__module__": "psycopg.errors"})
-    try:
-        try:
-            raise OperationalError("connection to server at 127.0.0.1, port 5432 failed: Connection refused")
-        except Exception as inner:
-            raise RuntimeError("An exception is raised during the commit.") from inner
-    except RuntimeError as outer:
-        err = outer
-    monkeypatch.setattr(kvcalib.inspect, "inspect_recipe", _raise(err))
-    result = CliRunner().invoke(app, ["inspect", "kivi-2"])
+    driver = OperationalError("connection to server at 127.0.0.1, port 5432 failed: Connection refused")
+    result = _inspect_failing_with(monkeypatch, _raised_from(driver))
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "the study storage failed (OperationalError: connection to server" in result.stderr
 

@@ -2,6 +2,12 @@
 every split and full-precision chunk, combined by log-sum-exp into the attention output (and the
 row's log-sum-exp). Shared by :mod:`kvcalib_kernels.decode_attention` (all parts of a PATS cache
 write one partial buffer and merge in one launch) and :mod:`kvcalib_kernels.decode_attention_huffman`.
+
+Two kernels: :func:`_combine_kernel`, every partial in the input basis; and
+:func:`_combine_rotated_kernel`, where a range of partial columns holds the packed splits of a
+value side stored rotated (:mod:`kvcalib.quant.rotation`): their weighted sum is rotated back to
+the input basis inside the merge (linear, so once per row rather than once per split), in place
+of :func:`.rotation.rotate_back_partials`' separate launch before the merge.
 """
 
 from __future__ import annotations
@@ -83,3 +89,109 @@ def _combine(m_part, l_part, o_part, s_tot: int, out: torch.Tensor, lse: torch.T
 
 
 _COMBINE = FastLauncher(_combine_kernel)
+
+
+@triton.jit(do_not_specialize=["S_TOT", "ROT_LO", "ROT_HI"])
+def _combine_rotated_kernel(
+    M_part, L_part, O_part, S_TOT,  # (ROWS, S_TOT), (ROWS, S_TOT), (ROWS, S_TOT, D) float32
+    ROT_LO, ROT_HI,  # partial columns [ROT_LO, ROT_HI): accumulators in the rotated basis
+    RM, stride_rmh,  # rotation matrix (D, D) float32 row-major; stride_rmh 0: one shared by the heads
+    RSIGNS,  # (H, D) float32 +-1, read when HAS_SIGNS
+    Out,  # (ROWS, D) float32 / float16 / bfloat16 (cast at the store), ROWS = B * H * R
+    Lse,  # (ROWS,) float32, written when STORE_LSE
+    H,  # kv heads
+    R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, DJ: tl.constexpr, S_BLOCK: tl.constexpr,
+    HAS_SIGNS: tl.constexpr, PRECISION: tl.constexpr, STORE_LSE: tl.constexpr = False,
+):
+    """:func:`_combine_kernel`'s merge where columns ``[ROT_LO, ROT_HI)`` hold rotated
+    accumulators: out = (plain + rot R^T) / l with plain = sum over the other columns of
+    2^(m_s - M) acc_s, rot = the same sum over the rotated columns, ``rot R^T = (rot @ M^T) *
+    signs`` (:func:`kvcalib.quant.rotation.unrotate`) and l = sum_s 2^(m_s - M) l_s over all.
+
+    Program ``(b * H + h, c)`` writes channels ``[c * DJ, (c + 1) * DJ)`` of the R query rows of
+    kv head h: the back-rotation of a channel needs every channel of the rotated sum, and the
+    rows of one kv head share its matrix, so a program takes all of them and one (DJ, D) piece of
+    the matrix (not all of it: head_dim 256 would need 256 KB). Three passes over the partials:
+    the rows' max M (m only), the plain columns' DJ channels with l of all columns, the rotated
+    columns' D channels; with M known first, neither sum needs rescaling.
+    """
+    bh = tl.program_id(0)
+    h = bh % H
+    offs_r = tl.arange(0, R_PAD)
+    r_ok = offs_r < R  # rows past R (R_PAD: a power of two) are computed, never stored
+    rows = (bh * R + offs_r).to(tl.int64)  # (R_PAD,) b * H * R + h * R + r
+    offs_s = tl.arange(0, S_BLOCK)
+    offs_j = tl.program_id(1) * DJ + tl.arange(0, DJ)  # (DJ,) output channels
+    offs_d = tl.arange(0, D)
+    m_max = tl.full([R_PAD], -1.0e30, tl.float32)
+    for s0 in range(0, S_TOT, S_BLOCK):
+        ok = r_ok[:, None] & (s0 + offs_s < S_TOT)[None, :]  # (R_PAD, S_BLOCK)
+        m = tl.load(M_part + rows[:, None] * S_TOT + s0 + offs_s[None, :], mask=ok, other=-1.0e30)
+        m_max = tl.maximum(m_max, tl.max(m, axis=1))
+    l_sum = tl.zeros([R_PAD], tl.float32)
+    plain = tl.zeros([R_PAD, DJ], tl.float32)
+    for s0 in range(0, S_TOT, S_BLOCK):
+        s = s0 + offs_s  # (S_BLOCK,) partial columns
+        ok = r_ok[:, None] & (s < S_TOT)[None, :]  # (R_PAD, S_BLOCK)
+        cell = rows[:, None] * S_TOT + s[None, :]  # (R_PAD, S_BLOCK)
+        m = tl.load(M_part + cell, mask=ok, other=-1.0e30)
+        l = tl.load(L_part + cell, mask=ok, other=0.0)
+        w = tl.where(ok, tl.exp2(m - m_max[:, None]), 0.0)  # (R_PAD, S_BLOCK)
+        l_sum += tl.sum(l * w, axis=1)
+        unrotated = ok & ((s < ROT_LO) | (s >= ROT_HI))[None, :]  # (R_PAD, S_BLOCK)
+        o = tl.load(O_part + (cell * D)[:, :, None] + offs_j[None, None, :], mask=unrotated[:, :, None],
+                    other=0.0)  # (R_PAD, S_BLOCK, DJ)
+        plain += tl.sum(o * tl.where(unrotated, w, 0.0)[:, :, None], axis=1)
+    rot = tl.zeros([R_PAD, D], tl.float32)
+    for s0 in range(ROT_LO, ROT_HI, S_BLOCK):
+        s = s0 + offs_s
+        ok = r_ok[:, None] & (s < ROT_HI)[None, :]  # (R_PAD, S_BLOCK)
+        cell = rows[:, None] * S_TOT + s[None, :]  # (R_PAD, S_BLOCK)
+        m = tl.load(M_part + cell, mask=ok, other=-1.0e30)
+        w = tl.where(ok, tl.exp2(m - m_max[:, None]), 0.0)  # (R_PAD, S_BLOCK)
+        o = tl.load(O_part + (cell * D)[:, :, None] + offs_d[None, None, :], mask=ok[:, :, None],
+                    other=0.0)  # (R_PAD, S_BLOCK, D)
+        rot += tl.sum(o * w[:, :, None], axis=1)
+    # transposed product, channels as the MMA's M rows and the few query rows its N (as in the
+    # split kernel): back_t[j, r] = sum_i M[j, i] rot[r, i], i.e. (rot @ M^T)^T
+    m_rows = tl.load(RM + h * stride_rmh + offs_j[:, None] * D + offs_d[None, :])  # (DJ, D)
+    back_t = tl.dot(m_rows, tl.trans(rot), input_precision=PRECISION)  # (DJ, R_PAD) float32
+    if HAS_SIGNS:
+        back_t = back_t * tl.load(RSIGNS + h * D + offs_j)[:, None]
+    out_t = (tl.trans(plain) + back_t) / tl.where(l_sum > 0, l_sum, 1.0)[None, :]  # (DJ, R_PAD)
+    out_ptrs = Out + rows[None, :] * D + offs_j[:, None]  # (DJ, R_PAD)
+    if Out.dtype.element_ty == tl.float32:
+        tl.store(out_ptrs, out_t, mask=r_ok[None, :])
+    else:  # round to nearest even, as _combine_kernel
+        tl.store(out_ptrs, out_t.to(Out.dtype.element_ty, fp_downcast_rounding="rtne"), mask=r_ok[None, :])
+    if STORE_LSE:
+        lse = tl.where(l_sum > 0, (m_max + tl.log2(tl.where(l_sum > 0, l_sum, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        tl.store(Lse + rows, lse, mask=r_ok & (tl.program_id(1) == 0))
+
+
+def _combine_rotated(m_part, l_part, o_part, s_tot: int, out: torch.Tensor, lse: torch.Tensor | None, h: int,
+                     rot_lo: int, rot_hi: int, rot, channels: int | None = None) -> None:
+    """Launch :func:`_combine_rotated_kernel` over ``out`` (B, Hq, D) (as :func:`_combine`) from
+    ``s_tot`` partials per row of which columns ``[rot_lo, rot_hi)`` hold accumulators rotated by
+    ``rot`` = (matrix (D, D) | (H, D, D), signs (H, D) | None) float32 contiguous, ``h`` kv heads.
+
+    Settings not measured yet (GPU): 4 warps, 16 partials a step, 64 output channels a program
+    (head_dim 128: 2 programs per kv head, each reading the rotated partials once). Products of
+    the back-rotation in "tf32x3" (float32 accuracy, as :mod:`.rotation`); IEEE under Triton's
+    interpreter. A program takes all channels there (its cost is per program and op); ``channels``
+    forces the channels per program (tests)."""
+    bsz, hq, d = out.shape
+    rep = hq // h
+    matrix, signs = rot
+    dj = channels or (d if _interpreting() else min(d, 64))
+    _COMBINE_ROTATED((bsz * h, d // dj),
+                     (m_part, l_part, o_part, s_tot, rot_lo, rot_hi,
+                      matrix, matrix.stride(0) if matrix.dim() == 3 else 0, matrix if signs is None else signs,
+                      out, out if lse is None else lse, h),
+                     {"R": rep, "R_PAD": max(4, triton.next_power_of_2(rep)), "D": d, "DJ": dj, "S_BLOCK": 16,
+                      "HAS_SIGNS": signs is not None, "PRECISION": "ieee" if _interpreting() else "tf32x3",
+                      "STORE_LSE": lse is not None, "num_warps": 4})
+
+
+_COMBINE_ROTATED = FastLauncher(_combine_rotated_kernel)

@@ -164,17 +164,17 @@ def _combine_rotated_kernel(
         tl.store(out_ptrs, out_t, mask=r_ok[None, :])
     else:  # round to nearest even, as _combine_kernel
         tl.store(out_ptrs, out_t.to(Out.dtype.element_ty, fp_downcast_rounding="rtne"), mask=r_ok[None, :])
-    if STORE_LSE:
+    if STORE_LSE and tl.program_id(1) == 0:  # (the programs of the first channel piece)
         lse = tl.where(l_sum > 0, (m_max + tl.log2(tl.where(l_sum > 0, l_sum, 1.0))) * 0.6931471805599453,
                        float("-inf"))
-        tl.store(Lse + rows, lse, mask=r_ok & (tl.program_id(1) == 0))
+        tl.store(Lse + rows, lse, mask=r_ok)
 
 
 def _combine_rotated(m_part, l_part, o_part, s_tot: int, out: torch.Tensor, lse: torch.Tensor | None, h: int,
                      rot_lo: int, rot_hi: int, rot, channels: int | None = None) -> None:
     """Launch :func:`_combine_rotated_kernel` over ``out`` (B, Hq, D) (as :func:`_combine`) from
     ``s_tot`` partials per row of which columns ``[rot_lo, rot_hi)`` hold accumulators rotated by
-    ``rot`` = (matrix (D, D) | (H, D, D), signs (H, D) | None) float32 contiguous, ``h`` kv heads.
+    ``rot`` = (matrix (D, D) | (H, D, D), signs (H, D) | None) float32, ``h`` kv heads.
 
     Settings not measured yet (GPU): 4 warps, 16 partials a step, 64 output channels a program
     (head_dim 128: 2 programs per kv head, each reading the rotated partials once). Products of
@@ -183,7 +183,7 @@ def _combine_rotated(m_part, l_part, o_part, s_tot: int, out: torch.Tensor, lse:
     forces the channels per program (tests)."""
     bsz, hq, d = out.shape
     rep = hq // h
-    matrix, signs = rot
+    matrix, signs = (None if t is None else t.contiguous() for t in rot)  # (a fitted matrix may come column-major)
     dj = channels or (d if _interpreting() else min(d, 64))
     _COMBINE_ROTATED((bsz * h, d // dj),
                      (m_part, l_part, o_part, s_tot, rot_lo, rot_hi,

@@ -422,8 +422,8 @@ class _SplitCall:
 
 def _check_rot(name: str, rot, h: int, d: int, dev) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A rotation as the launcher applies it: ``(matrix (D, D) | (H, D, D), signs (H, D) | None)``
-    float32 contiguous on ``dev`` (:mod:`kvcalib.quant.rotation`); the caller's tensors where they
-    are contiguous (the combine recognises one rotation of several parts by identity)."""
+    float32 on ``dev`` (:mod:`kvcalib.quant.rotation`): the caller's tensors themselves (the
+    combine recognises one rotation of several parts by identity)."""
     if not isinstance(rot, (tuple, list)) or len(rot) != 2:
         raise ValueError(f"{name} must be a (matrix, signs) pair")
     matrix, signs = rot
@@ -434,7 +434,7 @@ def _check_rot(name: str, rot, h: int, d: int, dev) -> tuple[torch.Tensor, torch
     for t in (matrix, signs):
         if t is not None and (t.device != dev or t.dtype != torch.float32):
             raise ValueError(f"{name} must be float32 on {dev}, got {t.dtype} on {t.device}")
-    return matrix.contiguous(), None if signs is None else signs.contiguous()
+    return matrix, signs
 
 
 ROTATION_FUSION_ENV = "KVCALIB_ROTATION_FUSION"
@@ -644,7 +644,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     if n and k_rot is not None:
         matrix, signs = _check_rot("k_rot", k_rot, h, d, dev)
         if fusion == "full" and signs is not None and _is_hadamard(matrix):
-            q_signs = signs  # (H, D)
+            q_signs = signs.contiguous()  # (H, D)
         else:
             q_packed = rotate_query(q, h, (matrix, signs))  # (B, Hq, D) float32
     if n and v_rot is not None:

@@ -6,6 +6,9 @@
   per call, the packed values' accumulators rotated back once per call, the full-precision
   segments unrotated; vs :func:`kvcalib_kernels.reference.decode_attention_reference` (which
   rotates every stored token back), with the tolerance rule of ``test_decode_attention.py``;
+  under each ``KVCALIB_ROTATION_FUSION`` (separate launches, back-rotation in the combine, also
+  the Walsh-Hadamard query in the split kernel), with the pieces of the fused kernels checked
+  against the PyTorch products on their own;
 - the runtime adapter (:mod:`kvcalib.runtime.triton_path`) over a rotated layer vs the runtime's
   reference attention on the same stored bytes;
 - the quantize-and-pack path: a rotated layer's flushes through the kernels store exactly the
@@ -24,7 +27,11 @@ from tests.kernels.triton_setup import kernel_modules
 DEVICE, INTERPRET, (da, qp) = kernel_modules("kvcalib_kernels.decode_attention", "kvcalib_kernels.quant_pack")
 from kvcalib.codec import LayerCodec  # noqa: E402
 from kvcalib.layout import LayerConfig  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from kvcalib.quant.rotation import hadamard, random_signs  # noqa: E402
+from kvcalib_kernels.decode.rotation import _hadamard_query_t  # noqa: E402
 from tests.kernels.test_decode_attention import SMALL, _filled_layer, check, make_case, with_perm_mean  # noqa: E402
 
 
@@ -71,6 +78,161 @@ def test_rotation_kernels_match_the_torch_products(kind, h, rep, d, splits):
     assert torch.equal(after[:, :, :, s_off + splits:], before.view(bsz, h, rep, s_all, d)[:, :, :, s_off + splits:])
 
 
+@triton.jit
+def _hadamard_query_probe(Q, stride_qr, SIGNS, C, Y, scale, R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
+                          P: tl.constexpr, F32_DOTS: tl.constexpr):
+    """Y (P, R) float32 = _hadamard_query_t of the R rows of Q (R, D) at channels C (P,) int32."""
+    offs_r = tl.arange(0, R_PAD)
+    offs_p = tl.arange(0, P)
+    y = _hadamard_query_t(Q + offs_r * stride_qr, offs_r < R, tl.load(C + offs_p), SIGNS, scale, D, F32_DOTS)
+    tl.store(Y + offs_p[:, None] * R + offs_r[None, :], y, mask=offs_r[None, :] < R)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d", [16, 64, 512])
+def test_hadamard_query_in_the_split_kernel_matches_rotate(dtype, d):
+    """The split kernel's Walsh-Hadamard query (+-1 matrix made in registers, 16-bit pieces of a
+    float32 query) against :func:`kvcalib.quant.rotation.rotate` in float64, at scattered
+    channels (the planes' channel lists are permuted): float32 accuracy for every query dtype."""
+    from kvcalib.quant.rotation import rotate
+    from kvcalib_kernels.decode.plan import _hadamard_entry
+
+    g = torch.Generator().manual_seed(d)
+    rows, p = 3, 16
+    q = (torch.randn(rows, d, generator=g) * 3).to(dtype).to(DEVICE)  # (R, D)
+    signs = random_signs(1, d, d).to(DEVICE)  # (1, D)
+    chans = torch.randperm(d, generator=g)[:p].int().to(DEVICE)  # (P,)
+    y = torch.empty(p, rows, device=DEVICE)  # (P, R)
+    _hadamard_query_probe[(1,)](q, q.stride(0), signs, chans, y, 0.5 * _hadamard_entry(d), R=rows, R_PAD=4, D=d,
+                                P=p, F32_DOTS=INTERPRET)
+    want = 0.5 * rotate(q.double()[None], hadamard(d).double().to(DEVICE), signs.double())[0]  # (R, D) float64
+    want = want[:, chans.long()].T  # (P, R)
+    assert float(((y.double() - want).abs() / want.abs().max()).max()) < 2e-6
+
+
+@pytest.mark.parametrize("kind,rep,d,channels", [("hadamard", 3, 32, None), ("pca", 4, 64, 16), ("pca", 1, 16, None)])
+def test_rotated_combine_matches_rotating_first(kind, rep, d, channels):
+    """The combine that rotates a column range back inside the merge against rotating those
+    columns first (:func:`kvcalib.quant.rotation.unrotate`) and merging in float64: outputs and
+    log-sum-exp, rows nothing reached included, several output-channel programs (``channels``)."""
+    from kvcalib.quant.rotation import unrotate
+    from kvcalib_kernels.decode.combine import _combine_rotated
+
+    torch.manual_seed(rep * 100 + d)
+    bsz, h, s_all, lo, hi = 2, 2, 21, 3, 19  # partial columns [3, 19) rotated, 3 before and 2 after
+    hq = h * rep
+    rot = _rotation(kind, h, d, seed=d)
+    m = torch.randn(bsz * hq, s_all, device=DEVICE) * 4  # (B*Hq, S) log2 units
+    m[0] = -1.0e30  # a row that saw nothing
+    l = torch.rand(bsz * hq, s_all, device=DEVICE) + 0.1  # (B*Hq, S)
+    l[0] = 0.0
+    o = torch.randn(bsz * hq, s_all, d, device=DEVICE)  # (B*Hq, S, D)
+    o[0] = 0.0
+    out = torch.empty(bsz, hq, d, device=DEVICE)  # (B, Hq, D)
+    lse = torch.empty(bsz, hq, device=DEVICE)  # (B, Hq)
+    _combine_rotated(m, l, o, s_all, out, lse, h, lo, hi, rot, channels=channels)
+
+    o64 = o.double().view(bsz, h, rep, s_all, d).clone()  # (B, H, R, S, D)
+    rotated = o64[:, :, :, lo:hi].reshape(bsz, h, rep * (hi - lo), d)
+    o64[:, :, :, lo:hi] = unrotate(rotated, rot[0].double(), None if rot[1] is None else rot[1].double()).view(
+        bsz, h, rep, hi - lo, d)
+    m64 = m.double()
+    w = torch.exp2(m64 - m64.max(1, keepdim=True).values)  # (B*Hq, S)
+    den = (w * l.double()).sum(1)  # (B*Hq,)
+    want = (w[:, :, None] * o64.view(bsz * hq, s_all, d)).sum(1) / den.clamp_min(1e-300)[:, None]
+    assert torch.allclose(out.view(bsz * hq, d).double(), want, atol=1e-5, rtol=1e-5)
+    want_lse = torch.where(den > 0, (m64.max(1).values + torch.log2(den.clamp_min(1e-300))) * 0.6931471805599453,
+                           float("-inf"))
+    assert torch.equal(lse.view(-1)[0].cpu(), torch.tensor(float("-inf")))
+    assert torch.allclose(lse.view(-1)[1:].double(), want_lse[1:], atol=1e-5, rtol=1e-5)
+
+
+def test_only_the_exact_walsh_hadamard_is_rotated_in_the_split_kernel():
+    """The split kernel makes its +-1 matrix itself, so the launcher hands it only a matrix equal
+    to :func:`hadamard` (checked once per tensor and version)."""
+    from kvcalib_kernels.decode.plan import _is_hadamard
+
+    mat = hadamard(32).to(DEVICE).clone()
+    assert _is_hadamard(mat) and _is_hadamard(mat)
+    mat[3, 5] = -mat[3, 5]  # an in-place write: the verdict is taken again
+    assert not _is_hadamard(mat)
+    assert not _is_hadamard(_orthogonal(1, 32, 0)[0].to(DEVICE))
+    assert not _is_hadamard(hadamard(32).to(DEVICE)[None].expand(2, 32, 32))  # per-head matrices
+
+
+def _spy_rotation_launches(monkeypatch) -> dict[str, int]:
+    """Count the launcher's separate rotation launches (rotate_query, rotate_back_partials)."""
+    from kvcalib_kernels.decode import plan
+
+    counts = {"rotate_query": 0, "rotate_back_partials": 0}
+    for name in counts:
+        real = getattr(plan, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            counts[_name] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(plan, name, spy)
+    return counts
+
+
+@pytest.mark.parametrize("fusion", ["none", "combine", "full"])
+@pytest.mark.parametrize("case", [
+    dict(k="hadamard", v=None), dict(k=None, v="hadamard"), dict(k="hadamard", v="pca"),
+    dict(k="pca", v="hadamard", dtype=torch.float32), dict(k="hadamard", v="hadamard", dtype=torch.float32),
+], ids=["k-had", "v-had", "k-had-v-pca", "k-pca-v-had-fp32", "kv-had-fp32"])
+def test_rotation_fusions_pass_the_tolerance_rule(monkeypatch, fusion, case):
+    """Every KVCALIB_ROTATION_FUSION on K rotated only, V only, both; Walsh-Hadamard and fitted
+    matrices; bfloat16 and float32 queries; sinks and a window beside the packed tokens (plain and
+    rotated partials meet in the combine) and a ragged batch (packed ranges). Each fusion takes
+    the launches it says it takes."""
+    case = dict(case)
+    k_kind, v_kind = case.pop("k"), case.pop("v")
+    monkeypatch.setenv("KVCALIB_ROTATION_FUSION", fusion)
+    counts = _spy_rotation_launches(monkeypatch)
+    args, kw = make_case(b=2, rep=3, n=48, **case)
+    h, d = args[1].shape[1], args[0].shape[-1]
+    rot = {}
+    if k_kind:
+        rot["k_rot"] = _rotation(k_kind, h, d, seed=1)
+    if v_kind:
+        rot["v_rot"] = _rotation(v_kind, h, d, seed=2)
+    ranged = {"packed_start": torch.tensor([0, 7], device=DEVICE), "packed_end": torch.tensor([48, 30], device=DEVICE)}
+    check(args, {**kw, **rot, **ranged})
+    assert counts["rotate_query"] == int(k_kind == "pca" or (k_kind == "hadamard" and fusion != "full"))
+    assert counts["rotate_back_partials"] == int(v_kind is not None and fusion == "none")
+
+
+@pytest.mark.parametrize("case", [
+    dict(fusion="full", copies=False, launches=0), dict(fusion="full", copies=True, launches=1),
+    dict(fusion="none", copies=False, launches=2),
+], ids=["one-rotation", "two-rotation-objects", "separate-launches"])
+def test_rotated_parts_rotate_back_in_the_combine(monkeypatch, case):
+    """Two packed parts (the first with the window's chunks after its splits): one rotation shared
+    by the parts rotates back inside the combine over both parts' splits (the part without chunks
+    placed first, so the splits are one column range); a second rotation (other tensors) keeps
+    its own launch."""
+    monkeypatch.setenv("KVCALIB_ROTATION_FUSION", case["fusion"])
+    args, kw = make_case(n=64, dtype=torch.bfloat16)
+    h, d = args[1].shape[1], args[0].shape[-1]
+    rot = {"k_rot": _rotation("hadamard", h, d, 3), "v_rot": _rotation("pca", h, d, 4)}
+    second_rot = {k: tuple(None if t is None else t.clone() for t in r) for k, r in rot.items()} if case["copies"] else rot
+    q, kc, ks, kz, vc, vs, vz = args
+    half = 32  # two whole key groups of 16
+    packed = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+    common = {k: v for k, v in kw.items() if k not in ("fp_segments", "fp_positions", "packed_position")}
+    first = dict(zip(packed, (kc[:, :, :half], ks[:, :, :half // 16], kz[:, :, :half // 16], vc[:, :, :half],
+                              vs[:, :, :half], vz[:, :, :half])), **common, **rot,
+                 packed_position=kw["packed_position"], fp_segments=kw["fp_segments"], fp_positions=kw["fp_positions"])
+    second = dict(zip(packed, (kc[:, :, half:], ks[:, :, half // 16:], kz[:, :, half // 16:], vc[:, :, half:],
+                               vs[:, :, half:], vz[:, :, half:])), **common, **second_rot,
+                  packed_position=kw["packed_position"] + half)
+    counts = _spy_rotation_launches(monkeypatch)
+    out = da.decode_attention_parts(q, [first, second], config=SMALL)
+    assert counts["rotate_back_partials"] == case["launches"]
+    whole = da.decode_attention(*args, **kw, **rot, config=SMALL)
+    assert float((out - whole).abs().max()) < 2e-2
+
+
 @pytest.mark.parametrize("case", [
     dict(sides="kv", kind="hadamard"), dict(sides="k", kind="hadamard"), dict(sides="v", kind="hadamard"),
     dict(sides="kv", kind="pca"), dict(sides="kv", kind="hadamard", d=128, rep=1, k_bits=4, v_bits=4),
@@ -99,26 +261,6 @@ def test_rotation_with_permutation_and_means(perm, k_mean, v_mean):
     args, kw = with_perm_mean(args, kw, k_perm="k" in perm, v_perm="v" in perm, k_mean=k_mean, v_mean=v_mean)
     h, d = args[1].shape[1], args[0].shape[-1]
     check(args, {**kw, "k_rot": _rotation("hadamard", h, d, 1), "v_rot": _rotation("pca", h, d, 2)})
-
-
-def test_rotated_parts_merge_like_one_call():
-    """Two packed parts (PATS stores) with their own rotated query and accumulators, one combine."""
-    args, kw = make_case(n=64, dtype=torch.bfloat16)
-    h, d = args[1].shape[1], args[0].shape[-1]
-    rot = {"k_rot": _rotation("hadamard", h, d, 3), "v_rot": _rotation("hadamard", h, d, 4)}
-    q, kc, ks, kz, vc, vs, vz = args
-    half = 32  # two whole key groups of 16
-    packed = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
-    common = {k: v for k, v in kw.items() if k not in ("fp_segments", "fp_positions", "packed_position")}
-    first = dict(zip(packed, (kc[:, :, :half], ks[:, :, :half // 16], kz[:, :, :half // 16], vc[:, :, :half],
-                              vs[:, :, :half], vz[:, :, :half])), **common, **rot,
-                 packed_position=kw["packed_position"], fp_segments=kw["fp_segments"], fp_positions=kw["fp_positions"])
-    second = dict(zip(packed, (kc[:, :, half:], ks[:, :, half // 16:], kz[:, :, half // 16:], vc[:, :, half:],
-                               vs[:, :, half:], vz[:, :, half:])), **common, **rot,
-                  packed_position=kw["packed_position"] + half)
-    out = da.decode_attention_parts(q, [first, second], config=SMALL)
-    whole = da.decode_attention(*args, **kw, **rot, config=SMALL)
-    assert float((out - whole).abs().max()) < 2e-2
 
 
 def test_bad_rotations_are_refused():

@@ -1,19 +1,22 @@
 """Benchmark: what SKVQ permutations, TaDA means (8/16-bit), OTT pools, PATS tier stores and K/V
 rotations cost the fused kernel: CUDA-graph time on the Mistral shape (batch 1 and 8, 4k and 32k,
 2 and 4 bits, group 128, default config) against the plain kernel and bf16 SDPA. Writes
-``decode_fitted.json``.
+``decode_fitted.json`` and prints a table of every variant's time per shape last.
 
     python -m benchmarks.fitted --out artifacts/bench     (CUDA, repository root)
+    python -m benchmarks.fitted --variants plain,rotate-2launch,rotate-combine,rotate-full   (the rotations only)
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 from pathlib import Path
 
 import torch
 
 from benchmarks.common import (MODELS, WINDOW, _input_sets, _write_json, bf16_bytes, bf16_sdpa_graph_ms, cfg_dict,
-                               graph_ms_per_call, log, main_with_out, packed_bytes, packed_inputs)
+                               graph_ms_per_call, log, packed_bytes, packed_inputs)
 
 
 FITTED_VARIANTS = {  # name: (K and V permuted, mean bits of K and V: 0 off, 8 or 16, OTT pool slots)
@@ -25,9 +28,16 @@ FITTED_VARIANTS = {  # name: (K and V permuted, mean bits of K and V: 0 off, 8 o
     "ott": (False, 0, 3 + 32),  # OTT's pool of 3 + extra pool of 32 slots per kv head, quant masks
     "pats": (False, 0, 0),  # PATS middle-heavy tiers (below): one split launch per tier store, one combine
     # rotated K and V (kvcalib.methods.rotate: random-sign Walsh-Hadamard): the query rotated once per
-    # call, the packed value accumulators rotated back once per call (issue 34: within 10% of plain)
-    "rotate": (False, 0, 0),
+    # call, the packed value accumulators rotated back once per call (issue 34: within 10% of plain),
+    # where ROTATION_FUSIONS says
+    "rotate-2launch": (False, 0, 0),
+    "rotate-combine": (False, 0, 0),
+    "rotate-full": (False, 0, 0),
 }
+# the rotated variants' KVCALIB_ROTATION_FUSION (kvcalib_kernels.decode.plan._rotation_fusion): a
+# launch each for the query and the accumulators / the accumulators rotated back inside the
+# combine / also the query rotated inside the split kernel
+ROTATION_FUSIONS = {"rotate-2launch": "none", "rotate-combine": "combine", "rotate-full": "full"}
 # PATS as kvcalib exports it (--schedule middle-heavy, ages 1024 and 4096 after a 128-token window):
 # (first age, bits) per stored tier; the "pats" rows run at the last tier's bits (2) only
 PATS_TIERS = ((WINDOW, 8), (1024, 4), (4096, 2))
@@ -79,7 +89,7 @@ def fitted_inputs(b, h, n, d, variant, dev, seed=0) -> dict:
     if perm:
         for side in ("k_perm", "v_perm"):
             kw[side] = torch.stack([torch.randperm(d, device=dev, generator=g) for _ in range(h)]).int()
-    if variant == "rotate":
+    if variant in ROTATION_FUSIONS:
         from kvcalib.quant.rotation import hadamard, random_signs
 
         for i, side in enumerate(("k_rot", "v_rot")):
@@ -111,10 +121,48 @@ def fitted_bytes(b, h, n, d, variant) -> int:
     return ott
 
 
+def _timed_with_fusion(variant, fns) -> float:
+    """:func:`graph_ms_per_call` of ``fns`` with the variant's KVCALIB_ROTATION_FUSION set while
+    they are warmed up and captured (the launcher reads it at every call; the graph keeps the
+    launches chosen then), the caller's setting restored after."""
+    fusion = ROTATION_FUSIONS.get(variant)
+    if fusion is None:
+        return graph_ms_per_call(fns, rep=30)
+    before = os.environ.get("KVCALIB_ROTATION_FUSION")
+    os.environ["KVCALIB_ROTATION_FUSION"] = fusion
+    try:
+        return graph_ms_per_call(fns, rep=30)
+    finally:
+        if before is None:
+            del os.environ["KVCALIB_ROTATION_FUSION"]
+        else:
+            os.environ["KVCALIB_ROTATION_FUSION"] = before
+
+
+def _table(rows: list[dict]) -> str:
+    """One line per (batch, context, bits): each variant's time and its cost over plain."""
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    lines = ["batch context bits | " + " | ".join(f"{v:>22s}" for v in variants)]
+    for key in dict.fromkeys((r["batch"], r["context"], r["bits"]) for r in rows):
+        at = {r["variant"]: r["ms_graph"] for r in rows if (r["batch"], r["context"], r["bits"]) == key}
+        plain = at.get("plain")
+        cells = []
+        for v in variants:
+            if v not in at:
+                cells.append(f"{'-':>22s}")
+            elif plain and v != "plain":
+                cells.append(f"{1e3 * at[v]:9.1f} us ({100 * (at[v] / plain - 1):+5.1f}%)".rjust(22))
+            else:
+                cells.append(f"{1e3 * at[v]:9.1f} us".rjust(22))
+        lines.append(f"{key[0]:5d} {key[1]:7d} {key[2]:4d} | " + " | ".join(cells))
+    return "\n".join(lines)
+
+
 def main_fitted(args) -> None:
     """What SKVQ permutations and TaDA means cost the fused kernel: CUDA-graph time of each
-    :data:`FITTED_VARIANTS` on the Mistral shape (batch 1 and 8, 4k and 32k, 2 and 4 bits, group
-    128, default config) against the plain kernel and bf16 SDPA. Writes ``decode_fitted.json``."""
+    :data:`FITTED_VARIANTS` (or those of ``args.variants``) on the Mistral shape (batch 1 and 8,
+    4k and 32k, 2 and 4 bits, group 128, default config) against the plain kernel and bf16 SDPA.
+    Writes ``decode_fitted.json``; prints :func:`_table` last."""
     from kvcalib_kernels.decode_attention import DecodeConfig, decode_attention
 
     dev = torch.device("cuda")
@@ -123,13 +171,17 @@ def main_fitted(args) -> None:
     hq, h, d = MODELS["mistral-7b"]
     scale = d ** -0.5
     cfg = DecodeConfig()
+    variants = list(FITTED_VARIANTS) if not args.variants else args.variants.split(",")
+    unknown = [v for v in variants if v not in FITTED_VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}: choose from {', '.join(FITTED_VARIANTS)}")
     rows = []
     for b, ctx in ((1, 4096), (1, 32768), (8, 32768)):
         n = ctx - WINDOW
         bb = bf16_bytes(b, h, hq, ctx, d)
         bf16_ms = bf16_sdpa_graph_ms(b, h, hq, ctx, d, dev)
         for bits in (2, 4):
-            for variant in FITTED_VARIANTS:
+            for variant in variants:
                 if variant == "pats" and bits != PATS_TIERS[-1][1]:
                     continue
                 nb = packed_bytes(b, h, hq, n, WINDOW, d, bits, 128, 128)["total"] + fitted_bytes(b, h, n, d, variant)
@@ -147,20 +199,24 @@ def main_fitted(args) -> None:
                     fns.append(lambda q=q, packed=packed, win=win, extra=extra: decode_attention(
                         q, *packed, k_bits=bits, v_bits=bits, k_group=128, v_group=128, scaling=scale,
                         fp_segments=[win], fp_positions=[n], config=cfg, **extra))
-                ms = graph_ms_per_call(fns, rep=30)
+                ms = _timed_with_fusion(variant, fns)
                 rows.append({"model": "mistral-7b", "batch": b, "context": ctx, "bits": bits, "variant": variant,
                              "ms_graph": ms, "bf16_ms_graph": bf16_ms, "speedup": bf16_ms / ms, "bytes": nb,
                              "bf16_bytes": bb, "gpu": torch.cuda.get_device_name(0)})
-                log(f"  b={b} ctx={ctx:6d} bits={bits} {variant:11s}: {1e3 * ms:7.1f} us (bf16 {1e3 * bf16_ms:.1f} us, "
+                log(f"  b={b} ctx={ctx:6d} bits={bits} {variant:14s}: {1e3 * ms:7.1f} us (bf16 {1e3 * bf16_ms:.1f} us, "
                     f"{bf16_ms / ms:.2f}x)")
                 del fns
                 torch.cuda.empty_cache()
-        _write_json(out / "decode_fitted.json", {"rows": rows, "config": cfg_dict(cfg),
-                                                  "command": "python -m benchmarks.fitted"})
+        command = "python -m benchmarks.fitted" + (f" --variants {args.variants}" if args.variants else "")
+        _write_json(out / "decode_fitted.json", {"rows": rows, "config": cfg_dict(cfg), "command": command})
+    log(_table(rows))
 
 
 def main(argv=None) -> None:
-    main_with_out(main_fitted, __doc__, argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="artifacts/bench")
+    ap.add_argument("--variants", default="", help=f"comma-separated, of {', '.join(FITTED_VARIANTS)} (default: all)")
+    main_fitted(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@
 # Env: TRIALS (30), SCORE_LAST (CONTEXT/8), SCORE_SAMPLES (2), COLLECT_LEN (2048), SAMPLES (8),
 # PPL_SAMPLES (2), PASSKEY_TRIALS (2), RUNS (artifacts/runs/long-MODEL-CONTEXT), KVCALIB (the command:
 # default `kvcalib`, or `python3 -m kvcalib.cli` where it is not installed), SEARCH_ARGS (more options
-# for `kvcalib search`, e.g. "--timeout 300"). A GPU makes it minutes. Steps already done in RUNS are
+# for `kvcalib search`, e.g. "--timeout 300"), TAG (appended to the recipe folder's name, e.g. "-rot" for a
+# search with another --space, so the committed recipes stay until the new ones are proven). A GPU makes it minutes. Steps already done in RUNS are
 # skipped, so the script can go on in a later call; an empty "EVAL CONTEXTS" stops after the searches.
 set -euo pipefail
 MODEL=$1; CTX=$2; EVAL_CTXS=$3; BUDGETS=${4:-"3.0 4.0"}
@@ -30,7 +31,7 @@ if [ ! -f "$RUNS/stats/stats.safetensors" ]; then
 fi
 recipes=(--recipe kivi-2 --recipe kivi-4)
 for B in $BUDGETS; do
-  run="$RUNS/search-$B"; dest="recipes/$MODEL/long-$CTX-${B}b"
+  run="$RUNS/search-$B"; dest="recipes/$MODEL/long-$CTX-${B}b${TAG:-}"
   if [ ! -f "$run/recipe.safetensors" ]; then
     mkdir -p "$run" && cp "$RUNS/stats/stats.safetensors" "$RUNS/stats/run.json" "$run/"
     $KVCALIB search --model "$MODEL" --data longtext --out "$run" --budget-bits "$B" --context "$CTX" \

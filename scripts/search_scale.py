@@ -73,6 +73,7 @@ def main() -> int:
     ap.add_argument("--workers", default="1,2", help="comma-separated worker counts")
     ap.add_argument("--trials", type=int, default=40)
     ap.add_argument("--device", default=None, help="cuda (default where available) or cpu")
+    ap.add_argument("--data", default="embedded", help="calibration text (longtext for scoring windows of 8k+)")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--score-samples", type=int, default=None, help="default 4 on GPU, 2 on CPU")
@@ -98,7 +99,7 @@ def main() -> int:
         out = run / f"w{w}"
         if out.exists():
             shutil.rmtree(out)
-        cmd = [sys.executable, "-m", "kvcalib.cli", "search", "--model", args.model, "--data", "embedded",
+        cmd = [sys.executable, "-m", "kvcalib.cli", "search", "--model", args.model, "--data", args.data,
                "--budget-bits", "3.0", "--trials", str(args.trials), "--samples", str(args.samples),
                "--seq-len", str(args.seq_len), "--score-samples", str(score_samples),
                "--score-seq-len", str(score_seq_len), "--workers", str(w), "--device", device, "--no-eval",
@@ -116,7 +117,7 @@ def main() -> int:
         chosen = next((t for t in doc["trials"] if t["number"] == doc["chosen"]), None)
         rows.append({"gpus": min(w, visible) if gpu else 0, "workers": w, "trials_per_min": round(rate, 2),
                      "model": args.model if not args.model.endswith(".gguf") else Path(args.model).name,
-                     "gpu": device_name(device), "context": score_seq_len, "score_last": score_last,
+                     "gpu": device_name(device), "context": score_seq_len, "data": args.data, "score_last": score_last,
                      "score_samples": score_samples, "trials": n, "trial_phase_seconds": round(seconds, 1),
                      "wall_seconds": round(wall, 1), "workers_seen": len({t["worker"] for t in doc["trials"] if t.get("worker")}),
                      # same seed and budget for every W: where the searches' results differ (docs/search-at-scale.md)

@@ -110,6 +110,31 @@ def _create_rdb(url: str, engine: dict, beat: dict, attempts: int = 5):
     raise AssertionError("unreachable")
 
 
+def _serialize_sqlite(engine) -> None:
+    """Make every SQLite transaction take the write lock when it begins (``BEGIN IMMEDIATE``).
+
+    Why: Optuna hands a WAITING trial (a warm-start point, a retry) to a worker by reading its
+    state and then writing RUNNING, with ``SELECT ... FOR UPDATE``, which SQLite ignores; and
+    Python's sqlite3 driver opens no transaction before a SELECT. Two workers could both read
+    WAITING and both run the trial: the slower one then died with "Cannot tell a PRUNED trial"
+    (2 workers on 2 H200s, 2026-11-26), and 4 processes popping 120 enqueued trials ran 7 of them
+    twice. With the driver's own transaction handling off and BEGIN IMMEDIATE at each begin
+    (SQLAlchemy's recipe for pysqlite), the read and the write are one locked step; the others
+    wait (the connection's 60 s busy timeout). Connections the storage opened while creating its
+    tables predate the listeners, so the pool is emptied."""
+    from sqlalchemy import event
+
+    @event.listens_for(engine, "connect")
+    def _driver_autocommit(dbapi_connection, _record) -> None:
+        dbapi_connection.isolation_level = None  # SQLAlchemy's "begin" below opens each transaction
+
+    @event.listens_for(engine, "begin")
+    def _begin_immediate(connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()
+
+
 def open_storage(url: str, heartbeat: int | None = None):
     """An Optuna storage for ``url``; KvcalibError when it cannot be reached.
 
@@ -143,7 +168,10 @@ def open_storage(url: str, heartbeat: int | None = None):
             if heartbeat:
                 beat = {"heartbeat_interval": int(heartbeat), "grace_period": GRACE_BEATS * int(heartbeat),
                         **_retry_callback()}
-            return _create_rdb(url, engine, beat)
+            storage = _create_rdb(url, engine, beat)
+        if url.startswith("sqlite"):
+            _serialize_sqlite(storage.engine)
+        return storage
     except KvcalibError:
         raise
     except Exception as err:  # SQLAlchemy/driver errors vary by backend; all mean "unreachable"

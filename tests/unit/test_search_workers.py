@@ -246,3 +246,47 @@ def test_workers_racing_to_create_a_fresh_databases_tables_try_again(monkeypatch
     monkeypatch.setattr(study, "_quiet_rdb", always_refused)
     with pytest.raises(ConnectionRefusedError):
         study._create_rdb("postgresql://x/y", {}, {})
+
+
+_POP = """
+import os, sys
+import optuna
+from kvcalib.optimize.study import open_storage
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+study = optuna.load_study(study_name="s", storage=open_storage(sys.argv[1]))
+def objective(trial):
+    x = trial.suggest_int("x", 0, 10**6)
+    with open(sys.argv[2], "a") as ran:  # one line per trial this process ran
+        ran.write(f"{trial.number}\\n")
+    return x
+for _ in range(int(sys.argv[3])):
+    study.optimize(objective, n_trials=1)
+"""
+
+
+def test_sqlite_workers_never_run_one_waiting_trial_twice(tmp_path):
+    """Four processes pop 80 enqueued (WAITING) trials from one SQLite study. Before
+    ``_serialize_sqlite`` two of them could read the same WAITING trial and both run it (SQLite
+    ignores Optuna's SELECT ... FOR UPDATE): 5-9 of 120 trials ran twice in this setting, and the
+    slower process died with "Cannot tell a PRUNED trial" in a 2-GPU search."""
+    import subprocess
+    import sys
+
+    import optuna
+
+    from kvcalib.optimize.study import open_storage
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="s", storage=open_storage(url))
+    for i in range(80):
+        study.enqueue_trial({"x": i})
+    script = tmp_path / "pop.py"
+    script.write_text(_POP)
+    procs = [subprocess.Popen([sys.executable, str(script), url, str(tmp_path / f"ran{i}.txt"), "20"],
+                              stderr=subprocess.PIPE, text=True) for i in range(4)]
+    errors = [p.communicate(timeout=240)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errors
+    ran = [line for i in range(4) for line in (tmp_path / f"ran{i}.txt").read_text().split()]
+    assert len(ran) == 80 and len(set(ran)) == 80, sorted(ran)
+    states = {t.state for t in optuna.load_study(study_name="s", storage=open_storage(url)).trials}
+    assert states == {optuna.trial.TrialState.COMPLETE}

@@ -4,13 +4,12 @@ rotations cost the fused kernel: CUDA-graph time on the Mistral shape (batch 1 a
 ``decode_fitted.json`` and prints a table of every variant's time per shape last.
 
     python -m benchmarks.fitted --out artifacts/bench     (CUDA, repository root)
-    python -m benchmarks.fitted --variants plain,rotate-2launch,rotate-combine,rotate-full   (the rotations only)
+    python -m benchmarks.fitted --variants plain,rotate-2launch,rotate-combine   (the rotations only)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
@@ -29,15 +28,14 @@ FITTED_VARIANTS = {  # name: (K and V permuted, mean bits of K and V: 0 off, 8 o
     "pats": (False, 0, 0),  # PATS middle-heavy tiers (below): one split launch per tier store, one combine
     # rotated K and V (kvcalib.methods.rotate: random-sign Walsh-Hadamard): the query rotated once per
     # call, the packed value accumulators rotated back once per call (issue 34: within 10% of plain),
-    # where ROTATION_FUSIONS says
+    # where ROTATION_MIN_ROWS says
     "rotate-2launch": (False, 0, 0),
     "rotate-combine": (False, 0, 0),
-    "rotate-full": (False, 0, 0),
 }
-# the rotated variants' KVCALIB_ROTATION_FUSION (kvcalib_kernels.decode.plan._rotation_fusion): a
-# launch each for the query and the accumulators / the accumulators rotated back inside the
-# combine / also the query rotated inside the split kernel
-ROTATION_FUSIONS = {"rotate-2launch": "none", "rotate-combine": "combine", "rotate-full": "full"}
+# the rotated variants' kvcalib_kernels.decode.plan.COMBINE_ROTATION_MIN_ROWS, whatever the shape:
+# a launch each for the query and the accumulators (never in the combine) / the accumulators
+# rotated back inside the combine (always)
+ROTATION_MIN_ROWS = {"rotate-2launch": 1 << 62, "rotate-combine": 0}
 # PATS as kvcalib exports it (--schedule middle-heavy, ages 1024 and 4096 after a 128-token window):
 # (first age, bits) per stored tier; the "pats" rows run at the last tier's bits (2) only
 PATS_TIERS = ((WINDOW, 8), (1024, 4), (4096, 2))
@@ -89,7 +87,7 @@ def fitted_inputs(b, h, n, d, variant, dev, seed=0) -> dict:
     if perm:
         for side in ("k_perm", "v_perm"):
             kw[side] = torch.stack([torch.randperm(d, device=dev, generator=g) for _ in range(h)]).int()
-    if variant in ROTATION_FUSIONS:
+    if variant in ROTATION_MIN_ROWS:
         from kvcalib.quant.rotation import hadamard, random_signs
 
         for i, side in enumerate(("k_rot", "v_rot")):
@@ -121,22 +119,21 @@ def fitted_bytes(b, h, n, d, variant) -> int:
     return ott
 
 
-def _timed_with_fusion(variant, fns) -> float:
-    """:func:`graph_ms_per_call` of ``fns`` with the variant's KVCALIB_ROTATION_FUSION set while
+def _timed_with_rotation_rule(variant, fns) -> float:
+    """:func:`graph_ms_per_call` of ``fns`` with the variant's COMBINE_ROTATION_MIN_ROWS set while
     they are warmed up and captured (the launcher reads it at every call; the graph keeps the
-    launches chosen then), the caller's setting restored after."""
-    fusion = ROTATION_FUSIONS.get(variant)
-    if fusion is None:
+    launches chosen then), the launcher's rule restored after."""
+    from kvcalib_kernels.decode import plan
+
+    min_rows = ROTATION_MIN_ROWS.get(variant)
+    if min_rows is None:
         return graph_ms_per_call(fns, rep=30)
-    before = os.environ.get("KVCALIB_ROTATION_FUSION")
-    os.environ["KVCALIB_ROTATION_FUSION"] = fusion
+    before = plan.COMBINE_ROTATION_MIN_ROWS
+    plan.COMBINE_ROTATION_MIN_ROWS = min_rows
     try:
         return graph_ms_per_call(fns, rep=30)
     finally:
-        if before is None:
-            del os.environ["KVCALIB_ROTATION_FUSION"]
-        else:
-            os.environ["KVCALIB_ROTATION_FUSION"] = before
+        plan.COMBINE_ROTATION_MIN_ROWS = before
 
 
 def _table(rows: list[dict]) -> str:
@@ -199,7 +196,7 @@ def main_fitted(args) -> None:
                     fns.append(lambda q=q, packed=packed, win=win, extra=extra: decode_attention(
                         q, *packed, k_bits=bits, v_bits=bits, k_group=128, v_group=128, scaling=scale,
                         fp_segments=[win], fp_positions=[n], config=cfg, **extra))
-                ms = _timed_with_fusion(variant, fns)
+                ms = _timed_with_rotation_rule(variant, fns)
                 rows.append({"model": "mistral-7b", "batch": b, "context": ctx, "bits": bits, "variant": variant,
                              "ms_graph": ms, "bf16_ms_graph": bf16_ms, "speedup": bf16_ms / ms, "bytes": nb,
                              "bf16_bytes": bb, "gpu": torch.cuda.get_device_name(0)})

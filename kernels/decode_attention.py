@@ -22,9 +22,11 @@ read at each stored key channel's input channel; value channels are stored back 
 TaDA per-token mean ``(B, 1, N, D)`` shared by the kv heads, 16-bit or 8-bit codes with per-token
 scale/zero (``q . mean`` joins each score, ``sum p * mean`` each value plane, in the same pass),
 and a per-head orthogonal rotation ``(matrix, signs)`` (:mod:`kvcalib.quant.rotation`: the stored
-tokens are ``x R``): the packed keys are scored with the query rotated once per call and the
-packed values' accumulators are rotated back once per call before the merge; the full-precision
-segments are stored unrotated and attended as they are.
+tokens are ``x R``): the packed keys are scored with the query rotated once per call (a launch
+before the split kernel) and the packed values' accumulators are rotated back once per call (a
+launch before the merge, or inside it from ``COMBINE_ROTATION_MIN_ROWS`` batch x kv heads rows:
+:mod:`kvcalib_kernels.decode.plan`); the full-precision segments are stored unrotated and
+attended as they are.
 
 Two launches: the split kernel (grid ``(B * H, packed splits + full-precision chunks)``, each
 program a partial ``(m, l, acc)`` for the query heads of one kv head), then the combine

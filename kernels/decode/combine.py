@@ -7,7 +7,12 @@ Two kernels: :func:`_combine_kernel`, every partial in the input basis; and
 :func:`_combine_rotated_kernel`, where a range of partial columns holds the packed splits of a
 value side stored rotated (:mod:`kvcalib.quant.rotation`): their weighted sum is rotated back to
 the input basis inside the merge (linear, so once per row rather than once per split), in place
-of :func:`.rotation.rotate_back_partials`' separate launch before the merge.
+of :func:`.rotation.rotate_back_partials`' separate launch before the merge. :mod:`.plan` takes it
+on calls of at least ``COMBINE_ROTATION_MIN_ROWS`` (batch x kv heads) rows: it has one program per
+(batch, kv head, 64 channels), too few at batch 1 (Mistral-7B shape: 16 programs over ~260
+partials, 36.1 us per attention call at 32k against 29.3 with the separate launch on an H100),
+enough at batch 8 (128 programs: 81.4 against 84.9 us); the numbers are at
+``plan._back_rotation_in_combine``.
 """
 
 from __future__ import annotations
@@ -176,10 +181,11 @@ def _combine_rotated(m_part, l_part, o_part, s_tot: int, out: torch.Tensor, lse:
     ``s_tot`` partials per row of which columns ``[rot_lo, rot_hi)`` hold accumulators rotated by
     ``rot`` = (matrix (D, D) | (H, D, D), signs (H, D) | None) float32, ``h`` kv heads.
 
-    Settings not measured yet (GPU): 4 warps, 16 partials a step, 64 output channels a program
-    (head_dim 128: 2 programs per kv head, each reading the rotated partials once). Products of
-    the back-rotation in "tf32x3" (float32 accuracy, as :mod:`.rotation`); IEEE under Triton's
-    interpreter. A program takes all channels there (its cost is per program and op); ``channels``
+    Settings not swept on their own (the whole path was measured against the separate launch:
+    :mod:`.plan`'s ``COMBINE_ROTATION_MIN_ROWS``): 4 warps, 16 partials a step, 64 output
+    channels a program (head_dim 128: 2 programs per kv head, each reading the rotated partials
+    once). Products of the back-rotation in "tf32x3" (float32 accuracy, as :mod:`.rotation`);
+    IEEE under Triton's interpreter. A program takes all channels there (its cost is per program and op); ``channels``
     forces the channels per program (tests)."""
     bsz, hq, d = out.shape
     rep = hq // h

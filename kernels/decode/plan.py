@@ -2,10 +2,11 @@
 (:class:`DecodeConfig`), the rules that pick the kernel's compile-time paths for a layout, the
 lane-unpack check on the device, the argument checks, and the launch.
 
-Rotated packed sides (``k_rot`` / ``v_rot``, :mod:`.rotation`): where the query's rotation and the
-value accumulators' back-rotation run is :data:`ROTATION_FUSION_ENV` (:func:`_rotation_fusion`):
-separate launches, the back-rotation inside the combine, or also a Walsh-Hadamard query rotated
-inside the split kernel.
+Rotated packed sides (``k_rot`` / ``v_rot``, :mod:`.rotation`): the query is rotated by its own
+launch (:func:`.rotation.rotate_query`) before the split kernel; the value accumulators rotate
+back inside the combine (:func:`.combine._combine_rotated`) on calls of at least
+:data:`COMBINE_ROTATION_MIN_ROWS` (batch x kv heads) rows, else by their own launch
+(:func:`.rotation.rotate_back_partials`) before it.
 
 Every rule below is the setting that measured fastest on an H200 where it applies (CUDA-graph
 time of the benchmark shapes); the settings that lost were removed from the code, and their
@@ -16,8 +17,6 @@ code").
 from __future__ import annotations
 
 import functools
-import os
-import weakref
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -25,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcalib.quant.rotation import check_rotation, hadamard
+from kvcalib.quant.rotation import check_rotation
 from kvcalib_kernels.decode.combine import _combine, _combine_rotated
 from kvcalib_kernels.decode.rotation import rotate_back_partials, rotate_query
 from kvcalib_kernels.decode.common import (LOG2E, _cdiv, _check_fp, _dummy, _fp_segment_args, _interpreting,
@@ -89,12 +88,50 @@ SMALL_BLOCK_N = 32  # blocks of a short cache with few (batch, kv head) rows (_p
 HALVES_SPLIT_GAIN = 1.5  # one key group per block instead of two halves where that gives >= 1.5x the splits ...
 HALVES_MAX_SPLITS = 256  # ... and no more splits per row than this (their merge would cost more)
 DEEP_PIPELINE_BLOCKS = 16  # a third pipeline stage where every split runs at least this many blocks (_stages)
+# rotated values rotate back inside the combine from this many (batch x kv head) rows of a call on
+# (_back_rotation_in_combine); benchmarks and tests set it (0: always there, a huge number: never)
+COMBINE_ROTATION_MIN_ROWS = 32
 
 
 @functools.lru_cache(maxsize=None)
 def _split_rule(config: DecodeConfig) -> SplitRule:
     """The split-K rule of a config: its parallelism fields over :class:`.splits.SplitRule`'s defaults."""
     return SplitRule(programs_per_sm=config.programs_per_sm, num_splits=config.num_splits)
+
+
+def _back_rotation_in_combine(rows: int) -> bool:
+    """Whether a call of ``rows`` = batch x kv heads rows rotates its value accumulators back
+    inside the combine (:func:`.combine._combine_rotated`, no launch of its own) rather than by
+    :func:`.rotation.rotate_back_partials`' launch before a plain combine: from
+    :data:`COMBINE_ROTATION_MIN_ROWS` rows on.
+
+    The rotating combine runs one program per (batch, kv head, 64 channels), each over all of its
+    rows' partials, so with few rows it has few programs for hundreds of partials; the plain
+    combine has one per (query row, 16 or 32 channels). H100, Mistral-7B shape (32 query heads, 8 kv
+    heads, head_dim 128, group 128), CUDA-graph time per attention call in us, rotated K and V
+    (random-sign Walsh-Hadamard; ``python -m benchmarks.fitted --variants
+    plain,rotate-2launch,rotate-combine,...``, 2026-11-26):
+
+    ====================  =====  ==========  =======================
+    batch, context, bits  plain  2 launches  back-rotation in combine
+    ====================  =====  ==========  =======================
+    1, 4k, 2               8.3     22.3        22.0
+    1, 4k, 4               8.9     23.6        22.6
+    1, 32k, 2             15.3     29.3        36.1
+    1, 32k, 4             20.6     34.3        40.7
+    8, 32k, 2             70.6     84.9        81.4
+    8, 32k, 4            107.7    120.7       118.1
+    ====================  =====  ==========  =======================
+
+    At batch 1 (8 rows: 16 rotating-combine programs) it loses 6.4-6.8 us at 32k and gains only
+    0.3-1.0 us at 4k, so batch 1 takes the two launches; at batch 8 (64 rows: 128 programs) it saves
+    the launch, 2.6-3.5 us. 32 lies between the two measured row counts (8 and 64); nothing
+    between them was measured. (The query rotated inside the split
+    kernel, the third variant of that run, was removed: it lost at batch 8 (2-bit: +63% over
+    plain against +15%) and at batch 1 / 32k, and won only at batch 1 / 4k (0.5 us at 2 bits,
+    2.6 at 4; artifacts/bench/HISTORY.md, "Rotation paths removed from the code").)
+    """
+    return rows >= COMBINE_ROTATION_MIN_ROWS
 
 
 def _key_group_pairs(d: int, r_pad: int, k_bits: int, v_bits: int) -> bool:
@@ -402,12 +439,10 @@ def _check_mean(name: str, mean, b: int, n: int, d: int):
 @dataclass
 class _SplitCall:
     """One planned launch of :func:`_decode_split_kernel`: its grid ``(B * H, s_tot)`` and every
-    argument after the queries and the partial buffers; ``q_packed`` (B, Hq, D): the query its
-    packed splits score with (None: the call's query); ``q_signs`` (H, D): the signs of the keys'
-    Walsh-Hadamard when the split kernel rotates the query itself (``Q_HADAMARD``); ``v_rot``: the
-    rotation its packed splits' accumulators are rotated back by (None: stored unrotated), over
-    its first ``splits`` partial columns: inside the combine where ``v_in_combine``, else by a
-    launch before it."""
+    argument after the queries and the partial buffers; ``q_packed`` (B, Hq, D) float32: the query
+    its packed splits score with (None: the call's query); ``v_rot``: the rotation its packed
+    splits' accumulators are rotated back by (None: stored unrotated), over its first ``splits``
+    partial columns (inside the combine or by a launch before it: :func:`_combine_rotated_calls`)."""
 
     bh: int
     s_tot: int
@@ -415,9 +450,7 @@ class _SplitCall:
     meta: dict
     splits: int = 0
     q_packed: torch.Tensor | None = None
-    q_signs: torch.Tensor | None = None
     v_rot: tuple | None = None
-    v_in_combine: bool = False
 
 
 def _check_rot(name: str, rot, h: int, d: int, dev) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -435,53 +468,6 @@ def _check_rot(name: str, rot, h: int, d: int, dev) -> tuple[torch.Tensor, torch
         if t is not None and (t.device != dev or t.dtype != torch.float32):
             raise ValueError(f"{name} must be float32 on {dev}, got {t.dtype} on {t.device}")
     return matrix, signs
-
-
-ROTATION_FUSION_ENV = "KVCALIB_ROTATION_FUSION"
-ROTATION_FUSIONS = ("none", "combine", "full")
-
-
-def _rotation_fusion() -> str:
-    """Where a rotated call's products run (:data:`ROTATION_FUSION_ENV`, read at every call that
-    has a rotation, so one process can time each): ``none``: :func:`.rotation.rotate_query` and
-    :func:`.rotation.rotate_back_partials`, a launch each; ``combine``: the back-rotation inside
-    the combine (:func:`.combine._combine_rotated`); ``full`` (default): also a Walsh-Hadamard
-    query rotated inside the split kernel at load (other matrices: ``rotate_query``)."""
-    fusion = os.environ.get(ROTATION_FUSION_ENV, "full")
-    if fusion not in ROTATION_FUSIONS:
-        raise ValueError(f"{ROTATION_FUSION_ENV}={fusion!r}: use one of {', '.join(ROTATION_FUSIONS)}")
-    return fusion
-
-
-# id(matrix) -> (weak reference to it, its version counter, whether it is the Walsh-Hadamard)
-_HADAMARD_SEEN: dict[int, tuple[weakref.ref, int, bool]] = {}
-_HADAMARD_SEEN_MAX = 4096  # matrices remembered (a rotation per side and layer: far fewer in a model)
-
-
-def _is_hadamard(matrix: torch.Tensor) -> bool:
-    """Whether ``matrix`` is exactly :func:`kvcalib.quant.rotation.hadamard` of its size (shared by
-    the heads): the split kernel then makes its +-1 entries in registers. Compared on the device
-    once per tensor and version (in-place writes bump it); the comparison waits for the device,
-    so inside a CUDA graph capture a tensor not seen before counts as another matrix (the query
-    is then rotated by its own launch, as correct, only slower)."""
-    if matrix.dim() != 2:
-        return False
-    seen = _HADAMARD_SEEN.get(id(matrix))
-    if seen is not None and seen[0]() is matrix and seen[1] == matrix._version:
-        return seen[2]
-    if matrix.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    same = bool(torch.equal(matrix, hadamard(matrix.shape[0], matrix.device)))
-    if len(_HADAMARD_SEEN) >= _HADAMARD_SEEN_MAX:
-        _HADAMARD_SEEN.clear()
-    _HADAMARD_SEEN[id(matrix)] = (weakref.ref(matrix), matrix._version, same)
-    return same
-
-
-@functools.lru_cache(maxsize=None)
-def _hadamard_entry(d: int) -> float:
-    """The magnitude of :func:`kvcalib.quant.rotation.hadamard`'s entries (float32 1 / sqrt(D))."""
-    return float(hadamard(d)[0, 0])
 
 
 def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v_bits, k_group, v_group,
@@ -636,17 +622,12 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
             means.append((bits, (mv, ms, mz, mv.stride(0), mv.stride(2), *mss)))
         else:
             means.append((0, (dummy16, dummy16, dummy16, 0, 0, 0, 0)))
-    # rotated packed sides: the packed keys score with the query rotated once per call (here, or
-    # a Walsh-Hadamard with signs inside the split kernel), the packed values' accumulators rotate
-    # back once per call (in _run or inside the combine): never a stored token rotated back
-    q_packed = q_signs = rot_v = None
-    fusion = _rotation_fusion() if n and (k_rot is not None or v_rot is not None) else "none"
+    # rotated packed sides: the packed keys score with the query rotated once per call (a launch
+    # here), the packed values' accumulators rotate back once per call (in _run: a launch or inside
+    # the combine): never a stored token rotated back
+    q_packed = rot_v = None
     if n and k_rot is not None:
-        matrix, signs = _check_rot("k_rot", k_rot, h, d, dev)
-        if fusion == "full" and signs is not None and _is_hadamard(matrix):
-            q_signs = signs.contiguous()  # (H, D)
-        else:
-            q_packed = rotate_query(q, h, (matrix, signs))  # (B, Hq, D) float32
+        q_packed = rotate_query(q, h, _check_rot("k_rot", k_rot, h, d, dev))  # (B, Hq, D) float32
     if n and v_rot is not None:
         rot_v = _check_rot("v_rot", v_rot, h, d, dev)
     has_range, lo, hi = _packed_range(packed_start, packed_end, bsz, n, dev)
@@ -667,8 +648,6 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
         qk_scale, cap = float(scaling), float(softcap)
     else:
         qk_scale, cap = float(scaling) * LOG2E, 1.0
-    # the split kernel's +-1 Walsh-Hadamard products leave the matrix's 1 / sqrt(D) to this scale
-    q_packed_scale = qk_scale * _hadamard_entry(d) if q_signs is not None else qk_scale
 
     args = (kc, *kcs, ks, kz, *kss,
             vc, *vcs, vs, vz, *vss,
@@ -677,7 +656,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
             *segs[0], *segs[1], *pool_args, *keep_args,
             kp, vp, *means[0][1], *means[1][1],
             splits, split_size, n_f1, n_f2,
-            qk_scale, q_packed_scale, cap,
+            qk_scale, cap,
             h)
     # a third pipeline stage for long splits of the plain folded layout at <= 4 bits (_stages)
     deep_layout = (k_fold and k_sub == 1 and v_chunks == 1 and not means[0][0] and not means[1][0]
@@ -698,25 +677,25 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 WHOLE=bool(_whole_blocks(d, r_pad, k_bits, v_bits) and n and n % block_n == 0
                            and split_size % block_n == 0 and not has_range and not (has_mask and mask_packed)
                            and not has_keep),
-                Q_HADAMARD=q_signs is not None, Q_HADAMARD_F32=interp,
                 num_warps=config.num_warps, num_stages=stages)
-    return _SplitCall(bsz * h, s_tot, args, meta, splits, q_packed, q_signs, rot_v, fusion != "none")
+    return _SplitCall(bsz * h, s_tot, args, meta, splits, q_packed, rot_v)
 
 
 def _combine_rotated_calls(calls: list[_SplitCall]) -> tuple[list[_SplitCall], int]:
     """The calls in partial-column order and how many leading columns hold value accumulators
-    the combine rotates back (0: none). The combine takes one rotation over one column range:
-    the calls with ``v_in_combine`` and the first such call's rotation (the same tensors: one
-    cache side has one rotation), those whose columns are all packed splits first, then at most
-    one with full-precision chunks after its splits; any other rotated call keeps its launch."""
-    first = next((c for c in calls if c.v_in_combine and c.v_rot is not None and c.splits), None)
-    if first is None:
+    the combine rotates back (0: none, every rotated call takes its own launch). Only where the
+    calls' rows (batch x kv heads, one cache: the same for all) pass
+    :func:`_back_rotation_in_combine`. The combine takes one rotation over one column range: the
+    first rotated call's rotation (the same tensors: one cache side has one rotation), the calls
+    with it whose columns are all packed splits first, then at most one with full-precision
+    chunks after its splits; any other rotated call keeps its launch."""
+    first = next((c for c in calls if c.v_rot is not None and c.splits), None)
+    if first is None or not _back_rotation_in_combine(first.bh):
         return calls, 0
     rot = first.v_rot
 
     def joins(c):
-        return (c.v_in_combine and c.splits and c.v_rot is not None and c.v_rot[0] is rot[0]
-                and c.v_rot[1] is rot[1])
+        return c.splits and c.v_rot is not None and c.v_rot[0] is rot[0] and c.v_rot[1] is rot[1]
     whole = [c for c in calls if joins(c) and c.s_tot == c.splits]
     mixed = [c for c in calls if joins(c) and c.s_tot != c.splits][:1]
     ordered = whole + mixed
@@ -739,10 +718,9 @@ def _run(q: torch.Tensor, calls: list[_SplitCall | None], return_lse: bool, out_
         return (out, torch.full((bsz, hq), float("-inf"), device=q.device)) if return_lse else out
     s_off = 0
     for c in calls:
-        qp = q if c.q_packed is None else c.q_packed
-        q_signs = qp if c.q_signs is None else c.q_signs  # (a dummy where the kernel does not read it)
-        _SPLIT((c.bh, c.s_tot), (q, q.stride(0), q.stride(1), qp, qp.stride(0), qp.stride(1), q_signs, m_part,
-                                 l_part, o_part, s_all, s_off, *c.args), c.meta)
+        qp = q if c.q_packed is None else c.q_packed  # (B, Hq, D)
+        _SPLIT((c.bh, c.s_tot), (q, q.stride(0), q.stride(1), qp, qp.stride(0), qp.stride(1), m_part, l_part, o_part,
+                                 s_all, s_off, *c.args), c.meta)
         if c.v_rot is not None and c.splits and s_off >= rot_cols:
             rotate_back_partials(o_part, bsz, c.bh // bsz, s_off, c.splits, c.v_rot)
         s_off += c.s_tot

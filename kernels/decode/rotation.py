@@ -1,6 +1,6 @@
 """The per-call products of a rotated cache side (kernel -> launcher): the query rotated like
 the stored keys before the split kernel, and the packed splits' value accumulators rotated back
-to the input basis before the combine.
+to the input basis before the combine (or, on calls with rows enough, inside it: :mod:`.combine`).
 
 A rotation is :mod:`kvcalib.quant.rotation`'s ``R_h = diag(signs_h) @ M_h`` per kv head:
 forward ``y = (x * signs_h) @ M_h``, inverse ``y = (x @ M_h^T) * signs_h``. The PyTorch functions
@@ -11,14 +11,11 @@ interpreter. Done as PyTorch operations around the split kernel the two
 products were about ten small PyTorch launches, 25-33 us per attention call on an H200 whatever the
 shape; as the two launches below, 13-15 us (``benchmarks/fitted.py``, docs/results.md).
 
-Where each product runs (``KVCALIB_ROTATION_FUSION``, read by :mod:`.plan`):
-
-- ``none``: :func:`rotate_query` and :func:`rotate_back_partials`, one launch each;
-- ``combine``: the query by :func:`rotate_query`; the accumulators inside the merge
-  (:func:`.combine._combine_rotated_kernel`);
-- ``full`` (default): as ``combine``, and a query rotated by the random-sign Walsh-Hadamard
-  inside the split kernel at load (:func:`_hadamard_query_t`); other matrices (fitted per head)
-  still by :func:`rotate_query`.
+Where each product runs (:mod:`.plan`): the query always by :func:`rotate_query`, one launch
+before the split kernel; the accumulators by :func:`rotate_back_partials`, one launch after it,
+on calls with fewer than ``plan.COMBINE_ROTATION_MIN_ROWS`` (batch x kv heads) rows, else inside
+the merge (:func:`.combine._combine_rotated_kernel`), which saves that launch where it has
+programs enough (the numbers are at ``COMBINE_ROTATION_MIN_ROWS``).
 
 :func:`_rotate_rows_kernel`: one program takes ``BLOCK_T`` rows of one (batch, kv head): the query
 heads of that kv head (the query), or its query heads x packed splits (the accumulators,
@@ -75,61 +72,6 @@ def _rotate_rows_kernel(
 
 
 _ROTATE = FastLauncher(_rotate_rows_kernel)
-
-
-@triton.jit
-def _bf16_pieces(x):
-    """float32 ``x`` as three bfloat16 pieces ``hi + mid + lo == x`` (8 + 8 + 8 significant bits
-    cover float32's 24; bfloat16 has float32's exponent range)."""
-    hi = x.to(tl.bfloat16)
-    rest = x - hi.to(tl.float32)  # exact: the bits hi did not take
-    mid = rest.to(tl.bfloat16)
-    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-    return hi, mid, lo
-
-
-@triton.jit
-def _hadamard_query_t(q_rows, r_ok, offs_c, signs_row, scale, D: tl.constexpr, F32_DOTS: tl.constexpr):
-    """Channels ``offs_c`` (P,) of the query rows rotated by the random-sign Walsh-Hadamard,
-    transposed and times ``scale``: ``((q * signs) @ H)[:, offs_c]^T * scale`` float32 (P, R_PAD),
-    where ``H[i, j] = (-1)^popcount(i & j)`` is Sylvester's +-1 matrix (``scale`` brings the
-    ``1 / sqrt(D)`` of :func:`kvcalib.quant.rotation.hadamard`).
-
-    q_rows (R_PAD,) pointers to the query rows (any float dtype), masked by r_ok; signs_row: the
-    kv head's (D,) float32 signs. The +-1 columns are made in registers (nothing to read), and
-    are exact in 16-bit floats: a bfloat16/float16 query is one tensor-core product in its own
-    dtype, a float32 query three, of its bfloat16 pieces (:func:`_bf16_pieces`), all products
-    exact and summed in float32: float32 accuracy with no float32 operand. F32_DOTS: float32
-    IEEE products of the same pieces (Triton's interpreter has no bfloat16 tl.dot).
-    """
-    offs_i = tl.arange(0, D)
-    q = tl.load(q_rows[None, :] + offs_i[:, None], mask=r_ok[None, :], other=0.0)  # (D, R_PAD) query dtype
-    x = q.to(tl.float32) * tl.load(signs_row + offs_i)[:, None]  # (D, R_PAD) exact: sign flips
-    # parity of i & c by folding its bits (indices < 512: 9 bits)
-    bits = offs_c[:, None] & offs_i[None, :]  # (P, D)
-    if D > 256:
-        bits = bits ^ (bits >> 8)
-    if D > 16:
-        bits = bits ^ (bits >> 4)
-    bits = bits ^ (bits >> 2)
-    bits = bits ^ (bits >> 1)
-    sylvester = 1.0 - 2.0 * (bits & 1).to(tl.float32)  # (P, D) +-1
-    if q.dtype == tl.float32:
-        hi, mid, lo = _bf16_pieces(x)  # (D, R_PAD) bfloat16 each
-        if F32_DOTS:
-            y = tl.dot(sylvester, hi.to(tl.float32), input_precision="ieee")
-            y = tl.dot(sylvester, mid.to(tl.float32), y, input_precision="ieee")
-            y = tl.dot(sylvester, lo.to(tl.float32), y, input_precision="ieee")
-        else:
-            h16 = sylvester.to(tl.bfloat16)
-            y = tl.dot(h16, hi)
-            y = tl.dot(h16, mid, y)
-            y = tl.dot(h16, lo, y)
-    elif F32_DOTS:
-        y = tl.dot(sylvester, x, input_precision="ieee")
-    else:
-        y = tl.dot(sylvester.to(q.dtype), x.to(q.dtype))  # exact operands: q's own values, +-1
-    return y * scale  # (P, R_PAD)
 
 
 def _precision() -> str:

@@ -37,11 +37,13 @@ Arithmetic (what keeps the per-code work small):
 - one warp per program and 4-row query tiles, parallelism from many split programs; where every
   packed block of a call is whole and visible (``WHOLE``) the loop runs without bounds masks.
 
-Rotated packed sides (:mod:`.rotation`): keys stored rotated score with the query rotated like
-them, computed before the launch (``QP``) or, for the random-sign Walsh-Hadamard, here at load
-(``Q_HADAMARD``: each packed split program multiplies its query rows by the +-1 matrix made in
-registers); values stored rotated leave their accumulators in the rotated basis, for the combine
-to rotate back.
+Rotated packed sides (:mod:`.rotation`): keys stored rotated score with ``QP``, the query
+rotated like them by :func:`.rotation.rotate_query`'s launch before this one (the
+full-precision chunks keep ``Q``); values stored rotated leave their splits' accumulators in the
+rotated basis, rotated back after this kernel by :func:`.rotation.rotate_back_partials` or
+inside the merge (:func:`.combine._combine_rotated_kernel`), as :mod:`.plan`'s
+``COMBINE_ROTATION_MIN_ROWS`` picks. (A Walsh-Hadamard query rotated here at load measured slower
+than the separate launch at batch 8 and at batch 1 / 32k on an H100, and was removed.)
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ import triton
 import triton.language as tl
 
 from kvcalib_kernels.decode.common import _column, _dot, _fp_chunk, _softcap
-from kvcalib_kernels.decode.rotation import _hadamard_query_t
 from kvcalib_kernels.decode.unpack import _code_planes, _codes, _perm4, _unit_planes
 
 @triton.jit
@@ -58,19 +59,6 @@ def _q_plane_t(q_rows, r_ok, offs_p, qk_scale):
     """:func:`_q_plane` transposed: channels ``offs_p`` of the query rows, float32, times qk_scale,
     as (P, R_PAD) -- the N operand of the key products, whose M rows are the tokens."""
     return tl.load(q_rows[None, :] + offs_p[:, None], mask=r_ok[None, :], other=0.0).to(tl.float32) * qk_scale
-
-
-@triton.jit
-def _q_packed_t(q_rows, r_ok, offs_p, scale, signs_row, D: tl.constexpr, HADAMARD: tl.constexpr,
-                HADAMARD_F32: tl.constexpr):
-    """Channels ``offs_p`` of the query the packed keys score with, as (P, R_PAD) float32 times
-    ``scale``: the rows at q_rows as they are (:func:`_q_plane_t`), or, HADAMARD, rotated here by
-    the keys' random-sign Walsh-Hadamard (:func:`.rotation._hadamard_query_t`; HADAMARD_F32: its
-    products in float32, for the interpreter)."""
-    if HADAMARD:
-        return _hadamard_query_t(q_rows, r_ok, offs_p, signs_row, scale, D, HADAMARD_F32)
-    else:
-        return _q_plane_t(q_rows, r_ok, offs_p, scale)
 
 
 @triton.jit
@@ -408,10 +396,8 @@ def _before(offs, end, WHOLE: tl.constexpr):
                                "num_splits", "split_size", "n_f1_chunks", "n_f2_chunks"])
 def _decode_split_kernel(
     # query (B, Hq, D), last dim contiguous; QP: the query the packed keys are scored with (Q
-    # itself, or Q rotated like the stored keys: one rotation per step, never one per token; or,
-    # Q_HADAMARD, Q itself, rotated here at load by the keys' random-sign Walsh-Hadamard with the
-    # signs QSIGNS (H, D) float32)
-    Q, stride_qb, stride_qh, QP, stride_qpb, stride_qph, QSIGNS,
+    # itself, or Q rotated like the stored keys: one rotation per step, never one per token)
+    Q, stride_qb, stride_qh, QP, stride_qpb, stride_qph,
     # partial results, contiguous: m, l (B*Hq, S_TOT); acc (B*Hq, S_TOT, D); float32. This call's
     # programs write columns [S_OFF, S_OFF + grid[1]) (several calls can share one buffer)
     M_part, L_part, O_part, S_TOT, S_OFF,
@@ -442,9 +428,8 @@ def _decode_split_kernel(
     # work split: packed splits of split_size tokens (multiple of BLOCK_N), then fp chunks
     # (segment 1, segment 2, the pool)
     num_splits, split_size, n_f1_chunks, n_f2_chunks,
-    # softmax: scores * qk_scale are in log2 units (qk_scale = scaling * log2 e) unless softcap;
-    # q_packed_scale: the packed keys' query scale (qk_scale; with Q_HADAMARD times 1 / sqrt(D))
-    qk_scale, q_packed_scale, softcap,
+    # softmax: scores * qk_scale are in log2 units (qk_scale = scaling * log2 e) unless softcap
+    qk_scale, softcap,
     # shapes
     H, R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
     # packed layout
@@ -459,7 +444,7 @@ def _decode_split_kernel(
     KEEP_BLOCK: tl.constexpr = 8, V_NCH: tl.constexpr = 1, K_SUB: tl.constexpr = 1,
     V_UNITS: tl.constexpr = False, K_HALVES: tl.constexpr = False,
     V_SUM_DOTS: tl.constexpr = False, V_EARLY: tl.constexpr = False, V_T: tl.constexpr = False,
-    WHOLE: tl.constexpr = False, Q_HADAMARD: tl.constexpr = False, Q_HADAMARD_F32: tl.constexpr = False,
+    WHOLE: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -488,7 +473,6 @@ def _decode_split_kernel(
     offs_v = tl.arange(0, VR)
     v_ok = (offs_v % R_PAD) < R
     q_rows_v = QP + b.to(tl.int64) * stride_qpb + (h * R + offs_v % R_PAD) * stride_qph  # (VR,) pointers
-    qsigns_row = QSIGNS + h * D  # (D,) read when Q_HADAMARD
 
     if pid_s < num_splits:
         # ------------------------------------------------ packed split
@@ -527,15 +511,15 @@ def _decode_split_kernel(
         # the kernel spent more on moving fragments than on unpacking: 1.4x slower at batch 8 /
         # 32k: artifacts/bench/HISTORY.md, step 6). Per-token keys use the slices as is; per-channel keys
         # fold the scales in once per key group.
-        q0 = _q_packed_t(q_rows_v, v_ok, qc0, q_packed_scale, qsigns_row, D, Q_HADAMARD, Q_HADAMARD_F32)
+        q0 = _q_plane_t(q_rows_v, v_ok, qc0, qk_scale)
         q1 = q0
         q2 = q0
         q3 = q0
         if PER_K > 1:
-            q1 = _q_packed_t(q_rows_v, v_ok, qc1, q_packed_scale, qsigns_row, D, Q_HADAMARD, Q_HADAMARD_F32)
+            q1 = _q_plane_t(q_rows_v, v_ok, qc1, qk_scale)
         if PER_K > 2:
-            q2 = _q_packed_t(q_rows_v, v_ok, qc2, q_packed_scale, qsigns_row, D, Q_HADAMARD, Q_HADAMARD_F32)
-            q3 = _q_packed_t(q_rows_v, v_ok, qc3, q_packed_scale, qsigns_row, D, Q_HADAMARD, Q_HADAMARD_F32)
+            q2 = _q_plane_t(q_rows_v, v_ok, qc2, qk_scale)
+            q3 = _q_plane_t(q_rows_v, v_ok, qc3, qk_scale)
         # output channel of each column of value accumulator s (scattered back when V is permuted)
         offs_av = offs_pv  # (AW,) byte column of each accumulator column within its chunk
         if V_NCH > 1:
@@ -556,8 +540,7 @@ def _decode_split_kernel(
         qm = tl.zeros([D, VR], DOT_T)
         qm_sum = tl.zeros([VR], tl.float32)
         if K_MEAN != 0:
-            qm32 = _q_packed_t(q_rows_v, v_ok, offs_d, q_packed_scale, qsigns_row, D, Q_HADAMARD,
-                               Q_HADAMARD_F32)  # (D, VR)
+            qm32 = _q_plane_t(q_rows_v, v_ok, offs_d, qk_scale)  # (D, VR)
             qm = qm32.to(DOT_T)
             qm_sum = tl.sum(qm32, axis=0)
         km_base = KM + b.to(tl.int64) * stride_kmb

@@ -6,9 +6,9 @@
   per call, the packed values' accumulators rotated back once per call, the full-precision
   segments unrotated; vs :func:`kvcalib_kernels.reference.decode_attention_reference` (which
   rotates every stored token back), with the tolerance rule of ``test_decode_attention.py``;
-  under each ``KVCALIB_ROTATION_FUSION`` (separate launches, back-rotation in the combine, also
-  the Walsh-Hadamard query in the split kernel), with the pieces of the fused kernels checked
-  against the PyTorch products on their own;
+  on both paths of the value side's back-rotation (its own launch, or inside the combine: the
+  launcher's ``COMBINE_ROTATION_MIN_ROWS`` forced either way), with the rotation kernels and the
+  rotating combine checked against the PyTorch products on their own;
 - the runtime adapter (:mod:`kvcalib.runtime.triton_path`) over a rotated layer vs the runtime's
   reference attention on the same stored bytes;
 - the quantize-and-pack path: a rotated layer's flushes through the kernels store exactly the
@@ -27,11 +27,7 @@ from tests.kernels.triton_setup import kernel_modules
 DEVICE, INTERPRET, (da, qp) = kernel_modules("kvcalib_kernels.decode_attention", "kvcalib_kernels.quant_pack")
 from kvcalib.codec import LayerCodec  # noqa: E402
 from kvcalib.layout import LayerConfig  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
 from kvcalib.quant.rotation import hadamard, random_signs  # noqa: E402
-from kvcalib_kernels.decode.rotation import _hadamard_query_t  # noqa: E402
 from tests.kernels.test_decode_attention import SMALL, _filled_layer, check, make_case, with_perm_mean  # noqa: E402
 
 
@@ -78,38 +74,6 @@ def test_rotation_kernels_match_the_torch_products(kind, h, rep, d, splits):
     assert torch.equal(after[:, :, :, s_off + splits:], before.view(bsz, h, rep, s_all, d)[:, :, :, s_off + splits:])
 
 
-@triton.jit
-def _hadamard_query_probe(Q, stride_qr, SIGNS, C, Y, scale, R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
-                          P: tl.constexpr, F32_DOTS: tl.constexpr):
-    """Y (P, R) float32 = _hadamard_query_t of the R rows of Q (R, D) at channels C (P,) int32."""
-    offs_r = tl.arange(0, R_PAD)
-    offs_p = tl.arange(0, P)
-    y = _hadamard_query_t(Q + offs_r * stride_qr, offs_r < R, tl.load(C + offs_p), SIGNS, scale, D, F32_DOTS)
-    tl.store(Y + offs_p[:, None] * R + offs_r[None, :], y, mask=offs_r[None, :] < R)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("d", [16, 64, 512])
-def test_hadamard_query_in_the_split_kernel_matches_rotate(dtype, d):
-    """The split kernel's Walsh-Hadamard query (+-1 matrix made in registers, 16-bit pieces of a
-    float32 query) against :func:`kvcalib.quant.rotation.rotate` in float64, at scattered
-    channels (the planes' channel lists are permuted): float32 accuracy for every query dtype."""
-    from kvcalib.quant.rotation import rotate
-    from kvcalib_kernels.decode.plan import _hadamard_entry
-
-    g = torch.Generator().manual_seed(d)
-    rows, p = 3, 16
-    q = (torch.randn(rows, d, generator=g) * 3).to(dtype).to(DEVICE)  # (R, D)
-    signs = random_signs(1, d, d).to(DEVICE)  # (1, D)
-    chans = torch.randperm(d, generator=g)[:p].int().to(DEVICE)  # (P,)
-    y = torch.empty(p, rows, device=DEVICE)  # (P, R)
-    _hadamard_query_probe[(1,)](q, q.stride(0), signs, chans, y, 0.5 * _hadamard_entry(d), R=rows, R_PAD=4, D=d,
-                                P=p, F32_DOTS=INTERPRET)
-    want = 0.5 * rotate(q.double()[None], hadamard(d).double().to(DEVICE), signs.double())[0]  # (R, D) float64
-    want = want[:, chans.long()].T  # (P, R)
-    assert float(((y.double() - want).abs() / want.abs().max()).max()) < 2e-6
-
-
 @pytest.mark.parametrize("kind,rep,d,channels", [("hadamard", 3, 32, None), ("pca", 4, 64, 16), ("pca", 1, 16, None)])
 def test_rotated_combine_matches_rotating_first(kind, rep, d, channels):
     """The combine that rotates a column range back inside the merge against rotating those
@@ -147,24 +111,12 @@ def test_rotated_combine_matches_rotating_first(kind, rep, d, channels):
     assert torch.allclose(lse.view(-1)[1:].double(), want_lse[1:], atol=1e-5, rtol=1e-5)
 
 
-def test_only_the_exact_walsh_hadamard_is_rotated_in_the_split_kernel():
-    """The split kernel makes its +-1 matrix itself, so the launcher hands it only a matrix equal
-    to :func:`hadamard` (checked once per tensor and version)."""
-    from kvcalib_kernels.decode.plan import _is_hadamard
-
-    mat = hadamard(32).to(DEVICE).clone()
-    assert _is_hadamard(mat) and _is_hadamard(mat)
-    mat[3, 5] = -mat[3, 5]  # an in-place write: the verdict is taken again
-    assert not _is_hadamard(mat)
-    assert not _is_hadamard(_orthogonal(1, 32, 0)[0].to(DEVICE))
-    assert not _is_hadamard(hadamard(32).to(DEVICE)[None].expand(2, 32, 32))  # per-head matrices
-
-
 def _spy_rotation_launches(monkeypatch) -> dict[str, int]:
-    """Count the launcher's separate rotation launches (rotate_query, rotate_back_partials)."""
+    """Count the launcher's rotation launches (rotate_query, rotate_back_partials) and combines
+    (the plain one, the one that rotates back)."""
     from kvcalib_kernels.decode import plan
 
-    counts = {"rotate_query": 0, "rotate_back_partials": 0}
+    counts = {"rotate_query": 0, "rotate_back_partials": 0, "_combine": 0, "_combine_rotated": 0}
     for name in counts:
         real = getattr(plan, name)
 
@@ -175,19 +127,46 @@ def _spy_rotation_launches(monkeypatch) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("fusion", ["none", "combine", "full"])
+# COMBINE_ROTATION_MIN_ROWS forcing each path of the value side's back-rotation at any shape
+ROTATION_PATHS = {"2launch": 1 << 62, "combine": 0}
+
+
+def test_back_rotation_runs_in_the_combine_from_32_rows():
+    """The shape rule on planned calls (no kernels): batch x kv heads rows below
+    COMBINE_ROTATION_MIN_ROWS (batch 1 of 8 kv heads) rotate back by their own launch, from it
+    on (batch 4 and 8) inside the combine, over the splits of the calls sharing the rotation."""
+    from kvcalib_kernels.decode import plan
+
+    assert plan.COMBINE_ROTATION_MIN_ROWS == 32
+    rot = _rotation("hadamard", 8, 16, seed=0)  # matrix (D, D), signs (H, D) float32
+    other = tuple(None if t is None else t.clone() for t in rot)  # equal values, other tensors
+    for rows, in_combine in ((8, False), (31, False), (32, True), (64, True)):
+        calls = [plan._SplitCall(rows, 9, (), {}, splits=6, v_rot=rot), plan._SplitCall(rows, 4, (), {}, splits=4),
+                 plan._SplitCall(rows, 5, (), {}, splits=5, v_rot=rot),
+                 plan._SplitCall(rows, 3, (), {}, splits=3, v_rot=other)]
+        ordered, rot_cols = plan._combine_rotated_calls(calls)
+        if in_combine:  # the rotation's whole-split call first, then the one with chunks
+            assert rot_cols == 11 and [id(c) for c in ordered] == [id(calls[i]) for i in (2, 0, 1, 3)]
+        else:
+            assert rot_cols == 0 and [id(c) for c in ordered] == [id(c) for c in calls]
+
+
+@pytest.mark.parametrize("path", list(ROTATION_PATHS))
 @pytest.mark.parametrize("case", [
     dict(k="hadamard", v=None), dict(k=None, v="hadamard"), dict(k="hadamard", v="pca"),
     dict(k="pca", v="hadamard", dtype=torch.float32), dict(k="hadamard", v="hadamard", dtype=torch.float32),
 ], ids=["k-had", "v-had", "k-had-v-pca", "k-pca-v-had-fp32", "kv-had-fp32"])
-def test_rotation_fusions_pass_the_tolerance_rule(monkeypatch, fusion, case):
-    """Every KVCALIB_ROTATION_FUSION on K rotated only, V only, both; Walsh-Hadamard and fitted
+def test_rotation_paths_pass_the_tolerance_rule(monkeypatch, path, case):
+    """Both back-rotation paths on K rotated only, V only, both; Walsh-Hadamard and fitted
     matrices; bfloat16 and float32 queries; sinks and a window beside the packed tokens (plain and
-    rotated partials meet in the combine) and a ragged batch (packed ranges). Each fusion takes
-    the launches it says it takes."""
+    rotated partials meet in the combine) and a ragged batch (packed ranges). Each path takes the
+    launches it says it takes: the query always its own launch, the accumulators their own launch
+    and the plain combine, or the rotating combine alone."""
+    from kvcalib_kernels.decode import plan
+
     case = dict(case)
     k_kind, v_kind = case.pop("k"), case.pop("v")
-    monkeypatch.setenv("KVCALIB_ROTATION_FUSION", fusion)
+    monkeypatch.setattr(plan, "COMBINE_ROTATION_MIN_ROWS", ROTATION_PATHS[path])
     counts = _spy_rotation_launches(monkeypatch)
     args, kw = make_case(b=2, rep=3, n=48, **case)
     h, d = args[1].shape[1], args[0].shape[-1]
@@ -197,21 +176,25 @@ def test_rotation_fusions_pass_the_tolerance_rule(monkeypatch, fusion, case):
     if v_kind:
         rot["v_rot"] = _rotation(v_kind, h, d, seed=2)
     ranged = {"packed_start": torch.tensor([0, 7], device=DEVICE), "packed_end": torch.tensor([48, 30], device=DEVICE)}
-    check(args, {**kw, **rot, **ranged})
-    assert counts["rotate_query"] == int(k_kind == "pca" or (k_kind == "hadamard" and fusion != "full"))
-    assert counts["rotate_back_partials"] == int(v_kind is not None and fusion == "none")
+    check(args, {**kw, **rot, **ranged})  # one kernel call
+    in_combine = v_kind is not None and path == "combine"
+    assert counts == {"rotate_query": int(k_kind is not None),
+                      "rotate_back_partials": int(v_kind is not None and not in_combine),
+                      "_combine": int(not in_combine), "_combine_rotated": int(in_combine)}
 
 
 @pytest.mark.parametrize("case", [
-    dict(fusion="full", copies=False, launches=0), dict(fusion="full", copies=True, launches=1),
-    dict(fusion="none", copies=False, launches=2),
+    dict(path="combine", copies=False, launches=0), dict(path="combine", copies=True, launches=1),
+    dict(path="2launch", copies=False, launches=2),
 ], ids=["one-rotation", "two-rotation-objects", "separate-launches"])
 def test_rotated_parts_rotate_back_in_the_combine(monkeypatch, case):
     """Two packed parts (the first with the window's chunks after its splits): one rotation shared
     by the parts rotates back inside the combine over both parts' splits (the part without chunks
     placed first, so the splits are one column range); a second rotation (other tensors) keeps
-    its own launch."""
-    monkeypatch.setenv("KVCALIB_ROTATION_FUSION", case["fusion"])
+    its own launch; on the two-launch path each part takes one."""
+    from kvcalib_kernels.decode import plan
+
+    monkeypatch.setattr(plan, "COMBINE_ROTATION_MIN_ROWS", ROTATION_PATHS[case["path"]])
     args, kw = make_case(n=64, dtype=torch.bfloat16)
     h, d = args[1].shape[1], args[0].shape[-1]
     rot = {"k_rot": _rotation("hadamard", h, d, 3), "v_rot": _rotation("pca", h, d, 4)}
@@ -228,7 +211,9 @@ def test_rotated_parts_rotate_back_in_the_combine(monkeypatch, case):
                   packed_position=kw["packed_position"] + half)
     counts = _spy_rotation_launches(monkeypatch)
     out = da.decode_attention_parts(q, [first, second], config=SMALL)
-    assert counts["rotate_back_partials"] == case["launches"]
+    assert counts["rotate_query"] == 2 and counts["rotate_back_partials"] == case["launches"]
+    assert counts["_combine_rotated"] == int(case["path"] == "combine") and counts["_combine"] == int(
+        case["path"] != "combine")
     whole = da.decode_attention(*args, **kw, **rot, config=SMALL)
     assert float((out - whole).abs().max()) < 2e-2
 

@@ -612,3 +612,73 @@ def test_a_study_seen_before_its_attributes_are_written_is_awaited(tmp_path, mon
     with pytest.raises(KvcalibError, match="another search space"):
         study_mod.open_study(url, "foreign", space, 2)
     assert time.monotonic() - t0 >= 0.5
+
+
+def test_warm_start_tries_each_method_alone_and_the_most_sinks():
+    """The warm start must show the sampler each switch on every layer by itself, and the sinks
+    (on SmolLM2 at 8k, clipping everywhere hid rotation's gain, and sinks were found late)."""
+    from types import SimpleNamespace
+
+    from kvcalib.optimize.space import SearchSpace
+    from kvcalib.optimize.study import warm_start_points
+
+    class Bits:  # effective bits: the mean of the layers' K and V bits, plus what sinks cost
+        info = SimpleNamespace(num_layers=4)
+
+        def effective_bits(self, point, with_tensors=None):
+            return (sum(point.k_bits) + sum(point.v_bits)) / (2 * len(point.k_bits)) + 0.01 * point.sinks
+
+    space = SearchSpace(bits=(2, 4, 8), groups=(32,), windows=(64,), sinks=(0, 4), layer_methods=("clip", "rotate"))
+    points = warm_start_points(Bits(), space, [1.0, 2.0, 3.0, 4.0], budget=3.0)
+    at_budget = [p for p in points if Bits().effective_bits(p) > 2.5 and Bits().effective_bits(p) <= 3.0]
+    uniform = {(p.methods[0], p.sinks) for p in at_budget if len(set(p.methods)) == 1}
+    for methods in [("rotate", "clip"), (), ("rotate",), ("clip",)]:
+        assert {(methods, 0), (methods, 4)} <= uniform, (methods, sorted(uniform))
+    assert len(points) == len(set(points))
+    one = SearchSpace(bits=(2, 4, 8), groups=(32,), windows=(64,), sinks=(4,), layer_methods=("clip",))
+    assert {p.methods[0] for p in warm_start_points(Bits(), one, [1.0] * 4, budget=3.0)} == {("clip",), ()}
+
+    class CostlySinks(Bits):  # 4 sinks alone overflow the budget (a partial group left in full precision)
+        def effective_bits(self, point, with_tensors=None):
+            return super().effective_bits(point) + (2.0 if point.sinks else 0.0)
+
+    over = [p for p in warm_start_points(CostlySinks(), space, [1.0] * 4, budget=3.0) if p.sinks]
+    assert over == []  # never enqueued: a warm-start trial over the budget is a trial wasted
+
+
+def test_local_moves_never_enqueue_a_point_over_the_budget():
+    """A local move that changes sinks, group or window can leave a point the repair cannot bring
+    under the budget; such moves are redrawn, never enqueued (they were 8 of 30 trials of a
+    2,048-token search)."""
+    from types import SimpleNamespace
+
+    import optuna
+
+    from kvcalib.optimize.space import Point, SearchSpace, point_params
+    from kvcalib.optimize.study import make_local_callback
+
+    class Bits:  # mean K/V bits; 4 sinks or group 32 put any point 1 bit higher (a partial group)
+        info = SimpleNamespace(num_layers=4)
+
+        def effective_bits(self, point, with_tensors=None):
+            mean = (sum(point.k_bits) + sum(point.v_bits)) / (2 * len(point.k_bits))
+            return mean + (1.0 if point.sinks or point.group == 32 else 0.0)
+
+    space = SearchSpace(bits=(2, 4, 8), groups=(32, 64), windows=(64,), sinks=(0, 4), layer_methods=("clip",))
+    study = optuna.create_study()
+    best = Point(64, 64, 0, (4, 2, 2, 2), (2, 2, 2, 2), ((),) * 4)
+    params = point_params(best, space)
+    dists = {k: optuna.distributions.CategoricalDistribution(
+        list(space.bits) if k[0] in "kv" and k[1:].isdigit() else [False, True] if k.startswith("clip")
+        else list(getattr(space, k + ("s" if k != "sinks" else "")))) for k in params}
+    study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, value=0.1,
+                                              user_attrs={"effective_bits": 2.25}))
+    study.set_user_attr("sensitivity", [4.0, 3.0, 2.0, 1.0])
+    callback = make_local_callback(Bits(), space, budget=2.6, seed=0, fraction=1.0)
+    for number in range(1, 41):
+        callback(study, SimpleNamespace(number=number))
+    waiting = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.WAITING]
+    assert waiting  # moves were made
+    for t in waiting:
+        point = Point.from_params(t.system_attrs["fixed_params"], space, 4)
+        assert Bits().effective_bits(point) <= 2.6, point

@@ -8,11 +8,8 @@ Two kernels: :func:`_combine_kernel`, every partial in the input basis; and
 value side stored rotated (:mod:`kvcalib.quant.rotation`): their weighted sum is rotated back to
 the input basis inside the merge (linear, so once per row rather than once per split), in place
 of :func:`.rotation.rotate_back_partials`' separate launch before the merge. :mod:`.plan` takes it
-on calls of at least ``COMBINE_ROTATION_MIN_ROWS`` (batch x kv heads) rows: it has one program per
-(batch, kv head, 64 channels), too few at batch 1 (Mistral-7B shape: 16 programs over ~260
-partials, 36.1 us per attention call at 32k against 29.3 with the separate launch on an H100),
-enough at batch 8 (128 programs: 81.4 against 84.9 us); the numbers are at
-``plan._back_rotation_in_combine``.
+on calls of at least ``COMBINE_ROTATION_MIN_ROWS`` (batch x kv heads) rows; why, with the
+measurements, is at ``plan._back_rotation_in_combine``.
 """
 
 from __future__ import annotations

@@ -31,7 +31,12 @@ def kvcalib_attention(module, query, key, value, attention_mask, scaling=None, d
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, softcap=softcap, **kwargs)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    if layer.static is not None:  # a static (CUDA-graph) step: the device state says what is visible
+    if layer.graph_owned:  # an eager decode step run as a per-layer static step (runtime/layer_graphs.py)
+        out = layer.graphs.attend(layer, query, key, value, scale, softcap)
+        if out is not None:
+            return out, None  # (B, 1, Hq, D) in the query's dtype
+        # the kernel does not cover the layer: it took the token in dynamically, go on below
+    elif layer.static is not None:  # a static (CUDA-graph) step: the device state says what is visible
         from kvcalib.runtime.triton_path import static_decode_attention
 
         return static_decode_attention(query, layer, scale, softcap).to(query.dtype), None

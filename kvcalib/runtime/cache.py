@@ -63,6 +63,7 @@ from kvcalib.layout import LayerConfig, held_elements
 from kvcalib.recipe import Recipe, resolve_recipe
 from kvcalib.codec import LayerCodec
 from kvcalib.runtime.attention import LAYER_ATTR, use_kvcalib_attention
+from kvcalib.runtime.layer_graphs import LayerGraphs
 from kvcalib.runtime.outlier_pool import OutlierPool, pack_keep
 from kvcalib.runtime.static import StaticState
 from kvcalib.runtime.store import GrowBuffer, PackedStore, PackedView  # noqa: F401  (re-exported)
@@ -131,6 +132,15 @@ class CompressedLayer(CacheLayerMixin):
         self.pend_buf_k: torch.Tensor | None = None
         self.pend_buf_v: torch.Tensor | None = None
         self.pend_buffered = False
+        # eager decode steps through per-layer static steps and CUDA graphs (runtime/layer_graphs.py):
+        # the cache's shared LayerGraphs (None: never), whether it holds this layer in static mode,
+        # this layer's graph for the current flush period, and why it never can (None: it may)
+        self.graphs: LayerGraphs | None = None
+        self.graph_owned = False
+        self.graph_entry = None
+        self.graph_refused: str | None = None
+        self.graph_warm = False  # ran a static step (its kernels are compiled): capture without one
+        self.graph_retried = False  # a capture of it failed once
 
     # ------------------------------------------------------------------ Cache API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -143,7 +153,14 @@ class CompressedLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Take new K/V (B, H, T_new, D) in (stored by :meth:`commit`, once attention knows which
-        of them are padding). Returns the new states tagged with this layer."""
+        of them are padding). Returns the new states tagged with this layer.
+
+        A decode step that runs as a per-layer static step (:mod:`kvcalib.runtime.layer_graphs`)
+        stores nothing here either: its attention writes the token."""
+        graphs = self.graphs
+        if graphs is not None and (self.static is None or self.graph_owned) and graphs.take(self, key_states):
+            setattr(key_states, LAYER_ATTR, self)
+            return key_states, value_states
         if self.static is not None:
             return self._update_static(key_states, value_states)
         if self.awaiting_attention:
@@ -306,7 +323,11 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        graphs = self.graphs
+        if graphs is not None:
+            graphs.release(self)
         self.__init__(self.cfg, self.codec, self.layer_idx, self.sliding_window)
+        self.graphs = graphs
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise KvcalibError("beam search is not supported by CompressedCache: use greedy or sampling decoding.")
@@ -646,20 +667,29 @@ class CompressedCache(Cache):
     """
 
     def __init__(self, layer_configs: list[LayerConfig], codecs: list[LayerCodec] | None = None,
-                 sliding_windows: list[int | None] | None = None, recipe: Recipe | None = None) -> None:
+                 sliding_windows: list[int | None] | None = None, recipe: Recipe | None = None,
+                 layer_graphs: str = "auto") -> None:
         n = len(layer_configs)
         codecs = codecs or [LayerCodec(c) for c in layer_configs]
         sliding_windows = sliding_windows or [None] * n
         layers = [CompressedLayer(c, codecs[i], i, sliding_windows[i]) for i, c in enumerate(layer_configs)]
         super().__init__(layers=layers)
         self.recipe = recipe
+        # eager decode steps: each layer's attention a static step replayed from its own CUDA graph
+        # ("auto": on CUDA with the Triton kernels; "off"; "eager": static steps, no capture)
+        self.layer_graphs = LayerGraphs(layer_graphs)
+        for layer in layers:
+            layer.graphs = self.layer_graphs
 
     @classmethod
-    def from_recipe(cls, model: Any, recipe: "Recipe | str", *, switch_attention: bool = True) -> "CompressedCache":
+    def from_recipe(cls, model: Any, recipe: "Recipe | str", *, switch_attention: bool = True,
+                    layer_graphs: str = "auto") -> "CompressedCache":
         """Cache for ``model`` following ``recipe`` (a Recipe, a path, or a preset name).
 
         Validates that the recipe fits the model (refuses another model's recipe) and, unless
-        ``switch_attention=False``, sets the model's attention to kvcalib's.
+        ``switch_attention=False``, sets the model's attention to kvcalib's. ``layer_graphs``:
+        how eager decode steps run each layer's attention (:mod:`kvcalib.runtime.layer_graphs`):
+        ``"auto"`` (a CUDA graph per layer on CUDA), ``"off"``, ``"eager"`` (no capture).
         """
         from kvcalib.models import model_info
         from kvcalib.recipe import build_codecs
@@ -670,7 +700,8 @@ class CompressedCache(Cache):
         configs = recipe.layer_configs(info.num_layers)
         if switch_attention:
             use_kvcalib_attention(model)
-        return cls(configs, build_codecs(recipe, configs, info.head_dim), list(info.sliding_window), recipe)
+        return cls(configs, build_codecs(recipe, configs, info.head_dim), list(info.sliding_window), recipe,
+                   layer_graphs=layer_graphs)
 
     # ------------------------------------------------------------------ static mode (CUDA graphs)
     def static_blockers(self) -> list[str]:
@@ -681,6 +712,7 @@ class CompressedCache(Cache):
     def make_static(self, position: torch.Tensor) -> StaticState:
         """Enter (or refresh, after a flush) static mode; ``position`` (1,) int64 on the cache's
         device holds the next token's absolute position. Returns the shared state."""
+        self.layer_graphs.release_all()  # the caller's steps own static mode from here
         blockers = self.static_blockers()
         if blockers:
             raise KvcalibError("the cache cannot decode in static (CUDA-graph) mode: " + "; ".join(blockers))
@@ -704,6 +736,7 @@ class CompressedCache(Cache):
 
     def flush(self) -> None:
         """Flush every layer (static mode defers the flush of a step to its driver)."""
+        self.layer_graphs.release_all()  # a flush changes what a layer's graph baked in
         for layer in self.layers:
             layer.flush()
 

@@ -1,0 +1,269 @@
+"""Eager decode steps with each layer's compressed attention replayed from its own CUDA graph.
+
+Plain ``model.generate(past_key_values=CompressedCache)`` on a small model is bound by host work:
+a compressed attention call (argument preparation, two Triton launches, partial buffers, the
+window write) costs ~390 us of host time per layer and step against ~90 us for bf16 SDPA over a
+DynamicCache (``artifacts/bench/profile_eager_h100.md``). :class:`LayerGraphs` keeps the model
+eager and makes each layer's attention one graph replay instead: the step's token written into
+the pending buffer and the fused attention over the layer, captured once per flush period.
+
+How it rides on static mode (:mod:`kvcalib.runtime.static`): on a decode step (one token per row)
+a layer that can enter static mode does, under one :class:`~kvcalib.runtime.static.StaticState`
+shared by the layers that do. The step's position is set on the device once per step (by the
+first such layer) and the layer then runs a static step: the token written at its device slot,
+the kernel over the whole pending buffer under the device visibility mask -- the computation a
+dynamic step makes (``cache.py``'s docstring; the CPU tests check the logits bit for bit). Right
+after, still in the layer's turn, the host bookkeeping a dynamic step does: the token counted
+(:meth:`~kvcalib.runtime.cache.CompressedLayer.advance_static`) and the layer flushed when due,
+so the cache is consistent after every step, whoever looks at it.
+
+Per layer and flush period one capture, on a side stream: a layer's very first static step runs
+eagerly (it compiles what is new) and is captured after it; from then on each period's first
+step is captured before it runs (capture records, it runs nothing) and replayed like the rest:
+the step's query, key and value copied into the graph's input buffers, one replay. A capture
+that fails (a kernel variant not compiled yet) runs that step eagerly and captures after it; a
+second failure turns capture off for the cache, with a warning. A flush changes the packed store
+and the pending buffer's contents' positions, so the layer leaves static mode and its graph is
+dropped; the next step captures anew. All graphs share one memory pool: they are replayed one
+after the other on one stream, and a graph's output is read (by the layer's output projection)
+before any other graph runs again.
+
+Layers that cannot run static stay dynamic, layer by layer: a 16-bit layer, sinks still filling,
+a layer the kernel does not cover, a prompt (many tokens per row). ``mode``: ``"auto"`` (the
+default: on for CUDA tensors on the Triton backend, ``KVCALIB_LAYER_GRAPHS=0`` turns it off),
+``"off"``, or ``"eager"`` (the same static steps without capture: the CPU tests, under Triton's
+interpreter, and the check that a graph changes nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from kvcalib.errors import KvcalibError
+from kvcalib.runtime.static import StaticState
+
+MODES = ("auto", "off", "eager")
+STATE_SLACK = 2048  # positions a new shared state spans beyond what the layers need now (fewer rebuilds)
+
+
+@dataclass
+class _Captured:
+    """One layer's graph for its current flush period, with its fixed inputs and output."""
+
+    graph: torch.cuda.CUDAGraph
+    query: torch.Tensor  # (B, Hq, 1, D)
+    key: torch.Tensor  # (B, H, 1, D)
+    value: torch.Tensor  # (B, H, 1, D)
+    out: torch.Tensor  # (B, 1, Hq, D)
+    period: tuple  # what the graph baked in (see LayerGraphs._period)
+
+
+class LayerGraphs:
+    """Per-layer static steps (and graphs) for the eager decode steps over one CompressedCache."""
+
+    def __init__(self, mode: str = "auto") -> None:
+        if mode not in MODES:
+            raise KvcalibError(f"layer_graphs={mode!r} is not known: use one of {', '.join(MODES)}.")
+        self.mode = mode
+        self.state: StaticState | None = None  # shared by the layers in static mode
+        self.position: torch.Tensor | None = None  # (1,) int64: the step's token position
+        self.step_position = -1  # host copy of ``position`` (-1: not set for this state)
+        self.pool = None  # the graphs' shared memory pool
+        self.stream: torch.cuda.Stream | None = None  # capture stream
+        self.captures = 0  # graphs captured (tests, benchmarks)
+        self.replays = 0  # layer steps replayed from a graph
+        self.eager_steps = 0  # layer steps run static without a graph (a layer's first, or mode "eager")
+        # host seconds outside replays: eager static steps, captures, flushes (benchmarks)
+        self.seconds = {"eager": 0.0, "capture": 0.0, "flush": 0.0}
+        self._enabled: bool | None = None  # decided on the first decode step
+        self._owned: set = set()  # the layers in static mode through this object
+
+    # ------------------------------------------------------------------ policy
+    def enabled(self, key_states: torch.Tensor) -> bool:
+        """Whether decode steps on ``key_states``' device run static (decided once per cache)."""
+        if self._enabled is None:
+            from kvcalib.accel import interpreting, triton_chosen
+
+            if self.mode == "off" or os.environ.get("KVCALIB_LAYER_GRAPHS", "1").strip() == "0":
+                self._enabled = False
+            elif self.mode == "eager":
+                self._enabled = triton_chosen(key_states) and (key_states.is_cuda or interpreting())
+            else:
+                self._enabled = key_states.is_cuda and triton_chosen(key_states)
+        return self._enabled
+
+    @property
+    def capturing(self) -> bool:
+        return self.mode == "auto"
+
+    # ------------------------------------------------------------------ update side
+    def take(self, layer, key_states: torch.Tensor) -> bool:
+        """At ``layer.update``: whether this step of ``layer`` runs static (then nothing is stored
+        yet: :meth:`attend` writes the token). Enters static mode when the layer can; leaves it on
+        a prompt."""
+        owned = layer.graph_owned
+        if key_states.shape[-2] != 1:
+            if owned:
+                self.release(layer)
+            return False
+        if not owned:
+            if layer.graph_refused or not self.enabled(key_states):
+                return False
+            why = layer.static_blocker()
+            if why is not None:
+                if layer.rows is None and not layer.cfg.compressed:
+                    layer.graph_refused = why  # never changes: do not ask again
+                return False
+            self._enter(layer)
+        if layer.n_seen != self.step_position:  # the first static layer of this step
+            self.position.fill_(layer.n_seen)
+            self.state.refresh()
+            self.step_position = layer.n_seen
+        return True
+
+    def _enter(self, layer) -> None:
+        """Static mode for ``layer`` under the shared state (a longer state when it needs one)."""
+        need = layer.static_length()
+        if self.state is None or self.state.visible.shape[1] < need:
+            if self.position is None or self.position.device != layer.device:
+                self.position = torch.zeros((1,), dtype=torch.long, device=layer.device)  # (1,)
+            self.state = StaticState.create(self.position, need + STATE_SLACK)
+            self.step_position = -1
+            for other in list(self._owned):  # they read the old state's masks: move them over
+                other.graph_entry = None
+                other.make_static(self.state)
+        layer.make_static(self.state)
+        layer.graph_owned = True
+        self._owned.add(layer)
+
+    def release(self, layer) -> None:
+        """``layer`` back to dynamic mode (its graph dropped); its held tokens stay as they are."""
+        layer.graph_entry = None
+        if layer.graph_owned:
+            layer.graph_owned = False
+            self._owned.discard(layer)
+            layer.make_dynamic()
+        if not self._owned:
+            self.pool = None  # no graph holds it any more (torch refuses a pool no graph uses)
+
+    def release_all(self) -> None:
+        for layer in list(self._owned):
+            self.release(layer)
+
+    # ------------------------------------------------------------------ attention side
+    def attend(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+               softcap: float | None) -> torch.Tensor | None:
+        """The static step of ``layer``: write ``key``/``value`` (B, H, 1, D), attend with ``query``
+        (B, Hq, 1, D); (B, 1, Hq, D) in the query's dtype, then the step's bookkeeping and flush.
+        None when the kernel does not cover the layer: it then leaves static mode, has taken the
+        token in as a dynamic update would, and the caller attends dynamically."""
+        entry = layer.graph_entry
+        if entry is None and layer.graph_warm and self.capturing:
+            # a layer that ran a static step before has its kernels compiled: capture this
+            # period's graph straight away and replay it (capture records, it runs nothing)
+            if not _flush_after(layer) and _unsupported(layer, query) is None:
+                entry = self._capture(layer, query, key, value, scaling, softcap)
+        if entry is not None and entry.period == self._period(layer, query):
+            entry.query.copy_(query)
+            entry.key.copy_(key)
+            entry.value.copy_(value)
+            entry.graph.replay()
+            self.replays += 1
+            out = entry.out
+        else:
+            why = _unsupported(layer, query)
+            if why is not None:
+                layer.graph_refused = why
+                self.release(layer)
+                layer.update(key, value)  # dynamic: counted and held for commit, as update does
+                return None
+            from kvcalib.runtime.triton_path import static_decode_attention
+
+            t0 = time.perf_counter()
+            layer.graph_entry = None
+            self.eager_steps += 1
+            layer._update_static(key, value)
+            out = static_decode_attention(query, layer, scaling, softcap)
+            layer.graph_warm = True
+            self.seconds["eager"] += time.perf_counter() - t0
+            if self.capturing and not _flush_after(layer):
+                self._capture(layer, query, key, value, scaling, softcap)
+        layer.advance_static()
+        if layer.flush_due():
+            t0 = time.perf_counter()
+            self.release(layer)
+            layer.flush()
+            self.seconds["flush"] += time.perf_counter() - t0
+        return out
+
+    def _period(self, layer, query: torch.Tensor) -> tuple:
+        """What a graph of ``layer`` baked in that a step can change: the flush count (through
+        ``pend_start``), the shared state, the batch's shape."""
+        return (layer.pend_start, id(self.state), query.shape, query.dtype)
+
+    def _capture(self, layer, query, key, value, scaling, softcap) -> _Captured | None:
+        """Capture ``layer``'s static step on a side stream (inputs copied from this step's);
+        None when the capture fails (then this step runs eagerly; a layer that fails after its
+        kernels ran once turns capture off for the cache, with a warning)."""
+        from kvcalib.runtime.triton_path import static_decode_attention
+
+        t0 = time.perf_counter()
+        dev = query.device
+        q_in, k_in, v_in = query.clone(), key.clone(), value.clone()  # the graph's inputs, outside its pool
+        graph = torch.cuda.CUDAGraph()
+        if self.stream is None or self.stream.device != dev:
+            self.stream = torch.cuda.Stream(dev)
+        main = torch.cuda.current_stream(dev)
+        self.stream.wait_stream(main)
+        try:
+            with torch.cuda.stream(self.stream):
+                # the low-level calls, not torch.cuda.graph(): that one synchronises the device and
+                # empties the allocator's cache on entry, a stall per layer and period
+                graph.capture_begin(pool=self.pool)
+                try:
+                    layer._update_static(k_in, v_in)
+                    out = static_decode_attention(q_in, layer, scaling, softcap)
+                finally:
+                    graph.capture_end()
+        except Exception as err:  # noqa: BLE001 -- any capture failure: decode on without graphs
+            main.wait_stream(self.stream)
+            if layer.graph_retried:  # failed again after an eager step compiled everything: give up
+                self.mode = "eager"
+                warnings.warn(f"kvcalib: capturing layer {layer.layer_idx}'s attention in a CUDA graph failed "
+                              f"({type(err).__name__}: {err}); eager decode steps go on without layer graphs",
+                              stacklevel=4)
+            layer.graph_retried = True
+            layer.graph_warm = False  # e.g. a kernel variant not compiled yet: the next try runs it first
+            return None
+        main.wait_stream(self.stream)
+        self.pool = graph.pool()
+        self.captures += 1
+        layer.graph_entry = _Captured(graph, q_in, k_in, v_in, out, self._period(layer, query))
+        self.seconds["capture"] += time.perf_counter() - t0
+        return layer.graph_entry
+
+
+def _flush_after(layer) -> bool:
+    """Whether ``layer`` flushes right after this step (its token is not counted yet): a graph
+    captured now would never be replayed."""
+    if layer.rows is not None:
+        return any(_flush_after(row) for row in layer.rows)
+    cfg = layer.cfg
+    if layer.pend_k.shape[-2] + 1 - cfg.window >= cfg.flush_block:
+        return True
+    return layer.uses_tiers and layer.packed.move_due(layer.n_seen + 1)
+
+
+def _unsupported(layer, query: torch.Tensor) -> str | None:
+    """Why the kernel cannot run ``layer``'s static step (None: it can); a ragged layer asks its
+    first row with one row of the query."""
+    from kvcalib.runtime.triton_path import _reason_unsupported
+
+    if layer.rows is not None:
+        return _reason_unsupported(query[:1], layer.rows[0])
+    return _reason_unsupported(query, layer)

@@ -262,7 +262,8 @@ def test_kvcalib_run_with_cuda_graphs_generates_the_eager_text(tiny_tokenizer):
     eager = generate(loaded, prompt, RECIPE, max_new_tokens=48)
     graph = generate(loaded, prompt, RECIPE, max_new_tokens=48, cuda_graph=True)
     assert graph.new_tokens == eager.new_tokens and graph.text == eager.text
-    assert graph.kv_bytes > 0 and graph.effective_bits < 16
+    # a float32 model: its full-precision window (most of these 75 tokens) counts at 32 bits
+    assert graph.kv_bytes > 0 and graph.effective_bits < 32
 
 
 @pytest.mark.parametrize("case", ["plain", "left-padding", "fitted", "cache-keyword"])
@@ -328,8 +329,10 @@ def test_generate_inside_cuda_graphs_replays_captured_steps():
         cache = CompressedCache.from_recipe(model, RECIPE)
         scope = kvcalib.cuda_graphs(model) if graphs else contextlib.nullcontext()
         with scope:
-            runs.append(model.generate(input_ids=ids, max_new_tokens=70, min_new_tokens=70, do_sample=False,
-                                       past_key_values=cache, pad_token_id=0))
+            # the mask says no padding: without it generate would take token 0 (pad_token_id) in
+            # the random prompt for padding between real tokens, which the cache refuses
+            runs.append(model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=70,
+                                       min_new_tokens=70, do_sample=False, past_key_values=cache, pad_token_id=0))
     assert torch.equal(runs[0], runs[1])
 
 

@@ -95,9 +95,24 @@ def fill_dynamic(cache, n_layers, b, kv_heads, t, d, dev):
 
 
 def decode_steps(model, cache, b, steps, vocab, dev):
-    """Greedy decode ``steps`` tokens; per-step wall times (synchronised)."""
+    """Greedy decode ``steps`` tokens; per-step wall times (synchronised).
+
+    cuDNN SDPA is off for the steps: called without a mask (as here), SDPA on torch 2.11 with
+    cuDNN 9.19 (H100) picks cuDNN attention and builds a new plan for every new key length, ~40 ms
+    per decode step of the bf16 DynamicCache, which made the bf16 rows of ``e2e_context.md``
+    before 2026-11-26 (third session) 2.6x too slow at batch 1; with it off SDPA takes flash
+    attention. kvcalib's steps run its own kernels and are not affected."""
     tok = torch.randint(0, vocab, (b, 1), device=dev)
     times = []
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        return _steps(model, cache, tok, steps, times)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+
+
+def _steps(model, cache, tok, steps, times):
     with torch.no_grad():
         for _ in range(steps):
             torch.cuda.synchronize()

@@ -8,13 +8,20 @@ Prompts: ``batch`` windows of exactly ``prompt-len`` tokens of the Britannica ar
 longtext``, evaluation split), one per row (no padding). Per (batch, cache, mode): a first call
 (Triton compilation and CUDA-graph captures happen here; its time is reported apart as
 ``first_call_s``), then the warm measurement: the decode rate is ``batch x (new_tokens - 1) /
-(t(new_tokens) - t(1))``, i.e. generation time after the prefill and the first token, greedy.
-``graph_equals_eager``: the graph decoder's tokens equal plain generate's over all new tokens (for
-the compressed caches). Rows go to ``$OUT/real_model.json`` (a list of objects with keys ``model``,
+(t(new_tokens) - t(1))``, i.e. generation time after the prefill and the first token, greedy,
+measured in ``--rounds`` rounds that take every (cache, mode) of the batch in turn (the host's
+speed drifts on these machines; ``tokens_per_s`` is the median, ``rounds`` each round's).
+Rows go to ``$OUT/real_model.json`` (a list of objects with keys ``model``,
 ``gpu``, ``batch``, ``prompt_len``, ``new_tokens``, ``cache`` ("bf16" or the recipe's name),
-``mode`` ("eager": plain generate; "generate+graphs": plain generate inside
-``kvcalib.cuda_graphs(model)``; "graph": kvcalib's GraphDecoder), ``tokens_per_s``,
-``first_call_s``, ``graph_equals_eager``); a table is printed last.
+``mode`` ("eager": plain generate (bf16: default SDPA; "eager-no-cudnn-sdpa": with
+``torch.backends.cuda.enable_cudnn_sdp(False)``, see ``bf16_no_cudnn``), for kvcalib the default cache, whose decode steps replay one CUDA graph
+per layer's attention (``kvcalib.runtime.layer_graphs``); "eager-no-layer-graphs": plain
+generate with them off (``layer_graphs="off"``), every kernel launched from Python: the reference
+tokens; "generate+graphs": plain generate inside ``kvcalib.cuda_graphs(model)``; "graph":
+kvcalib's GraphDecoder), ``tokens_per_s``, ``rounds``, ``first_call_s``, ``graph_equals_eager``
+(the mode's tokens equal eager-no-layer-graphs' over all new tokens), and for "eager" the last
+call's ``layer_graphs`` counters (captures, replays, eager steps, host seconds outside replays));
+a table is printed last.
 """
 
 from __future__ import annotations
@@ -67,6 +74,20 @@ def run_graph(model, ids: torch.Tensor, recipe, new: int) -> tuple[torch.Tensor,
     return res.tokens, time.perf_counter() - t0
 
 
+def run_generate_layer_graphs(model, ids: torch.Tensor, recipe, new: int, seen: list | None = None):
+    """Plain ``model.generate`` over a default cache: each layer's attention a CUDA graph replay.
+    ``seen``: the cache's LayerGraphs is appended (its counters: captures, replays, host seconds)."""
+    from kvcalib.runtime.cache import CompressedCache
+
+    def factory():
+        cache = CompressedCache.from_recipe(model, recipe)
+        if seen is not None:
+            seen.append(cache.layer_graphs)
+        return cache
+
+    return run_generate(model, ids, factory, new)
+
+
 def run_generate_graphs(model, ids: torch.Tensor, recipe, new: int) -> tuple[torch.Tensor, float]:
     """Plain ``model.generate`` inside ``kvcalib.cuda_graphs(model)`` (the one-liner)."""
     import kvcalib
@@ -76,12 +97,24 @@ def run_generate_graphs(model, ids: torch.Tensor, recipe, new: int) -> tuple[tor
         return run_generate(model, ids, lambda: CompressedCache.from_recipe(model, recipe), new)
 
 
-def rate(fn, batch: int, new: int) -> tuple[float, float, torch.Tensor]:
-    """(first-call seconds, warm decode tokens/s, tokens of the warm long call)."""
-    _, first = fn(new)  # compiles kernels, captures graphs
-    _, t1 = fn(1)
-    tokens, tn = fn(new)
-    return first, batch * (new - 1) / max(tn - t1, 1e-9), tokens
+def rates(configs: dict, batch: int, new: int, rounds: int) -> dict:
+    """Per config (name -> fn(n) -> (tokens, seconds)): first-call seconds (compiles kernels,
+    captures graphs), then ``rounds`` interleaved rounds of a 1-token and a ``new``-token call
+    over every config in turn (the host's speed drifts between minutes on these machines, so
+    configs are compared round by round), the median warm decode rate and each round's, and the
+    tokens of the last long call."""
+    import statistics
+
+    res = {name: {"first": fn(new)[1], "rates": []} for name, fn in configs.items()}
+    for _ in range(rounds):
+        for name, fn in configs.items():
+            _, t1 = fn(1)
+            tokens, tn = fn(new)
+            res[name]["rates"].append(batch * (new - 1) / max(tn - t1, 1e-9))
+            res[name]["tokens"] = tokens
+    for r in res.values():
+        r["median"] = statistics.median(r["rates"])
+    return res
 
 
 def save(out: Path, rows: list[dict]) -> None:
@@ -97,8 +130,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--recipes", default="kivi-2,recipes/smollm2-135m/recipe.safetensors")
+    parser.add_argument("--modes", default="eager,generate+graphs,graph",
+                        help="compressed-cache modes beside eager-no-layer-graphs (always run: the reference tokens)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median reported)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    modes = set(args.modes.split(","))
 
     from transformers import DynamicCache
 
@@ -110,33 +147,61 @@ def main() -> None:
     model, tok = loaded.model, loaded.tokenizer
     gpu = torch.cuda.get_device_name(0)
     rows = []
+    recipes = [resolve_recipe(spec) for spec in args.recipes.split(",") if spec]
     for batch in [int(b) for b in args.batches.split(",")]:
         ids = prompts(tok, batch, args.prompt_len).cuda()
         base = dict(model=args.model, gpu=gpu, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
-        model.set_attn_implementation("sdpa")
-        first, tps, _ = rate(lambda n: run_generate(model, ids, DynamicCache, n), batch, args.new_tokens)
-        rows.append({**base, "cache": "bf16", "mode": "eager", "tokens_per_s": tps, "first_call_s": first,
-                     "graph_equals_eager": None})
-        for spec in [r for r in args.recipes.split(",") if r]:
-            recipe = resolve_recipe(spec)
-            first, tps, eager_tokens = rate(
-                lambda n: run_generate(model, ids, lambda: CompressedCache.from_recipe(model, recipe), n),
-                batch, args.new_tokens)
-            rows.append({**base, "cache": recipe.name, "mode": "eager", "tokens_per_s": tps, "first_call_s": first,
-                         "graph_equals_eager": None})
-            for mode, fn in (("generate+graphs", run_generate_graphs), ("graph", run_graph)):
-                gfirst, gtps, graph_tokens = rate(lambda n: fn(model, ids, recipe, n), batch, args.new_tokens)
-                same = bool(torch.equal(eager_tokens.cpu(), graph_tokens.cpu()))
-                agree = float((eager_tokens.cpu() == graph_tokens.cpu()).float().mean())
-                rows.append({**base, "cache": recipe.name, "mode": mode, "tokens_per_s": gtps, "first_call_s": gfirst,
-                             "graph_equals_eager": same, "token_agreement": agree})
-                print(json.dumps(rows[-1]), flush=True)
-                save(args.out, rows)  # after every row: a run cut short by its time limit keeps what it measured
+
+        def bf16(n):
+            model.set_attn_implementation("sdpa")
+            return run_generate(model, ids, DynamicCache, n)
+
+        def bf16_no_cudnn(n):
+            # torch 2.11 + cuDNN 9.19 on Hopper: default SDPA takes cuDNN attention and plans it anew
+            # for every new key length, ~40 ms per decode step of a growing DynamicCache (one plan
+            # per step, shared by the layers); with cuDNN SDPA off it takes flash attention
+            model.set_attn_implementation("sdpa")
+            was = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            try:
+                return run_generate(model, ids, DynamicCache, n)
+            finally:
+                torch.backends.cuda.enable_cudnn_sdp(was)
+
+        configs = {("bf16", "eager"): bf16, ("bf16", "eager-no-cudnn-sdpa"): bf16_no_cudnn}
+        seen: dict = {}
+        for recipe in recipes:
+            # plain generate without layer graphs: every compressed attention call launched from Python
+            configs[(recipe.name, "eager-no-layer-graphs")] = (
+                lambda n, r=recipe: run_generate(model, ids, lambda: CompressedCache.from_recipe(
+                    model, r, layer_graphs="off"), n))
+            seen[recipe.name] = []
+            for mode, fn in (("eager", run_generate_layer_graphs), ("generate+graphs", run_generate_graphs),
+                             ("graph", run_graph)):
+                if mode in modes:
+                    extra = {"seen": seen[recipe.name]} if mode == "eager" else {}
+                    configs[(recipe.name, mode)] = lambda n, r=recipe, f=fn, e=extra: f(model, ids, r, n, **e)
+        res = rates(configs, batch, args.new_tokens, args.rounds)
+        for (cache, mode), r in res.items():
+            row = {**base, "cache": cache, "mode": mode, "tokens_per_s": r["median"], "rounds": r["rates"],
+                   "first_call_s": r["first"], "graph_equals_eager": None}
+            if cache != "bf16" and mode != "eager-no-layer-graphs":
+                ref = res[(cache, "eager-no-layer-graphs")]["tokens"].cpu()
+                row["graph_equals_eager"] = bool(torch.equal(ref, r["tokens"].cpu()))
+                row["token_agreement"] = float((ref == r["tokens"].cpu()).float().mean())
+            if mode == "eager" and seen.get(cache):
+                lg = seen[cache][-1]  # the last long call's cache
+                row["layer_graphs"] = {"captures": lg.captures, "replays": lg.replays, "eager_steps": lg.eager_steps,
+                                       "host_s": {k: round(v, 4) for k, v in lg.seconds.items()}}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        save(args.out, rows)  # after every batch: a run cut short by its time limit keeps what it measured
     save(args.out, rows)
-    print(f"\n{'batch':>5} {'cache':<32} {'mode':<15} {'tok/s':>8} {'first s':>8} graph==eager")
+    print(f"\n{'batch':>5} {'cache':<24} {'mode':<22} {'tok/s':>8} {'rounds':<20} {'first s':>8} graph==eager")
     for r in rows:
-        print(f"{r['batch']:>5} {r['cache'][:32]:<32} {r['mode']:<15} {r['tokens_per_s']:8.1f} {r['first_call_s']:8.1f} "
-              f"{r['graph_equals_eager']} {r.get('token_agreement', '')}")
+        spread = "/".join(f"{x:.0f}" for x in r["rounds"])
+        print(f"{r['batch']:>5} {r['cache'][:24]:<24} {r['mode']:<22} {r['tokens_per_s']:8.1f} {spread:<20} "
+              f"{r['first_call_s']:8.1f} {r['graph_equals_eager']} {r.get('layer_graphs', '')}")
 
 
 if __name__ == "__main__":

@@ -37,8 +37,10 @@ interpreter, and the check that a graph changes nothing).
 
 from __future__ import annotations
 
+import gc
 import os
 import time
+import weakref
 import warnings
 from dataclasses import dataclass
 
@@ -81,7 +83,9 @@ class LayerGraphs:
         # host seconds outside replays: eager static steps, captures, flushes (benchmarks)
         self.seconds = {"eager": 0.0, "capture": 0.0, "flush": 0.0}
         self._enabled: bool | None = None  # decided on the first decode step
-        self._owned: set = set()  # the layers in static mode through this object
+        # the layers in static mode through this object; weak, so that a dropped cache's layers
+        # (and their graphs) go with its last reference, not with a later garbage collection
+        self._owned = weakref.WeakSet()
 
     # ------------------------------------------------------------------ policy
     def enabled(self, key_states: torch.Tensor) -> bool:
@@ -220,6 +224,11 @@ class LayerGraphs:
             self.stream = torch.cuda.Stream(dev)
         main = torch.cuda.current_stream(dev)
         self.stream.wait_stream(main)
+        # no garbage collection while capturing: a collected CUDAGraph (an old cache's, freed
+        # through a reference cycle) is destroyed on the spot, which a capture in progress does not
+        # permit (it invalidated captures in the passkey evaluation, H100)
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.stream(self.stream):
                 # the low-level calls, not torch.cuda.graph(): that one synchronises the device and
@@ -232,6 +241,10 @@ class LayerGraphs:
                     graph.capture_end()
         except Exception as err:  # noqa: BLE001 -- any capture failure: decode on without graphs
             main.wait_stream(self.stream)
+            # a failed capture can leave the allocator recording into its pool on its stream
+            # ("already recording to mempool_id" at the next capture): the next capture takes a
+            # new pool and a new stream
+            self.pool, self.stream = None, None
             if layer.graph_retried:  # failed again after an eager step compiled everything: give up
                 self.mode = "eager"
                 warnings.warn(f"kvcalib: capturing layer {layer.layer_idx}'s attention in a CUDA graph failed "
@@ -240,6 +253,9 @@ class LayerGraphs:
             layer.graph_retried = True
             layer.graph_warm = False  # e.g. a kernel variant not compiled yet: the next try runs it first
             return None
+        finally:
+            if collecting:
+                gc.enable()
         main.wait_stream(self.stream)
         self.pool = graph.pool()
         self.captures += 1

@@ -158,3 +158,32 @@ def test_captured_layer_graphs_equal_dynamic_steps(case):
     assert graphs.captures > 0 and graphs.replays > graphs.eager_steps, vars(graphs)
     assert torch.equal(got.sequences, ref.sequences)
     assert torch.equal(torch.stack(got.logits), torch.stack(ref.logits))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_captures_survive_garbage_collection():
+    """Caches dropped between generate calls are freed by the garbage collector at any moment,
+    captures included (the passkey evaluation hit it: a collected graph destroyed mid-capture
+    invalidated the capture, and the next one found the allocator still recording). With the
+    collector run at every allocation, every call still captures and replays, without a warning,
+    and gives the tokens of dynamic steps."""
+    import gc
+    import warnings
+
+    model = _model().to(torch.bfloat16)
+    ids, mask = _inputs("plain")
+    ref, _ = _generate(model, RECIPE, ids, mask, "off", 40)
+    old = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            for _ in range(4):
+                got, cache = _generate(model, RECIPE, ids, mask, "auto", 40)
+                assert cache.layer_graphs.captures > 0 and cache.layer_graphs.mode == "auto"
+                assert torch.equal(got.sequences, ref.sequences)
+                cache.self_ref = cache  # only the collector frees it and its graphs: during a capture
+                del got, cache
+    finally:
+        gc.set_threshold(*old)

@@ -9,8 +9,8 @@ the pending buffer and the fused attention over the layer, captured once per flu
 
 How it rides on static mode (:mod:`kvcalib.runtime.static`): on a decode step (one token per row)
 a layer that can enter static mode does, under one :class:`~kvcalib.runtime.static.StaticState`
-shared by the layers that do. The step's position is set on the device once per step (by the
-first such layer) and the layer then runs a static step: the token written at its device slot,
+shared by the layers that do (one per device, for a model split over GPUs). The step's position
+is set on the device once per step (by the first such layer) and the layer then runs a static step: the token written at its device slot,
 the kernel over the whole pending buffer under the device visibility mask -- the computation a
 dynamic step makes (``cache.py``'s docstring; the CPU tests check the logits bit for bit). Right
 after, still in the layer's turn, the host bookkeeping a dynamic step does: the token counted
@@ -54,6 +54,18 @@ STATE_SLACK = 2048  # positions a new shared state spans beyond what the layers 
 
 
 @dataclass
+class _Device:
+    """What the static layers of one device share: the step's state, its position, the graphs'
+    memory pool and the capture stream (a model split over GPUs has one of each per GPU)."""
+
+    position: torch.Tensor  # (1,) int64: the step's token position
+    state: StaticState | None = None
+    step_position: int = -1  # host copy of ``position`` (-1: not set for this state)
+    pool: tuple | None = None  # the graphs' shared memory pool
+    stream: torch.cuda.Stream | None = None  # capture stream
+
+
+@dataclass
 class _Captured:
     """One layer's graph for its current flush period, with its fixed inputs and output."""
 
@@ -72,11 +84,7 @@ class LayerGraphs:
         if mode not in MODES:
             raise KvcalibError(f"layer_graphs={mode!r} is not known: use one of {', '.join(MODES)}.")
         self.mode = mode
-        self.state: StaticState | None = None  # shared by the layers in static mode
-        self.position: torch.Tensor | None = None  # (1,) int64: the step's token position
-        self.step_position = -1  # host copy of ``position`` (-1: not set for this state)
-        self.pool = None  # the graphs' shared memory pool
-        self.stream: torch.cuda.Stream | None = None  # capture stream
+        self.devices: dict[torch.device, _Device] = {}  # per device: shared state, pool, stream
         self.captures = 0  # graphs captured (tests, benchmarks)
         self.replays = 0  # layer steps replayed from a graph
         self.eager_steps = 0  # layer steps run static without a graph (a layer's first, or mode "eager")
@@ -124,24 +132,27 @@ class LayerGraphs:
                     layer.graph_refused = why  # never changes: do not ask again
                 return False
             self._enter(layer)
-        if layer.n_seen != self.step_position:  # the first static layer of this step
-            self.position.fill_(layer.n_seen)
-            self.state.refresh()
-            self.step_position = layer.n_seen
+        dev = self.devices[layer.device]
+        if layer.n_seen != dev.step_position:  # the first static layer of this step (on this device)
+            dev.position.fill_(layer.n_seen)
+            dev.state.refresh()
+            dev.step_position = layer.n_seen
         return True
 
     def _enter(self, layer) -> None:
         """Static mode for ``layer`` under the shared state (a longer state when it needs one)."""
         need = layer.static_length()
-        if self.state is None or self.state.visible.shape[1] < need:
-            if self.position is None or self.position.device != layer.device:
-                self.position = torch.zeros((1,), dtype=torch.long, device=layer.device)  # (1,)
-            self.state = StaticState.create(self.position, need + STATE_SLACK)
-            self.step_position = -1
+        dev = self.devices.get(layer.device)
+        if dev is None:
+            dev = self.devices[layer.device] = _Device(torch.zeros((1,), dtype=torch.long, device=layer.device))
+        if dev.state is None or dev.state.visible.shape[1] < need:
+            dev.state = StaticState.create(dev.position, need + STATE_SLACK)
+            dev.step_position = -1
             for other in list(self._owned):  # they read the old state's masks: move them over
-                other.graph_entry = None
-                other.make_static(self.state)
-        layer.make_static(self.state)
+                if other.device == layer.device:
+                    other.graph_entry = None
+                    other.make_static(dev.state)
+        layer.make_static(dev.state)
         layer.graph_owned = True
         self._owned.add(layer)
 
@@ -153,7 +164,8 @@ class LayerGraphs:
             self._owned.discard(layer)
             layer.make_dynamic()
         if not self._owned:
-            self.pool = None  # no graph holds it any more (torch refuses a pool no graph uses)
+            for dev in self.devices.values():
+                dev.pool = None  # no graph holds it any more (torch refuses a pool no graph uses)
 
     def release_all(self) -> None:
         for layer in list(self._owned):
@@ -208,7 +220,7 @@ class LayerGraphs:
     def _period(self, layer, query: torch.Tensor) -> tuple:
         """What a graph of ``layer`` baked in that a step can change: the flush count (through
         ``pend_start``), the shared state, the batch's shape."""
-        return (layer.pend_start, id(self.state), query.shape, query.dtype)
+        return (layer.pend_start, id(layer.static), query.shape, query.dtype)
 
     def _capture(self, layer, query, key, value, scaling, softcap) -> _Captured | None:
         """Capture ``layer``'s static step on a side stream (inputs copied from this step's);
@@ -217,34 +229,35 @@ class LayerGraphs:
         from kvcalib.runtime.triton_path import static_decode_attention
 
         t0 = time.perf_counter()
-        dev = query.device
+        dev = self.devices[layer.device]
         q_in, k_in, v_in = query.clone(), key.clone(), value.clone()  # the graph's inputs, outside its pool
         graph = torch.cuda.CUDAGraph()
-        if self.stream is None or self.stream.device != dev:
-            self.stream = torch.cuda.Stream(dev)
-        main = torch.cuda.current_stream(dev)
-        self.stream.wait_stream(main)
+        if dev.stream is None:
+            dev.stream = torch.cuda.Stream(query.device)
+        main = torch.cuda.current_stream(query.device)
+        stream = dev.stream
+        stream.wait_stream(main)
         # no garbage collection while capturing: a collected CUDAGraph (an old cache's, freed
         # through a reference cycle) is destroyed on the spot, which a capture in progress does not
         # permit (it invalidated captures in the passkey evaluation, H100)
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(stream):
                 # the low-level calls, not torch.cuda.graph(): that one synchronises the device and
                 # empties the allocator's cache on entry, a stall per layer and period
-                graph.capture_begin(pool=self.pool)
+                graph.capture_begin(pool=dev.pool)
                 try:
                     layer._update_static(k_in, v_in)
                     out = static_decode_attention(q_in, layer, scaling, softcap)
                 finally:
                     graph.capture_end()
         except Exception as err:  # noqa: BLE001 -- any capture failure: decode on without graphs
-            main.wait_stream(self.stream)
+            main.wait_stream(stream)
             # a failed capture can leave the allocator recording into its pool on its stream
             # ("already recording to mempool_id" at the next capture): the next capture takes a
             # new pool and a new stream
-            self.pool, self.stream = None, None
+            dev.pool, dev.stream = None, None
             if layer.graph_retried:  # failed again after an eager step compiled everything: give up
                 self.mode = "eager"
                 warnings.warn(f"kvcalib: capturing layer {layer.layer_idx}'s attention in a CUDA graph failed "
@@ -256,8 +269,8 @@ class LayerGraphs:
         finally:
             if collecting:
                 gc.enable()
-        main.wait_stream(self.stream)
-        self.pool = graph.pool()
+        main.wait_stream(stream)
+        dev.pool = graph.pool()
         self.captures += 1
         layer.graph_entry = _Captured(graph, q_in, k_in, v_in, out, self._period(layer, query))
         self.seconds["capture"] += time.perf_counter() - t0

@@ -78,6 +78,28 @@ def test_warm_start_lock_is_taken_once_and_taken_over_when_stale(tmp_path):
     assert claim_warm_start(study, shared=True, heartbeat=60) is None  # done: nobody runs it again
 
 
+def test_a_lock_released_while_a_waiter_reads_it_is_taken(tmp_path, monkeypatch):
+    """The holder deletes the lock between a waiter's two reads (its id, then its beat): the
+    waiter takes the free lock instead of failing on the missing record (a worker of the
+    PostgreSQL test died of that KeyError)."""
+    from kvcalib.optimize.study import WARM_LOCK, WarmStartLock, open_study
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    holder = WarmStartLock(open_study(url, "s", _space(), 2), heartbeat=60)
+    assert holder.try_take()
+    waiter = WarmStartLock(open_study(url, "s", _space(), 2), heartbeat=60)
+    read_attrs = waiter.storage.get_study_user_attrs
+
+    def released_first(study_id):
+        holder.release()  # the holder finishes right after the waiter found the lock's id
+        return read_attrs(study_id)
+
+    monkeypatch.setattr(waiter.storage, "get_study_user_attrs", released_first)
+    assert waiter.take_over_if_stale()
+    assert waiter.storage.get_study_id_from_name("s" + WARM_LOCK) == waiter.study_id
+    waiter.release()
+
+
 # ------------------------------------------------------------------ heartbeats, retries, drain
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")  # the test's own ask()
 def test_a_dead_workers_trial_is_failed_retried_and_drained(tmp_path):

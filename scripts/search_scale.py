@@ -36,7 +36,7 @@ from datetime import datetime
 from pathlib import Path
 
 OUT = Path("artifacts/bench/search_scale.json")
-KEY = ("gpus", "workers", "model", "gpu", "context")  # a new row replaces the old one with these
+KEY = ("gpus", "workers", "model", "gpu", "context", "threads")  # a new row replaces the old one with these
 
 
 def trial_phase_rate(doc: dict) -> tuple[float, int, float]:
@@ -79,6 +79,9 @@ def main() -> int:
     ap.add_argument("--score-samples", type=int, default=None, help="default 4 on GPU, 2 on CPU")
     ap.add_argument("--score-seq-len", type=int, default=None, help="default 2048 on GPU, --seq-len on CPU")
     ap.add_argument("--score-last", type=int, default=None, help="default 512 on GPU, none on CPU")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="host threads per worker (KVCALIB_WORKER_THREADS and OMP_NUM_THREADS; default: an equal "
+                         "share of the cores, all of them for 1 worker)")
     ap.add_argument("--run", type=Path, default=None, help="folder for the runs (default artifacts/runs/scale-<time>)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -106,7 +109,10 @@ def main() -> int:
                "--out", str(out)] + (["--score-last", str(score_last)] if score_last else [])
         print("+", " ".join(cmd), file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        done = subprocess.run(cmd)
+        env = dict(os.environ)
+        if args.threads:  # the same threads per worker for every W (1 worker: its one process)
+            env["KVCALIB_WORKER_THREADS"] = env["OMP_NUM_THREADS"] = str(args.threads)
+        done = subprocess.run(cmd, env=env)
         wall = time.perf_counter() - t0
         if done.returncode:
             print(f"{w} workers: the search failed ({done.returncode})", file=sys.stderr)
@@ -118,7 +124,7 @@ def main() -> int:
         rows.append({"gpus": min(w, visible) if gpu else 0, "workers": w, "trials_per_min": round(rate, 2),
                      "model": args.model if not args.model.endswith(".gguf") else Path(args.model).name,
                      "gpu": device_name(device), "context": score_seq_len, "data": args.data, "score_last": score_last,
-                     "score_samples": score_samples, "trials": n, "trial_phase_seconds": round(seconds, 1),
+                     "score_samples": score_samples, "threads": args.threads, "trials": n, "trial_phase_seconds": round(seconds, 1),
                      "wall_seconds": round(wall, 1), "workers_seen": len({t["worker"] for t in doc["trials"] if t.get("worker")}),
                      # same seed and budget for every W: where the searches' results differ (docs/search-at-scale.md)
                      "chosen_kl": chosen["kl"] if chosen else None,

@@ -286,7 +286,8 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
         plain = progress and not _quiet() and not sys.stderr.isatty()  # a log file gets one line per trial
 
         def on_trial(study_, trial) -> None:
-            text = line.update(st.finished_count(study_), study_.get_trials(deepcopy=False))
+            trials = study_.get_trials(deepcopy=False)  # one read of the study per trial: it is between every two trials
+            text = line.update(st.finished_count(study_, trials), trials)
             bar.update(completed=line.done, info=text)
             if plain:
                 print(f"search: {line.done}/{config.trials} trials | {text}", file=sys.stderr, flush=True)

@@ -62,7 +62,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from kvcalib.errors import KvcalibError, StorageFailed, innermost_storage_error
 from kvcalib.optimize.space import Point, SearchSpace, point_params
@@ -958,10 +958,13 @@ def _try_set_attr(trial, key: str, value: Any) -> None:
         log.debug("could not record %s on trial %s: %s", key, getattr(trial, "number", "?"), err)
 
 
-def finished_count(study: "optuna.Study") -> int:
+def finished_count(study: "optuna.Study", trials: Sequence[Any] | None = None) -> int:
+    """Complete and pruned trials of the study (counted in ``trials`` when the caller read them already)."""
     import optuna
 
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    if trials is not None:
+        return sum(t.state in states for t in trials)
     return len(study.get_trials(deepcopy=False, states=states))
 
 

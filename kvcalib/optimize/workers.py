@@ -87,13 +87,18 @@ def config_from_json(doc: dict[str, Any]):
 
 def worker_env(index: int, gpus: Sequence[str], n: int, base: dict[str, str] | None = None) -> dict[str, str]:
     """Worker ``index``'s environment: pinned to GPU ``index`` (round robin when there are more
-    workers than GPUs), and ``cores // n`` host threads (torch and OpenMP) on GPU and CPU alike:
+    workers than GPUs), and ``cores // n`` host threads (torch and OpenMP; ``KVCALIB_WORKER_THREADS``
+    or ``OMP_NUM_THREADS`` set in the environment win) on GPU and CPU alike:
     each process's thread pool sized for the whole machine made two GPU workers on a 32-core host
     wait on each other (the first trials 100 s against 9 s alone, 2x H200)."""
     env = dict(os.environ if base is None else base)
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
-    threads = str(max(1, (os.cpu_count() or 1) // n))
+    # a KVCALIB_WORKER_THREADS the user set (threads per worker) is kept, like their OMP_NUM_THREADS
+    threads = env.get("KVCALIB_WORKER_THREADS", "").strip() or str(max(1, (os.cpu_count() or 1) // n))
+    if not threads.isdigit() or int(threads) < 1:
+        raise KvcalibError(f"KVCALIB_WORKER_THREADS={threads!r} is not a number of threads: set it to a whole "
+                           "number >= 1 (host threads per worker), or unset it for an equal share of the cores")
     env["KVCALIB_WORKER_THREADS"] = threads
     env.setdefault("OMP_NUM_THREADS", threads)
     if index > 0:

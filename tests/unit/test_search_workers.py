@@ -237,6 +237,8 @@ def test_worker_environment_pins_one_gpu_each(monkeypatch):
     gpu_envs = [worker_env(i, gpus, 2, base={}) for i in range(2)]
     assert [(e["KVCALIB_WORKER_THREADS"], e["OMP_NUM_THREADS"]) for e in gpu_envs] == [("16", "16")] * 2
     assert worker_env(0, gpus, 2, base={"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"  # the user's setting stays
+    chosen = worker_env(1, gpus, 2, base={"KVCALIB_WORKER_THREADS": "4"})  # threads per worker, the user's choice
+    assert (chosen["KVCALIB_WORKER_THREADS"], chosen["OMP_NUM_THREADS"]) == ("4", "4")
 
 
 def test_workers_racing_to_create_a_fresh_databases_tables_try_again(monkeypatch):

@@ -36,7 +36,9 @@ from datetime import datetime
 from pathlib import Path
 
 OUT = Path("artifacts/bench/search_scale.json")
-KEY = ("gpus", "workers", "model", "gpu", "context", "threads")  # a new row replaces the old one with these
+# a new row replaces the old one with these (the command too: a repeat with other options or another
+# run folder is a row of its own; the rate of one study varies by +-5% from run to run)
+KEY = ("gpus", "workers", "model", "gpu", "context", "threads", "command")
 
 
 def trial_phase_rate(doc: dict) -> tuple[float, int, float]:
@@ -48,6 +50,29 @@ def trial_phase_rate(doc: dict) -> tuple[float, int, float]:
     end = max(datetime.fromisoformat(t["finished"]) for t in done)
     seconds = (end - start).total_seconds()
     return 60.0 * len(done) / seconds, len(done), seconds
+
+
+def trial_stats(doc: dict) -> dict:
+    """What the rate depends on besides the workers, from a ``search.json``'s trials: the share of
+    the trial phase each worker was running a trial (``occupancy``, the lowest worker's), the
+    median complete and pruned trial, how many were pruned, and the slowest trial. A trial's
+    cost depends on the point it samples (a group size whose kernels are not compiled yet
+    compiles inside the trial: 6-20 s where a trial is 2 s), and two workers sample other points
+    than one, so rows of different W are compared on these too (docs/results-search-scale.md)."""
+    import statistics
+
+    done = [t for t in doc["trials"] if t["state"] in ("COMPLETE", "PRUNED") and t.get("started") and t.get("finished")]
+    start = min(datetime.fromisoformat(t["started"]) for t in done)
+    phase = (max(datetime.fromisoformat(t["finished"]) for t in done) - start).total_seconds()
+    busy: dict = {}
+    for t in done:
+        busy[t.get("worker")] = busy.get(t.get("worker"), 0.0) + (t["seconds"] or 0.0)
+    complete = [t["seconds"] for t in done if t["state"] == "COMPLETE"]
+    pruned = [t["seconds"] for t in done if t["state"] == "PRUNED"]
+    return {"occupancy": round(min(busy.values()) / phase, 3) if phase else None,
+            "median_complete_s": round(statistics.median(complete), 3) if complete else None,
+            "median_pruned_s": round(statistics.median(pruned), 3) if pruned else None,
+            "pruned": len(pruned), "slowest_trial_s": round(max(t["seconds"] for t in done), 2)}
 
 
 def device_name(device: str) -> str:
@@ -130,7 +155,7 @@ def main() -> int:
                      "chosen_kl": chosen["kl"] if chosen else None,
                      "chosen_bits": chosen["effective_bits"] if chosen else None,
                      "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                     "command": "python scripts/search_scale.py " + " ".join(sys.argv[1:])})
+                     "command": "python scripts/search_scale.py " + " ".join(sys.argv[1:]), **trial_stats(doc)})
         print(json.dumps(rows[-1]), flush=True)
     merge_rows(rows, args.out)
     base = next((r for r in rows if r["workers"] == 1), None)

@@ -29,6 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -49,16 +52,16 @@ SHAPES = {  # name: transformers config fields of a model of that shape (random 
 
 def _internals():
     """The decode launcher's pieces in the kernels tree imported (``scripts/gpu_bench.sh`` may link
-    an older one): ``decode.plan`` / ``decode.splits`` / ``decode.combine``, or
-    ``decode_attention`` itself in trees from before that split."""
+    an older one): ``decode.plan`` / ``decode.combine``, or ``decode_attention`` itself in trees
+    from before that split."""
     try:
-        from kvcalib_kernels.decode import combine, plan, splits
+        from kvcalib_kernels.decode import combine, plan
     except ImportError:
         import kvcalib_kernels.decode_attention as da
 
         return da
     return SimpleNamespace(_SPLIT=plan._SPLIT, _COMBINE=combine._COMBINE, DEFAULT_CONFIG=plan.DEFAULT_CONFIG,
-                           _prepare=plan._prepare, _partials=splits._partials, _combine=combine._combine)
+                           _prepare=plan._prepare, _run=plan._run)
 
 
 def _launchers():
@@ -67,9 +70,53 @@ def _launchers():
     return [x for x in (getattr(da, "_SPLIT", None), getattr(da, "_COMBINE", None)) if x is not None]
 
 
-def stages(q, packed, window, n, d) -> dict:
+# what _run launches, by the names it calls them by (stages() times each of those calls alone)
+_RUN_STAGES = ("_partials", "_SPLIT", "_combine")
+
+
+@contextmanager
+def _recording(namespace: dict, names):
+    """While inside: each callable ``namespace[name]`` of ``names`` records every call, as a
+    zero-argument replay of it (``functools.partial``), into ``seen[name]``, and then runs it.
+    ``namespace`` is a function's ``__globals__`` (the names it looks up at call time); a name it
+    no longer has raises KeyError here rather than timing something else."""
+    saved = {name: namespace[name] for name in names}
+    seen = {name: [] for name in names}
+
+    def recorder(name, fn):
+        def call(*args, **kwargs):
+            seen[name].append(partial(fn, *args, **kwargs))
+            return fn(*args, **kwargs)
+        return call
+
+    namespace.update({name: recorder(name, fn) for name, fn in saved.items()})
+    try:
+        yield seen
+    finally:
+        namespace.update(saved)
+
+
+def _us(fn, calls: int, dev: torch.device) -> float:
+    """:func:`benchmarks.common.host_us` on CUDA; elsewhere (Triton's interpreter on CPU, the smoke
+    test) the same loop without the device synchronisation there is no device for."""
+    if dev.type == "cuda":
+        return host_us(fn, calls)
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return 1e6 * (time.perf_counter() - t0) / calls
+
+
+def stages(q, packed, window, n, d, calls: int = CALLS) -> dict:
     """Host microseconds of each stage of one call, each timed alone (a checkout without the
-    stage functions: empty)."""
+    stage functions: empty): ``_prepare``, then each call ``_run`` makes (the partial buffers, the
+    split launch, its FastLauncher key, the combine), replayed with exactly the arguments ``_run``
+    gave it: recorded from one real ``_run`` of the planned call, so the split kernel's argument
+    tuple is the launcher's own and follows its signature (a copy of it built here went stale
+    when the kernel gained ``qk_scale``/``softcap``/``H``). Shapes: q (B, Hq, D); ``packed`` the
+    six packed tensors of :func:`benchmarks.common.packed_inputs` (2-bit, key group 128, value
+    group ``min(128, d)``, ``n`` tokens); ``window`` (K, V) (B, H, W, D)."""
     da = _internals()
     if not hasattr(da, "_SPLIT"):
         return {}
@@ -77,16 +124,19 @@ def stages(q, packed, window, n, d) -> dict:
               softcap=None, packed_start=None, packed_end=None, packed_position=0, fp_segments=[window],
               fp_positions=[n], mask=None, config=da.DEFAULT_CONFIG)
     call = da._prepare(q, *packed, **kw)
-    b, hq, _ = q.shape
-    m, l, o, out = da._partials(b, hq, d, call.s_tot, q.device)
-    split_args = (q, q.stride(0), q.stride(1), m, l, o, call.s_tot, 0, *call.args)
+    with _recording(da._run.__globals__, _RUN_STAGES) as seen:
+        da._run(q, [call], False)
+    # one call of each: anything else (a rotation launch, a second split) is a path this does not time
+    (partials,), (split,), (combine,) = (seen[name] for name in _RUN_STAGES)
+    _grid, split_args, meta = split.args  # what _run passed the launcher: (grid, args, meta)
+    dev = q.device
     return {
-        "prepare": host_us(lambda: da._prepare(q, *packed, **kw), CALLS),
-        "partials": host_us(lambda: da._partials(b, hq, d, call.s_tot, q.device), CALLS),
-        "split_launch": host_us(lambda: da._SPLIT((call.bh, call.s_tot), split_args, call.meta), CALLS),
-        "split_key": host_us(lambda: da._SPLIT.key(split_args, call.meta), CALLS),
-        "combine": host_us(lambda: da._combine(m, l, o, call.s_tot, out), CALLS),
-        "empty": host_us(lambda: torch.empty(16, device=q.device), CALLS),
+        "prepare": _us(lambda: da._prepare(q, *packed, **kw), calls, dev),
+        "partials": _us(partials, calls, dev),
+        "split_launch": _us(split, calls, dev),
+        "split_key": _us(lambda: da._SPLIT.key(split_args, meta), calls, dev),
+        "combine": _us(combine, calls, dev),
+        "empty": _us(lambda: torch.empty(16, device=dev), calls, dev),
     }
 
 
@@ -111,10 +161,7 @@ def per_call(dev) -> list[dict]:
             row["kvcalib_us_without_fast_launch"] = host_us(fn, CALLS)
             for lf, on in zip(launchers, enabled):
                 lf.enabled = on
-        try:
-            row["stages_us"] = stages(q, packed, window, n, d)
-        except TypeError as err:  # the stage breakdown calls launcher internals whose signatures move
-            row["stages_us"] = {"error": str(err)[:200]}
+        row["stages_us"] = stages(q, packed, window, n, d)
         k = torch.randn(1, h, ctx, d, device=dev, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         q4 = q[:, :, None, :]

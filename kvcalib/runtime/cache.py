@@ -573,16 +573,18 @@ class CompressedLayer(CacheLayerMixin):
         u = self.pend_k.shape[-2] + 1
         self.pend_k, self.pend_v = self.pend_buf_k[:, :, :u], self.pend_buf_v[:, :, :u]
 
-    def flush_due(self) -> bool:
+    def flush_due(self, ahead: int = 0) -> bool:
         """Whether :meth:`flush` would change packed storage now: pending tokens due for packing, or
         (PATS) a block due to move down a tier. The static driver flushes exactly then, so a
-        tiered layer's stores stay fixed between two flushes (one captured graph per period)."""
+        tiered layer's stores stay fixed between two flushes (one captured graph per period).
+        ``ahead``: the same question once that many more tokens are counted (the layer-graph
+        driver asks ``ahead=1`` before a step: is this step the period's last?)."""
         if self.rows is not None:
-            return any(row.flush_due() for row in self.rows)
+            return any(row.flush_due(ahead) for row in self.rows)
         if not self.cfg.compressed:
             return False
-        return (self.pend_k.shape[-2] - self.cfg.window >= self.cfg.flush_block
-                or (self.uses_tiers and self.packed.move_due(self.n_seen)))
+        return (self.pend_k.shape[-2] + ahead - self.cfg.window >= self.cfg.flush_block
+                or (self.uses_tiers and self.packed.move_due(self.n_seen + ahead)))
 
     def decode_visibility(self) -> tuple[torch.Tensor, bool]:
         """What a decode step's query (position ``n_seen - 1``) sees of this dense layer, in the

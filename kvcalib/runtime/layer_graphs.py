@@ -70,9 +70,7 @@ class _Captured:
     """One layer's graph for its current flush period, with its fixed inputs and output."""
 
     graph: torch.cuda.CUDAGraph
-    query: torch.Tensor  # (B, Hq, 1, D)
-    key: torch.Tensor  # (B, H, 1, D)
-    value: torch.Tensor  # (B, H, 1, D)
+    inputs: tuple  # the graph's query (B, Hq, 1, D), key (B, H, 1, D) and value (B, H, 1, D)
     out: torch.Tensor  # (B, 1, Hq, D)
     period: tuple  # what the graph baked in (see LayerGraphs._period)
 
@@ -179,15 +177,17 @@ class LayerGraphs:
         None when the kernel does not cover the layer: it then leaves static mode, has taken the
         token in as a dynamic update would, and the caller attends dynamically."""
         entry = layer.graph_entry
+        inputs_set = False  # whether the graph's input buffers hold this step's q/k/v already
         if entry is None and layer.graph_warm and self.capturing:
             # a layer that ran a static step before has its kernels compiled: capture this
-            # period's graph straight away and replay it (capture records, it runs nothing)
-            if not _flush_after(layer) and _unsupported(layer, query) is None:
+            # period's graph straight away and replay it (capture records, it runs nothing; its
+            # inputs are this step's q/k/v, copied in by the capture)
+            if not layer.flush_due(ahead=1) and _unsupported(layer, query) is None:
                 entry = self._capture(layer, query, key, value, scaling, softcap)
+                inputs_set = entry is not None
         if entry is not None and entry.period == self._period(layer, query):
-            entry.query.copy_(query)
-            entry.key.copy_(key)
-            entry.value.copy_(value)
+            if not inputs_set:  # one launch for the three copies (host time is what a step is short of)
+                torch._foreach_copy_(entry.inputs, (query, key, value))
             entry.graph.replay()
             self.replays += 1
             out = entry.out
@@ -207,7 +207,7 @@ class LayerGraphs:
             out = static_decode_attention(query, layer, scaling, softcap)
             layer.graph_warm = True
             self.seconds["eager"] += time.perf_counter() - t0
-            if self.capturing and not _flush_after(layer):
+            if self.capturing and not layer.flush_due(ahead=1):
                 self._capture(layer, query, key, value, scaling, softcap)
         layer.advance_static()
         if layer.flush_due():
@@ -272,20 +272,9 @@ class LayerGraphs:
         main.wait_stream(stream)
         dev.pool = graph.pool()
         self.captures += 1
-        layer.graph_entry = _Captured(graph, q_in, k_in, v_in, out, self._period(layer, query))
+        layer.graph_entry = _Captured(graph, (q_in, k_in, v_in), out, self._period(layer, query))
         self.seconds["capture"] += time.perf_counter() - t0
         return layer.graph_entry
-
-
-def _flush_after(layer) -> bool:
-    """Whether ``layer`` flushes right after this step (its token is not counted yet): a graph
-    captured now would never be replayed."""
-    if layer.rows is not None:
-        return any(_flush_after(row) for row in layer.rows)
-    cfg = layer.cfg
-    if layer.pend_k.shape[-2] + 1 - cfg.window >= cfg.flush_block:
-        return True
-    return layer.uses_tiers and layer.packed.move_due(layer.n_seen + 1)
 
 
 def _unsupported(layer, query: torch.Tensor) -> str | None:

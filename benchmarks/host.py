@@ -272,7 +272,8 @@ def main_run(args) -> None:
         res["eager"] = rows
         _write_json(path, res)
 
-    eager_steps(dev, args.contexts, args.steps, args.graphs, done)
+    if args.contexts:  # `--contexts` with no value: the per-call rows only (no whole-model steps)
+        eager_steps(dev, args.contexts, args.steps, args.graphs, done)
 
 
 def main_report(args) -> None:

@@ -202,6 +202,7 @@ def search(
     study: str = typer.Option("kvcalib-search", help="Study name inside --storage."),
     objective: str = typer.Option("budget", help="budget: the lowest KL under --budget-bits; pareto: the whole KL vs effective-bits front in one study (multi-objective TPE), --budget-bits picking the recipe written and `kvcalib export RUN --budget-bits B` any other."),
     workers: str = typer.Option("1", help="Worker processes sharing the study from this command: N, or auto (one per visible GPU, each pinned to it; 1 without CUDA). Run folders RUN/worker-I. On CPU N processes share the same cores: no faster."),
+    points_from: Optional[Path] = typer.Option(None, help="An earlier search's run folder (or its search.json): its finished trials' points are scored first, in its order, before the warm start's and the sampler's (e.g. a short-context search's points re-scored at long context)."),
     heartbeat: int = typer.Option(60, help="Seconds between a running trial's heartbeats in a database storage; a trial silent for 3 beats (its worker died) is retried by another worker."),
     resume: bool = typer.Option(False, help="Continue the interrupted study in --out: finished trials are kept, trials left unfinished by Ctrl-C or a kill run again."),
     sweep: bool = typer.Option(True, help="Per-layer sensitivity sweep to warm-start the study."),
@@ -227,7 +228,7 @@ def search(
                           space=space, storage=storage, study=study, resume=resume, sweep=sweep, timeout=timeout,
                           seed=seed, eval=not no_eval, eval_samples=eval_samples, eval_seq_len=eval_seq_len,
                           device=device, dtype=dtype, command=command_line(), objective=objective,
-                          workers=_parse_workers(workers), heartbeat=heartbeat,
+                          workers=_parse_workers(workers), heartbeat=heartbeat, points_from=points_from,
                           chosen_methods=None if finish is None else tuple(
                               m.strip() for m in finish.split(",") if m.strip() and m.strip() != "none"))
     config.out = Path(config.out) if config.out is not None else default_run_dir("search")

@@ -18,6 +18,12 @@ GPU each trial scores ``--score-samples`` windows of ``--score-seq-len`` tokens 
 study's storage round trips stay small beside it). The issue's target: 2 workers on 2 GPUs >= 1.8x
 the trials per minute of 1.
 
+A trial's cost depends on the point it samples, and W workers sample other points than one (the
+sampler sees another history), so two studies' rates differ by more than the workers do
+(``docs/results-search-scale.md``). ``--same-points`` first runs an untimed 1-worker search and then
+gives every W exactly its trials (``kvcalib search --points-from``): the rates of the same work,
+with every kernel variant those points need compiled by the first pass.
+
 On CPU (``--device cpu``) W processes share the same cores: the rows check the code path, they
 are no speedup.
 """
@@ -92,6 +98,24 @@ def merge_rows(rows: list[dict], path: Path = OUT) -> list[dict]:
     return out
 
 
+def search_cmd(args, device: str, score_samples: int, score_seq_len: int, score_last: int | None, workers: int,
+               out: Path) -> list[str]:
+    """The ``kvcalib search`` command of one row."""
+    return [sys.executable, "-m", "kvcalib.cli", "search", "--model", args.model, "--data", args.data,
+            "--budget-bits", "3.0", "--trials", str(args.trials), "--samples", str(args.samples),
+            "--seq-len", str(args.seq_len), "--score-samples", str(score_samples),
+            "--score-seq-len", str(score_seq_len), "--workers", str(workers), "--device", device, "--no-eval",
+            "--out", str(out)] + (["--score-last", str(score_last)] if score_last else [])
+
+
+def thread_env(args) -> dict:
+    """The searches' environment: ``--threads`` host threads per worker for every W (1 worker: its one process)."""
+    env = dict(os.environ)
+    if args.threads:
+        env["KVCALIB_WORKER_THREADS"] = env["OMP_NUM_THREADS"] = str(args.threads)
+    return env
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=os.environ.get("KVCALIB_SCALE_MODEL", "smollm2-135m"))
@@ -107,6 +131,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="host threads per worker (KVCALIB_WORKER_THREADS and OMP_NUM_THREADS; default: an equal "
                          "share of the cores, all of them for 1 worker)")
+    ap.add_argument("--same-points", action="store_true",
+                    help="first an untimed 1-worker search (it also compiles every kernel variant its points need), "
+                         "then every worker count scores exactly its points (--points-from): rates of the same trials")
     ap.add_argument("--run", type=Path, default=None, help="folder for the runs (default artifacts/runs/scale-<time>)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -120,6 +147,15 @@ def main() -> int:
     score_last = args.score_last if args.score_last is not None else (512 if gpu else None)
     run = args.run or Path(f"artifacts/runs/scale-{time.strftime('%Y%m%d-%H%M%S')}")
     rows = []
+    reference = run / "reference" if args.same_points else None
+    if reference is not None:  # the points every timed run scores (a trial's cost depends on its point)
+        if reference.exists():
+            shutil.rmtree(reference)
+        cmd = search_cmd(args, device, score_samples, score_seq_len, score_last, 1, reference)
+        print("+", " ".join(cmd), file=sys.stderr, flush=True)
+        if subprocess.run(cmd, env=thread_env(args)).returncode:
+            print("the reference search failed", file=sys.stderr)
+            return 1
     for w in [int(x) for x in args.workers.split(",")]:
         if gpu and w > visible:
             print(f"skipping {w} workers: {visible} GPU(s) visible", file=sys.stderr)
@@ -127,17 +163,12 @@ def main() -> int:
         out = run / f"w{w}"
         if out.exists():
             shutil.rmtree(out)
-        cmd = [sys.executable, "-m", "kvcalib.cli", "search", "--model", args.model, "--data", args.data,
-               "--budget-bits", "3.0", "--trials", str(args.trials), "--samples", str(args.samples),
-               "--seq-len", str(args.seq_len), "--score-samples", str(score_samples),
-               "--score-seq-len", str(score_seq_len), "--workers", str(w), "--device", device, "--no-eval",
-               "--out", str(out)] + (["--score-last", str(score_last)] if score_last else [])
+        cmd = search_cmd(args, device, score_samples, score_seq_len, score_last, w, out)
+        if reference is not None:
+            cmd += ["--points-from", str(reference)]
         print("+", " ".join(cmd), file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        env = dict(os.environ)
-        if args.threads:  # the same threads per worker for every W (1 worker: its one process)
-            env["KVCALIB_WORKER_THREADS"] = env["OMP_NUM_THREADS"] = str(args.threads)
-        done = subprocess.run(cmd, env=env)
+        done = subprocess.run(cmd, env=thread_env(args))
         wall = time.perf_counter() - t0
         if done.returncode:
             print(f"{w} workers: the search failed ({done.returncode})", file=sys.stderr)
@@ -149,7 +180,7 @@ def main() -> int:
         rows.append({"gpus": min(w, visible) if gpu else 0, "workers": w, "trials_per_min": round(rate, 2),
                      "model": args.model if not args.model.endswith(".gguf") else Path(args.model).name,
                      "gpu": device_name(device), "context": score_seq_len, "data": args.data, "score_last": score_last,
-                     "score_samples": score_samples, "threads": args.threads, "trials": n, "trial_phase_seconds": round(seconds, 1),
+                     "score_samples": score_samples, "threads": args.threads, "same_points": args.same_points, "trials": n, "trial_phase_seconds": round(seconds, 1),
                      "wall_seconds": round(wall, 1), "workers_seen": len({t["worker"] for t in doc["trials"] if t.get("worker")}),
                      # same seed and budget for every W: where the searches' results differ (docs/search-at-scale.md)
                      "chosen_kl": chosen["kl"] if chosen else None,

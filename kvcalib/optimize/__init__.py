@@ -87,6 +87,10 @@ class SearchConfig:
     # each pinned to one device, loading the model once (:mod:`.workers`)
     workers: int | str = 1
     heartbeat: int = 60  # seconds between a running trial's heartbeats (RDB storages; :mod:`.study`)
+    # an earlier run's search.json (or its folder): its finished trials' points are scored first, in
+    # its trial order (e.g. a short-context search's points re-scored at long context; the same
+    # trials for every worker count in scripts/search_scale.py)
+    points_from: str | None = None
 
     def __post_init__(self) -> None:
         for name, low in (("samples", 1), ("seq_len", 2), ("score_samples", 1), ("trials", 1), ("context", 1),
@@ -123,6 +127,11 @@ class SearchConfig:
         elif isinstance(self.space, dict):
             self.space = SearchSpace.from_dict(self.space)
         self.presets = tuple(self.presets)
+        if self.points_from is not None:  # read and checked against the space before any work
+            from kvcalib.optimize.study import replay_points
+
+            self.points_from = str(Path(self.points_from).resolve())
+            replay_points(self.points_from, self.space)
         if self.out is not None:
             self.out = Path(self.out)
         from kvcalib.optimize.space import check_scored_schedules
@@ -165,6 +174,7 @@ class SearchConfig:
         out["out"] = display_path(self.out) if self.out else None
         out["storage"] = describe_storage(self.storage) if self.storage else None
         out["presets"] = list(self.presets)
+        out["points_from"] = display_path(Path(self.points_from)) if self.points_from else None
         return out
 
 
@@ -232,6 +242,7 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
             raise SpaceError(f"search space group {g} does not divide head_dim {info.head_dim} of {info.name}")
     check_scored_schedules(space, int(score_ids.shape[1]), config.context)
     guards.check_quantized_scoring(space, int(score_ids.shape[1]), "the scoring length")
+    replayed = st.replay_points(config.points_from, space, n) if config.points_from else []  # before the study
     objective = SearchObjective(model, info, stats, score_ids, context=config.context, seed=config.seed,
                                 score_last=config.score_last)
     floor_bits = st.floor_bits(objective, space)
@@ -276,6 +287,9 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
                                                      front_top(config.budget_bits, floor_bits))
                 else:
                     pts = st.warm_start_points(objective, space, sensitivity, config.budget_bits)
+                if config.points_from:  # first in the queue: Optuna runs the oldest waiting trial first
+                    st.enqueue(study, replayed, space,
+                               attrs={"replayed_from": display_path(Path(config.points_from))})
                 st.enqueue(study, pts, space)
                 study.set_user_attr(st.ATTR_WARM_DONE, True)
     line = TrialProgress(config.trials, config.budget_bits, st.finished_count(study), timeout=config.timeout)

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import math
 import os
@@ -761,9 +762,60 @@ def front_warm_start_points(objective: "SearchObjective", space: SearchSpace, se
     return out
 
 
-def enqueue(study: "optuna.Study", points: list[Point], space: SearchSpace) -> None:
+def enqueue(study: "optuna.Study", points: list[Point], space: SearchSpace, attrs: dict[str, Any] | None = None) -> None:
+    """Queue ``points`` (the warm start's; ``attrs``: the trials' user attributes, default a
+    warm-start mark); a point the study already holds is not queued again."""
     for p in points:
-        study.enqueue_trial(point_params(p, space), user_attrs={"warm_start": True}, skip_if_exists=True)
+        study.enqueue_trial(point_params(p, space), user_attrs=attrs or {"warm_start": True}, skip_if_exists=True)
+
+
+def replay_points(path: str | Path, space: SearchSpace, num_layers: int | None = None) -> list[Point]:
+    """The points of the finished (complete and pruned) trials of an earlier run's ``search.json``
+    (``path``: the file or its run folder), in its trial order, each checked against ``space``
+    (and ``num_layers``, once the model is known). Raises KvcalibError naming the problem."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "search.json"
+    hint = "pass an earlier `kvcalib search` run folder (or its search.json) made over this search space"
+    if not path.is_file():
+        raise KvcalibError(f"--points-from {path}: no such file: {hint}.")
+    try:
+        doc = json.loads(path.read_text())
+        records = [t for t in doc["trials"] if t.get("state") in ("COMPLETE", "PRUNED") and t.get("point")]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise KvcalibError(f"--points-from {path}: not a search.json ({type(err).__name__}: {err}): {hint}.") from None
+    if not records:
+        raise KvcalibError(f"--points-from {path}: the run holds no finished trial: {hint}.")
+    points = []
+    for rec in sorted(records, key=lambda t: t.get("number", 0)):
+        try:
+            point = Point.from_dict(rec["point"], space)
+        except (KeyError, TypeError, ValueError) as err:
+            raise KvcalibError(f"--points-from {path}: trial {rec.get('number')} has no readable point ({err}): {hint}.") from None
+        why = _outside(point, space, num_layers)
+        if why:
+            raise KvcalibError(f"--points-from {path}: trial {rec.get('number')} is outside this search: {why}; {hint}.")
+        points.append(point)
+    return points
+
+
+def _outside(point: Point, space: SearchSpace, num_layers: int | None) -> str | None:
+    """Why ``point`` is not a point of ``space`` (None: it is)."""
+    for name, value, allowed in (("group", point.group, space.groups), ("window", point.window, space.windows),
+                                 ("sinks", point.sinks, space.sinks), ("schedule", point.schedule, space.schedules)):
+        if value not in allowed:
+            return f"{name} {value!r} is not one of {list(allowed)}"
+    if point.k_axis != space.k_axis:
+        return f"keys quantized per {point.k_axis}, this space per {space.k_axis}"
+    bad = sorted({b for b in point.k_bits + point.v_bits if b not in space.bits})
+    if bad:
+        return f"bits {bad} are not in {list(space.bits)}"
+    methods = sorted({m for layer in point.methods for m in layer if m not in space.layer_methods})
+    if methods:
+        return f"methods {methods} are not in {list(space.layer_methods)}"
+    if num_layers is not None and (len(point.k_bits) != num_layers or len(point.v_bits) != num_layers):
+        return f"{len(point.k_bits)} layers, this model has {num_layers}"
+    return None
 
 
 def local_move(best: Point, space: SearchSpace, sensitivity: list[float] | None, budget: float,

@@ -232,3 +232,41 @@ def test_workers_flag_runs_processes_on_one_study(inputs, tmp_path):
     # the same command again is refused (a search is there); with --resume it finds the budget met
     p = start(cmd, tmp_path, 0.0, "again", inputs)
     assert p.wait(timeout=300) == 2 and "--resume" in (tmp_path / "again.err").read_text()
+
+
+# ------------------------------------------------------------------ --points-from
+def test_points_from_an_earlier_run_are_scored_first_in_its_order(inputs, tmp_path):
+    """``--points-from RUN``: the earlier run's finished points are the new study's first trials, in
+    its order, with the same KL where the objective is the same; the warm start and the sampler come
+    after. (scripts/search_scale.py gives every worker count the same trials this way.)"""
+    first = start(search_cmd(inputs, tmp_path / "first", trials=5), tmp_path, 0.0, "first", inputs)
+    assert first.wait(timeout=600) == 0, (tmp_path / "first.err").read_text()[-2000:]
+    again = start(search_cmd(inputs, tmp_path / "again", "--points-from", str(tmp_path / "first"), trials=6),
+                  tmp_path, 0.0, "again", inputs)
+    assert again.wait(timeout=600) == 0, (tmp_path / "again.err").read_text()[-2000:]
+
+    def records(run):
+        doc = json.loads((run / "search.json").read_text())
+        return sorted((t for t in doc["trials"] if t["state"] in ("COMPLETE", "PRUNED")), key=lambda t: t["number"])
+
+    earlier, later = records(tmp_path / "first"), records(tmp_path / "again")
+    assert len(earlier) >= 5 and len(later) >= 6
+    assert [t["point"] for t in later[:len(earlier)]] == [t["point"] for t in earlier]
+    both = [(a["kl"], b["kl"]) for a, b in zip(earlier, later) if a["state"] == b["state"] == "COMPLETE"]
+    assert both and all(a == b for a, b in both)  # the same objective: the same point, the same KL
+    assert json.loads((tmp_path / "again" / "search.json").read_text())["config"]["points_from"]
+
+
+def test_points_from_outside_the_space_is_refused_before_any_work(inputs, tmp_path):
+    """A run made over another space: one line naming the trial and what is outside, exit 2, no run folder."""
+    run = tmp_path / "earlier"
+    run.mkdir()
+    point = {"group": 16, "window": 16, "sinks": 0, "k_axis": "channel", "k_bits": [2, 2], "v_bits": [2, 2],
+             "methods": [[], []], "schedule": "none"}
+    (run / "search.json").write_text(json.dumps({"trials": [{"number": 0, "state": "COMPLETE", "point": point}]}))
+    for source, says in ((run, "group 16 is not one of [8]"), (tmp_path / "nowhere", "no such file")):
+        res = subprocess.run(search_cmd(inputs, tmp_path / "new", "--points-from", str(source)),
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 2, res.stderr
+        assert "--points-from" in res.stderr and says in res.stderr and "Traceback" not in res.stderr
+        assert not (tmp_path / "new").exists()

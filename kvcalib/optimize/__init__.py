@@ -309,7 +309,7 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
         st.run_trials(study, fn, config.trials, timeout=config.timeout, on_trial=on_trial, extra_callbacks=(local,))
         # the other workers' last trials (and the retries of any that died): every run folder then
         # reports the same study
-        st.drain(study, fn, callbacks=(local, on_trial),
+        st.drain(study, fn, callbacks=(local, on_trial), settle=0.0 if default_storage else 1.0,
                  on_wait=lambda k: bar.update(info=f"waiting for {k} trial(s) of other workers"))
     records = st.trial_records(study, space, n, config.budget_bits)
     params_by_number = {t.number: t.params for t in study.get_trials(deepcopy=False)}

@@ -453,17 +453,23 @@ def storage_errors(url: str, resume_hint: str) -> Iterator[None]:
 
 
 def drain(study: "optuna.Study", fn: Callable, *, poll: float = 1.0, callbacks: tuple[Callable, ...] = (),
-          on_wait: Callable[[int], None] | None = None) -> int:
+          on_wait: Callable[[int], None] | None = None, settle: float = 0.0) -> int:
     """After this worker's share of the trials: wait until the study is quiet -- no trial running,
     no retry waiting -- failing heartbeat-stale trials (their retries are enqueued by the storage's
     callback) and running the retries here. Every worker's outputs then report the same trials.
-    Returns the number of retries this worker ran."""
+    Returns the number of retries this worker ran.
+
+    ``settle`` (seconds; a study other workers share): quiet must hold over that long with no new
+    trial. Another worker that checked the budget just before this one's last trial finished
+    starts one more trial a moment later; a single look can fall between its check and its ask
+    (then two run folders reported different trials: a CI run of the two-worker PostgreSQL test)."""
     import optuna
     from optuna.storages import fail_stale_trials
     from optuna.storages._heartbeat import is_heartbeat_enabled
 
     state = optuna.trial.TrialState
     ran = 0
+    seen = None  # trials in the study when it was last found quiet (None: not quiet yet)
     while True:
         if is_heartbeat_enabled(study._storage):
             import warnings
@@ -479,8 +485,14 @@ def drain(study: "optuna.Study", fn: Callable, *, poll: float = 1.0, callbacks: 
             continue
         running = [t for t in trials if t.state == state.RUNNING]
         if not running or not is_heartbeat_enabled(study._storage):
-            # without heartbeats (a journal file) a RUNNING trial may be a dead worker's: no wait
-            return ran
+            # quiet (without heartbeats, a journal file, a RUNNING trial may be a dead worker's: no wait)
+            count = len(study.get_trials(deepcopy=False))
+            if settle <= 0 or count == seen:
+                return ran
+            seen = count
+            time.sleep(settle)
+            continue
+        seen = None
         if on_wait is not None:
             on_wait(len(running))
         time.sleep(poll)

@@ -102,6 +102,45 @@ def test_a_lock_released_while_a_waiter_reads_it_is_taken(tmp_path, monkeypatch)
 
 # ------------------------------------------------------------------ heartbeats, retries, drain
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")  # the test's own ask()
+def test_drain_settles_for_a_trial_another_worker_starts_a_moment_later(tmp_path):
+    """The race a CI run hit: this worker's last trial meets the budget while the other worker,
+    which checked the budget a moment before, is between its check and asking one more trial. A
+    single look finds the study quiet and this run folder misses that trial; with ``settle`` the
+    drain looks again after that long, sees the new trial and waits for it."""
+    import threading
+
+    import optuna
+
+    from kvcalib.optimize.study import drain, open_study
+
+    space = _space()
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    here = open_study(url, "s", space, 2, heartbeat=1)
+
+    def other_worker():
+        time.sleep(0.3)  # still in its callbacks when this worker looks first
+        study = open_study(url, "s", space, 2, heartbeat=1)
+        trial = study.ask()
+        space.sample(trial, 2)
+        study._storage.record_heartbeat(trial._trial_id)
+        time.sleep(1.0)
+        study.tell(trial, 1.0)
+
+    def fn(trial):  # no retry is ever waiting here: never called
+        raise AssertionError("drain ran a trial")
+
+    assert drain(here, fn, poll=0.1) == 0 and here.get_trials(deepcopy=False) == []  # one look: gone at once
+    worker = threading.Thread(target=other_worker)
+    worker.start()
+    try:
+        assert drain(here, fn, poll=0.1, settle=0.8) == 0
+        states = [t.state for t in here.get_trials(deepcopy=False)]
+        assert states == [optuna.trial.TrialState.COMPLETE]  # it waited for the other worker's trial
+    finally:
+        worker.join()
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")  # the test's own ask()
 def test_a_dead_workers_trial_is_failed_retried_and_drained(tmp_path):
     """A RUNNING trial whose heartbeat stopped is failed after the grace period by the worker that
     drains the study, enqueued again by RetryFailedTrialCallback with its parameters, and run."""

@@ -22,7 +22,9 @@ A trial's cost depends on the point it samples, and W workers sample other point
 sampler sees another history), so two studies' rates differ by more than the workers do
 (``docs/results-search-scale.md``). ``--same-points`` first runs an untimed 1-worker search and then
 gives every W exactly its trials (``kvcalib search --points-from``): the rates of the same work,
-with every kernel variant those points need compiled by the first pass.
+with every kernel variant those points need compiled by the first pass. ``--repeats R`` times every
+W R times, the order reversed every other time (the host's speed drifts between minutes: two
+40-trial studies on one machine gave 1.80x and 1.72x), and prints the median ratio.
 
 On CPU (``--device cpu``) W processes share the same cores: the rows check the code path, they
 are no speedup.
@@ -44,7 +46,7 @@ from pathlib import Path
 OUT = Path("artifacts/bench/search_scale.json")
 # a new row replaces the old one with these (the command too: a repeat with other options or another
 # run folder is a row of its own; the rate of one study varies by +-5% from run to run)
-KEY = ("gpus", "workers", "model", "gpu", "context", "threads", "command")
+KEY = ("gpus", "workers", "model", "gpu", "context", "threads", "command", "repeat")
 
 
 def trial_phase_rate(doc: dict) -> tuple[float, int, float]:
@@ -134,6 +136,9 @@ def main() -> int:
     ap.add_argument("--same-points", action="store_true",
                     help="first an untimed 1-worker search (it also compiles every kernel variant its points need), "
                          "then every worker count scores exactly its points (--points-from): rates of the same trials")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="time every worker count this many times, the order reversed every other time (this "
+                         "host's rate drifts between minutes); the median ratio is printed")
     ap.add_argument("--run", type=Path, default=None, help="folder for the runs (default artifacts/runs/scale-<time>)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -156,11 +161,17 @@ def main() -> int:
         if subprocess.run(cmd, env=thread_env(args)).returncode:
             print("the reference search failed", file=sys.stderr)
             return 1
-    for w in [int(x) for x in args.workers.split(",")]:
-        if gpu and w > visible:
-            print(f"skipping {w} workers: {visible} GPU(s) visible", file=sys.stderr)
-            continue
-        out = run / f"w{w}"
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    counts = [int(x) for x in args.workers.split(",")]
+    skipped = [w for w in counts if gpu and w > visible]
+    for w in skipped:
+        print(f"skipping {w} workers: {visible} GPU(s) visible", file=sys.stderr)
+    counts = [w for w in counts if w not in skipped]
+    # every other repeat in reverse order, so that a drift of the host's speed weighs on each W alike
+    order = [(r, w) for r in range(args.repeats) for w in (counts if r % 2 == 0 else counts[::-1])]
+    for repeat, w in order:
+        out = run / (f"w{w}" if args.repeats == 1 else f"r{repeat}-w{w}")
         if out.exists():
             shutil.rmtree(out)
         cmd = search_cmd(args, device, score_samples, score_seq_len, score_last, w, out)
@@ -180,7 +191,8 @@ def main() -> int:
         rows.append({"gpus": min(w, visible) if gpu else 0, "workers": w, "trials_per_min": round(rate, 2),
                      "model": args.model if not args.model.endswith(".gguf") else Path(args.model).name,
                      "gpu": device_name(device), "context": score_seq_len, "data": args.data, "score_last": score_last,
-                     "score_samples": score_samples, "threads": args.threads, "same_points": args.same_points, "trials": n, "trial_phase_seconds": round(seconds, 1),
+                     "score_samples": score_samples, "threads": args.threads, "same_points": args.same_points,
+                     "repeat": repeat if args.repeats > 1 else None, "trials": n, "trial_phase_seconds": round(seconds, 1),
                      "wall_seconds": round(wall, 1), "workers_seen": len({t["worker"] for t in doc["trials"] if t.get("worker")}),
                      # same seed and budget for every W: where the searches' results differ (docs/search-at-scale.md)
                      "chosen_kl": chosen["kl"] if chosen else None,
@@ -189,12 +201,27 @@ def main() -> int:
                      "command": "python scripts/search_scale.py " + " ".join(sys.argv[1:]), **trial_stats(doc)})
         print(json.dumps(rows[-1]), flush=True)
     merge_rows(rows, args.out)
-    base = next((r for r in rows if r["workers"] == 1), None)
-    for r in rows:
-        if base and r is not base:
-            print(f"{r['workers']} workers / {r['gpus']} GPUs: {r['trials_per_min'] / base['trials_per_min']:.2f}x "
-                  f"the trials per minute of 1 ({r['trials_per_min']} vs {base['trials_per_min']})")
+    for line in ratio_lines(rows):
+        print(line)
     return 0
+
+
+def ratio_lines(rows: list[dict]) -> list[str]:
+    """Per worker count W > 1: its rate over 1 worker's in each repeat, and their median."""
+    import statistics
+
+    by = {(r["repeat"], r["workers"]): r for r in rows}
+    out = []
+    for w in sorted({r["workers"] for r in rows} - {1}):
+        pairs = [(by[(rep, w)], by[(rep, 1)]) for rep in sorted({r["repeat"] for r in rows}, key=str)
+                 if (rep, w) in by and (rep, 1) in by]
+        if not pairs:
+            continue
+        ratios = [a["trials_per_min"] / b["trials_per_min"] for a, b in pairs]
+        each = ", ".join(f"{x:.2f}x ({a['trials_per_min']} vs {b['trials_per_min']})" for x, (a, b) in zip(ratios, pairs))
+        out.append(f"{w} workers / {pairs[0][0]['gpus']} GPUs: median {statistics.median(ratios):.2f}x the trials per "
+                   f"minute of 1 over {len(ratios)} repeat(s): {each}")
+    return out
 
 
 if __name__ == "__main__":

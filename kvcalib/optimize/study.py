@@ -486,8 +486,10 @@ def drain(study: "optuna.Study", fn: Callable, *, poll: float = 1.0, callbacks: 
         running = [t for t in trials if t.state == state.RUNNING]
         if not running or not is_heartbeat_enabled(study._storage):
             # quiet (without heartbeats, a journal file, a RUNNING trial may be a dead worker's: no wait)
+            if settle <= 0:  # a lone study: no other worker can start a trial
+                return ran
             count = len(study.get_trials(deepcopy=False))
-            if settle <= 0 or count == seen:
+            if count == seen:
                 return ran
             seen = count
             time.sleep(settle)

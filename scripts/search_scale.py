@@ -24,7 +24,9 @@ sampler sees another history), so two studies' rates differ by more than the wor
 gives every W exactly its trials (``kvcalib search --points-from``): the rates of the same work,
 with every kernel variant those points need compiled by the first pass. ``--repeats R`` times every
 W R times, the order reversed every other time (the host's speed drifts between minutes: two
-40-trial studies on one machine gave 1.80x and 1.72x), and prints the median ratio.
+40-trial studies on one machine gave 1.80x and 1.72x), and prints the median ratio. The same
+``--run`` again goes on where a call cut short stopped (the reference and every timed run with its
+``row.json`` are kept), so a long comparison spans several 10-minute device calls.
 
 On CPU (``--device cpu``) W processes share the same cores: the rows check the code path, they
 are no speedup.
@@ -81,6 +83,16 @@ def trial_stats(doc: dict) -> dict:
             "median_complete_s": round(statistics.median(complete), 3) if complete else None,
             "median_pruned_s": round(statistics.median(pruned), 3) if pruned else None,
             "pruned": len(pruned), "slowest_trial_s": round(max(t["seconds"] for t in done), 2)}
+
+
+def reference_done(folder: Path, trials: int) -> bool:
+    """Whether ``folder`` holds a finished reference search of ``trials`` trials (its points, statistics)."""
+    try:
+        doc = json.loads((folder / "search.json").read_text())
+    except (OSError, ValueError):
+        return False
+    finished = [t for t in doc.get("trials", []) if t.get("state") in ("COMPLETE", "PRUNED")]
+    return len(finished) >= trials and (folder / "stats.safetensors").is_file() and (folder / "run.json").is_file()
 
 
 def device_name(device: str) -> str:
@@ -153,7 +165,10 @@ def main() -> int:
     run = args.run or Path(f"artifacts/runs/scale-{time.strftime('%Y%m%d-%H%M%S')}")
     rows = []
     reference = run / "reference" if args.same_points else None
-    if reference is not None:  # the points every timed run scores (a trial's cost depends on its point)
+    if reference is not None and reference_done(reference, args.trials):
+        print(f"reusing the reference search in {reference} (same --run: this call goes on from the last)",
+              file=sys.stderr)
+    elif reference is not None:  # the points every timed run scores (a trial's cost depends on its point)
         if reference.exists():
             shutil.rmtree(reference)
         cmd = search_cmd(args, device, score_samples, score_seq_len, score_last, 1, reference)
@@ -172,11 +187,20 @@ def main() -> int:
     order = [(r, w) for r in range(args.repeats) for w in (counts if r % 2 == 0 else counts[::-1])]
     for repeat, w in order:
         out = run / (f"w{w}" if args.repeats == 1 else f"r{repeat}-w{w}")
-        if out.exists():
+        if (out / "row.json").is_file():  # timed by an earlier call with this --run (a device call lasts 10 min)
+            rows.append(json.loads((out / "row.json").read_text()))
+            print(f"reusing {out}: {rows[-1]['trials_per_min']} trials/min", file=sys.stderr)
+            continue
+        if out.exists():  # a run cut short: timed again from the start
             shutil.rmtree(out)
         cmd = search_cmd(args, device, score_samples, score_seq_len, score_last, w, out)
         if reference is not None:
-            cmd += ["--points-from", str(reference)]
+            # the reference's statistics and no sweep: the points are the reference's anyway, and the
+            # timed part (the trial phase) is the same; this only shortens each run's wall time
+            out.mkdir(parents=True)
+            for name in ("stats.safetensors", "run.json"):
+                shutil.copy2(reference / name, out / name)
+            cmd += ["--points-from", str(reference), "--no-sweep"]
         print("+", " ".join(cmd), file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         done = subprocess.run(cmd, env=thread_env(args))
@@ -200,7 +224,8 @@ def main() -> int:
                      "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                      "command": "python scripts/search_scale.py " + " ".join(sys.argv[1:]), **trial_stats(doc)})
         print(json.dumps(rows[-1]), flush=True)
-    merge_rows(rows, args.out)
+        (out / "row.json").write_text(json.dumps(rows[-1]) + "\n")
+        merge_rows(rows[-1:], args.out)  # each row kept as soon as it is timed: a call cut short loses none
     for line in ratio_lines(rows):
         print(line)
     return 0

@@ -34,3 +34,21 @@ def test_ratio_lines_pair_each_repeat_and_take_the_median():
     (line,) = search_scale.ratio_lines(rows)
     assert line.startswith("2 workers / 2 GPUs: median 1.80x") and "over 3 repeat(s)" in line and "1.72x" in line
     assert search_scale.ratio_lines([r for r in rows if r["workers"] == 2]) == []  # no 1-worker row: no ratio
+
+
+def test_a_reference_is_reused_only_when_its_search_finished_with_its_inputs(tmp_path):
+    # a later call with the same --run goes on from the reference only if it is whole
+    ref = tmp_path / "reference"
+    assert not search_scale.reference_done(ref, 2)  # no folder
+    ref.mkdir()
+    (ref / "search.json").write_text('{"trials": [{"state": "COMPLETE"}, {"state": "RUNNING"}]}')
+    (ref / "stats.safetensors").write_bytes(b"x")
+    (ref / "run.json").write_text("{}")
+    assert not search_scale.reference_done(ref, 2)  # cut short: one finished trial of two
+    (ref / "search.json").write_text('{"trials": [{"state": "COMPLETE"}, {"state": "PRUNED"}]}')
+    assert search_scale.reference_done(ref, 2)
+    (ref / "run.json").unlink()
+    assert not search_scale.reference_done(ref, 2)  # the timed runs copy its statistics and run.json
+    (ref / "run.json").write_text("{}")
+    (ref / "search.json").write_text("{not json")
+    assert not search_scale.reference_done(ref, 2)

@@ -108,6 +108,11 @@ def attend_compressed(query: torch.Tensor, layer, visible: torch.Tensor, scaling
     return out.reshape(b, hq, tq, d).transpose(1, 2)  # (B, Tq, Hq, D)
 
 
+# the most bytes of attention scores one SDPA call of :func:`full_precision_prefill` may need if it
+# falls back to the math kernel (query rows are chunked to stay under it)
+PREFILL_SCORE_BYTES = 1 << 30
+
+
 def full_precision_prefill(query: torch.Tensor, layer, visible: torch.Tensor | None,
                            scaling: float) -> torch.Tensor | None:
     """A prompt's own attention while ``layer`` holds nothing compressed yet -- sinks and pending
@@ -127,11 +132,33 @@ def full_precision_prefill(query: torch.Tensor, layer, visible: torch.Tensor | N
     k = layer.pend_k if not s else torch.cat([layer.sink_k, layer.pend_k], dim=-2)  # (B, H, KV, D)
     v = layer.pend_v if not s else torch.cat([layer.sink_v, layer.pend_v], dim=-2)
     tq, kv = query.shape[-2], k.shape[-2]
+    hq = query.shape[1]
     causal = visible is None and not layer.is_sliding and tq == kv
     if visible is None and not causal:
         visible = visible_mask(None, layer, tq, query.device)  # (1, Tq, KV)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.to(dtype), k.to(dtype), v.to(dtype), attn_mask=None if causal else visible[:, None],
-        is_causal=causal, scale=scaling, enable_gqa=query.shape[1] != k.shape[1])  # (B, Hq, Tq, D)
+    # Why the heads are repeated and the queries chunked: SDPA's memory-efficient kernels take neither
+    # grouped-query heads (enable_gqa) in float32 nor every mask, and its fallback (the math kernel)
+    # builds the whole (B, Hq, Tq, KV) score matrix: 56 GiB for Qwen2.5-0.5B's 14 heads at 32k tokens,
+    # more than an 80 GB GPU had left. Repeated K/V heads cost Hq/H x the prompt's K/V once; chunks of
+    # query rows bound the fallback to PREFILL_SCORE_BYTES (rows are independent: the same result).
+    k = k.to(dtype).repeat_interleave(hq // k.shape[1], dim=1)  # (B, Hq, KV, D)
+    v = v.to(dtype).repeat_interleave(hq // v.shape[1], dim=1)  # (B, Hq, KV, D)
+    q = query.to(dtype)  # (B, Hq, Tq, D)
+    rows = max(1, PREFILL_SCORE_BYTES // (q.shape[0] * hq * kv * q.element_size()))
+    if rows >= tq:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if causal else visible[:, None], is_causal=causal, scale=scaling)  # (B, Hq, Tq, D)
+    else:
+        keys = torch.arange(kv, device=query.device)  # (KV,)
+        chunks = []
+        for q0 in range(0, tq, rows):
+            q1 = min(tq, q0 + rows)
+            if causal:  # query t at position t (tq == kv) sees keys 0..t
+                mask = (torch.arange(q0, q1, device=query.device)[:, None] >= keys)[None, None]  # (1, 1, c, KV)
+            else:
+                mask = visible[:, None, q0:q1]  # (B|1, 1, c, KV)
+            chunks.append(torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, q0:q1], k, v, attn_mask=mask, scale=scaling))  # (B, Hq, c, D)
+        out = torch.cat(chunks, dim=2)  # (B, Hq, Tq, D)
     # a query row with nothing visible (padding) gives NaN from SDPA and 0 from the reference
     return out.nan_to_num(0.0).transpose(1, 2)  # (B, Tq, Hq, D)

@@ -127,6 +127,18 @@ def test_search_config_checks_long_scoring(tmp_path):
         SearchConfig(out=tmp_path / "r", seq_len=256, score_last=256)
 
 
+def _prefill_case(arch: str, padded: bool, seed: int):
+    """A float64 tiny model, a 2-bit recipe with sinks and a window, 2 x 40 token ids, and their
+    attention mask (row 1 left-padded by 7 when ``padded``)."""
+    model = tiny_model(arch).double()
+    rec = Recipe(name="p", default_layer=LayerConfig(k_bits=2, v_bits=2, k_group=8, v_group=8, window=8, sinks=3))
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(seed))  # (2, 40)
+    mask = torch.ones_like(ids)  # (2, 40)
+    if padded:
+        mask[1, :7] = 0
+    return model, rec, ids, mask
+
+
 @pytest.mark.parametrize("arch,padded", [("llama", False), ("llama", True), ("gemma3", False)])
 def test_full_precision_prefill_equals_the_reference(arch, padded, monkeypatch):
     """A prompt's own attention through SDPA (no (T, T) matrix, what makes 32k prompts fit) gives the
@@ -135,12 +147,7 @@ def test_full_precision_prefill_equals_the_reference(arch, padded, monkeypatch):
     import kvcalib.runtime.reference as ref
     from kvcalib.runtime.cache import CompressedCache
 
-    model = tiny_model(arch).double()
-    rec = Recipe(name="p", default_layer=LayerConfig(k_bits=2, v_bits=2, k_group=8, v_group=8, window=8, sinks=3))
-    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(8))
-    mask = torch.ones_like(ids)
-    if padded:
-        mask[1, :7] = 0
+    model, rec, ids, mask = _prefill_case(arch, padded, seed=8)
     calls = []
     real = ref.full_precision_prefill
 
@@ -156,3 +163,48 @@ def test_full_precision_prefill_equals_the_reference(arch, padded, monkeypatch):
         slow = model(input_ids=ids, attention_mask=mask, past_key_values=CompressedCache.from_recipe(model, rec)).logits
     assert any(calls)
     assert float((fast - slow).abs().max()) <= 1e-12 * float(slow.abs().max())
+
+
+@pytest.mark.parametrize("arch,padded", [("llama", False), ("llama", True), ("gemma3", False)])
+def test_full_precision_prefill_in_query_chunks_is_the_same(arch, padded, monkeypatch):
+    """Query rows chunked to bound the score matrix (what keeps a 32k prompt's math-kernel fallback
+    under PREFILL_SCORE_BYTES) give the unchunked result in float64: causal, left-padded and with a
+    sliding-window layer."""
+    import kvcalib.runtime.reference as ref
+    from kvcalib.runtime.cache import CompressedCache
+
+    model, rec, ids, mask = _prefill_case(arch, padded, seed=9)
+    sdpa_calls = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting_sdpa(*a, **k):
+        sdpa_calls.append(a[0].shape[-2])
+        return real_sdpa(*a, **k)
+
+    with torch.no_grad():
+        whole = model(input_ids=ids, attention_mask=mask, past_key_values=CompressedCache.from_recipe(model, rec)).logits
+        # 2 rows x 4 heads x 40 keys x 8 bytes x 7 rows: chunks of 7 query rows
+        monkeypatch.setattr(ref, "PREFILL_SCORE_BYTES", 2 * 4 * 40 * 8 * 7)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
+        chunked = model(input_ids=ids, attention_mask=mask, past_key_values=CompressedCache.from_recipe(model, rec)).logits
+    assert sdpa_calls and max(sdpa_calls) < 40  # the prompt went through in chunks
+    assert float((chunked - whole).abs().max()) <= 1e-12 * float(whole.abs().max())
+
+
+def test_long_context_benchmark_plots_every_recipe_of_the_merged_rows(tmp_path):
+    """benchmarks/long_context.py draws one PNG per model and context from the merged rows, so a run
+    that adds one recipe redraws the whole plot (not only its own recipes)."""
+    from benchmarks.long_context import merge, plot
+
+    def row(recipe, context, bits):
+        return {"model": "m", "context": context, "recipe": recipe, "metric": "ppl", "effective_bits": bits,
+                "ppl": 1.1, "ppl_fp": 1.0, "delta_pct": 10.0,
+                "by_position": [{"start": 0, "end": 8, "delta_pct": 1.0}, {"start": 8, "end": 16, "delta_pct": 2.0}]}
+
+    path = tmp_path / "long_context.json"
+    merge([row("kivi-2", 16, 3.0), row("recipes/m/a/recipe.safetensors", 16, 2.9)], path)
+    rows = merge([row("recipes/m/b/recipe.safetensors", 16, 2.8), row("kivi-2", 32, 3.0)], path)
+    assert len(rows) == 4
+    pngs = plot(rows, tmp_path)
+    assert sorted(p.name for p in pngs) == ["long_context_m_16.png", "long_context_m_32.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)

@@ -52,7 +52,7 @@ def recipe_label(spec: str) -> str:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from kvcalib.eval.harness import EvalConfig, evaluate, plot_positions
+    from kvcalib.eval.harness import EvalConfig, evaluate
     from kvcalib.models import load_model
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -78,10 +78,6 @@ def run(args: argparse.Namespace) -> list[dict]:
             if r.passkey is not None:
                 rows.append({**base, "metric": "passkey", "accuracy": r.passkey, "accuracy_fp": r.passkey_fp,
                              "trials": len(args.passkey_depths) * args.passkey_trials, "by_depth": r.passkey_cells})
-        if any(r.ppl_by_position for r in results):
-            OUT.mkdir(parents=True, exist_ok=True)
-            plot_positions(results, OUT / f"long_context_{args.model}_{context}.png",
-                           f"{args.model}: perplexity by position, {context}-token windows")
     return rows
 
 
@@ -96,6 +92,25 @@ def merge(rows: list[dict], path: Path) -> list[dict]:
     merged.sort(key=lambda r: (r["model"], r["context"], r["metric"], r["effective_bits"]))
     write_json_atomic(path, merged)
     return merged
+
+
+def plot(rows: list[dict], folder: Path) -> list[Path]:
+    """One PNG per model and context: perplexity vs full precision by position, a line for every
+    recipe in ``rows`` (the merged file's, so a run that adds one recipe redraws the whole plot)."""
+    from types import SimpleNamespace
+
+    from kvcalib.eval.harness import plot_positions
+
+    paths = []
+    for model, context in sorted({(r["model"], r["context"]) for r in rows if r.get("by_position")}):
+        lines = [SimpleNamespace(name=r["recipe"].removeprefix(f"recipes/{model}/").removesuffix("/recipe.safetensors"),
+                                 effective_bits=r["effective_bits"], ppl_by_position=r["by_position"])
+                 for r in rows if r["metric"] == "ppl" and (r["model"], r["context"]) == (model, context)
+                 and r.get("by_position")]
+        path = folder / f"long_context_{model}_{context}.png"
+        plot_positions(lines, path, f"{model}: perplexity by position, {context}-token windows")
+        paths.append(path)
+    return paths
 
 
 def markdown(rows: list[dict]) -> str:
@@ -138,6 +153,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = merge(run(args), args.out)
     args.out.with_suffix(".md").write_text(markdown(rows) + "\n")
+    plot(rows, args.out.parent)
     for r in rows:
         if r["metric"] == "ppl":
             print(f"{r['model']} {r['context']:>6} {r['recipe']:<40} {r['effective_bits']:6.3f} bits  ppl "

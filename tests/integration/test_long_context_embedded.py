@@ -59,3 +59,34 @@ def test_simulation_matches_decode_at_4k(smol_long, which, monkeypatch):
     diff = (sim - dec).abs()
     assert float(diff.mean()) <= 1e-5 * scale and float(diff.max()) <= 1e-4 * scale
     assert float((sim - full).abs().max()) > 1e-2 * scale
+
+
+ROTATED = sorted(SEARCHED.parent.glob("long-*-rot/recipe.safetensors"))  # searched with rotation at 8k
+
+
+def test_the_rotated_long_context_recipes_are_committed():
+    assert [p.parent.name for p in ROTATED] == ["long-8192-3.0b-rot", "long-8192-4.0b-rot"]
+
+
+@pytest.mark.parametrize("path", ROTATED, ids=lambda p: p.parent.name)
+def test_rotated_recipe_simulation_matches_decode(smol_long, path, monkeypatch):
+    """The committed long-context recipes searched with rotation (values rotated in 29 of 30 layers,
+    keys in 6-7, clip scales, per-layer bits, Huffman codebooks) on the real model: the search's
+    simulation equals a real decode through CompressedCache, with the tolerance stated above, on a
+    1,000-token prompt and 16 decode steps (the recipe's tokens leave the window and are packed)."""
+    loaded, ids, _ = smol_long
+    prompt, steps = 1000, 16
+    ids = ids[:, :prompt + steps]  # (1, 1016)
+    rec = Recipe.load(path)
+    configs = rec.layer_configs(loaded.info.num_layers)
+    dec, _ = decode_logits(loaded.model, ids, rec, prompt_len=prompt)
+    dec = dec[:, -(steps + 1):]  # (1, 17, V)
+    monkeypatch.setattr(simulate, "SCORE_BUDGET", 1 << 22)  # several query chunks per layer
+    sim = simulated_logits(loaded.model, ids, configs, rec.codecs(loaded.info), prompt_len=prompt,
+                           logits_to_keep=steps + 1)  # (1, 17, V)
+    scale = float(dec.abs().max())
+    diff = (sim - dec).abs()
+    assert float(diff.mean()) <= 1e-5 * scale and float(diff.max()) <= 1e-4 * scale
+    with torch.no_grad():
+        full = loaded.model(input_ids=ids, use_cache=False, logits_to_keep=steps + 1).logits  # (1, 17, V)
+    assert float((sim - full).abs().max()) > 1e-2 * scale  # the recipe does change the logits

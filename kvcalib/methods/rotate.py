@@ -177,6 +177,9 @@ class RotateMethod(Method):
                    "relative reservoir error reduction from rotating", applied=False),
     )
     search: ClassVar[str | None] = "layer"
+    # in the default space: searched with clip it halved the held-out loss at the same bits, at
+    # 256-token windows (+4.89% -> +2.90%, make demo's search) and at 8k/16k (docs/results.md)
+    search_default: ClassVar[bool] = True
     letter: ClassVar[str] = "R"
     flags: ClassVar[tuple[Flag, ...]] = (
         Flag("rotate", str, "Rotate K/V per head before quantizing where it lowers the error: hadamard (random "

@@ -13,7 +13,7 @@ the window; see :class:`~kvcalib.layout.LayerConfig`), so any sampled pair is va
 A space file is JSON or YAML with any subset of the keys of :class:`SearchSpace`::
 
     {"bits": [2, 4, 8], "groups": [32, 64], "windows": [64, 128], "sinks": [0, 4],
-     "layer_methods": ["clip"], "schedules": ["none"]}
+     "layer_methods": ["rotate", "clip"], "schedules": ["none"]}
 
 Unknown keys, an empty file and values outside the allowed sets are refused with a
 :class:`~kvcalib.errors.KvcalibError` naming the key. Optuna is not imported here.
@@ -25,7 +25,8 @@ ages A, B, ...: 8 -> 4 -> 2), or a PATS name for ages 1024 and 4096 (as ``kvcali
 ``"old-heavy"`` (no sinks: the space's ``sinks`` must be ``[0]``). ``new-heavy`` (every token at
 the lowest bits from the start) is not a per-layer-bits schedule and is not searched. The tiers
 come from :class:`kvcalib.methods.schedule.ScheduleMethod` (``Schedule.from_layer``). The
-default space has ``["none"]`` only; outliers are off by default too (``layer_methods: ["clip"]``).
+default space has ``["none"]`` only; outliers are off by default too (``layer_methods: ["rotate",
+"clip"]``, the methods whose ``search_default`` is set).
 
 Honesty rule for schedules (:func:`check_scored_schedules`). Effective bits are counted at
 ``context`` (4096 by default), but the KL objective is scored on ``seq_len``-token sequences. A

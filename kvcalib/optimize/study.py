@@ -78,6 +78,20 @@ log = logging.getLogger(__name__)
 PRUNE_MARGIN = 1.25
 DEFAULT_STUDY = "kvcalib-search"
 ATTR_SPACE = "space_fingerprint"
+
+
+def _earlier_default_hint(space, num_layers: int, got: str | None) -> str:
+    """A sentence for a study made with the default space before ``rotate`` joined it (2026-11-26):
+    the same space with ``layer_methods`` ``["clip"]`` has the study's fingerprint."""
+    from dataclasses import replace
+
+    if got is None or "rotate" not in space.layer_methods:
+        return ""
+    earlier = replace(space, layer_methods=tuple(m for m in space.layer_methods if m != "rotate"))
+    if earlier.fingerprint(num_layers) != got:
+        return ""
+    return ("It was made without rotate, the default space before 2026-11-26: to go on with it, pass --space "
+            f"with {json.dumps({'layer_methods': list(earlier.layer_methods)})}. ")
 ATTR_ACCOUNTING = "accounting"  # kvcalib.layout.ACCOUNTING of the trials' effective bits
 ATTR_WARM_DONE = "warm_start_done"  # study user attr: the warm start's points are enqueued
 ATTR_WORKER = "worker"  # trial user attr: "host:pid" of the worker that ran it
@@ -242,7 +256,7 @@ def open_study(storage_url_: str, name: str, space: SearchSpace, num_layers: int
             raise KvcalibError(
                 f"study {name!r} in {storage_url_} was made with another search space (fingerprint {got}, "
                 f"this one {fingerprint}): pass the same --space and model, or another --study name. "
-                "The existing study was not changed.")
+                f"{_earlier_default_hint(space, num_layers, got)}The existing study was not changed.")
         got = existing[name].user_attrs.get(ATTR_ACCOUNTING, LEGACY_ACCOUNTING)
         if got != ACCOUNTING and not (got == LEGACY_ACCOUNTING and legacy_same):
             raise KvcalibError(

@@ -682,3 +682,26 @@ def test_local_moves_never_enqueue_a_point_over_the_budget():
     for t in waiting:
         point = Point.from_params(t.system_attrs["fixed_params"], space, 4)
         assert Bits().effective_bits(point) <= 2.6, point
+
+
+def test_a_study_of_the_default_space_before_rotate_is_refused_with_the_space_to_resume_it(tmp_path):
+    """rotate joined the default space's switches on 2026-11-26: a study begun with the earlier default
+    (clip alone) is refused as another space, and the message names the --space that resumes it."""
+    import optuna
+
+    import kvcalib.optimize.study as study_mod
+    from kvcalib.optimize.space import SearchSpace
+
+    now = SearchSpace()
+    assert now.layer_methods == ("rotate", "clip")
+    earlier = SearchSpace(layer_methods=("clip",))
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study_mod.open_study(url, "old", earlier, 30)
+    with pytest.raises(KvcalibError, match=r'pass --space with \{"layer_methods": \["clip"\]\}'):
+        study_mod.open_study(url, "old", now, 30)
+    optuna.load_study(study_name="old", storage=url)  # still there, unchanged
+    other = SearchSpace(layer_methods=("clip",), sinks=(0,))
+    study_mod.open_study(url, "other", other, 30)
+    with pytest.raises(KvcalibError, match="another search space") as err:
+        study_mod.open_study(url, "other", now, 30)
+    assert "without rotate" not in str(err.value)  # no hint where it would be wrong

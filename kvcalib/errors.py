@@ -71,8 +71,8 @@ def environment_error(err: BaseException) -> str | None:
 
     Third-party error types are recognised by name, so this module imports none of them:
     SQLAlchemy's, the database drivers' and sqlite3's errors (Optuna's RDB storage, PostgreSQL
-    included), Optuna's ``StorageInternalError``,
-    and safetensors' I/O errors (it reports a full disk as ``SafetensorError: ... IoError``).
+    included), Optuna's ``StorageInternalError``, torch's ``OutOfMemoryError`` (and Python's
+    ``MemoryError``), and safetensors' I/O errors (it reports a full disk as ``SafetensorError: ... IoError``).
     """
     chain = _chain(err)
     for e in chain:  # the most specific first: an OS error names the path
@@ -85,6 +85,13 @@ def environment_error(err: BaseException) -> str | None:
             return "no space left on the device holding the study's database: free some space"
         return (f"the study storage failed ({type(inner).__name__}: {first}): check that its database file or server "
                 "is reachable, readable and has space")
+    for e in chain:  # torch.OutOfMemoryError (a GPU's) or Python's MemoryError (the host's)
+        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            first = first.split(". GPU ")[0][:160] or type(e).__name__  # torch's line goes on about the allocator
+            return (f"out of memory ({first}): the context or batch does not fit this machine: use a shorter "
+                    "context (--ppl-seq-len, --eval-seq-len, --score-seq-len, --context), fewer rows a batch, or a "
+                    "device with more memory; nothing half-written was kept")
     for e in chain:
         if type(e).__name__ == "SafetensorError" and "IoError" in str(e):
             full = "StorageFull" in str(e) or "No space left" in str(e)

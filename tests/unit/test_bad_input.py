@@ -316,6 +316,29 @@ def test_environment_errors_are_one_line(monkeypatch, err, words):
     assert "Traceback" not in result.stderr
 
 
+class OutOfMemoryError(RuntimeError):
+    """Named as torch's (torch.OutOfMemoryError), which the boundary recognises by name."""
+
+
+@pytest.mark.parametrize("err", [
+    OutOfMemoryError("CUDA out of memory. Tried to allocate 55.93 GiB. GPU 0 has a total capacity of 79.18 GiB "
+                     "of which 5.81 GiB is free. Including non-PyTorch memory, this process has 73.36 GiB"),
+    MemoryError(),
+], ids=["gpu", "host"])
+def test_out_of_memory_is_one_line_naming_the_fix(monkeypatch, err):
+    """A context the machine cannot hold, found only mid-run (a GPU's allocator or the host's): one
+    line, exit 2, naming the options that shrink the work."""
+    import kvcalib.inspect
+
+    monkeypatch.setattr(kvcalib.inspect, "inspect_recipe", _raise(err))
+    result = CliRunner().invoke(app, ["inspect", "kivi-2"])
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "out of memory" in result.stderr and "--ppl-seq-len" in result.stderr
+    assert "Traceback" not in result.stderr and "Including non-PyTorch" not in result.stderr
+    if isinstance(err, OutOfMemoryError):
+        assert "Tried to allocate 55.93 GiB" in result.stderr
+
+
 def _raised_from(driver_error: BaseException) -> RuntimeError:
     """A wrapper raised from a database driver's error, as Optuna's storage raises one."""
     try:

@@ -78,6 +78,17 @@ log = logging.getLogger(__name__)
 PRUNE_MARGIN = 1.25
 DEFAULT_STUDY = "kvcalib-search"
 ATTR_SPACE = "space_fingerprint"
+ATTR_ACCOUNTING = "accounting"  # kvcalib.layout.ACCOUNTING of the trials' effective bits
+ATTR_WARM_DONE = "warm_start_done"  # study user attr: the warm start's points are enqueued
+ATTR_WORKER = "worker"  # trial user attr: "host:pid" of the worker that ran it
+DEFAULT_HEARTBEAT = 60  # seconds between a running trial's heartbeats
+GRACE_BEATS = 3  # a trial is stale after this many missed heartbeats (Optuna's default is 2)
+WARM_LOCK = ":warm-start"  # suffix of the study whose existence is the warm-start lock
+RECOVER_LOCK = ":recover"  # ... and of the one held while a joining worker re-enqueues failed trials
+OBJECTIVES = ("budget", "pareto")
+
+
+# ------------------------------------------------------------------ storage
 
 
 def _earlier_default_hint(space, num_layers: int, got: str | None) -> str:
@@ -92,17 +103,8 @@ def _earlier_default_hint(space, num_layers: int, got: str | None) -> str:
         return ""
     return ("It was made without rotate, the default space before 2026-11-26: to go on with it, pass --space "
             f"with {json.dumps({'layer_methods': list(earlier.layer_methods)})}. ")
-ATTR_ACCOUNTING = "accounting"  # kvcalib.layout.ACCOUNTING of the trials' effective bits
-ATTR_WARM_DONE = "warm_start_done"  # study user attr: the warm start's points are enqueued
-ATTR_WORKER = "worker"  # trial user attr: "host:pid" of the worker that ran it
-DEFAULT_HEARTBEAT = 60  # seconds between a running trial's heartbeats
-GRACE_BEATS = 3  # a trial is stale after this many missed heartbeats (Optuna's default is 2)
-WARM_LOCK = ":warm-start"  # suffix of the study whose existence is the warm-start lock
-RECOVER_LOCK = ":recover"  # ... and of the one held while a joining worker re-enqueues failed trials
-OBJECTIVES = ("budget", "pareto")
 
 
-# ------------------------------------------------------------------ storage
 def storage_url(storage: str | None, run_dir: Path) -> str:
     return storage if storage else f"sqlite:///{Path(run_dir).resolve() / 'study.db'}"
 

@@ -74,6 +74,10 @@ from kvcalib.runtime.tiers import PackedTiers
 _DECODE_MASKS: dict[tuple, torch.Tensor] = {}
 
 
+# batch x kv heads x packed tokens up to which a layer's decode launch is stable (stable_launch):
+# ~25 us of GPU work per call on an H100 (batch 8 / 4k or batch 1 / 32k, Mistral-7B shape), under
+# the host time of an eager layer step (40-60 us)
+STABLE_LAUNCH_MAX_WORK = 8 * 8 * 8192
 BUFFER_SLACK = 4096  # free full-precision slots the fixed window buffer may hold beyond 3x its tokens
 
 
@@ -141,6 +145,13 @@ class CompressedLayer(CacheLayerMixin):
         self.graph_refused: str | None = None
         self.graph_warm = False  # ran a static step (its kernels are compiled): capture without one
         self.graph_retried = False  # a capture of it failed once
+        # static mode of a stable-launch layer (:attr:`stable_launch`): pend_start on the device (1,)
+        # int64, the step's slot in the pending buffer (1,) int64 and its visibility mask (1, S + U)
+        # bool over the virtual positions (sinks, then the buffer's slots), both refreshed by the step
+        self.pend_start_dev: torch.Tensor | None = None
+        self.static_slot: torch.Tensor | None = None
+        self.static_mask: torch.Tensor | None = None
+        self._slot_rel: torch.Tensor | None = None  # (1, S + U) int64: virtual position - S
 
     # ------------------------------------------------------------------ Cache API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -306,7 +317,11 @@ class CompressedLayer(CacheLayerMixin):
                 row._update_static(key_states[i:i + 1], value_states[i:i + 1])
             setattr(key_states, LAYER_ATTR, self)
             return key_states, value_states
-        slot = self.static.position - self.pend_start  # (1,) int64 on the device
+        if self.pend_start_dev is not None:  # stable launch: pend_start read from the device too
+            slot = torch.sub(self.static.position, self.pend_start_dev, out=self.static_slot)  # (1,)
+            torch.le(self._slot_rel, slot, out=self.static_mask)  # sinks, then the slots up to this one
+        else:
+            slot = self.static.position - self.pend_start  # (1,) int64 on the device
         self.pend_buf_k.index_copy_(2, slot, key_states.to(self.pend_buf_k.dtype))
         self.pend_buf_v.index_copy_(2, slot, value_states.to(self.pend_buf_v.dtype))
         setattr(key_states, LAYER_ATTR, self)
@@ -492,6 +507,8 @@ class CompressedLayer(CacheLayerMixin):
         else:
             self._put_pending(self.pend_k[:, :, count:], self.pend_v[:, :, count:])
         self.pend_start += count
+        if self.pend_start_dev is not None:
+            self.pend_start_dev.fill_(self.pend_start)
 
     # ------------------------------------------------------------------ static mode
     @property
@@ -549,6 +566,12 @@ class CompressedLayer(CacheLayerMixin):
             self._put_pending(self.pend_k, self.pend_v, force_buffer=True)
         if self.is_sliding and self.rows is None:
             state.window_visible(self.sliding_window)  # its mask exists before any capture
+        if self.stable_launch:
+            dev, held = self.device, self.sink_k.shape[2]
+            self.pend_start_dev = torch.full((1,), self.pend_start, dtype=torch.long, device=dev)
+            self.static_slot = torch.zeros((1,), dtype=torch.long, device=dev)
+            self._slot_rel = torch.arange(held + self.static_capacity, device=dev)[None] - held  # (1, S + U)
+            self.static_mask = torch.zeros(self._slot_rel.shape, dtype=torch.bool, device=dev)  # (1, S + U)
         self.static = state
         self.awaiting_attention = False
 
@@ -560,6 +583,7 @@ class CompressedLayer(CacheLayerMixin):
             for row in self.rows:
                 row.make_dynamic()
         self.static = None
+        self.pend_start_dev = self.static_slot = self.static_mask = self._slot_rel = None
 
     def advance_static(self) -> None:
         """Host bookkeeping of one static step (its token is already in the buffer)."""
@@ -586,12 +610,49 @@ class CompressedLayer(CacheLayerMixin):
         return (self.pend_k.shape[-2] + ahead - self.cfg.window >= self.cfg.flush_block
                 or (self.uses_tiers and self.packed.move_due(self.n_seen + ahead)))
 
+    @property
+    def stable_launch(self) -> bool:
+        """Whether this layer's decode launch stays the same across flushes: a dense, global,
+        untiered layer without OTT pools, its pending window in the fixed buffer. Its kernel reads
+        the packed store's whole allocation with the live count on the device
+        (:meth:`~kvcalib.runtime.store.PackedStore.capacity_view`) and the window at a *virtual*
+        position: the sinks at ``[0, S)``, the buffer's slots at ``[S, S + U)``, visible up to the
+        step's token (:meth:`decode_visibility`; in static mode :attr:`static_mask`, computed on
+        the device from :attr:`pend_start_dev`). Positions only select what is visible there (a
+        global layer reads no mask over its packed tokens, no pool positions), so the virtual
+        layout computes what the absolute one did, and a CUDA graph of the step outlives a flush
+        (it changes the packed count and pend_start, both read from the device), until the store
+        is reallocated (:data:`~kvcalib.runtime.store.GROWTH`).
+
+        Only while the kernel's work is small (:data:`STABLE_LAUNCH_MAX_WORK`): reading the whole
+        allocation with a range costs 8-29% more GPU time per call (``benchmarks/stable_launch.py``,
+        H100), hidden behind the host time of an eager step when the call is short, not when the
+        GPU is the bound (batch 8 / 32k, Mistral-7B shape: 114 -> 132 us). The switch falls at a
+        flush (the packed count is all that changes), the same in dynamic and static mode."""
+        if not (self.rows is None and self.cfg.compressed and self.pend_buffered and not self.is_sliding
+                and not self.codec.tiered and not self.codec.pool_size):
+            return False
+        b, h = self.pend_buf_k.shape[:2]
+        return b * h * self.packed.n <= STABLE_LAUNCH_MAX_WORK
+
     def decode_visibility(self) -> tuple[torch.Tensor, bool]:
         """What a decode step's query (position ``n_seen - 1``) sees of this dense layer, in the
         layout the fixed pending buffer gives the kernel: (1, pend_start + static_capacity) bool
         over positions -- the values a static step's :class:`StaticState` holds -- and whether
         the packed tokens read it too (a sliding window's bound). A dense layer holds no padding,
-        so nothing else is hidden. Shared by the layers of one step (one small op per step)."""
+        so nothing else is hidden. Shared by the layers of one step (one small op per step).
+        A stable-launch layer (:attr:`stable_launch`): (1, S + static_capacity) over its virtual
+        positions, the first S + U true (U pending tokens, the step's included)."""
+        if self.stable_launch:
+            held, u = self.sink_k.shape[2], self.pend_k.shape[-2]
+            key = (self.device, "stable", held, self.static_capacity, u)
+            mask = _DECODE_MASKS.get(key)
+            if mask is None:
+                if len(_DECODE_MASKS) >= 64:
+                    _DECODE_MASKS.clear()
+                mask = torch.arange(held + self.static_capacity, device=self.device)[None] < held + u  # (1, S + U)
+                _DECODE_MASKS[key] = mask
+            return mask, False
         length = self.pend_start + self.static_capacity
         key = (self.device, length, self.n_seen - 1, self.sliding_window)
         mask = _DECODE_MASKS.get(key)

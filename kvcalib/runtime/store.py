@@ -19,30 +19,41 @@ from kvcalib.codec import PackedBlock
 from kvcalib.runtime.outlier_pool import mask_bytes_per_block, unpack_keep
 
 
-class GrowBuffer:
-    """A tensor that grows along dim 2 with capacity doubling (amortised O(1) appends)."""
+GROWTH = 0.125  # a packed store's allocation: this fraction of its live tokens beyond them
+MIN_SLACK_BLOCKS = 4  # ... and at least this many flush blocks
 
-    def __init__(self) -> None:
+
+class GrowBuffer:
+    """A tensor that grows along dim 2; its owner says how many entries a new allocation holds
+    (:meth:`PackedStore.append`: every part of a store to one token capacity)."""
+
+    def __init__(self, on_change=None) -> None:
         self.buf: torch.Tensor | None = None
         self.n = 0  # used entries along dim 2
         self.front = 0  # entries dropped from the front (sliding layers, tier moves)
+        self.on_change = on_change  # called when ``buf`` is reallocated or entries are dropped
 
-    def append(self, x: torch.Tensor) -> None:
-        """Append ``x`` (B, H, N, ...) along dim 2."""
+    def append(self, x: torch.Tensor, capacity: int = 0) -> None:
+        """Append ``x`` (B, H, N, ...) along dim 2; a new allocation holds at least ``capacity``
+        entries (and at least twice the live ones without a capacity)."""
         need = self.n + x.shape[2]
         if self.buf is None or need > self.buf.shape[2]:
             live = self.n - self.front
-            cap = max(live + x.shape[2], 2 * live, 16)
+            cap = max(live + x.shape[2], capacity or max(2 * live, 16))
             new = x.new_empty((*x.shape[:2], cap, *x.shape[3:]))
             if live:
                 new[:, :, :live] = self.buf[:, :, self.front:self.n]
             self.n, self.front, self.buf = live, 0, new
             need = live + x.shape[2]
+            if self.on_change is not None:
+                self.on_change()
         self.buf[:, :, self.n:need] = x
         self.n = need
 
     def drop_front(self, count: int) -> None:
         self.front = min(self.n, self.front + count)
+        if self.on_change is not None:
+            self.on_change()
 
     def view(self) -> torch.Tensor | None:
         """(B, H, n - front, ...) live entries (a view, no copy)."""
@@ -86,6 +97,12 @@ class PackedStore:
     """Flushed tokens of one layer at one bit width per side, K and V, in growable buffers.
 
     ``k_bits``/``v_bits`` default to the layer config's (a tier store passes its tier's bits).
+
+    Every part is allocated for one token capacity (:data:`GROWTH` beyond the live tokens, in
+    whole flush blocks), so a decode kernel can read the whole allocation
+    (:meth:`capacity_view`) with the live range on the device (:meth:`device_range`): then its
+    launch does not change when a flush appends tokens, only when the store is reallocated -- a
+    CUDA graph of a decode step outlives the flush (:mod:`kvcalib.runtime.layer_graphs`).
     """
 
     def __init__(self, cfg: LayerConfig, k_bits: int | None = None, v_bits: int | None = None) -> None:
@@ -93,12 +110,16 @@ class PackedStore:
         self.bits = {"k": cfg.k_bits if k_bits is None else k_bits, "v": cfg.v_bits if v_bits is None else v_bits}
         self.start = 0  # absolute position of the first live packed token
         self.n = 0  # live packed tokens
-        self.parts = {name: GrowBuffer() for name in
+        self.generation = 0  # bumped when a part is reallocated or drops tokens (capacity_view)
+        self.parts = {name: GrowBuffer(self._changed) for name in
                       ("k_codes", "k_scale", "k_zero", "k_raw", "v_codes", "v_scale", "v_zero", "v_raw",
                        "k_mean", "v_mean", "k_mean_codes", "k_mean_scale", "k_mean_zero",
                        "v_mean_codes", "v_mean_scale", "v_mean_zero", "keep")}
         self._view: PackedView | None = None  # view() of the current contents (decode steps reuse it)
         self.kernel_part: tuple | None = None  # the Triton path's arguments built from that view
+        self._capacity_view: tuple | None = None  # (generation, capacity_view()) until a reallocation
+        self._range: tuple[torch.Tensor, torch.Tensor] | None = None  # device_range(): lo, hi int32 (B,)
+        self._range_n = -1  # the live count ``_range`` holds (-1: not written yet)
 
     def append(self, start: int, k: PackedBlock, v: PackedBlock, n: int, keep: torch.Tensor | None = None) -> None:
         """Append ``n`` tokens at absolute ``start`` (right after the live ones); ``keep`` = their
@@ -106,22 +127,44 @@ class PackedStore:
         self._view = None
         if self.n == 0:
             self.start = start
+        tokens = self.capacity_for(self.n + n)  # what a part reallocated now holds, in tokens
+
+        def put(name: str, x: torch.Tensor, rows: int) -> None:
+            self.parts[name].append(x, rows)
+
         for side, blk in (("k", k), ("v", v)):
             if blk.quantized is not None:
-                self.parts[f"{side}_codes"].append(blk.quantized.codes)
-                self.parts[f"{side}_scale"].append(blk.quantized.scale)
-                self.parts[f"{side}_zero"].append(blk.quantized.zero)
+                put(f"{side}_codes", blk.quantized.codes, tokens)
+                put(f"{side}_scale", blk.quantized.scale, self._scale_rows(side, tokens))
+                put(f"{side}_zero", blk.quantized.zero, self._scale_rows(side, tokens))
             else:
-                self.parts[f"{side}_raw"].append(blk.raw)
+                put(f"{side}_raw", blk.raw, tokens)
             if blk.mean is not None:
-                self.parts[f"{side}_mean"].append(blk.mean)
+                put(f"{side}_mean", blk.mean, tokens)
             if blk.mean_q is not None:
-                self.parts[f"{side}_mean_codes"].append(blk.mean_q.codes)
-                self.parts[f"{side}_mean_scale"].append(blk.mean_q.scale)
-                self.parts[f"{side}_mean_zero"].append(blk.mean_q.zero)
+                put(f"{side}_mean_codes", blk.mean_q.codes, tokens)
+                put(f"{side}_mean_scale", blk.mean_q.scale, tokens)
+                put(f"{side}_mean_zero", blk.mean_q.zero, tokens)
         if keep is not None:
-            self.parts["keep"].append(keep)
+            put("keep", keep, self._keep_rows(tokens))
         self.n += n
+        if self._range is None and self.parts["k_codes"].buf is not None:
+            # made here, eagerly, never first inside a CUDA-graph capture (a launch's part is
+            # built there): a capture records a fill instead of running it, and every replay would
+            # write the count of the capture back
+            kc = self.parts["k_codes"].buf
+            self._range = (torch.zeros(kc.shape[0], dtype=torch.int32, device=kc.device),
+                           torch.zeros(kc.shape[0], dtype=torch.int32, device=kc.device))
+        self._write_range()
+
+    def capacity_for(self, live: int) -> int:
+        """Tokens a new allocation holds for ``live`` tokens: :data:`GROWTH` more (at least
+        :data:`MIN_SLACK_BLOCKS` flush blocks), in whole flush blocks. Not doubling: a kernel
+        reading the whole allocation plans its split over it, and a graph lives until the next
+        reallocation (one per ~1/8 of the context: 4k tokens at 32k)."""
+        block = self.cfg.flush_block
+        want = live + max(int(live * GROWTH), MIN_SLACK_BLOCKS * block)
+        return -(-want // block) * block
 
     def _scale_rows(self, side: str, tokens: int) -> int:
         """Rows of the scale tensor along dim 2 for ``tokens`` tokens."""
@@ -147,6 +190,62 @@ class PackedStore:
         self.parts["keep"].drop_front(self._keep_rows(tokens))
         self.start += tokens
         self.n -= tokens
+        self._write_range()
+
+    # ------------------------------------------------------------------ whole-allocation reads
+    def capacity_view(self) -> PackedView | None:
+        """Views of the whole allocation, tokens ``[0, capacity)`` from ``start`` (``n`` = the
+        capacity; the live ones are :meth:`device_range`'s). The same object until the store is
+        reallocated. None when it cannot be read so: nothing stored, tokens dropped from the
+        front (sliding layers, tier moves), a 16-bit side, or parts of unequal capacity."""
+        cached = self._capacity_view
+        if cached is not None and cached[0] == self.generation:
+            return cached[1]
+        self._capacity_view = (self.generation, None)
+        kc, vc = self.parts["k_codes"].buf, self.parts["v_codes"].buf
+        if kc is None or vc is None or any(p.front for p in self.parts.values()):
+            return None
+        cap = kc.shape[2]
+        rows = {"k_scale": self._scale_rows("k", cap), "k_zero": self._scale_rows("k", cap),
+                "v_scale": self._scale_rows("v", cap), "v_zero": self._scale_rows("v", cap),
+                "keep": self._keep_rows(cap)}
+        whole = {}
+        for name, part in self.parts.items():
+            if part.buf is None:
+                whole[name] = None
+                continue
+            if part.buf.shape[2] != rows.get(name, cap):
+                return None  # allocated before the store's capacity rule (a restored cache): exact views
+            whole[name] = part.buf
+        p = {k: whole[k] for k in ("k_codes", "k_scale", "k_zero", "k_raw", "v_codes", "v_scale", "v_zero", "v_raw")}
+        for side in ("k", "v"):
+            mean = whole[f"{side}_mean"]
+            if mean is None and whole[f"{side}_mean_codes"] is not None:
+                mean = tuple(whole[f"{side}_mean_{n}"] for n in ("codes", "scale", "zero"))
+            p[f"{side}_mean"] = mean
+        view = PackedView(self.cfg, self.start, cap, **p, keep=whole["keep"])
+        self._capacity_view = (self.generation, view)
+        return view
+
+    def _changed(self) -> None:
+        self.generation += 1
+
+    def device_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lo, hi) int32 (B,) on the store's device: the live tokens ``[0, n)`` of
+        :meth:`capacity_view`, rewritten in place by every append or drop (a captured launch
+        reads the new count)."""
+        if self._range is None:  # a store filled without append (a restored cache): made now
+            kc = self.parts["k_codes"].buf
+            self._range = (torch.zeros(kc.shape[0], dtype=torch.int32, device=kc.device),
+                           torch.zeros(kc.shape[0], dtype=torch.int32, device=kc.device))
+        if self._range_n != self.n:  # also after code that set ``n`` directly (a restored cache)
+            self._write_range()
+        return self._range
+
+    def _write_range(self) -> None:
+        if self._range is not None and self._range_n != self.n:
+            self._range[1].fill_(self.n)
+            self._range_n = self.n
 
     def view(self) -> PackedView:
         """Views of the live contents; the same object until the next append or drop (a decode

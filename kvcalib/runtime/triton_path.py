@@ -153,6 +153,8 @@ def static_decode_attention(query: torch.Tensor, layer, scaling: float,
     pending = (layer.pend_buf_k, layer.pend_buf_v)  # (B, H, window + block, D) x 2
     if layer.is_sliding:  # its own device mask (the window's lower bound), read for every segment
         out = _launch_layer(query, layer, pending, state.window_visible(layer.sliding_window), True, scaling, softcap)
+    elif layer.static_mask is not None:  # stable launch: its own mask over its virtual positions (cache.py)
+        out = _launch_layer(query, layer, pending, layer.static_mask, False, scaling, softcap)
     else:  # a static layer holds no padding: the mask only hides the buffer's empty slots
         out = _launch_layer(query, layer, pending, state.visible, False, scaling, softcap)
     if out is None:
@@ -168,18 +170,20 @@ def _launch_layer(query, layer, pending, mask, mask_packed, scaling, softcap) ->
 
     cfg = layer.cfg
     codec = layer.codec
+    # a stable-launch layer's window sits at its virtual position, right after the sinks (cache.py)
+    stable = layer.stable_launch and pending[0] is layer.pend_buf_k
     segments, positions = [], []
     if layer.sink_k.shape[2] and not layer.sinks_dropped:
         segments.append((layer.sink_k, layer.sink_v))  # (B, H, S, D)
         positions.append(0)
     if pending[0].shape[2]:
         segments.append(pending)  # (B, H, U, D)
-        positions.append(layer.pend_start)
+        positions.append(layer.sink_k.shape[2] if stable else layer.pend_start)
     pool = layer.outliers.segment(segments[0][0].dtype if segments else query.dtype)  # or None
     stores = [store for store in layer.packed.stores if store.n] or layer.packed.stores[:1]  # oldest tier last
     parts = []
     for i, store in enumerate(stores):
-        base = _store_part(store, cfg, codec, query.device)
+        base = _store_part(store, cfg, codec, query.device, stable)
         if base is None:
             return None  # a 16-bit side stored raw: not this kernel's layout
         first = i == 0  # the full-precision parts join the first part only
@@ -191,13 +195,20 @@ def _launch_layer(query, layer, pending, mask, mask_packed, scaling, softcap) ->
     return decode_attention_parts(query[:, :, 0, :], parts, out_dtype=query.dtype)[:, None]
 
 
-def _store_part(store, cfg, codec, device) -> dict | None:
+def _store_part(store, cfg, codec, device, whole: bool = False) -> dict | None:
     """The kernel arguments of one packed store that change only when it does (a flush): its
     tensors, bits, layout, permutations, means and OTT masks; None when a side is stored raw.
-    Kept on the store beside the view they come from, so a decode step rebuilds nothing."""
-    view = store.view()  # the same object until the store changes
+    Kept on the store beside the view they come from, so a decode step rebuilds nothing.
+    ``whole``: read the store's whole allocation, the live range on the device (a stable-launch
+    layer: then the arguments change only when the store is reallocated)."""
+    view = store.capacity_view() if whole else None
+    whole = view is not None
+    if not whole:
+        view = store.view()  # the same object until the store changes
     cached = store.kernel_part
     if cached is not None and cached[0] is view and cached[1] == device:
+        if whole and view.n:
+            store.device_range()  # the live count as the host has it (also after a restore set ``n``)
         return cached[2]
     packed = dict(k_codes=view.k_codes, k_scale=view.k_scale, k_zero=view.k_zero, v_codes=view.v_codes,
                   v_scale=view.v_scale, v_zero=view.v_zero)
@@ -209,6 +220,8 @@ def _store_part(store, cfg, codec, device) -> dict | None:
                 v_group=cfg.v_group, k_axis=cfg.k_axis, packed_position=view.start, keep=view.keep,
                 keep_block=cfg.flush_block, k_perm=None, v_perm=None,
                 k_mean=view.k_mean, v_mean=view.v_mean)
+    if whole and packed:  # the whole allocation: its live tokens [0, n) on the device
+        part["packed_start"], part["packed_end"] = store.device_range()
     for side in ("k", "v"):  # the method states' kernel arguments (SKVQ permutations...)
         part.update(codec.kernel_attend(side, device) or {})  # means of an empty store are ignored
     store.kernel_part = (view, device, part)

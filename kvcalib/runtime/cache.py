@@ -299,10 +299,11 @@ class CompressedLayer(CacheLayerMixin):
         row.sink_k, row.sink_v = self.sink_k[one].clone(), self.sink_v[one].clone()
         row._put_pending(self.pend_k[one].clone(), self.pend_v[one].clone())
         for src, dst in zip(self.packed.stores, row.packed.stores):
+            tokens = dst.capacity_for(src.n)  # the store's capacity rule: the row can launch stably
             for name, buf in src.parts.items():
                 view = buf.view()
                 if view is not None:
-                    dst.parts[name].append(view[one].clone())
+                    dst.parts[name].append(view[one].clone(), dst.part_rows(name, tokens))
             dst.start, dst.n = src.start, src.n
         row.outliers.copy_row(self.outliers, i)
 

@@ -129,24 +129,24 @@ class PackedStore:
             self.start = start
         tokens = self.capacity_for(self.n + n)  # what a part reallocated now holds, in tokens
 
-        def put(name: str, x: torch.Tensor, rows: int) -> None:
-            self.parts[name].append(x, rows)
+        def put(name: str, x: torch.Tensor) -> None:
+            self.parts[name].append(x, self.part_rows(name, tokens))
 
         for side, blk in (("k", k), ("v", v)):
             if blk.quantized is not None:
-                put(f"{side}_codes", blk.quantized.codes, tokens)
-                put(f"{side}_scale", blk.quantized.scale, self._scale_rows(side, tokens))
-                put(f"{side}_zero", blk.quantized.zero, self._scale_rows(side, tokens))
+                put(f"{side}_codes", blk.quantized.codes)
+                put(f"{side}_scale", blk.quantized.scale)
+                put(f"{side}_zero", blk.quantized.zero)
             else:
-                put(f"{side}_raw", blk.raw, tokens)
+                put(f"{side}_raw", blk.raw)
             if blk.mean is not None:
-                put(f"{side}_mean", blk.mean, tokens)
+                put(f"{side}_mean", blk.mean)
             if blk.mean_q is not None:
-                put(f"{side}_mean_codes", blk.mean_q.codes, tokens)
-                put(f"{side}_mean_scale", blk.mean_q.scale, tokens)
-                put(f"{side}_mean_zero", blk.mean_q.zero, tokens)
+                put(f"{side}_mean_codes", blk.mean_q.codes)
+                put(f"{side}_mean_scale", blk.mean_q.scale)
+                put(f"{side}_mean_zero", blk.mean_q.zero)
         if keep is not None:
-            put("keep", keep, self._keep_rows(tokens))
+            put("keep", keep)
         self.n += n
         if self._range is None and self.parts["k_codes"].buf is not None:
             # made here, eagerly, never first inside a CUDA-graph capture (a launch's part is
@@ -156,6 +156,15 @@ class PackedStore:
             self._range = (torch.zeros(kc.shape[0], dtype=torch.int32, device=kc.device),
                            torch.zeros(kc.shape[0], dtype=torch.int32, device=kc.device))
         self._write_range()
+
+    def part_rows(self, name: str, tokens: int) -> int:
+        """Rows along dim 2 of part ``name`` for ``tokens`` tokens (scales of per-channel keys:
+        one per key group; OTT masks: bytes per flush block; the rest: one per token)."""
+        if name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+            return self._scale_rows(name[0], tokens)
+        if name == "keep":
+            return self._keep_rows(tokens)
+        return tokens
 
     def capacity_for(self, live: int) -> int:
         """Tokens a new allocation holds for ``live`` tokens: :data:`GROWTH` more (at least
@@ -206,15 +215,12 @@ class PackedStore:
         if kc is None or vc is None or any(p.front for p in self.parts.values()):
             return None
         cap = kc.shape[2]
-        rows = {"k_scale": self._scale_rows("k", cap), "k_zero": self._scale_rows("k", cap),
-                "v_scale": self._scale_rows("v", cap), "v_zero": self._scale_rows("v", cap),
-                "keep": self._keep_rows(cap)}
         whole = {}
         for name, part in self.parts.items():
             if part.buf is None:
                 whole[name] = None
                 continue
-            if part.buf.shape[2] != rows.get(name, cap):
+            if part.buf.shape[2] != self.part_rows(name, cap):
                 return None  # allocated before the store's capacity rule (a restored cache): exact views
             whole[name] = part.buf
         p = {k: whole[k] for k in ("k_codes", "k_scale", "k_zero", "k_raw", "v_codes", "v_scale", "v_zero", "v_raw")}

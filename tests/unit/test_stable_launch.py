@@ -119,3 +119,22 @@ def test_a_static_layer_keeps_its_period_across_flushes_that_fit():
     assert flushes == 3 and store.n == 192 + 3 * CFG.flush_block
     assert graphs._period(static, query) == period  # one graph would have served all of it
     assert torch.equal(store.view().k_codes, twin.packed.stores[0].view().k_codes)
+
+
+def test_rows_split_from_a_dense_layer_keep_the_capacity_rule():
+    """A dense layer that meets padding after holding tokens (a chat's next turn, padded) copies
+    its rows into one layer each: their stores follow the capacity rule, so they launch stably."""
+    layer = CompressedLayer(CFG)
+    _dynamic(layer, 120, 0)
+    held = layer.packed.n  # packed when the rows are split off
+    k, v = _tokens(4, 9)
+    layer.update(k, v)
+    layer.commit(torch.tensor([[True] * 4, [True, True, False, False]]))  # row 1 right-padded: ragged now
+    layer.flush()
+    assert layer.rows is not None and layer.n_packed > 0
+    for row in layer.rows:
+        store = row.packed.stores[0]
+        whole = store.capacity_view()
+        assert whole is not None and whole.n == store.capacity_for(held) and store.n > held
+        assert row.stable_launch and not layer.stable_launch
+        assert torch.equal(whole.k_codes[:, :, :store.n], store.view().k_codes)

@@ -43,7 +43,10 @@ layouts :func:`kvcalib_kernels.decode_attention.supports` refuses.
 Segments passed to the kernel, by absolute position: sinks ``[0, S)`` (unless dropped), packed
 tokens ``[view.start, view.start + n)``, pending full-precision tokens ``[pend_start, n_seen)``,
 the outlier pools at their positions. Nothing is copied: the packed parts are views of the
-layer's growable buffers, the pools the layer's joined pool tensors.
+layer's growable buffers, the pools the layer's joined pool tensors. A stable-launch layer
+(:attr:`~kvcalib.runtime.cache.CompressedLayer.stable_launch`) passes its packed store's whole
+allocation with the live range on the device, and its window buffer at the virtual position ``S``
+under its own mask, so its launch does not change at a flush.
 
 Importing this module imports triton (through kvcalib_kernels.decode_attention) on first use
 of :func:`triton_decode_attention` only.

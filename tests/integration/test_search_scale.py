@@ -10,6 +10,7 @@ The PostgreSQL tests skip, saying why, where the server binaries or the driver a
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from tests.conftest import corpus_lines, tiny_loaded_model
 
 SPACE = {"bits": [2, 4, 8], "groups": [8], "windows": [8, 16], "sinks": [0, 2], "layer_methods": ["clip"]}
 BUDGET = "7.5"  # the tiny model's floor at context 256 is ~6.3 bits (window and scales weigh much)
+FRESH = 0.5  # seconds: how recently the trial a kill is aimed at must have started (its KL still ahead)
 # every Python process of a test (the command, and the workers it spawns) imports this first: each
 # trial's KL takes KVTEST_TRIAL_SLEEP seconds longer, so workers overlap and a kill lands mid-trial
 SLOW = ("import os, time\n"
@@ -143,11 +145,17 @@ def test_worker_killed_mid_trial_is_retried_by_the_other(pg, inputs, tmp_path):
     me = f"{socket.gethostname()}:{a.pid}"
 
     def running_in_a():
+        # a trial of a's that started under FRESH seconds ago: its KL (KVTEST_TRIAL_SLEEP = 1 s
+        # longer) is still ahead, so the kill below lands mid-trial (a trial seen near its end
+        # once completed between this look and the kill: CI, 2026-11-26)
         study = load(pg.url, "kill", missing_ok=True)
+        now = datetime.datetime.now()  # optuna stamps trials with the local naive time too
         return study and next((t for t in study.get_trials(deepcopy=False)
-                     if t.state.name == "RUNNING" and t.user_attrs.get("worker") == me and len(finished(study)) >= 2), None)
+                               if t.state.name == "RUNNING" and t.user_attrs.get("worker") == me
+                               and (now - t.datetime_start).total_seconds() < FRESH
+                               and len(finished(study)) >= 2), None)
 
-    victim = postgres.wait_for(running_in_a, 300, what="worker a to run a trial")
+    victim = postgres.wait_for(running_in_a, 300, poll=0.05, what="worker a to start a trial")
     before = {t.number: t.values for t in finished(load(pg.url, "kill"))}
     os.kill(a.pid, signal.SIGKILL)
     assert a.wait(timeout=30) == -signal.SIGKILL

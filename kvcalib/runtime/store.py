@@ -152,9 +152,7 @@ class PackedStore:
             # made here, eagerly, never first inside a CUDA-graph capture (a launch's part is
             # built there): a capture records a fill instead of running it, and every replay would
             # write the count of the capture back
-            kc = self.parts["k_codes"].buf
-            self._range = (torch.zeros(kc.shape[0], dtype=torch.int32, device=kc.device),
-                           torch.zeros(kc.shape[0], dtype=torch.int32, device=kc.device))
+            self._make_range()
         self._write_range()
 
     def part_rows(self, name: str, tokens: int) -> int:
@@ -241,12 +239,16 @@ class PackedStore:
         :meth:`capacity_view`, rewritten in place by every append or drop (a captured launch
         reads the new count)."""
         if self._range is None:  # a store filled without append (a restored cache): made now
-            kc = self.parts["k_codes"].buf
-            self._range = (torch.zeros(kc.shape[0], dtype=torch.int32, device=kc.device),
-                           torch.zeros(kc.shape[0], dtype=torch.int32, device=kc.device))
+            self._make_range()
         if self._range_n != self.n:  # also after code that set ``n`` directly (a restored cache)
             self._write_range()
         return self._range
+
+    def _make_range(self) -> None:
+        kc = self.parts["k_codes"].buf  # (B, H, capacity, PK)
+        self._range = (torch.zeros(kc.shape[0], dtype=torch.int32, device=kc.device),
+                       torch.zeros(kc.shape[0], dtype=torch.int32, device=kc.device))
+        self._range_n = -1
 
     def _write_range(self) -> None:
         if self._range is not None and self._range_n != self.n:

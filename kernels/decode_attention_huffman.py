@@ -83,8 +83,8 @@ import triton.language as tl
 from kvcalib.quant.huffman import Codebook, EncodedBlocks
 from kvcalib_kernels.decode.combine import _combine
 from kvcalib_kernels.decode.common import (LOG2E, _check_fp, _column, _dot, _dummy, _fp_chunk, _fp_segment_args,
-                                           _interpreting, _packed_range, _pow2_divisor, _softcap, _tl_dtype,
-                                           _visibility)
+                                           _interpreting, _packed_range, _pow2_divisor, _softcap, _split_range,
+                                           _tl_dtype, _visibility)
 from kvcalib_kernels.decode.splits import SplitRule, _work_split
 from kvcalib_kernels.huffman_decode import (MAX_INDEX_BITS, DecodeTable, _check_block_tensors, _check_device,
                                             _dec_chunk, _dec_start, choose_step, decode_table,
@@ -231,14 +231,7 @@ def _huffman_split_kernel(
         # ------------------------------------------------ packed split
         offs_c = tl.arange(0, CW)  # channels of a chunk, relative to its first channel
         offs_z = tl.arange(0, ZP)
-        lo = 0
-        hi = N
-        if HAS_RANGE:
-            lo = tl.load(P_LO + b)
-            hi = tl.load(P_HI + b)
-        s0 = pid_s * split_size
-        start = tl.maximum(s0, (lo // BLOCK_N) * BLOCK_N)  # skip whole blocks of left padding
-        end = tl.minimum(s0 + split_size, hi)
+        lo, hi, start, end = _split_range(P_LO, P_HI, b, N, pid_s, 1, split_size, BLOCK_N, HAS_RANGE, False)
         stream0 = pid_bh.to(tl.int64) * N  # stream of token 0 of this (b, h)
         ks_base = KS + b.to(tl.int64) * stride_ksb + h.to(tl.int64) * stride_ksh
         kz_base = KZ + b.to(tl.int64) * stride_ksb + h.to(tl.int64) * stride_ksh

@@ -36,6 +36,8 @@ Arithmetic (what keeps the per-code work small):
   float16 with float32 accumulation.
 - one warp per program and 4-row query tiles, parallelism from many split programs; where every
   packed block of a call is whole and visible (``WHOLE``) the loop runs without bounds masks.
+- with a packed range on the device (``HAS_RANGE``) the splits share each row's live blocks
+  evenly (:func:`.common._split_range`), whatever count the launcher planned for.
 
 Rotated packed sides (:mod:`.rotation`): keys stored rotated score with ``QP``, the query
 rotated like them by :func:`.rotation.rotate_query`'s launch before this one (the
@@ -51,7 +53,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvcalib_kernels.decode.common import _column, _dot, _fp_chunk, _softcap
+from kvcalib_kernels.decode.common import _column, _dot, _fp_chunk, _softcap, _split_range
 from kvcalib_kernels.decode.unpack import _code_planes, _codes, _perm4, _unit_planes
 
 @triton.jit
@@ -494,14 +496,8 @@ def _decode_split_kernel(
         # (V_SUM_DOTS) of a folded layout
         V_PLANE_LANES: tl.constexpr = V_FOLD & V_SUM_DOTS & V_LANES & (V_NCH == 1)
         V_ZACC: tl.constexpr = (V_NCH > 1) | V_PLANE_LANES
-        lo = 0
-        hi = N
-        if HAS_RANGE:
-            lo = tl.load(P_LO + b)
-            hi = tl.load(P_HI + b)
-        s0 = pid_s * split_size
-        start = tl.maximum(s0, (lo // BLOCK_N) * BLOCK_N)  # skip whole blocks of left padding
-        end = tl.minimum(s0 + split_size, hi)
+        lo, hi, start, end = _split_range(P_LO, P_HI, b, N, pid_s, num_splits, split_size, BLOCK_N, HAS_RANGE,
+                                          HAS_RANGE)
         # query channel of each column of key plane s (stored channels [s*PK, (s+1)*PK)); with an
         # SKVQ permutation, stored channel j holds input channel perm[h, j]
         qc0, qc1, qc2, qc3 = _plane_channels(offs_pk, PK, PER_K, KP + h * D, K_PERM)

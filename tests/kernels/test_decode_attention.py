@@ -473,6 +473,18 @@ def test_per_batch_range_not_a_multiple_of_the_block():
     check(args, {**kw, "packed_start": start, "packed_end": end})
 
 
+def test_device_range_spreads_a_rows_blocks_over_the_planned_splits():
+    """A range on the device (a stable launch reads a store's whole allocation): each row's live
+    blocks are shared by all planned splits, more splits than a short row has blocks leave some
+    empty, and an end past the packed tokens is clamped in the kernel."""
+    args, kw = make_case(b=3, n=96, k_group=32, k_bits=2, v_bits=2)
+    start = torch.tensor([0, 20, 0], dtype=torch.int32, device=DEVICE)
+    end = torch.tensor([96, 40, 500], dtype=torch.int32, device=DEVICE)  # 96, 20 and (clamped) 96 tokens
+    for splits in (2, 5):
+        check(args, {**kw, "packed_start": start, "packed_end": end},
+              da.DecodeConfig(block_n=16, fp_block=16, num_splits=splits))
+
+
 def test_one_packed_token_per_token_keys():
     """k_axis='token' flushes single tokens: N = 1 packed token."""
     args, kw = make_case(n=1, k_axis="token", k_group=32, k_bits=4, v_bits=4, b=1)

@@ -171,6 +171,16 @@ class GraphDecoder:
         self._graph = graph
         self._retired = None
 
+    def _retire(self) -> None:
+        """End the period's graph. The last graph captured stays alive until the next capture (its
+        pool with it, see :meth:`_capture`), also across periods that captured nothing: rows of a
+        padded batch flush at different steps, and a flush right after a period's eager step once
+        dropped it, which freed the pool under ``self._pool`` (torch's assert ``use_count > 0`` at
+        the next capture, H100)."""
+        if self._graph is not None:
+            self._retired = self._graph
+        self._graph = None
+
     def _enter_period(self) -> None:
         """(Re)build the static state: after the prompt and after every flush."""
         if self.compressed:
@@ -250,7 +260,7 @@ class GraphDecoder:
                     res.logits.append(self.logits.clone())
                 if self.compressed and static and self.cache.flush_due():
                     self.cache.flush()  # the packed store changes: the next step starts a new period
-                    self._retired, self._graph = self._graph, None
+                    self._retire()
                 elif static and self._graph is None and self.capture and i + 1 < steps:
                     self._capture()
                     res.captures += 1
@@ -352,7 +362,7 @@ class _GenerateSteps(GraphDecoder):
         logits = self.logits.clone()[:, None]  # (B, 1, V): the buffer is rewritten by the next step
         if cache.flush_due():
             cache.flush()  # the packed store changes: the next step starts a new period
-            self._retired, self._graph = self._graph, None
+            self._retire()
         elif self._graph is None and self.capture:
             self._capture()
         # the output's cache field is `cache` on transformers 5.2x+ (`past_key_values` before)

@@ -66,6 +66,9 @@ class _Device:
     state: StaticState | None = None
     step_position: int = -1  # host copy of ``position`` (-1: not set for this state)
     pool: tuple | None = None  # the graphs' shared memory pool
+    # the last graph dropped since the last capture: torch refuses a capture into a pool no live
+    # graph uses (assert use_count > 0), so the pool's last graph lives until the next capture
+    retired: torch.cuda.CUDAGraph | None = None
     stream: torch.cuda.Stream | None = None  # capture stream
 
 
@@ -152,7 +155,7 @@ class LayerGraphs:
             dev.step_position = -1
             for other in list(self._owned):  # they read the old state's masks: move them over
                 if other.device == layer.device:
-                    other.graph_entry = None
+                    self._drop(other)
                     other.make_static(dev.state)
         layer.make_static(dev.state)
         layer.graph_owned = True
@@ -160,14 +163,21 @@ class LayerGraphs:
 
     def release(self, layer) -> None:
         """``layer`` back to dynamic mode (its graph dropped); its held tokens stay as they are."""
-        layer.graph_entry = None
+        self._drop(layer)
         if layer.graph_owned:
             layer.graph_owned = False
             self._owned.discard(layer)
             layer.make_dynamic()
         if not self._owned:
             for dev in self.devices.values():
-                dev.pool = None  # no graph holds it any more (torch refuses a pool no graph uses)
+                dev.pool = dev.retired = None  # no layer captures into it any more: a fresh pool next time
+
+    def _drop(self, layer) -> None:
+        """Drop ``layer``'s graph, kept as the device's retired graph until the next capture."""
+        entry = layer.graph_entry
+        if entry is not None and layer.device in self.devices:
+            self.devices[layer.device].retired = entry.graph
+        layer.graph_entry = None
 
     def release_all(self) -> None:
         for layer in list(self._owned):
@@ -183,7 +193,8 @@ class LayerGraphs:
         entry = layer.graph_entry
         stable = layer.static_mask is not None  # its graph outlives flushes (cache.py: stable_launch)
         if entry is not None and entry.period != self._period(layer, query):
-            entry = layer.graph_entry = None  # a new period (or the store was reallocated)
+            self._drop(layer)  # a new period (or the store was reallocated)
+            entry = None
         inputs_set = False  # whether the graph's input buffers hold this step's q/k/v already
         if entry is None and layer.graph_warm and self.capturing:
             # a layer that ran a static step before has its kernels compiled: capture this
@@ -209,7 +220,7 @@ class LayerGraphs:
             from kvcalib.runtime.triton_path import static_decode_attention
 
             t0 = time.perf_counter()
-            layer.graph_entry = None
+            self._drop(layer)
             self.eager_steps += 1
             layer._update_static(key, value)
             out = static_decode_attention(query, layer, scaling, softcap)
@@ -278,7 +289,7 @@ class LayerGraphs:
             # a failed capture can leave the allocator recording into its pool on its stream
             # ("already recording to mempool_id" at the next capture): the next capture takes a
             # new pool and a new stream
-            dev.pool, dev.stream = None, None
+            dev.pool, dev.stream, dev.retired = None, None, None
             if layer.graph_retried:  # failed again after an eager step compiled everything: give up
                 self.mode = "eager"
                 warnings.warn(f"kvcalib: capturing layer {layer.layer_idx}'s attention in a CUDA graph failed "
@@ -292,6 +303,7 @@ class LayerGraphs:
                 gc.enable()
         main.wait_stream(stream)
         dev.pool = graph.pool()
+        dev.retired = None  # the new graph holds the pool now
         self.captures += 1
         layer.graph_entry = _Captured(graph, (q_in, k_in, v_in), out, self._period(layer, query))
         self.seconds["capture"] += time.perf_counter() - t0

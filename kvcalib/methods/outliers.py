@@ -23,6 +23,12 @@ The rule, run at every flush of a group of G tokens, per (batch row, kv head) in
    evict more tokens than the extra pool has room for (that flush is then quantized whole and
    the pools keep what they hold). After that, every later group is quantized whole.
 
+Models that normalize each head's keys (``k_norm``: Gemma 3, Qwen 3, OLMo 2) give every key the
+same norm (RoPE keeps it), so step 3 is a tie that float rounding decides: :func:`outlier_gain`
+measures ~0 there and the fit leaves the pool off. A pool forced onto such a layer still decodes
+correctly, but which tokens it holds depends on the last bits of the keys (on CUDA a padded
+batch's row and its prompt alone picked different tokens: tests/kernels/test_graph_padding.py).
+
 Consequence used by the decode-faithful simulation: a token chosen at its own flush stays in
 full precision forever (pool, then extra pool); a token not chosen is quantized forever. So the
 set of full-precision tokens is a per-token property, computed by :func:`trace_outliers`.

@@ -8,6 +8,11 @@ Gemma-3-1B shape (sliding-window layers). Writes ``e2e.json`` / ``e2e_pats.json`
 ``e2e_sliding.json``.
 
     python -m benchmarks.e2e --steps 140 --batches-bf16 8 --batches-packed 8 32 --out artifacts/bench
+
+``--rounds R``: eager steps of both caches in R interleaved rounds per context and batch
+(``e2e_rounds.json``), the comparison the host's drift allows:
+
+    python -m benchmarks.e2e --rounds 5 --steps 40 --contexts 4096 16384 32768 --batches-packed 1 8 --out OUT
 """
 
 from __future__ import annotations
@@ -30,8 +35,11 @@ def _fill_grow(gb, t: torch.Tensor, slack_rows: int) -> None:
     gb.buf, gb.n, gb.front = buf, rows, 0
 
 
-def fill_compressed(cache, b, t, dev, slack_tokens=1024):
+def fill_compressed(cache, b, t, dev, slack_tokens=None):
     """Fill every CompressedLayer as if a ``t``-token prompt had been prefilled and flushed.
+    ``slack_tokens``: room left past the packed tokens; None: the store's own capacity rule
+    (``PackedStore.capacity_for``, what a prefill's appends allocate), so a stable launch reads
+    as much as it would after a real prefill.
 
     Random bf16 K/V per layer; the oldest tokens (all but the window and the partial group)
     quantized and packed by the Triton kernel (bit-exact with the runtime's codec, layout from the
@@ -52,12 +60,14 @@ def fill_compressed(cache, b, t, dev, slack_tokens=1024):
         for store, lo, hi in tier_ranges(layer, first, n - first, t):  # one store per PATS tier (one when untiered)
             qk = quantize_pack_keys(k[:, :, lo:hi], store.bits["k"], cfg.k_group, validate=False)
             qv = quantize_pack_values(v[:, :, lo:hi], store.bits["v"], cfg.v_group, validate=False)
+            slack = store.capacity_for(hi - lo) - (hi - lo) if slack_tokens is None else slack_tokens
             for side, qt in (("k", qk), ("v", qv)):
-                _fill_grow(store.parts[f"{side}_codes"], qt.codes, slack_tokens)
-                rows_slack = slack_tokens // cfg.k_group if side == "k" else slack_tokens
+                _fill_grow(store.parts[f"{side}_codes"], qt.codes, slack)
+                rows_slack = store.part_rows(f"{side}_scale", hi - lo + slack) - qt.scale.shape[2]
                 _fill_grow(store.parts[f"{side}_scale"], qt.scale, rows_slack)
                 _fill_grow(store.parts[f"{side}_zero"], qt.zero, rows_slack)
             store.start, store.n = lo, hi - lo
+            store._changed()  # a new allocation, as an append's would be (the layer graphs' period)
         layer.pend_k = k[:, :, n:].clone()
         layer.pend_v = v[:, :, n:].clone()
         layer.pend_start = n
@@ -311,6 +321,70 @@ def main_e2e(args) -> None:
     _write_json(out / e2e_file, res)
 
 
+def main_rounds(args) -> None:
+    """Eager decode steps of bf16 ``DynamicCache`` and kvcalib's 2-bit cache in interleaved rounds
+    (bf16, kvcalib, bf16, ...) per context and batch, both caches alive for the whole row, so a
+    drift of the host's speed between minutes (up to 30% on the lent machines) hits both alike.
+    Rows: per round tokens/s of each, the medians and the median of the rounds' paired ratios;
+    ``e2e_rounds.json``."""
+    from transformers import DynamicCache
+
+    from kvcalib.layout import LayerConfig
+    from kvcalib.recipe import Recipe
+    from kvcalib.runtime.cache import CompressedCache
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    dims = dict(layers=2, hidden=1024, inter=2048, heads=8, kv_heads=2, head_dim=128, vocab=1000) if args.quick else {}
+    contexts = [4096] if args.quick else args.contexts
+    steps, rounds = args.steps, args.rounds
+    model = build_model(dev, **dims, max_pos=max(contexts) + steps * rounds + 64)
+    c = model.config
+    n_layers, kv_heads, d = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+    rec = Recipe(name="kivi2-g128-w128", default_layer=LayerConfig(k_bits=2, v_bits=2, k_group=128, v_group=128,
+                                                                   window=128))
+    res = {**device_info(), "model": "small smoke model" if args.quick else "random-weight Mistral-7B shape",
+           "recipe": rec.default_layer.to_dict(), "steps": steps, "rounds": rounds, "rows": [],
+           "command": " ".join(["python -m benchmarks.e2e", *sys.argv[1:]])}
+    for t in contexts:
+        for b in args.batches_packed:
+            torch.cuda.empty_cache()
+            bf16 = DynamicCache(config=c)
+            fill_dynamic(bf16, n_layers, b, kv_heads, t, d, dev)
+            packed = CompressedCache.from_recipe(model, rec)  # switches attention to kvcalib
+            for lay in packed.layers:
+                lay._e2e_shape = (kv_heads, d)
+            fill_compressed(packed, b, t, dev)
+            per = {"bf16": [], "kvcalib": []}
+            for r in range(rounds + 1):  # round 0 warms both (compilation, captures) and is not kept
+                for kind, cache, attn in (("bf16", bf16, "sdpa"), ("kvcalib", packed, "kvcalib")):
+                    model.set_attn_implementation(attn)  # (from_recipe registered "kvcalib")
+                    times = decode_steps(model, cache, b, steps, c.vocab_size, dev)
+                    if r:
+                        per[kind].append(b * len(times) / sum(times))
+            ratios = sorted(k / f for k, f in zip(per["kvcalib"], per["bf16"]))
+            row = {"context": t, "batch": b, "bf16_tokens_per_s": _median(per["bf16"]),
+                   "kvcalib_tokens_per_s": _median(per["kvcalib"]), "ratio_median": ratios[len(ratios) // 2],
+                   "ratio_min": ratios[0], "rounds_bf16": [round(x, 2) for x in per["bf16"]],
+                   "rounds_kvcalib": [round(x, 2) for x in per["kvcalib"]]}
+            res["rows"].append(row)
+            log(f"  ctx {t:6d} b={b}: bf16 {row['bf16_tokens_per_s']:.1f}, kvcalib {row['kvcalib_tokens_per_s']:.1f} "
+                f"tok/s, paired ratio median {row['ratio_median']:.2f}x (min {row['ratio_min']:.2f}x)")
+            _write_json(out / "e2e_rounds.json", res)
+            del bf16, packed
+    log("\n| context | batch | bf16 tok/s | kvcalib tok/s | ratio (median of rounds) | lowest round |")
+    log("|---:|---:|---:|---:|---:|---:|")
+    for row in res["rows"]:
+        log(f"| {row['context']} | {row['batch']} | {row['bf16_tokens_per_s']:.1f} | {row['kvcalib_tokens_per_s']:.1f} "
+            f"| {row['ratio_median']:.2f}x | {row['ratio_min']:.2f}x |")
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="artifacts/bench")
@@ -326,7 +400,12 @@ def main(argv=None) -> None:
                     help="CUDA-graph decoding of a PATS middle-heavy cache beside plain 2-bit (e2e_pats.json)")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false",
                     help="eager steps only (no CUDA-graph runs of either cache)")
-    main_e2e(ap.parse_args(argv))
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="> 0: eager steps only, bf16 and kvcalib in this many interleaved rounds per context "
+                         "(--contexts) and batch (--batches-packed); writes e2e_rounds.json")
+    ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384, 32768], help="with --rounds")
+    args = ap.parse_args(argv)
+    main_rounds(args) if args.rounds > 0 else main_e2e(args)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ Gemma-3-1B shape (sliding-window layers). Writes ``e2e.json`` / ``e2e_pats.json`
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -134,6 +135,32 @@ def _steps(model, cache, tok, steps, times):
     return times
 
 
+SMALL_DIMS = dict(layers=2, hidden=1024, inter=2048, heads=8, kv_heads=2, head_dim=128, vocab=1000)  # --quick
+
+
+def kivi2_recipe(head_dim: int = 128):
+    """The 2-bit recipe the e2e and host rows decode with: KIVI's layout, groups of 128 (value
+    groups at most one head), a 128-token window."""
+    from kvcalib.layout import LayerConfig
+    from kvcalib.recipe import Recipe
+
+    return Recipe(name="kivi2-g128-w128", default_layer=LayerConfig(
+        k_bits=2, v_bits=2, k_group=128, v_group=min(128, head_dim), window=128))
+
+
+def packed_cache(model, recipe, b: int, t: int, dev):
+    """A CompressedCache of ``recipe`` (switching ``model`` to kvcalib attention) filled as after a
+    ``t``-token prompt at batch ``b`` (:func:`fill_compressed`)."""
+    from kvcalib.runtime.cache import CompressedCache
+
+    c = model.config
+    cache = CompressedCache.from_recipe(model, recipe)
+    for lay in cache.layers:
+        lay._e2e_shape = (c.num_key_value_heads, c.head_dim)
+    fill_compressed(cache, b, t, dev)
+    return cache
+
+
 def random_model(cls, conf, dev):
     """``cls(conf)`` with seeded random bf16 weights made on ``dev``, SDPA attention, eval mode."""
     torch.manual_seed(0)
@@ -183,7 +210,7 @@ def main_e2e(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     small = args.quick
-    dims = dict(layers=2, hidden=1024, inter=2048, heads=8, kv_heads=2, head_dim=128, vocab=1000) if small else {}
+    dims = SMALL_DIMS if small else {}
     t = 4096 if small else args.context
     steps = args.steps
     if args.sliding:
@@ -201,8 +228,7 @@ def main_e2e(args) -> None:
                       "kv_heads": kv_heads, "head_dim": d, "vocab": c.vocab_size},
            "context": t, "steps": steps, "weights_bytes": weights, "gpu_memory_bytes": total_mem, "runs": [],
            "command": " ".join(["python -m benchmarks.e2e", *sys.argv[1:]])}
-    rec = Recipe(name="kivi2-g128-w128", default_layer=LayerConfig(k_bits=2, v_bits=2, k_group=128, v_group=128,
-                                                                   window=128))
+    rec = kivi2_recipe()
     res["recipe"] = rec.default_layer.to_dict()
     e2e_file = "e2e_pats.json" if args.pats else "e2e_sliding.json" if args.sliding else "e2e.json"
     if args.sliding:
@@ -269,10 +295,7 @@ def main_e2e(args) -> None:
         return cache, sum(x.numel() * x.element_size() for lay in cache.layers for x in (lay.keys, lay.values))
 
     def make_packed(b, recipe=rec):
-        cache = CompressedCache.from_recipe(model, recipe)  # switches attention to kvcalib
-        for lay in cache.layers:
-            lay._e2e_shape = (kv_heads, d)
-        fill_compressed(cache, b, t, dev)
+        cache = packed_cache(model, recipe, b, t, dev)
         return cache, sum(sum(lay.nbytes().values()) for lay in cache.layers)
 
     def eager(cache, b):
@@ -324,26 +347,22 @@ def main_e2e(args) -> None:
 def main_rounds(args) -> None:
     """Eager decode steps of bf16 ``DynamicCache`` and kvcalib's 2-bit cache in interleaved rounds
     (bf16, kvcalib, bf16, ...) per context and batch, both caches alive for the whole row, so a
-    drift of the host's speed between minutes (up to 30% on the lent machines) hits both alike.
+    drift of the host's speed between minutes (bf16's own rounds spanned up to 1.7x on the lent
+    H100) hits both alike.
     Rows: per round tokens/s of each, the medians and the median of the rounds' paired ratios;
     ``e2e_rounds.json``."""
     from transformers import DynamicCache
 
-    from kvcalib.layout import LayerConfig
-    from kvcalib.recipe import Recipe
-    from kvcalib.runtime.cache import CompressedCache
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
-    dims = dict(layers=2, hidden=1024, inter=2048, heads=8, kv_heads=2, head_dim=128, vocab=1000) if args.quick else {}
+    dims = SMALL_DIMS if args.quick else {}
     contexts = [4096] if args.quick else args.contexts
     steps, rounds = args.steps, args.rounds
     model = build_model(dev, **dims, max_pos=max(contexts) + steps * rounds + 64)
     c = model.config
     n_layers, kv_heads, d = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
-    rec = Recipe(name="kivi2-g128-w128", default_layer=LayerConfig(k_bits=2, v_bits=2, k_group=128, v_group=128,
-                                                                   window=128))
+    rec = kivi2_recipe()
     res = {**device_info(), "model": "small smoke model" if args.quick else "random-weight Mistral-7B shape",
            "recipe": rec.default_layer.to_dict(), "steps": steps, "rounds": rounds, "rows": [],
            "command": " ".join(["python -m benchmarks.e2e", *sys.argv[1:]])}
@@ -352,20 +371,17 @@ def main_rounds(args) -> None:
             torch.cuda.empty_cache()
             bf16 = DynamicCache(config=c)
             fill_dynamic(bf16, n_layers, b, kv_heads, t, d, dev)
-            packed = CompressedCache.from_recipe(model, rec)  # switches attention to kvcalib
-            for lay in packed.layers:
-                lay._e2e_shape = (kv_heads, d)
-            fill_compressed(packed, b, t, dev)
+            packed = packed_cache(model, rec, b, t, dev)  # (registers "kvcalib" attention)
             per = {"bf16": [], "kvcalib": []}
             for r in range(rounds + 1):  # round 0 warms both (compilation, captures) and is not kept
                 for kind, cache, attn in (("bf16", bf16, "sdpa"), ("kvcalib", packed, "kvcalib")):
-                    model.set_attn_implementation(attn)  # (from_recipe registered "kvcalib")
+                    model.set_attn_implementation(attn)
                     times = decode_steps(model, cache, b, steps, c.vocab_size, dev)
                     if r:
                         per[kind].append(b * len(times) / sum(times))
             ratios = sorted(k / f for k, f in zip(per["kvcalib"], per["bf16"]))
-            row = {"context": t, "batch": b, "bf16_tokens_per_s": _median(per["bf16"]),
-                   "kvcalib_tokens_per_s": _median(per["kvcalib"]), "ratio_median": ratios[len(ratios) // 2],
+            row = {"context": t, "batch": b, "bf16_tokens_per_s": statistics.median(per["bf16"]),
+                   "kvcalib_tokens_per_s": statistics.median(per["kvcalib"]), "ratio_median": ratios[len(ratios) // 2],
                    "ratio_min": ratios[0], "rounds_bf16": [round(x, 2) for x in per["bf16"]],
                    "rounds_kvcalib": [round(x, 2) for x in per["kvcalib"]]}
             res["rows"].append(row)
@@ -378,11 +394,6 @@ def main_rounds(args) -> None:
     for row in res["rows"]:
         log(f"| {row['context']} | {row['batch']} | {row['bf16_tokens_per_s']:.1f} | {row['kvcalib_tokens_per_s']:.1f} "
             f"| {row['ratio_median']:.2f}x | {row['ratio_min']:.2f}x |")
-
-
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
 
 
 def main(argv=None) -> None:

@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.common import (WINDOW, _write_json, bf16_variants, device_info, host_us, kernel_call, log,
                                packed_inputs)
-from benchmarks.e2e import build_model, decode_steps, fill_compressed, fill_dynamic
+from benchmarks.e2e import build_model, decode_steps, fill_dynamic, kivi2_recipe, packed_cache
 
 CALLS = 300  # calls per host-time measurement
 
@@ -209,15 +209,11 @@ def eager_steps(dev, contexts, steps: int, graphs: bool = True, done=lambda rows
     """Rows of tokens/s (module docstring); ``done(rows)`` after each (to write them)."""
     from transformers import DynamicCache
 
-    from kvcalib.layout import LayerConfig
-    from kvcalib.recipe import Recipe
-    from kvcalib.runtime.cache import CompressedCache
     from kvcalib.runtime.graphs import GraphDecoder
 
     rows = []
     for model_name, shp in SHAPES.items():
-        rec = Recipe(name="kivi2-g128-w128", default_layer=LayerConfig(
-            k_bits=2, v_bits=2, k_group=128, v_group=min(128, shp["head_dim"]), window=128))
+        rec = kivi2_recipe(shp["head_dim"])
         model = build_model(dev, **shp, max_pos=max(contexts) + steps + 64)
         n_layers, kv, d, vocab = shp["layers"], shp["kv_heads"], shp["head_dim"], shp["vocab"]
         for ctx in contexts:
@@ -234,11 +230,7 @@ def eager_steps(dev, contexts, steps: int, graphs: bool = True, done=lambda rows
             del cache
 
             def packed():
-                c = CompressedCache.from_recipe(model, rec)
-                for lay in c.layers:
-                    lay._e2e_shape = (kv, d)
-                fill_compressed(c, 1, ctx, dev)
-                return c
+                return packed_cache(model, rec, 1, ctx, dev)
 
             warm = packed()
             decode_steps(model, warm, 1, steps, vocab, dev)  # warm-up pass, as for bf16

@@ -4,7 +4,8 @@ rotations cost the fused kernel: CUDA-graph time on the Mistral shape (batch 1 a
 ``decode_fitted.json`` and prints a table of every variant's time per shape last.
 
     python -m benchmarks.fitted --out artifacts/bench     (CUDA, repository root)
-    python -m benchmarks.fitted --variants plain,rotate-2launch,rotate-combine   (the rotations only)
+    python -m benchmarks.fitted --variants plain,rotate-2launch,rotate-combine   (the rotations only;
+        rotate-qlaunch-*: the same with the query rotated by a launch before the split kernel)
 """
 
 from __future__ import annotations
@@ -28,14 +29,18 @@ FITTED_VARIANTS = {  # name: (K and V permuted, mean bits of K and V: 0 off, 8 o
     "pats": (False, 0, 0),  # PATS middle-heavy tiers (below): one split launch per tier store, one combine
     # rotated K and V (kvcalib.methods.rotate: random-sign Walsh-Hadamard): the query rotated once per
     # call, the packed value accumulators rotated back once per call (issue 34: within 10% of plain),
-    # where ROTATION_MIN_ROWS says
+    # where ROTATION_RULES says
     "rotate-2launch": (False, 0, 0),
     "rotate-combine": (False, 0, 0),
+    "rotate-qlaunch-2launch": (False, 0, 0),
+    "rotate-qlaunch-combine": (False, 0, 0),
 }
-# the rotated variants' kvcalib_kernels.decode.plan.COMBINE_ROTATION_MIN_ROWS, whatever the shape:
-# a launch each for the query and the accumulators (never in the combine) / the accumulators
-# rotated back inside the combine (always)
-ROTATION_MIN_ROWS = {"rotate-2launch": 1 << 62, "rotate-combine": 0}
+# the rotated variants' kvcalib_kernels.decode.plan settings, whatever the shape:
+# (COMBINE_ROTATION_MIN_ROWS, QUERY_HADAMARD_IN_KERNEL): the accumulators rotated back by their own
+# launch (never in the combine) or inside the combine (always); the query rotated by the split
+# kernel itself (the launcher's choice for Walsh-Hadamard keys) or by a launch before it
+ROTATION_RULES = {"rotate-2launch": (1 << 62, True), "rotate-combine": (0, True),
+                  "rotate-qlaunch-2launch": (1 << 62, False), "rotate-qlaunch-combine": (0, False)}
 # PATS as kvcalib exports it (--schedule middle-heavy, ages 1024 and 4096 after a 128-token window):
 # (first age, bits) per stored tier; the "pats" rows run at the last tier's bits (2) only
 PATS_TIERS = ((WINDOW, 8), (1024, 4), (4096, 2))
@@ -87,7 +92,7 @@ def fitted_inputs(b, h, n, d, variant, dev, seed=0) -> dict:
     if perm:
         for side in ("k_perm", "v_perm"):
             kw[side] = torch.stack([torch.randperm(d, device=dev, generator=g) for _ in range(h)]).int()
-    if variant in ROTATION_MIN_ROWS:
+    if variant in ROTATION_RULES:
         from kvcalib.quant.rotation import hadamard, random_signs
 
         for i, side in enumerate(("k_rot", "v_rot")):
@@ -120,20 +125,20 @@ def fitted_bytes(b, h, n, d, variant) -> int:
 
 
 def _timed_with_rotation_rule(variant, fns) -> float:
-    """:func:`graph_ms_per_call` of ``fns`` with the variant's COMBINE_ROTATION_MIN_ROWS set while
-    they are warmed up and captured (the launcher reads it at every call; the graph keeps the
-    launches chosen then), the launcher's rule restored after."""
+    """:func:`graph_ms_per_call` of ``fns`` with the variant's launcher settings
+    (:data:`ROTATION_RULES`) set while they are warmed up and captured (the launcher reads them at
+    every call; the graph keeps the launches chosen then), the launcher's rules restored after."""
     from kvcalib_kernels.decode import plan
 
-    min_rows = ROTATION_MIN_ROWS.get(variant)
-    if min_rows is None:
+    rule = ROTATION_RULES.get(variant)
+    if rule is None:
         return graph_ms_per_call(fns, rep=30)
-    before = plan.COMBINE_ROTATION_MIN_ROWS
-    plan.COMBINE_ROTATION_MIN_ROWS = min_rows
+    before = plan.COMBINE_ROTATION_MIN_ROWS, plan.QUERY_HADAMARD_IN_KERNEL
+    plan.COMBINE_ROTATION_MIN_ROWS, plan.QUERY_HADAMARD_IN_KERNEL = rule
     try:
         return graph_ms_per_call(fns, rep=30)
     finally:
-        plan.COMBINE_ROTATION_MIN_ROWS = before
+        plan.COMBINE_ROTATION_MIN_ROWS, plan.QUERY_HADAMARD_IN_KERNEL = before
 
 
 def _table(rows: list[dict]) -> str:

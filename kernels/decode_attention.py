@@ -22,8 +22,9 @@ read at each stored key channel's input channel; value channels are stored back 
 TaDA per-token mean ``(B, 1, N, D)`` shared by the kv heads, 16-bit or 8-bit codes with per-token
 scale/zero (``q . mean`` joins each score, ``sum p * mean`` each value plane, in the same pass),
 and a per-head orthogonal rotation ``(matrix, signs)`` (:mod:`kvcalib.quant.rotation`: the stored
-tokens are ``x R``): the packed keys are scored with the query rotated once per call (a launch
-before the split kernel) and the packed values' accumulators are rotated back once per call (a
+tokens are ``x R``): the packed keys are scored with the query rotated once per call (inside
+each packed split for the random-sign Walsh-Hadamard rotation, a launch before the split kernel
+for a fitted matrix) and the packed values' accumulators are rotated back once per call (a
 launch before the merge, or inside it from ``COMBINE_ROTATION_MIN_ROWS`` batch x kv heads rows:
 :mod:`kvcalib_kernels.decode.plan`); the full-precision segments are stored unrotated and
 attended as they are.

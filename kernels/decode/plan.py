@@ -2,8 +2,10 @@
 (:class:`DecodeConfig`), the rules that pick the kernel's compile-time paths for a layout, the
 lane-unpack check on the device, the argument checks, and the launch.
 
-Rotated packed sides (``k_rot`` / ``v_rot``, :mod:`.rotation`): the query is rotated by its own
-launch (:func:`.rotation.rotate_query`) before the split kernel; the value accumulators rotate
+Rotated packed sides (``k_rot`` / ``v_rot``, :mod:`.rotation`): the query is rotated by the split
+kernel itself for a random-sign Walsh-Hadamard rotation (:data:`QUERY_HADAMARD_IN_KERNEL`, a fast
+transform in registers), by its own launch (:func:`.rotation.rotate_query`) before the split
+kernel for a fitted matrix; the value accumulators rotate
 back inside the combine (:func:`.combine._combine_rotated`) on calls of at least
 :data:`COMBINE_ROTATION_MIN_ROWS` (batch x kv heads) rows, else by their own launch
 (:func:`.rotation.rotate_back_partials`) before it.
@@ -24,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcalib.quant.rotation import check_rotation
+from kvcalib.quant.rotation import check_rotation, is_hadamard
 from kvcalib_kernels.decode.combine import _combine, _combine_rotated
 from kvcalib_kernels.decode.rotation import rotate_back_partials, rotate_query
 from kvcalib_kernels.decode.common import (LOG2E, _cdiv, _check_fp, _dummy, _fp_segment_args, _interpreting,
@@ -92,6 +94,14 @@ DEEP_PIPELINE_BLOCKS = 16  # a third pipeline stage where every split runs at le
 # (_back_rotation_in_combine); benchmarks and tests set it (0: always there, a huge number: never)
 COMBINE_ROTATION_MIN_ROWS = 32
 
+# A random-sign Walsh-Hadamard rotation of the keys: the split kernel rotates the query itself
+# (ROT_Q, a fast transform) rather than a launch before it (rotation.rotate_query, which fitted
+# matrices keep). False forces the launch (benchmarks.fitted's rotate-qlaunch-* variants). H100,
+# Mistral-7B shape, K and V rotated, CUDA-graph us per call, in kernel / by a launch (back-rotation
+# as COMBINE_ROTATION_MIN_ROWS picks): batch 1 4k 2-bit 16.8 / 22.2, batch 1 32k 24.5 / 28.7, batch
+# 8 32k 2-bit 75.5 / 81.1 (plain 71.1), 4-bit 112.2 / 117.7 (plain 107.8): docs/results.md.
+QUERY_HADAMARD_IN_KERNEL = True
+
 
 @functools.lru_cache(maxsize=None)
 def _split_rule(config: DecodeConfig) -> SplitRule:
@@ -127,9 +137,12 @@ def _back_rotation_in_combine(rows: int) -> bool:
     0.3-1.0 us at 4k, so batch 1 takes the two launches; at batch 8 (64 rows: 128 programs) it saves
     the launch, 2.6-3.5 us. 32 lies between the two measured row counts (8 and 64); nothing
     between them was measured. (The query rotated inside the split
-    kernel, the third variant of that run, was removed: it lost at batch 8 (2-bit: +63% over
-    plain against +15%) and at batch 1 / 32k, and won only at batch 1 / 4k (0.5 us at 2 bits,
-    2.6 at 4; artifacts/bench/HISTORY.md, "Rotation paths removed from the code").)
+    kernel by a +-1 matrix product, the third variant of that run, was removed: it lost at batch 8
+    (2-bit: +63% over plain against +15%) and at batch 1 / 32k, and won only at batch 1 / 4k (0.5
+    us at 2 bits, 2.6 at 4; artifacts/bench/HISTORY.md, "Rotation paths removed from the code").
+    With the fast transform that now rotates a Walsh-Hadamard query in the split kernel
+    (:data:`QUERY_HADAMARD_IN_KERNEL`) the rule holds as it was (H100, 2026-11-27, two launches /
+    in the combine: batch 1 4k 2-bit 16.8 / 16.4, 32k 24.5 / 31.5; batch 8 32k 2-bit 79.8 / 75.5).)
     """
     return rows >= COMBINE_ROTATION_MIN_ROWS
 
@@ -622,12 +635,19 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
             means.append((bits, (mv, ms, mz, mv.stride(0), mv.stride(2), *mss)))
         else:
             means.append((0, (dummy16, dummy16, dummy16, 0, 0, 0, 0)))
-    # rotated packed sides: the packed keys score with the query rotated once per call (a launch
-    # here), the packed values' accumulators rotate back once per call (in _run: a launch or inside
-    # the combine): never a stored token rotated back
+    # rotated packed sides: the packed keys score with the query rotated once per call (by each
+    # packed split for Walsh-Hadamard, else a launch here), the packed values' accumulators rotate
+    # back once per call (in _run: a launch or inside the combine): never a stored token rotated back
     q_packed = rot_v = None
+    q_signs, rot_q = dummy32, False
     if n and k_rot is not None:
-        q_packed = rotate_query(q, h, _check_rot("k_rot", k_rot, h, d, dev))  # (B, Hq, D) float32
+        k_matrix, k_signs = _check_rot("k_rot", k_rot, h, d, dev)
+        if QUERY_HADAMARD_IN_KERNEL and k_signs is not None and is_hadamard(k_matrix):
+            # the split kernel rotates the query into this buffer itself (ROT_Q): no launch
+            q_packed = torch.empty((bsz, q.shape[1], d), dtype=torch.float32, device=dev)  # (B, Hq, D)
+            q_signs, rot_q = k_signs, True
+        else:
+            q_packed = rotate_query(q, h, (k_matrix, k_signs))  # (B, Hq, D) float32
     if n and v_rot is not None:
         rot_v = _check_rot("v_rot", v_rot, h, d, dev)
     has_range, lo, hi = _packed_range(packed_start, packed_end, bsz, n, dev)
@@ -654,7 +674,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
             lo, hi, n,
             mk, stride_mb, int(packed_position),
             *segs[0], *segs[1], *pool_args, *keep_args,
-            kp, vp, *means[0][1], *means[1][1],
+            kp, vp, q_signs, *means[0][1], *means[1][1],
             splits, split_size, n_f1, n_f2,
             qk_scale, cap,
             h)
@@ -677,6 +697,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 WHOLE=bool(_whole_blocks(d, r_pad, k_bits, v_bits) and n and n % block_n == 0
                            and split_size % block_n == 0 and not has_range and not (has_mask and mask_packed)
                            and not has_keep),
+                ROT_Q=rot_q, ROT_Q_SCALE=d ** -0.5 if rot_q else 1.0,
                 num_warps=config.num_warps, num_stages=stages)
     return _SplitCall(bsz * h, s_tot, args, meta, splits, q_packed, rot_v)
 

@@ -11,8 +11,9 @@ interpreter. Done as PyTorch operations around the split kernel the two
 products were about ten small PyTorch launches, 25-33 us per attention call on an H200 whatever the
 shape; as the two launches below, 13-15 us (``benchmarks/fitted.py``, docs/results.md).
 
-Where each product runs (:mod:`.plan`): the query always by :func:`rotate_query`, one launch
-before the split kernel; the accumulators by :func:`rotate_back_partials`, one launch after it,
+Where each product runs (:mod:`.plan`): the query of a fitted matrix by :func:`rotate_query`,
+one launch before the split kernel (a random-sign Walsh-Hadamard query is rotated by the split
+kernel itself, ``ROT_Q``: a fast transform, no matrix); the accumulators by :func:`rotate_back_partials`, one launch after it,
 on calls with fewer than ``plan.COMBINE_ROTATION_MIN_ROWS`` (batch x kv heads) rows, else inside
 the merge (:func:`.combine._combine_rotated_kernel`), which saves that launch where it has
 programs enough (the numbers are at ``COMBINE_ROTATION_MIN_ROWS``).

@@ -40,12 +40,14 @@ Arithmetic (what keeps the per-code work small):
   evenly (:func:`.common._split_range`), whatever count the launcher planned for.
 
 Rotated packed sides (:mod:`.rotation`): keys stored rotated score with ``QP``, the query
-rotated like them by :func:`.rotation.rotate_query`'s launch before this one (the
-full-precision chunks keep ``Q``); values stored rotated leave their splits' accumulators in the
+rotated like them -- a random-sign Walsh-Hadamard rotation by each packed split itself at its
+start (``ROT_Q``: a fast transform in registers, written to ``QP``), a fitted matrix by
+:func:`.rotation.rotate_query`'s launch before this one (the full-precision chunks keep ``Q``); values stored rotated leave their splits' accumulators in the
 rotated basis, rotated back after this kernel by :func:`.rotation.rotate_back_partials` or
 inside the merge (:func:`.combine._combine_rotated_kernel`), as :mod:`.plan`'s
-``COMBINE_ROTATION_MIN_ROWS`` picks. (A Walsh-Hadamard query rotated here at load measured slower
-than the separate launch at batch 8 and at batch 1 / 32k on an H100, and was removed.)
+``COMBINE_ROTATION_MIN_ROWS`` picks. (An earlier in-kernel rotation, a +-1 matrix built in
+registers and multiplied into the query planes at load, measured slower than the separate launch
+at batch 8 and at batch 1 / 32k on an H100 and was removed: ``artifacts/bench/HISTORY.md``.)
 """
 
 from __future__ import annotations
@@ -55,6 +57,17 @@ import triton.language as tl
 
 from kvcalib_kernels.decode.common import _column, _dot, _fp_chunk, _softcap, _split_range
 from kvcalib_kernels.decode.unpack import _code_planes, _codes, _perm4, _unit_planes
+
+@triton.jit
+def _walsh_hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr):
+    """``x @ H_D`` for a (ROWS, D) float32 tile (Sylvester's ``H_D``, not normalised; D a power of
+    two): log2(D) identical stages ``[x_even + x_odd | x_even - x_odd]`` (Pease's constant-geometry
+    transform), D log2 D additions and no matrix in registers or memory."""
+    for _ in tl.static_range(D.bit_length() - 1):
+        x_even, x_odd = tl.split(tl.reshape(x, (ROWS, D // 2, 2)))  # (ROWS, D / 2) each
+        x = tl.reshape(tl.permute(tl.join(x_even + x_odd, x_even - x_odd), (0, 2, 1)), (ROWS, D))
+    return x
+
 
 @triton.jit
 def _q_plane_t(q_rows, r_ok, offs_p, qk_scale):
@@ -423,6 +436,8 @@ def _decode_split_kernel(
     KEEP, stride_keepb, stride_keeph,
     # SKVQ channel permutations, int32 (H, D) contiguous: stored channel j = channel perm[h, j]
     KP, VP,
+    # ROT_Q: the keys' random signs (H, D) float32; QP is then written here (below) before it is read
+    QSIGNS,
     # TaDA means per token, shared by the kv heads: (B, 1, N, D) float16 (MEAN 16) or uint8 codes
     # with per-token float16 scale/zero (B, 1, N, 1) (MEAN 8); last dim contiguous
     KM, KMS, KMZ, stride_kmb, stride_kmn, stride_kmsb, stride_kmsn,
@@ -446,7 +461,7 @@ def _decode_split_kernel(
     KEEP_BLOCK: tl.constexpr = 8, V_NCH: tl.constexpr = 1, K_SUB: tl.constexpr = 1,
     V_UNITS: tl.constexpr = False, K_HALVES: tl.constexpr = False,
     V_SUM_DOTS: tl.constexpr = False, V_EARLY: tl.constexpr = False, V_T: tl.constexpr = False,
-    WHOLE: tl.constexpr = False,
+    WHOLE: tl.constexpr = False, ROT_Q: tl.constexpr = False, ROT_Q_SCALE: tl.constexpr = 1.0,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -478,6 +493,21 @@ def _decode_split_kernel(
 
     if pid_s < num_splits:
         # ------------------------------------------------ packed split
+        if ROT_Q:
+            # keys stored rotated by a random-sign Walsh-Hadamard rotation: this program rotates the
+            # query itself, (q * signs) @ H_D / sqrt(D), and writes it to QP, which the loads below
+            # read. Every packed split of (b, h) writes the same values to the same rows (a benign
+            # race: no program reads a row another could leave different), and the barrier makes
+            # this program's writes visible to all its threads. This replaces a launch per call
+            # before this kernel (kernels/decode/rotation.py's rotate_query, still used for fitted
+            # matrices): docs/results.md has the measurements.
+            offs_qd = tl.arange(0, D)
+            q_in = tl.load(q_rows[:, None] + offs_qd[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+            q_in = q_in * tl.load(QSIGNS + h * D + offs_qd)[None, :]  # (R_PAD, D)
+            q_rot = _walsh_hadamard_rows(q_in, R_PAD, D) * ROT_Q_SCALE  # (R_PAD, D) float32
+            qp_rows = QP + b.to(tl.int64) * stride_qpb + (h * R + offs_r) * stride_qph  # (R_PAD,) pointers
+            tl.store(qp_rows[:, None] + offs_qd[None, :], q_rot, mask=r_ok[:, None])
+            tl.debug_barrier()
         K_LANES: tl.constexpr = (K_UNPACK == 5) | (K_UNPACK == 6)  # codes as 1024 + c * 2**shift
         V_LANES: tl.constexpr = (V_UNPACK == 5) | (V_UNPACK == 6)
         offs_kcol = tl.arange(0, PK)  # byte column of each loaded key / value column

@@ -55,7 +55,7 @@ from kvcalib.methods.base import (
     switch_lines,
     switch_section,
 )
-from kvcalib.quant.rotation import check_rotation, hadamard, is_power_of_two, random_signs, rotate, unrotate
+from kvcalib.quant.rotation import check_rotation, hadamard, is_hadamard, is_power_of_two, random_signs, rotate, unrotate
 from kvcalib.stats import LayerStats
 
 __all__ = ["KINDS", "side_seed", "fit_pca_rotation", "rotate_reservoir", "rotation_errors", "RotateState",
@@ -124,7 +124,10 @@ class RotateState(MethodState):
         key = (side, device)
         if key not in self._device:
             m, s = self.rot[side]
-            self._device[key] = (m.to(device).contiguous(), None if s is None else s.to(device).contiguous())
+            # the Walsh-Hadamard matrix as the shared per-device tensor (the kernel then rotates
+            # the query with a fast transform instead of a product: kvcalib.quant.rotation.is_hadamard)
+            m_dev = hadamard(m.shape[-1], device) if is_hadamard(m) else m.to(device).contiguous()
+            self._device[key] = (m_dev, None if s is None else s.to(device).contiguous())
         return self._device[key]
 
     def encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> torch.Tensor:

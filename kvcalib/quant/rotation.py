@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-__all__ = ["hadamard", "is_power_of_two", "random_signs", "rotate", "unrotate", "check_rotation", "apply_rope"]
+__all__ = ["hadamard", "is_hadamard", "is_power_of_two", "random_signs", "rotate", "unrotate", "check_rotation", "apply_rope"]
 
 
 def is_power_of_two(n: int) -> bool:
@@ -43,7 +43,31 @@ def hadamard(d: int, device: torch.device | str | None = None) -> torch.Tensor:
     if not is_power_of_two(d):
         raise ValueError(f"a Walsh-Hadamard rotation needs head_dim a power of two, got {d}")
     h = _hadamard_cpu(d)
-    return h if device is None else h.to(device)
+    return h if device is None else _hadamard_on(d, torch.device(device))
+
+
+_HADAMARD_ON: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _hadamard_on(d: int, device: torch.device) -> torch.Tensor:
+    # one tensor per (D, device), so that :func:`is_hadamard` is an identity test: the decode
+    # launcher asks it on every call, where comparing values would cost a device sync
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (d, device)
+    if key not in _HADAMARD_ON:
+        cpu = _hadamard_cpu(d)
+        _HADAMARD_ON[key] = cpu if device.type == "cpu" else cpu.to(device)
+    return _HADAMARD_ON[key]
+
+
+def is_hadamard(matrix: torch.Tensor) -> bool:
+    """Whether ``matrix`` is the very tensor :func:`hadamard` returns for its size and device
+    (never modify that tensor in place). An identity test, not a comparison of values: a copy
+    made otherwise answers False, and the caller then treats it as any other matrix."""
+    d = matrix.shape[-1]
+    return (matrix.dim() == 2 and is_power_of_two(d) and matrix.shape[0] == d
+            and matrix is _hadamard_on(d, matrix.device))
 
 
 def random_signs(heads: int, head_dim: int, seed: int) -> torch.Tensor:

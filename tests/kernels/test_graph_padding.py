@@ -88,20 +88,32 @@ def test_padded_rows_decode_as_each_prompt_alone_in_static_and_dynamic_mode(monk
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (run through the device tool)")
 def test_captured_padded_rows_decode_as_each_prompt_alone():
-    """CUDA graphs over a padded batch (one kernel launch per row, each row its own flush periods)
-    give each prompt's tokens alone, replayed (float32 model: no bf16 near-ties). The model's own
-    matmuls round a batch's rows differently at float32's last bits, and a quantizer turns such a
-    difference into a whole code step where a value sits on a rounding boundary: the logits stay
-    within 2% of their scale (H100: 0.0054 at scale 0.89), the tokens equal."""
+    """CUDA graphs over a padded batch (one kernel launch per row, each row its own flush periods,
+    70 steps, float32 model) replay exactly what the same static steps compute uncaptured
+    (``capture=False``): the same tokens, logits within 1e-5 of their scale. Against each prompt
+    alone, the prompt pass's logits agree to float32 rounding (1e-4 of the scale).
+
+    Why the decoded steps are not compared with each prompt alone here: the model's own matmuls
+    round a batch's rows differently from a single row's at float32's last bits, and a quantizer
+    (or OTT's choice, a clip) turns such a difference into a whole code step wherever a value sits
+    on a boundary. Over 70 steps with flushes that happens: on an H100 a row stayed within 0.0054
+    (scale 0.89) for 40 steps, another drifted to 0.063 (scale 1.35) by step 54 with equal tokens.
+    What a padded row holds is proven exact elsewhere: in float64 on the reference path
+    (``tests/unit/test_padded_batches.py``) and, through the kernel, within 1e-4 over 24 steps by
+    the test above (CPU interpreter: bit-identical)."""
     model = tiny_model("llama", head_dim=64, heads=4, kv_heads=2).to(DEVICE)
     recipe = _recipe()
     seqs, ids, mask = _batch((120, 77, 95), seed=6)
-    batch = GraphDecoder(model, CompressedCache.from_recipe(model, recipe), keep_logits=True).generate(
-        ids, mask, max_new_tokens=70)
-    assert batch.replays > 0
+    runs = [GraphDecoder(model, CompressedCache.from_recipe(model, recipe), capture=capture, keep_logits=True).generate(
+        ids, mask, max_new_tokens=70) for capture in (True, False)]
+    captured, uncaptured = runs
+    assert captured.replays > 0 and uncaptured.replays == 0 and captured.captures > 2  # several flush periods
+    assert torch.equal(captured.tokens, uncaptured.tokens)
+    scale = max(1.0, float(uncaptured.logits[0].abs().max()))
+    diff = max(float((a - b).abs().max()) for a, b in zip(captured.logits, uncaptured.logits))
+    assert diff <= 1e-5 * scale
     for i, seq in enumerate(seqs):
         alone = GraphDecoder(model, CompressedCache.from_recipe(model, recipe), keep_logits=True).generate(
-            seq[None].to(DEVICE), None, max_new_tokens=70)
-        assert torch.equal(batch.tokens[i], alone.tokens[0])
-        diff = max(float((a[i] - b[0]).abs().max()) for a, b in zip(batch.logits, alone.logits))
-        assert diff < 2e-2 * max(1.0, float(alone.logits[0].abs().max()))
+            seq[None].to(DEVICE), None, max_new_tokens=1)
+        first = float((captured.logits[0][i] - alone.logits[0][0]).abs().max())
+        assert first <= 1e-4 * max(1.0, float(alone.logits[0].abs().max())), f"row {i}: prompt pass {first:.3g} apart"

@@ -41,8 +41,8 @@ def _orthogonal(h: int, d: int, seed: int) -> torch.Tensor:
 def _rotation(kind: str, h: int, d: int, seed: int):
     """``(matrix, signs)`` on the device: the shared Walsh-Hadamard with per-head signs, or fitted
     per-head matrices."""
-    if kind == "hadamard":
-        return hadamard(d).to(DEVICE), random_signs(h, d, seed).to(DEVICE)
+    if kind == "hadamard":  # the shared per-device tensor, as the rotate method passes it (is_hadamard)
+        return hadamard(d, DEVICE), random_signs(h, d, seed).to(DEVICE)
     return _orthogonal(h, d, seed).to(DEVICE), None
 
 
@@ -160,8 +160,9 @@ def test_rotation_paths_pass_the_tolerance_rule(monkeypatch, path, case):
     """Both back-rotation paths on K rotated only, V only, both; Walsh-Hadamard and fitted
     matrices; bfloat16 and float32 queries; sinks and a window beside the packed tokens (plain and
     rotated partials meet in the combine) and a ragged batch (packed ranges). Each path takes the
-    launches it says it takes: the query always its own launch, the accumulators their own launch
-    and the plain combine, or the rotating combine alone."""
+    launches it says it takes: the query its own launch for a fitted matrix (a Walsh-Hadamard one
+    rotates inside the split kernel), the accumulators their own launch and the plain combine, or
+    the rotating combine alone."""
     from kvcalib_kernels.decode import plan
 
     case = dict(case)
@@ -181,9 +182,42 @@ def test_rotation_paths_pass_the_tolerance_rule(monkeypatch, path, case):
     counts = _spy_rotation_launches(monkeypatch)
     da.decode_attention(*args, **kw, **rot, **ranged, config=SMALL)
     in_combine = v_kind is not None and path == "combine"
-    assert counts == {"rotate_query": int(k_kind is not None),
+    assert counts == {"rotate_query": int(k_kind == "pca"),
                       "rotate_back_partials": int(v_kind is not None and not in_combine),
                       "_combine": int(not in_combine), "_combine_rotated": int(in_combine)}
+
+
+@pytest.mark.parametrize("case", [
+    dict(rep=3, n=48, dtype=torch.bfloat16), dict(rep=3, n=48, dtype=torch.float32),
+    dict(rep=1, n=64, d=128, k_bits=4, v_bits=4, dtype=torch.float16), dict(rep=7, n=48, k_bits=8, v_bits=2),
+    dict(rep=3, n=48, k_axis="token", k_group=16, dtype=torch.float32),
+], ids=["bf16", "fp32", "d128-gqa1-4b", "gqa7-k8v2", "token-keys-fp32"])
+def test_hadamard_query_rotated_in_the_split_kernel_equals_its_launch(monkeypatch, case):
+    """A Walsh-Hadamard key rotation: the split kernel's own fast transform of the query (ROT_Q,
+    no launch) against the launch of the matrix product before it (plan.QUERY_HADAMARD_IN_KERNEL
+    off), on a ragged batch with sinks and a window; both float32 products of one rotation, so
+    they agree to a rounding step of the 16-bit query planes (a wrong rotation is off by the
+    output's own scale), inside the tolerance rule (checked too).
+    A copy of the matrix (not the shared tensor) takes the launch."""
+    from kvcalib_kernels.decode import plan
+
+    args, kw = make_case(b=2, **case)
+    h, d = args[1].shape[1], args[0].shape[-1]
+    n = args[1].shape[2]
+    rot = {"k_rot": _rotation("hadamard", h, d, seed=5), "v_rot": _rotation("hadamard", h, d, seed=6)}
+    ranged = {"packed_start": torch.tensor([0, 16], device=DEVICE), "packed_end": torch.tensor([n, n - 16], device=DEVICE)}
+    counts = _spy_rotation_launches(monkeypatch)
+    fused = check(args, {**kw, **rot, **ranged})
+    assert counts["rotate_query"] == 0
+    monkeypatch.setattr(plan, "QUERY_HADAMARD_IN_KERNEL", False)
+    launched = da.decode_attention(*args, **kw, **rot, **ranged, config=SMALL)
+    assert counts["rotate_query"] == 1
+    scale = float(launched.abs().max())
+    assert float((fused - launched).abs().max()) <= 2e-3 * scale  # a 16-bit rounding of a query plane, at most
+    monkeypatch.setattr(plan, "QUERY_HADAMARD_IN_KERNEL", True)
+    copied = {"k_rot": (rot["k_rot"][0].clone(), rot["k_rot"][1]), "v_rot": rot["v_rot"]}
+    da.decode_attention(*args, **kw, **copied, **ranged, config=SMALL)
+    assert counts["rotate_query"] == 2
 
 
 @pytest.mark.parametrize("case", [
@@ -212,12 +246,16 @@ def test_rotated_parts_rotate_back_in_the_combine(monkeypatch, case):
     second = dict(zip(packed, (kc[:, :, half:], ks[:, :, half // 16:], kz[:, :, half // 16:], vc[:, :, half:],
                                vs[:, :, half:], vz[:, :, half:])), **common, **second_rot,
                   packed_position=kw["packed_position"] + half)
+    # the whole cache first: a process's first call on a GPU also probes the fast unpack paths
+    # (plan.fast_unpack_available), with combines of its own that the spy would count
+    whole = da.decode_attention(*args, **kw, **rot, config=SMALL)
     counts = _spy_rotation_launches(monkeypatch)
     out = da.decode_attention_parts(q, [first, second], config=SMALL)
-    assert counts["rotate_query"] == 2 and counts["rotate_back_partials"] == case["launches"]
+    # Walsh-Hadamard keys rotate the query in the split kernel; the second part's copied matrix
+    # is not the shared tensor, so it takes the query's launch
+    assert counts["rotate_query"] == int(case["copies"]) and counts["rotate_back_partials"] == case["launches"]
     assert counts["_combine_rotated"] == int(case["path"] == "combine") and counts["_combine"] == int(
         case["path"] != "combine")
-    whole = da.decode_attention(*args, **kw, **rot, config=SMALL)
     assert float((out - whole).abs().max()) < 2e-2
 
 

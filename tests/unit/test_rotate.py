@@ -47,6 +47,22 @@ def test_hadamard_and_signs():
     assert set(s.unique().tolist()) == {-1.0, 1.0}
 
 
+def test_is_hadamard_names_the_shared_tensor_only():
+    """The decode launcher's fast transform is for the shared Walsh-Hadamard tensor of a device
+    (an identity test, no device sync); an equal copy, a fitted matrix or a wrong shape is a matrix
+    like any other. The rotate method hands the kernels the shared tensor."""
+    from kvcalib.methods.rotate import RotateState
+    from kvcalib.quant.rotation import is_hadamard
+
+    m = hadamard(16)
+    assert is_hadamard(m) and is_hadamard(hadamard(16, "cpu")) and hadamard(16, "cpu") is m
+    assert not is_hadamard(m.clone()) and not is_hadamard(torch.eye(16)) and not is_hadamard(m[None].expand(2, 16, 16))
+    state = RotateState({"k": (m.clone(), random_signs(2, 16, 1)), "v": (hadamard(16), random_signs(2, 16, 2))})
+    assert not is_hadamard(state.device_rotation("k", torch.device("cpu"))[0])  # a copy stays a copy
+    assert is_hadamard(state.device_rotation("v", torch.device("cpu"))[0])
+    assert state.device_rotation("v", torch.device("cpu")) is state.device_rotation("v", torch.device("cpu"))
+
+
 @pytest.mark.parametrize("per_head", [False, True], ids=["hadamard", "per-head"])
 def test_rotate_unrotate_and_gqa_heads(per_head):
     g = torch.Generator().manual_seed(0)

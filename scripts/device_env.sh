@@ -6,7 +6,8 @@
 # carried in .whl/ (optuna and its dependencies, gguf) into /tmp/site, makes kvcalib importable
 # from the source tree (kvcalib_kernels is kernels/ under its install name, kvcalib.presets is
 # recipes/presets), and points KVCALIB_HOME at /tmp/kvh, where the embedded text and the
-# SmolLM2-135M GGUF arrive in parts: .gpu/p1 (first part, the stamp, the texts) and .gpu/p2 (the
+# SmolLM2-135M GGUF arrive in parts: .gpu/p1 (first part, the stamp, the texts: britannica and
+# milton, the long-context evaluation and calibration texts) and .gpu/p2 (the
 # second part) come in two calls made back to back (a warm machine keeps /tmp between them); the
 # GGUF is assembled once both parts are there (kvcalib checks it against the pinned sha256 on use).
 # Qwen2.5-Coder-0.5B likewise from .gpu/q1 .. .gpu/q9. (The .gpu/ parts are made by splitting the
@@ -14,9 +15,12 @@
 # folder: a call carries < 64 MiB with the work tree, ~6 MB; .gpu/q1 also holds the stamp, the
 # ATTRIBUTION and `qwen.parts`, the number of parts; .gpu/ is git-ignored.)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVCALIB_QUIET=1
-if [ -d .whl ] && [ ! -e /tmp/site/.done ]; then
+# (typer >= 0.25 imports pydantic: pydantic, pydantic-core, annotated-types and typing-inspection
+# travel too.) The stamp names the wheel set, so a warm machine installs a changed set again.
+WHL_STAMP=/tmp/site/.done-$(ls .whl 2>/dev/null | md5sum | cut -c1-12)
+if [ -d .whl ] && [ ! -e "$WHL_STAMP" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && touch /tmp/site/.done
+    && touch "$WHL_STAMP"
 fi
 KK=/tmp/kvcalib_kernels_path
 mkdir -p "$KK" && ln -sfn "$(realpath "${KV_KERNELS:-kernels}")" "$KK/kvcalib_kernels"

@@ -166,21 +166,27 @@ def per_call(dev) -> list[dict]:
         v = torch.randn_like(k)
         q4 = q[:, :, None, :]
         row["bf16_sdpa_us"] = host_us(bf16_variants(q4, k, v, d ** -0.5)["sdpa_enable_gqa"], CALLS)
-        row.update(layer_steps(q4, k, v, d))
+        row.update(layer_steps(q4, k, v, d, shp["layers"]))
         rows.append(row)
         log(f"  {model:13s} per call: kvcalib {row['kvcalib_us']:.1f} us {row['stages_us']}"
             + (f" ({row['kvcalib_us_without_fast_launch']:.1f} without the fast launch)" if launchers else "")
             + f", bf16 SDPA {row['bf16_sdpa_us']:.1f} us; a layer step: kvcalib with layer graphs "
-            + f"{row['layer_step_us']:.1f} us ({row['layer_step_no_graphs_us']:.1f} without)")
+            + f"{row['layer_step_us']:.1f} us ({row['layer_step_no_graphs_us']:.1f} without), "
+            + f"per layer of a {shp['layers']}-layer step {row['layer_step_in_model_us']:.1f} us")
     return rows
 
 
-def layer_steps(q4, k, v, d) -> dict:
+def layer_steps(q4, k, v, d, layers: int) -> dict:
     """Host microseconds of one layer's decode step as ``model.generate`` runs it (the cache's
     ``update`` and the attention function), at the context of ``k``/``v`` (1, H, T, D): a
     CompressedCache layer (2-bit, groups 128 / ``min(128, D)``, window 128, so a flush every 128
     steps) with per-layer CUDA graphs (``layer_step_us``: flushes and their captures amortised
-    over the calls) and without (``layer_step_no_graphs_us``). Not measured beside it: a bf16
+    over the calls) and without (``layer_step_no_graphs_us``); and (``layer_step_in_model_us``)
+    a whole step of a ``layers``-layer cache, every layer in turn, divided by ``layers``: what one
+    layer costs inside a model's step, where the work a step does once for all layers (the
+    position and the visibility mask on the device, at the step's first layer) is shared as
+    ``model.generate`` shares it. The one-layer number pays that work every call (on an H100
+    host, 2026-11-27: ~15 us of a 36-59 us layer step). Not measured beside it: a bf16
     DynamicCache layer's update + SDPA over the growing cache, which took ~40 ms a call here
     (H100, torch 2.11, cuDNN 9.19): default SDPA picks cuDNN attention, which plans anew for every
     new key length (``docs/gpu.md``); compare with ``bf16_sdpa_us`` (a fixed length)."""
@@ -202,6 +208,18 @@ def layer_steps(q4, k, v, d) -> dict:
             return kvcalib_attention(None, q4, kk, vv, None, scaling=d ** -0.5)
 
         out[name] = host_us(step, 3 * CALLS)  # 900 steps: 7 flushes and captures in them
+    cache = CompressedCache([cfg] * layers, layer_graphs="auto")
+    for layer in cache.layers:
+        layer.update(k, v)
+        layer.flush()
+
+    def model_step(cache=cache):
+        for layer in cache.layers:
+            kk, vv = layer.update(one_k, one_v)
+            kvcalib_attention(None, q4, kk, vv, None, scaling=d ** -0.5)
+
+    steps = max(1, 3 * CALLS // layers) + 128  # at least one flush per layer in the timed steps
+    out["layer_step_in_model_us"] = host_us(model_step, steps) / layers
     return out
 
 

@@ -197,29 +197,22 @@ def layer_steps(q4, k, v, d, layers: int) -> dict:
     cfg = LayerConfig(k_bits=2, v_bits=2, k_group=128, v_group=min(128, d), window=WINDOW)
     one_k, one_v = k[:, :, :1].clone(), v[:, :, :1].clone()  # (1, H, 1, D): the step's K/V
     out = {}
-    for name, mode in (("layer_step_us", "auto"), ("layer_step_no_graphs_us", "off")):
-        cache = CompressedCache([cfg], layer_graphs=mode)
-        layer = cache.layers[0]
-        layer.update(k, v)
-        layer.flush()  # the prompt taken in and packed, as after a prefill
-
-        def step(layer=layer):
-            kk, vv = layer.update(one_k, one_v)
-            return kvcalib_attention(None, q4, kk, vv, None, scaling=d ** -0.5)
-
-        out[name] = host_us(step, 3 * CALLS)  # 900 steps: 7 flushes and captures in them
-    cache = CompressedCache([cfg] * layers, layer_graphs="auto")
-    for layer in cache.layers:
-        layer.update(k, v)
-        layer.flush()
-
-    def model_step(cache=cache):
+    for name, mode, n_layers in (("layer_step_us", "auto", 1), ("layer_step_no_graphs_us", "off", 1),
+                                 ("layer_step_in_model_us", "auto", layers)):
+        cache = CompressedCache([cfg] * n_layers, layer_graphs=mode)
         for layer in cache.layers:
-            kk, vv = layer.update(one_k, one_v)
-            kvcalib_attention(None, q4, kk, vv, None, scaling=d ** -0.5)
+            layer.update(k, v)
+            layer.flush()  # the prompt taken in and packed, as after a prefill
 
-    steps = max(1, 3 * CALLS // layers) + 128  # at least one flush per layer in the timed steps
-    out["layer_step_in_model_us"] = host_us(model_step, steps) / layers
+        def step(cache=cache):
+            for layer in cache.layers:
+                kk, vv = layer.update(one_k, one_v)
+                kvcalib_attention(None, q4, kk, vv, None, scaling=d ** -0.5)
+
+        # one layer: 900 steps, 7 flushes and captures in them; a whole step: at least one flush
+        # per layer in the timed steps
+        steps = 3 * CALLS if n_layers == 1 else max(1, 3 * CALLS // n_layers) + 128
+        out[name] = host_us(step, steps) / n_layers
     return out
 
 

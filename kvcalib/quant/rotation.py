@@ -46,7 +46,9 @@ def hadamard(d: int, device: torch.device | str | None = None) -> torch.Tensor:
     return h if device is None else _hadamard_on(d, torch.device(device))
 
 
-_HADAMARD_ON: dict[tuple[int, torch.device], torch.Tensor] = {}
+@functools.lru_cache(maxsize=None)
+def _hadamard_device(d: int, device: torch.device) -> torch.Tensor:
+    return _hadamard_cpu(d) if device.type == "cpu" else _hadamard_cpu(d).to(device)
 
 
 def _hadamard_on(d: int, device: torch.device) -> torch.Tensor:
@@ -54,11 +56,7 @@ def _hadamard_on(d: int, device: torch.device) -> torch.Tensor:
     # launcher asks it on every call, where comparing values would cost a device sync
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (d, device)
-    if key not in _HADAMARD_ON:
-        cpu = _hadamard_cpu(d)
-        _HADAMARD_ON[key] = cpu if device.type == "cpu" else cpu.to(device)
-    return _HADAMARD_ON[key]
+    return _hadamard_device(d, device)
 
 
 def is_hadamard(matrix: torch.Tensor) -> bool:

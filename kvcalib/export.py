@@ -25,14 +25,14 @@ from kvcalib.methods import Method, registry
 from kvcalib.recipe import Recipe
 
 DEFAULT_WINDOW = 128
-_BITS = re.compile(r"^k(2|4|8|16)v(2|4|8|16)$")
+_BITS = re.compile(r"^k(2|3|4|8|16)v(2|3|4|8|16)$")
 
 
 def parse_bits(spec: str) -> tuple[int, int]:
     """``"k2v4"`` -> (2, 4)."""
     match = _BITS.match(spec.strip().lower())
     if not match:
-        raise KvcalibError(f"--bits {spec!r} is not of the form k<bits>v<bits> with bits in 2, 4, 8, 16 (e.g. k2v2, k4v2).")
+        raise KvcalibError(f"--bits {spec!r} is not of the form k<bits>v<bits> with bits in 2, 3, 4, 8, 16 (e.g. k2v2, k4v2, k3v3).")
     return int(match.group(1)), int(match.group(2))
 
 

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 from kvcalib.errors import RecipeError
 
-VALID_BITS = (2, 4, 8, 16)  # 16 = kept in full precision (not quantized)
+VALID_BITS = (2, 3, 4, 8, 16)  # 16 = kept in full precision (not quantized)
 KEY_AXES = ("channel", "token")  # keys per channel over token groups (KIVI) or per token
 FP_BITS = 16  # full-precision segments are accounted at 16 bits, as stored on GPU (bf16/fp16)
 SCALE_BYTES = 2  # scales and zero-points are float16
@@ -50,7 +50,7 @@ StoredTier = tuple[int, int, int]
 class LayerConfig:
     """How one layer's cache is compressed (user configuration; fitted tensors live apart).
 
-    - ``k_bits``/``v_bits``: 2, 4, 8, or 16 (no quantization).
+    - ``k_bits``/``v_bits``: 2, 3, 4, 8, or 16 (no quantization).
     - ``k_axis``: ``channel`` = keys quantized per channel over groups of ``k_group`` consecutive
       tokens (KIVI); ``token`` = per token over groups of ``k_group`` channels.
     - ``v_group``: values are quantized per token over groups of ``v_group`` channels.
@@ -117,6 +117,12 @@ class LayerConfig:
             raise ValueError(f"v_group {self.v_group} does not divide head_dim {head_dim}")
         if self.k_bits < 16 and self.k_axis == "token" and head_dim % self.k_group:
             raise ValueError(f"k_group {self.k_group} does not divide head_dim {head_dim}")
+        for side in ("k", "v"):
+            # 2/4/8-bit codes pack whole bytes of any head_dim the groups accept; 3-bit codes
+            # need runs of 8 channels (their high-bit plane holds 8 codes a byte)
+            if self.bits(side) == 3 and head_dim % 8:
+                raise ValueError(f"{side}_bits 3 packs runs of 8 channels: head_dim {head_dim} is not a multiple "
+                                 "of 8; use 2 or 4 bits on this model")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -309,7 +309,7 @@ def requantize(qt: QuantizedTensor, bits: int, valid: torch.Tensor | None = None
 
     Args:
         qt: the block, codes ``(B, H, T, D * qt.bits / 8)``.
-        bits: 2 or 4, ``bits < qt.bits``.
+        bits: 2, 3 or 4, ``bits < qt.bits``.
         valid: optional mask as for ``quantize_keys`` (tokens excluded from the ranges).
 
     Returns a new :class:`QuantizedTensor` with codes ``(B, H, T, D * bits / 8)`` and scale/zero
@@ -317,7 +317,7 @@ def requantize(qt: QuantizedTensor, bits: int, valid: torch.Tensor | None = None
     """
     if not isinstance(qt, QuantizedTensor):
         raise CalibrationError(f"requantize needs a QuantizedTensor, got {type(qt).__name__}")
-    if isinstance(bits, bool) or bits not in (2, 4, 8) or bits >= qt.bits:
+    if isinstance(bits, bool) or bits not in (2, 3, 4, 8) or bits >= qt.bits:
         raise CalibrationError(f"requantize goes to fewer bits: got {bits!r} for a {qt.bits}-bit block")
     x = dequantize(qt)  # (B, H, T, D) float32
     fn = quantize_keys if qt.axis == "token" else quantize_values

@@ -94,7 +94,7 @@ def plot_bits_per_layer(point: dict[str, Any], sensitivity: Sequence[float] | No
                         fontsize=6)
     ax.set_xlabel("layer")
     ax.set_ylabel("bits")
-    ax.set_yticks([2, 4, 8])
+    ax.set_yticks(sorted({2, 4, 8, *k, *v} - {16}))  # 3-bit layers get their tick only when present
     used = sorted({s for m in methods for s in m})
     legend = "/".join(letters.get(s, s[0]) for s in used) + " = " + "/".join(used) if used else "no method switches"
     ax.set_title(f"chosen recipe: bits per layer ({legend})")

@@ -1,6 +1,6 @@
 """The search space: what the search may choose, per layer and globally.
 
-Per layer ``i``: ``k{i}``/``v{i}`` key and value bits in ``bits`` (a subset of {2, 4, 8}), and one
+Per layer ``i``: ``k{i}``/``v{i}`` key and value bits in ``bits`` (a subset of {2, 3, 4, 8}; default {2, 4, 8}), and one
 on/off switch ``{method}{i}`` per method in ``layer_methods`` (a subset of the registry's
 per-layer switches, :func:`layer_switches`: today ``center``, ``reorder``, ``clip``, which fit K
 and V apart, and ``outliers``, OTT's pool, fitted on the whole layer). Global: ``group`` (tokens per key group,
@@ -50,7 +50,10 @@ from kvcalib.layout import LayerConfig
 from kvcalib.methods.schedule import NO_SCHEDULE, SCHEDULE_PRESETS  # noqa: F401  (the space's schedule names)
 from kvcalib.methods.schedule import schedule_ages as _schedule_ages
 
-SEARCH_BITS = (2, 4, 8)
+SEARCH_BITS = (2, 4, 8)  # the default space's widths
+# widths a space may name: 3-bit codes are packed and simulated, but the fused decode kernel reads
+# 2, 4 and 8 only, so a 3-bit layer decodes on the reference path (hence not in the default)
+ALLOWED_SEARCH_BITS = (2, 3, 4, 8)
 
 
 def layer_switches() -> tuple[str, ...]:
@@ -117,7 +120,7 @@ class SearchSpace:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen dataclass: normalise in place
-        set_(self, "bits", _int_tuple("bits", self.bits, SEARCH_BITS))
+        set_(self, "bits", _int_tuple("bits", self.bits, ALLOWED_SEARCH_BITS))
         set_(self, "groups", _int_tuple("groups", self.groups, low=1))
         set_(self, "windows", _int_tuple("windows", self.windows, low=0))
         set_(self, "sinks", _int_tuple("sinks", self.sinks, low=0))

@@ -1,4 +1,4 @@
-"""Bit packing of 2/4/8-bit integer codes into uint8 words, PLANAR layout.
+"""Bit packing of 2/3/4/8-bit integer codes into uint8 words, PLANAR layout.
 
 This module is the specification the Triton kernels read: do not change the layout without
 changing every kernel and its tests.
@@ -14,6 +14,14 @@ lives in bits ``[s*b, (s+1)*b)`` of every byte. Why planar rather than interleav
 contiguous channel slice ``[s*P, (s+1)*P)`` as ``(bytes >> (s*b)) & mask``, so it can dot each
 slice against the matching contiguous slice of ``q`` with no gathers and no repeated loads.
 
+3-bit codes (``L % 8 == 0``) are split into two such layouts, one after the other on the last
+axis: ``bytes[..., :L // 4]`` is the 2-bit planar packing of ``codes & 3`` and
+``bytes[..., L // 4:]`` the 1-bit planar packing (8 planes) of ``codes >> 2``, ``3 * L // 8``
+bytes in all. Why: three does not divide eight, and a code ``c = low + 4 * high`` keeps every
+dot product linear, so a reader takes the low bits exactly as a 2-bit tile and adds 4x the
+high-bit tile (a 10-codes-in-32-bits packing would waste 2 bits a word and cut channel slices at
+odd places).
+
 All functions accept any leading shape and non-contiguous inputs and return contiguous tensors
 on the input's device. Invalid input raises :class:`ValueError`.
 """
@@ -27,15 +35,19 @@ __all__ = [
     "packed_width",
     "pack_codes",
     "unpack_codes",
+    "length_multiple",
+    "unpacked_length",
     "pack_2bit_u8",
     "unpack_2bit_u8",
+    "pack_3bit_u8",
+    "unpack_3bit_u8",
     "pack_4bit_u8",
     "unpack_4bit_u8",
     "pack_8bit_u8",
     "unpack_8bit_u8",
 ]
 
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 8)
 
 
 def _check_bits(bits: int) -> int:
@@ -45,21 +57,34 @@ def _check_bits(bits: int) -> int:
     return bits
 
 
-def packed_width(length: int, bits: int) -> int:
-    """Number of bytes that ``length`` codes of ``bits`` bits pack into (``length // (8 // bits)``).
+def length_multiple(bits: int) -> int:
+    """The packed axis length must be a multiple of this: ``8 // bits``, and 8 for 3-bit codes
+    (their high-bit plane puts 8 codes in a byte)."""
+    return 8 if _check_bits(bits) == 3 else 8 // bits
 
-    Raises ValueError when ``bits`` is not 2, 4 or 8, or ``length`` is negative or not a
-    multiple of ``8 // bits``.
+
+def packed_width(length: int, bits: int) -> int:
+    """Number of bytes that ``length`` codes of ``bits`` bits pack into (``length * bits // 8``).
+
+    Raises ValueError when ``bits`` is not 2, 3, 4 or 8, or ``length`` is negative or not a
+    multiple of :func:`length_multiple`.
     """
-    per = 8 // _check_bits(bits)
+    per = length_multiple(bits)
     if isinstance(length, bool) or not isinstance(length, int) or length < 0:
         raise ValueError(f"length must be a non-negative int, got {length!r}")
     if length % per:
         raise ValueError(
-            f"{bits}-bit packing puts {per} codes in a byte, so the packed axis length must be a "
-            f"multiple of {per}; got {length}"
+            f"{bits}-bit packing needs the packed axis length to be a multiple of {per}; got {length}"
         )
-    return length // per
+    return length * bits // 8
+
+
+def unpacked_length(width: int, bits: int) -> int:
+    """Codes held by ``width`` packed bytes of ``bits``-bit codes (the inverse of :func:`packed_width`)."""
+    _check_bits(bits)
+    if width * 8 % bits:
+        raise ValueError(f"{width} bytes do not hold a whole number of {bits}-bit codes")
+    return width * 8 // bits
 
 
 def _check_codes(codes: torch.Tensor, bits: int) -> None:
@@ -88,7 +113,9 @@ def _check_packed(packed: torch.Tensor) -> None:
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    _check_codes(codes, bits)
+    """Planar packing for ``bits`` dividing 8 (1, 2, 4); the 1-bit form is only a part of 3-bit codes."""
+    if bits != 1:
+        _check_codes(codes, bits)
     per = 8 // bits
     lead, length = codes.shape[:-1], codes.shape[-1]
     width = length // per
@@ -102,7 +129,8 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    _check_bits(bits)
+    if bits != 1:
+        _check_bits(bits)
     _check_packed(packed)
     per = 8 // bits
     mask = (1 << bits) - 1
@@ -159,18 +187,41 @@ def unpack_8bit_u8(packed: torch.Tensor) -> torch.Tensor:
     return packed.contiguous().clone()
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack codes: uint8 ``(..., L)``, ``bits`` in {2, 4, 8} -> uint8 ``(..., L // (8 // bits))``.
+def pack_3bit_u8(codes: torch.Tensor) -> torch.Tensor:
+    """Pack 3-bit codes (module docstring): uint8 ``(..., L)``, values in ``[0, 8)``, ``L % 8 == 0``
+    -> uint8 ``(..., 3 * L // 8)``: the 2-bit planar packing of ``codes & 3`` (``L // 4`` bytes),
+    then the 1-bit planar packing of ``codes >> 2`` (``L // 8`` bytes)."""
+    _check_codes(codes, 3)
+    return torch.cat([_pack(codes & 3, 2), _pack(codes >> 2, 1)], dim=-1)
 
-    8-bit codes are copied; 2- and 4-bit codes use the planar layout of the module docstring.
+
+def unpack_3bit_u8(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_3bit_u8`: uint8 ``(..., 3 * L // 8)`` -> uint8 codes ``(..., L)``."""
+    _check_packed(packed)
+    length = unpacked_length(packed.shape[-1], 3)
+    low = _unpack(packed[..., : length // 4], 2)  # (..., L)
+    high = _unpack(packed[..., length // 4:], 1)  # (..., L)
+    return low | (high << 2)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack codes: uint8 ``(..., L)``, ``bits`` in {2, 3, 4, 8} -> uint8 ``(..., L * bits // 8)``.
+
+    8-bit codes are copied; 2-, 3- and 4-bit codes use the planar layouts of the module docstring.
     """
-    if _check_bits(bits) == 8:
+    bits = _check_bits(bits)
+    if bits == 8:
         return pack_8bit_u8(codes)
+    if bits == 3:
+        return pack_3bit_u8(codes)
     return _pack(codes, bits)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unpack uint8 ``(..., P)`` into uint8 codes ``(..., P * (8 // bits))``, bits in {2, 4, 8}."""
-    if _check_bits(bits) == 8:
+    """Unpack uint8 ``(..., P)`` into uint8 codes ``(..., P * 8 // bits)``, bits in {2, 3, 4, 8}."""
+    bits = _check_bits(bits)
+    if bits == 8:
         return unpack_8bit_u8(packed)
+    if bits == 3:
+        return unpack_3bit_u8(packed)
     return _unpack(packed, bits)

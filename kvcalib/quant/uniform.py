@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcalib.quant.packing import SUPPORTED_BITS, pack_codes, unpack_codes
+from kvcalib.quant.packing import SUPPORTED_BITS, length_multiple, pack_codes, unpack_codes, unpacked_length
 
 __all__ = [
     "QuantizedTensor",
@@ -91,7 +91,7 @@ class QuantizedTensor:
         codes: uint8 ``(B, H, T, packed_width(D, bits))``, planar packing along D.
         scale: float16, keys ``(B, H, T // group, D)``; values ``(B, H, T, D // group)``.
         zero: float16, same shape as ``scale`` (the group's clipped minimum).
-        bits: 2, 4 or 8.
+        bits: 2, 3, 4 or 8.
         group: group size: tokens per group for keys, channels per group for values.
         axis: ``"token"`` (keys: groups run along T) or ``"channel"`` (values: along D).
     """
@@ -136,7 +136,7 @@ class QuantizedTensor:
     def shape(self) -> tuple[int, ...]:
         """The unpacked shape ``(B, H, T, D)``."""
         *lead, width = self.codes.shape
-        return (*lead, width * (8 // self.bits))
+        return (*lead, unpacked_length(width, self.bits))
 
     def numel(self) -> int:
         """Number of quantized elements, ``B * H * T * D``."""
@@ -186,10 +186,10 @@ def _as_float32(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _check_packable(d: int, bits: int) -> None:
-    if d % (8 // bits):
+    if d % length_multiple(bits):
         raise ValueError(
-            f"{bits}-bit codes pack {8 // bits} channels per byte: "
-            f"D={d} must be a multiple of {8 // bits}"
+            f"{bits}-bit codes pack in runs of {length_multiple(bits)} channels: "
+            f"D={d} must be a multiple of {length_multiple(bits)}"
         )
 
 
@@ -250,7 +250,7 @@ def fit_params(
 
     Args:
         lo, hi: float32, same shape ``S`` (the parameter shape), ``lo <= hi``.
-        bits: 2, 4 or 8.
+        bits: 2, 3, 4 or 8.
         clip: alpha in (0, 1], a float or a float tensor broadcastable to ``S``.
 
     Returns:
@@ -303,7 +303,7 @@ def encode(x: torch.Tensor, scale16: torch.Tensor, zero16: torch.Tensor, bits: i
     Args:
         x: float32 ``X``.
         scale16, zero16: float16, broadcastable to ``X``.
-        bits: 2, 4 or 8.
+        bits: 2, 3, 4 or 8.
         levels: optional non-uniform levels in code units (module docstring).
 
     Returns:
@@ -469,7 +469,7 @@ def quantize_keys(
 
     Args:
         k: float ``(B, H, T, D)`` (any float dtype; computed in float32), ``T % group == 0``.
-        bits: 2, 4 or 8; ``D`` must be a multiple of ``8 // bits``.
+        bits: 2, 3, 4 or 8; ``D`` must be a multiple of ``length_multiple(bits)``.
         group: tokens per group.
         clip: alpha in (0, 1], float or tensor broadcastable to ``(B, H, T // group, D)``.
         valid: optional bool, broadcastable to ``(B, H, T)``; False tokens are left out of
@@ -499,7 +499,7 @@ def quantize_values(
 
     Args:
         v: float ``(B, H, T, D)``, ``D % group == 0``.
-        bits: 2, 4 or 8; ``D`` must be a multiple of ``8 // bits``.
+        bits: 2, 3, 4 or 8; ``D`` must be a multiple of ``length_multiple(bits)``.
         group: channels per group.
         clip: alpha in (0, 1], float or tensor broadcastable to ``(B, H, T, D // group)``.
         valid: optional bool, broadcastable to ``(B, H, T)``; False tokens get zero parameters
@@ -563,7 +563,7 @@ def quantize_dequantize_keys(
     """Fake-quantized keys, float32 ``(B, H, T, D)``: ``dequantize_keys(quantize_keys(...))``.
 
     Skips the pack/unpack round trip (which is lossless), so it is cheaper in simulation and
-    does not need ``D`` to be a multiple of ``8 // bits``.
+    does not need ``D`` to be a multiple of ``length_multiple(bits)``.
     """
     lv = check_levels(levels, bits)
     codes, scale16, zero16 = _quantize_keys_unpacked(k, bits, group, clip, valid, lv)
@@ -583,7 +583,7 @@ def quantize_dequantize_values(
     """Fake-quantized values, float32 ``(B, H, T, D)``: ``dequantize_values(quantize_values(...))``.
 
     Skips the pack/unpack round trip; unlike :func:`quantize_values` it does not need ``D`` to
-    be a multiple of ``8 // bits``.
+    be a multiple of ``length_multiple(bits)``.
     """
     lv = check_levels(levels, bits)
     codes, scale16, zero16 = _quantize_values_unpacked(v, bits, group, clip, valid, lv)

@@ -76,7 +76,7 @@ from kvcalib.methods.outliers import POS_DTYPE, OutlierState
 from kvcalib.errors import KvcalibError
 from kvcalib.io import read_safetensors_document
 from kvcalib.quant.huffman import DEFAULT_MAX_LEN, Codebook, HuffmanError
-from kvcalib.quant.packing import pack_codes, unpack_codes
+from kvcalib.quant.packing import SUPPORTED_BITS, pack_codes, unpack_codes
 from kvcalib.layout import LayerConfig
 from kvcalib.recipe import Recipe, resolve_recipe
 from kvcalib.runtime.cache import CompressedCache, CompressedLayer
@@ -477,7 +477,7 @@ def _expect_unit(i: int, prefix: str, cfg: LayerConfig, ld: dict[str, Any], expe
             expect[f"{sp}.{part}"] = _check_part(f"tensor {sp}.{part}", cfg, part, dtype, shape, b, h, d, n, bits)
         for side, cd in sd["coded"].items():
             if side not in SIDES or f"{side}_codes" in sd["parts"] or cd["bits"] != bits[side] \
-                    or bits[side] not in (2, 4, 8):
+                    or bits[side] not in SUPPORTED_BITS:
                 raise KvcalibError(f"the snapshot's document is malformed: {prefix} store {j} codes side "
                                    f"{side!r} at {cd.get('bits')!r} bits (store bits {bits})")
             _int(cd["packed_bytes"], "packed_bytes")

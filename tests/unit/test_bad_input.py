@@ -55,7 +55,7 @@ def make_files(root: Path) -> None:
     (root / "afile").write_text("a file, not a folder")
     (root / "garbage.safetensors").write_bytes(b"\x00\x01garbage")
     (root / "empty.json").write_text("")
-    (root / "badspace.json").write_text(json.dumps({"bits": [3]}))
+    (root / "badspace.json").write_text(json.dumps({"bits": [5]}))
     (root / "text.csv").write_text("a,b\n1,2\n")
     (root / "prompt.txt").write_text("The capital of France is")
     for name in ("stats-only", "with-study", "s-none", "s-notjson", "s-notrials", "s-nopoint", "s-context", "s-bits"):
@@ -155,7 +155,7 @@ CASES = [
     Case("export-out-exists", ["export", "{tmp}/stats-only", "-o", "{tmp}/afile"], "already exists"),
     Case("export-out-is-a-folder", ["export", "{tmp}/stats-only", "-o", "{tmp}/nonempty"], "is a folder"),
     Case("export-out-under-a-file", ["export", "{tmp}/stats-only", "-o", "{tmp}/afile/r.safetensors"], "not a folder"),
-    Case("export-bad-bits", ["export", "{tmp}/stats-only", "-o", "{tmp}/r.safetensors", "--bits", "k3v2"], "--bits"),
+    Case("export-bad-bits", ["export", "{tmp}/stats-only", "-o", "{tmp}/r.safetensors", "--bits", "k5v2"], "--bits"),
     Case("export-bad-format", ["export", "{tmp}/stats-only", "-o", "{tmp}/r.safetensors", "--format", "onnx"], "--format"),
     Case("export-window-under-group", ["export", "{tmp}/stats-only", "-o", "{tmp}/r.safetensors", "--window", "8"],
          "window (8) is shorter than a group"),

@@ -16,6 +16,7 @@ from tests.conftest import TINY_ARCHS, tiny_model
 
 SMALL = LayerConfig(k_bits=2, v_bits=2, k_group=8, v_group=8, window=8, sinks=2)
 PER_TOKEN = LayerConfig(k_bits=4, v_bits=2, k_axis="token", k_group=8, v_group=16, window=0)
+THREE_BIT = LayerConfig(k_bits=3, v_bits=3, k_group=8, v_group=8, window=8, sinks=2)  # the 2-bit + 1-bit planes
 
 
 def recipe(cfg: LayerConfig) -> Recipe:
@@ -44,7 +45,7 @@ def test_fp16_preset_generates_exactly_like_dynamic_cache(arch):
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-@pytest.mark.parametrize("cfg", [SMALL, PER_TOKEN], ids=["kivi-like", "per-token"])
+@pytest.mark.parametrize("cfg", [SMALL, PER_TOKEN, THREE_BIT], ids=["kivi-like", "per-token", "3-bit"])
 @pytest.mark.parametrize("prompt_len", [1, 21])
 def test_simulation_matches_token_by_token_decode(arch, cfg, prompt_len):
     model = tiny_model(arch)
@@ -159,14 +160,15 @@ def test_sliding_layer_marks_only_real_padding():
         assert [row.n_seen for row in layer.rows] == [layer.n_seen, layer.n_seen - 3]
 
 
-def test_bytes_match_the_accounting():
+@pytest.mark.parametrize("cfg", [SMALL, THREE_BIT], ids=["2-bit", "3-bit"])
+def test_bytes_match_the_accounting(cfg):
     model = tiny_model("llama").to(torch.bfloat16)  # 16-bit storage, as accounted
-    cache = CompressedCache.from_recipe(model, recipe(SMALL))
+    cache = CompressedCache.from_recipe(model, recipe(cfg))
     model.generate(torch.randint(0, 128, (1, 16)), max_new_tokens=50, min_new_tokens=50,
                    do_sample=False, past_key_values=cache)
     t = cache.layers[0].n_seen
     info = model_info(model.config, "tiny")
-    want = sum(sum(layer_bytes(SMALL, info.num_kv_heads, info.head_dim, t).values()) for _ in range(2))
+    want = sum(sum(layer_bytes(cfg, info.num_kv_heads, info.head_dim, t).values()) for _ in range(2))
     held = cache.nbytes()
     # held on top of the accounting: the pending window's fixed buffer (window + one block) has
     # free slots until its next flush (bf16 K and V)
@@ -225,3 +227,19 @@ def test_triton_path_covers_centred_permuted_and_clipped_layers(monkeypatch):
         layer.update(torch.randn(1, 2, 80, 64), torch.randn(1, 2, 80, 64))
         layer.flush()
         assert _reason_unsupported(torch.randn(1, 4, 1, 64), layer) is None
+
+
+def test_three_bit_layers_say_why_they_take_the_reference_path():
+    """3-bit codes are packed, simulated and decoded through the reference path; the kernel check
+    names them (static CUDA-graph mode raises with this reason, eager decoding falls back)."""
+    from kvcalib.runtime.triton_path import _check_supported
+
+    model = tiny_model("llama")
+    cache = CompressedCache.from_recipe(model, recipe(THREE_BIT))
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 30)), past_key_values=cache)
+    layer = cache.layers[0]
+    hq = model.config.num_attention_heads
+    d = model.config.hidden_size // hq
+    why = _check_supported(torch.zeros(1, hq, 1, d), layer, interp=True)  # (B, Hq, 1, D)
+    assert why is not None and "3-bit" in why

@@ -25,6 +25,7 @@ from tests.conftest import tiny_model
 
 SMALL = LayerConfig(k_bits=2, v_bits=2, k_group=8, v_group=8, window=8, sinks=2)  # sinks + window
 PER_TOKEN = LayerConfig(k_bits=4, v_bits=2, k_axis="token", k_group=8, v_group=16, window=0)
+THREE_BIT = LayerConfig(k_bits=3, v_bits=3, k_group=8, v_group=8, window=8, sinks=2)  # 8 symbols, 2-bit + 1-bit planes
 WIDE = LayerConfig(k_bits=8, v_bits=4, k_group=8, v_group=8, window=8, sinks=1)
 MIXED = [SMALL, LayerConfig(k_bits=16, v_bits=4, v_group=8, window=0)]  # a 16-bit K side, flush block 1
 
@@ -127,6 +128,7 @@ CASES = {
                                      _ids(4, (1, 10)), None, 40),
     "ott-centred-permuted-k8v4": ("llama", {}, _ott_centred, _ids(5, (2, 41)), None, 2),
     "16-bit-side": ("mistral", {}, lambda m: _recipe(m, MIXED), _ids(6, (1, 30)), None, 1),
+    "3-bit-k3v3": ("llama", {}, lambda m: _recipe(m, [THREE_BIT, THREE_BIT]), _ids(8, (1, 45)), None, 3),
 }
 
 

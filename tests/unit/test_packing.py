@@ -144,14 +144,14 @@ def test_non_contiguous_inputs(bits, view):
 
 @pytest.mark.parametrize(
     ("length", "bits", "width"),
-    [(0, 2, 0), (4, 2, 1), (200, 2, 50), (12, 4, 6), (36, 4, 18), (7, 8, 7), (128, 8, 128)],
+    [(0, 2, 0), (4, 2, 1), (200, 2, 50), (12, 4, 6), (36, 4, 18), (7, 8, 7), (128, 8, 128), (8, 3, 3), (64, 3, 24)],
 )
 def test_packed_width(length, bits, width):
     assert packed_width(length, bits) == width
 
 
 @pytest.mark.parametrize(
-    ("length", "bits"), [(6, 2), (3, 4), (5, 4), (8, 3), (8, 1), (8, 16), (-4, 2), (8, True)]
+    ("length", "bits"), [(6, 2), (3, 4), (5, 4), (4, 3), (12, 3), (8, 1), (8, 16), (-4, 2), (8, True)]
 )
 def test_packed_width_rejects(length, bits):
     with pytest.raises(ValueError):
@@ -169,7 +169,7 @@ def test_pack_rejects_bad_inputs():
     with pytest.raises(ValueError, match="multiple of 2"):
         pack_4bit_u8(torch.zeros(3, dtype=torch.uint8))
     with pytest.raises(ValueError, match="bits"):
-        pack_codes(good, 3)
+        pack_codes(good, 5)
     with pytest.raises(ValueError, match="bits"):
         unpack_codes(good, 1)
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
@@ -180,3 +180,42 @@ def test_pack_rejects_bad_inputs():
         pack_codes(torch.tensor(1, dtype=torch.uint8), 8)
     with pytest.raises(ValueError, match="Tensor"):
         pack_codes([0, 1, 2, 3], 2)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ 3-bit: a 2-bit plane then a 1-bit plane
+
+
+def test_3bit_layout_by_hand():
+    from kvcalib.quant.packing import pack_3bit_u8, unpack_3bit_u8
+
+    codes = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7], dtype=torch.uint8)  # (L=8,): low 0,1,2,3,0,1,2,3; high 0,0,0,0,1,1,1,1
+    # 2-bit part, P = 2: byte0 = l0 | l2<<2 | l4<<4 | l6<<6 = 0 + 8 + 0 + 128 = 136
+    #                    byte1 = l1 | l3<<2 | l5<<4 | l7<<6 = 1 + 12 + 16 + 192 = 221
+    # 1-bit part, P = 1: byte = sum_s h_s << s = 0b11110000 = 240
+    expected = torch.tensor([136, 221, 240], dtype=torch.uint8)
+    assert torch.equal(pack_3bit_u8(codes), expected)
+    assert torch.equal(pack_codes(codes, 3), expected)
+    assert torch.equal(unpack_3bit_u8(expected), codes)
+    assert packed_width(8, 3) == 3
+
+
+@given(st.integers(1, 4), st.integers(0, 3), st.integers(0, 2**31 - 1))
+@settings(max_examples=40, deadline=None)
+def test_3bit_round_trip_and_its_two_plane_formula(rows, eighths, seed):
+    length = 8 * eighths
+    codes = _random_codes((rows, length), 3, seed)  # (R, L)
+    packed = pack_codes(codes, 3)  # (R, 3L/8)
+    assert packed.shape == (rows, packed_width(length, 3)) == (rows, 3 * length // 8)
+    assert torch.equal(unpack_codes(packed, 3), codes)
+    # the low bits are exactly the 2-bit layout, the high bit the 1-bit planar layout
+    assert torch.equal(packed[:, : length // 4], _layout_reference(codes & 3, 2))
+    assert torch.equal(packed[:, length // 4:], _layout_reference(codes >> 2, 1))
+
+
+def test_3bit_rejects_what_does_not_fit():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_codes(torch.zeros(12, dtype=torch.uint8), 3)
+    with pytest.raises(ValueError, match=r"\[0, 8\)"):
+        pack_codes(torch.full((8,), 8, dtype=torch.uint8), 3)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        pack_codes(torch.zeros(8, dtype=torch.uint8), 1)  # 1-bit is only a part of 3-bit codes

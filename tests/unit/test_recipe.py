@@ -57,7 +57,7 @@ def test_refuses_recipe_for_another_model():
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"k_bits": 3}, "k_bits"), ({"v_bits": 1}, "v_bits"), ({"k_axis": "diag"}, "k_axis"),
+    ({"k_bits": 5}, "k_bits"), ({"v_bits": 1}, "v_bits"), ({"k_axis": "diag"}, "k_axis"),
     ({"window": 16, "k_bits": 2, "k_group": 32}, "window"), ({"sinks": -1}, "sinks"),
     ({"surprise": 1}, "unknown keys"),
 ])

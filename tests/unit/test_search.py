@@ -34,7 +34,7 @@ def test_default_space_and_files(tmp_path):
     ("", "empty"),
     ("{}", "empty"),
     ('{"bitz": [2]}', "unknown keys"),
-    ('{"bits": [3]}', "not allowed"),
+    ('{"bits": [5]}', "not allowed"),
     ('{"bits": [16]}', "not allowed"),
     ('{"bits": []}', "empty"),
     ('{"groups": [64], "windows": [32]}', "shorter than group"),
@@ -50,7 +50,7 @@ def test_default_space_and_files(tmp_path):
     ('{"schedules": ["none", "middle-heavy"]}', "sinks include 0"),
     ('{"sinks": [4], "schedules": ["old-heavy"]}', "keeps no sinks"),
     ('{"schedules": ["new-heavy"]}', "lowest bits from the start"),
-], ids=["empty-file", "empty-object", "unknown-key", "bits-3", "bits-16", "no-bits", "short-window",
+], ids=["empty-file", "empty-object", "unknown-key", "bits-5", "bits-16", "no-bits", "short-window",
         "schedule-as-layer-method", "unknown-method", "bad-json", "no-schedules", "schedules-string",
         "unknown-schedule", "ages-decreasing", "ages-not-int", "age-in-window", "middle-heavy-no-sinks",
         "old-heavy-sinks", "new-heavy"])

@@ -26,7 +26,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcalib.quant.packing import packed_width, unpack_codes
+from kvcalib.quant.packing import length_multiple, packed_width, unpack_codes
 from kvcalib.quant.uniform import (
     QuantizedTensor,
     decode,
@@ -41,7 +41,7 @@ from kvcalib.quant.uniform import (
     quantize_values,
 )
 
-BITS = (2, 4, 8)
+BITS = (2, 3, 4, 8)
 KINDS = ("keys", "values")
 
 
@@ -125,6 +125,10 @@ def _sqnr_db(x: torch.Tensor, xh: torch.Tensor) -> float:
 def test_keys_layout_and_parameters(bits, shape, group):
     k = _randn(shape, seed=1)  # (B, H, T, D)
     *lead, t, d = shape
+    if d % length_multiple(bits):  # 3-bit codes pack in runs of 8 channels: D=36 does not fit
+        with pytest.raises(ValueError, match="multiple of 8"):
+            quantize_keys(k, bits, group)
+        return
     qt = quantize_keys(k, bits, group)
     assert qt.axis == "token" and qt.bits == bits and qt.group == group
     assert qt.codes.dtype == torch.uint8 and qt.codes.shape == (*lead, t, packed_width(d, bits))
@@ -146,6 +150,10 @@ def test_keys_layout_and_parameters(bits, shape, group):
 def test_values_layout_and_parameters(bits, shape, group):
     v = _randn(shape, seed=2)  # (B, H, T, D)
     *lead, t, d = shape
+    if d % length_multiple(bits):  # 3-bit codes pack in runs of 8 channels: D=36 does not fit
+        with pytest.raises(ValueError, match="multiple of 8"):
+            quantize_values(v, bits, group)
+        return
     qt = quantize_values(v, bits, group)
     assert qt.axis == "channel"
     assert qt.codes.shape == (*lead, t, packed_width(d, bits))
@@ -246,12 +254,14 @@ def test_error_bound_property(kind, bits, lead, n_groups, group, other, log_scal
     if abs(shift) + 6 * scale > 6e4:  # keep |values| inside float16 (else ValueError, tested below)
         scale = 1e3
     if kind == "keys":
+        if other % length_multiple(bits):  # 3-bit codes pack in runs of 8 channels
+            other = 64
         shape = (*lead, n_groups * group, other)  # (..., T, D)
     else:
         shape = (*lead, other, n_groups * group)
-        if shape[-1] % (8 // bits):
-            shape = (*lead, other, 4 * n_groups * group)
-            group = 4 * group
+        if shape[-1] % length_multiple(bits):
+            shape = (*lead, other, 8 * n_groups * group)
+            group = 8 * group
     x = _randn(shape, seed, scale=scale, shift=shift)
     qt = _quantize(kind, x, bits, group)
     lo, hi = _group_range(kind, x, group)
@@ -353,8 +363,8 @@ def test_non_contiguous_input(kind):
 
 # Measured on N(0, 1) data, shape (2, 4, 256, 128), group 32: 8-bit 46.7 dB, 4-bit 22.1 dB,
 # 2-bit 8.1 dB for both keys and values (theory for a uniform grid over ~4 sigma: 46.9 / 22.3 /
-# 8.3 dB). Floors leave ~2 dB (1 dB at 2 bits) of margin; the estimate's spread is ~0.05 dB.
-SQNR_FLOOR_DB = {8: 44.0, 4: 20.0, 2: 7.0}
+# 8.3 dB); 3-bit 15.1 dB. Floors leave ~2 dB (1 dB at 2 bits) of margin; the estimate's spread is ~0.05 dB.
+SQNR_FLOOR_DB = {8: 44.0, 4: 20.0, 3: 13.0, 2: 7.0}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -491,7 +501,7 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="D=6"):
         quantize_keys(_randn((1, 1, 4, 6), seed=0), 2, 4)  # 6 channels do not pack 4 per byte
     with pytest.raises(ValueError, match="bits"):
-        quantize_keys(x, 3, 32)
+        quantize_keys(x, 5, 32)
     with pytest.raises(ValueError, match="bits"):
         quantize_values(x, 4.0, 32)
     with pytest.raises(ValueError, match="group"):
@@ -525,4 +535,6 @@ def test_quantized_tensor_validates():
     with pytest.raises(ValueError, match="axis"):
         QuantizedTensor(qt.codes, qt.scale, qt.zero, 4, 16, "row")
     with pytest.raises(ValueError, match="bits"):
+        QuantizedTensor(qt.codes, qt.scale, qt.zero, 5, 16, "token")
+    with pytest.raises(ValueError, match="3-bit codes"):  # 32 bytes are not 3 bits x a multiple of 8 channels
         QuantizedTensor(qt.codes, qt.scale, qt.zero, 3, 16, "token")

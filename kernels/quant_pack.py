@@ -109,6 +109,21 @@ def _load_dev(x_ptrs, m_ptrs, cols, mask, perm_row, D: tl.constexpr, HAS_PERM: t
 
 
 @triton.jit
+def _pack3(code, s: tl.constexpr, even, odd, high):
+    """3-bit codes of 1-bit plane ``s`` (channels ``[s * D/8, (s+1) * D/8)``) into the layout of
+    kvcalib.quant.packing: their low 2 bits sit in 2-bit plane ``s // 2`` of the bytes
+    ``[(s % 2) * D/8, ...)`` (``even`` for even s, ``odd`` for odd s: the first and second D/8 bytes
+    of the 2-bit part), their high bit in bit ``s`` of the 1-bit part (``high``)."""
+    low = (code & 3) << (2 * (s // 2))
+    if s % 2 == 0:
+        even = even | low
+    else:
+        odd = odd | low
+    high = high | ((code >> 2) << s)
+    return even, odd, high
+
+
+@triton.jit
 def _quant_keys_kernel(
     # input (B, H, T, D) float, last dim contiguous
     X, stride_xb, stride_xh, stride_xt,
@@ -119,19 +134,21 @@ def _quant_keys_kernel(
     # channel permutation (H, D) int32 contiguous, used when HAS_PERM;
     # mean_hat (B, T, D) float32 contiguous, used when HAS_MEAN
     PERM, MEAN,
-    # outputs: codes (B, H, T, P) uint8; scale/zero (B, H, T/GROUP, D) float16; all contiguous
+    # outputs: codes (B, H, T, ROW) uint8; scale/zero (B, H, T/GROUP, D) float16; all contiguous
     CODES, SCALE, ZERO, T, H,
     D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     PB: tl.constexpr, HAS_VALID: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_PERM: tl.constexpr,
-    HAS_MEAN: tl.constexpr,
+    HAS_MEAN: tl.constexpr, ROW: tl.constexpr,
 ):
+    """P: channels per plane (D / (8 // BITS); D / 8 at 3 bits, whose 8 one-bit planes set the
+    stride); ROW: code bytes per token (P, or 3 * P at 3 bits: see _pack3)."""
     pid_bh = tl.program_id(0)
     g = tl.program_id(1)  # token group
     pb0 = tl.program_id(2) * PB  # first byte column of this program
     b = pid_bh // H
     h = pid_bh % H
     QMAX: tl.constexpr = (1 << BITS) - 1
-    PER: tl.constexpr = 8 // BITS
+    PER: tl.constexpr = 8 if BITS == 3 else 8 // BITS
     offs_t = g * GROUP + tl.arange(0, G_PAD)  # (G_PAD,) tokens
     t_ok = tl.arange(0, G_PAD) < GROUP
     offs_p = pb0 + tl.arange(0, PB)  # (PB,) byte columns
@@ -145,7 +162,9 @@ def _quant_keys_kernel(
     m_rows = MEAN + (b.to(tl.int64) * T + offs_t) * D  # (G_PAD,) mean_hat rows (HAS_MEAN)
     perm_row = PERM + h * D
     prow = (pid_bh.to(tl.int64) * (T // GROUP) + g) * D  # scale/zero row of this group
-    packed = tl.zeros([G_PAD, PB], tl.uint8)
+    packed = tl.zeros([G_PAD, PB], tl.uint8)  # 3 bits: the low bits of the even 1-bit planes
+    packed_odd = tl.zeros([G_PAD, PB], tl.uint8)  # 3 bits: the low bits of the odd ones
+    packed_high = tl.zeros([G_PAD, PB], tl.uint8)  # 3 bits: the high bits
     for s in tl.static_range(PER):
         cols = s * P + offs_p  # (PB,) stored channels of plane s
         x = _load_dev(x_rows[:, None], m_rows[:, None], cols[None, :], t_ok[:, None] & p_ok[None, :], perm_row,
@@ -162,9 +181,16 @@ def _quant_keys_kernel(
         tl.store(SCALE + prow + cols, scale16, mask=p_ok)
         tl.store(ZERO + prow + cols, zero16, mask=p_ok)
         code = _encode(x, scale16.to(tl.float32)[None, :], zero16.to(tl.float32)[None, :], QMAX)
-        packed = packed | (code << (s * BITS))
-    out_rows = (pid_bh.to(tl.int64) * T + offs_t) * P  # (G_PAD,)
-    tl.store(CODES + out_rows[:, None] + offs_p[None, :], packed, mask=t_ok[:, None] & p_ok[None, :])
+        if BITS == 3:
+            packed, packed_odd, packed_high = _pack3(code, s, packed, packed_odd, packed_high)
+        else:
+            packed = packed | (code << (s * BITS))
+    out_rows = (pid_bh.to(tl.int64) * T + offs_t) * ROW  # (G_PAD,)
+    out = CODES + out_rows[:, None] + offs_p[None, :]
+    tl.store(out, packed, mask=t_ok[:, None] & p_ok[None, :])
+    if BITS == 3:
+        tl.store(out + P, packed_odd, mask=t_ok[:, None] & p_ok[None, :])
+        tl.store(out + 2 * P, packed_high, mask=t_ok[:, None] & p_ok[None, :])
 
 
 @triton.jit
@@ -178,17 +204,18 @@ def _quant_values_kernel(
     # channel permutation (H, D) int32 contiguous, used when HAS_PERM;
     # mean_hat (B, T, D) float32 contiguous, used when HAS_MEAN
     PERM, MEAN,
-    # outputs: codes (B, H, T, P) uint8; scale/zero (B, H, T, D/GROUP) float16; all contiguous
+    # outputs: codes (B, H, T, ROW) uint8; scale/zero (B, H, T, D/GROUP) float16; all contiguous
     CODES, SCALE, ZERO, T, H,
     D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr,
     TB: tl.constexpr, HAS_VALID: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_PERM: tl.constexpr,
-    HAS_MEAN: tl.constexpr,
+    HAS_MEAN: tl.constexpr, ROW: tl.constexpr,
 ):
+    """P and ROW as in _quant_keys_kernel."""
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
     QMAX: tl.constexpr = (1 << BITS) - 1
-    PER: tl.constexpr = 8 // BITS
+    PER: tl.constexpr = 8 if BITS == 3 else 8 // BITS
     NGP: tl.constexpr = P // W  # sub-groups of W channels per plane
     NG: tl.constexpr = D // GROUP
     offs_t = tl.program_id(1) * TB + tl.arange(0, TB)  # (TB,)
@@ -205,7 +232,9 @@ def _quant_values_kernel(
     perm_row = PERM + h * D
     prows = (pid_bh.to(tl.int64) * T + offs_t) * NG  # (TB,) scale/zero rows
     m3 = t_ok[:, None, None]
-    packed = tl.zeros([TB, NGP, W], tl.uint8)
+    packed = tl.zeros([TB, NGP, W], tl.uint8)  # 3 bits: as in _quant_keys_kernel
+    packed_odd = tl.zeros([TB, NGP, W], tl.uint8)
+    packed_high = tl.zeros([TB, NGP, W], tl.uint8)
     for s in tl.static_range(PER):
         x = _load_dev(x_rows[:, None, None], m_rows[:, None, None], s * P + byte3, m3, perm_row,
                       D, HAS_PERM, HAS_MEAN)  # (TB, NGP, W)
@@ -230,9 +259,15 @@ def _quant_values_kernel(
         tl.store(SCALE + prows[:, None] + gcol[None, :], scale16, mask=t_ok[:, None])
         tl.store(ZERO + prows[:, None] + gcol[None, :], zero16, mask=t_ok[:, None])
         code = _encode(x, scale16.to(tl.float32)[:, :, None], zero16.to(tl.float32)[:, :, None], QMAX)
-        packed = packed | (code << (s * BITS))
-    out = CODES + ((pid_bh.to(tl.int64) * T + offs_t) * P)[:, None, None] + byte3
+        if BITS == 3:
+            packed, packed_odd, packed_high = _pack3(code, s, packed, packed_odd, packed_high)
+        else:
+            packed = packed | (code << (s * BITS))
+    out = CODES + ((pid_bh.to(tl.int64) * T + offs_t) * ROW)[:, None, None] + byte3
     tl.store(out, packed, mask=m3)
+    if BITS == 3:
+        tl.store(out + P, packed_odd, mask=m3)
+        tl.store(out + 2 * P, packed_high, mask=m3)
 
 
 @triton.jit
@@ -303,8 +338,8 @@ def supports(*, shape: tuple[int, ...], dtype: torch.dtype, bits: int, group: in
     _, h, t, d = shape
     if dtype not in _DTYPES:
         return f"dtype {dtype} is not float16, bfloat16 or float32"
-    if bits not in (2, 4, 8) or isinstance(bits, bool):
-        return f"bits {bits} is not 2, 4 or 8"
+    if bits not in (2, 3, 4, 8) or isinstance(bits, bool):
+        return f"bits {bits} is not 2, 3, 4 or 8"
     if d < 8 or d & (d - 1):
         return f"head_dim {d} is not a power of two >= 8"
     if per_channel and t % group:
@@ -324,8 +359,8 @@ def _check_input(x: torch.Tensor, name: str, bits: int, validate: bool) -> torch
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
         raise ValueError(f"{name} must be a float (B, H, T, D) tensor, got "
                          f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
-    if bits not in (2, 4, 8) or isinstance(bits, bool):
-        raise ValueError(f"bits must be one of (2, 4, 8), got {bits!r}")
+    if bits not in (2, 3, 4, 8) or isinstance(bits, bool):
+        raise ValueError(f"bits must be one of (2, 3, 4, 8), got {bits!r}")
     d = x.shape[-1]
     if d & (d - 1) or d < 8:
         raise ValueError(f"head_dim D={d} must be a power of two >= 8 for these kernels")
@@ -397,6 +432,11 @@ def _mean_f32(mean, b, t, d, dev):
     return mean.to(dev).contiguous(), True
 
 
+def _plane_width(d: int, bits: int) -> int:
+    """Channels per plane: ``D / (8 // bits)``, and ``D / 8`` for 3-bit codes (8 one-bit planes)."""
+    return d // 8 if bits == 3 else d // (8 // bits)
+
+
 def quantize_pack_keys(k: torch.Tensor, bits: int, group: int, clip=1.0, valid: torch.Tensor | None = None,
                        *, perm: torch.Tensor | None = None, mean: torch.Tensor | None = None,
                        validate: bool = True) -> QuantizedTensor:
@@ -417,9 +457,8 @@ def quantize_pack_keys(k: torch.Tensor, bits: int, group: int, clip=1.0, valid: 
     if t % group:
         raise ValueError(f"keys are grouped along tokens: T={t} must be a multiple of group={group}")
     dev = k.device
-    per = 8 // bits
-    p = d // per
-    codes = torch.empty((b, h, t, p), dtype=torch.uint8, device=dev)
+    p, row = _plane_width(d, bits), d * bits // 8
+    codes = torch.empty((b, h, t, row), dtype=torch.uint8, device=dev)
     scale = torch.empty((b, h, t // group, d), dtype=torch.float16, device=dev)
     zero = torch.empty_like(scale)
     if k.numel():
@@ -432,7 +471,7 @@ def quantize_pack_keys(k: torch.Tensor, bits: int, group: int, clip=1.0, valid: 
         _quant_keys_kernel[(b * h, t // group, triton.cdiv(p, pb))](
             k, *k.stride()[:3], vt, *vs, ct, *cs, pt, mt, codes, scale, zero, t, h,
             D=d, P=p, BITS=bits, GROUP=group, G_PAD=g_pad, PB=pb, HAS_VALID=has_valid, HAS_CLIP=has_clip,
-            HAS_PERM=has_perm, HAS_MEAN=has_mean, num_warps=4, enable_fp_fusion=False)
+            HAS_PERM=has_perm, HAS_MEAN=has_mean, ROW=row, num_warps=4, enable_fp_fusion=False)
     return QuantizedTensor(codes, scale, zero, bits, group, "token")
 
 
@@ -453,9 +492,8 @@ def quantize_pack_values(v: torch.Tensor, bits: int, group: int, clip=1.0, valid
     if d % group:
         raise ValueError(f"values are grouped along channels: D={d} must be a multiple of group={group}")
     dev = v.device
-    per = 8 // bits
-    p = d // per
-    codes = torch.empty((b, h, t, p), dtype=torch.uint8, device=dev)
+    p, row = _plane_width(d, bits), d * bits // 8
+    codes = torch.empty((b, h, t, row), dtype=torch.uint8, device=dev)
     scale = torch.empty((b, h, t, d // group), dtype=torch.float16, device=dev)
     zero = torch.empty_like(scale)
     if v.numel():
@@ -469,7 +507,7 @@ def quantize_pack_values(v: torch.Tensor, bits: int, group: int, clip=1.0, valid
         _quant_values_kernel[(b * h, triton.cdiv(t, tb))](
             v, *v.stride()[:3], vt, *vs, ct, *cs, pt, mt, codes, scale, zero, t, h,
             D=d, P=p, BITS=bits, GROUP=group, W=w, TB=tb, HAS_VALID=has_valid, HAS_CLIP=has_clip,
-            HAS_PERM=has_perm, HAS_MEAN=has_mean, num_warps=4, enable_fp_fusion=False)
+            HAS_PERM=has_perm, HAS_MEAN=has_mean, ROW=row, num_warps=4, enable_fp_fusion=False)
     return QuantizedTensor(codes, scale, zero, bits, group, "channel")
 
 

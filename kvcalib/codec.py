@@ -316,7 +316,7 @@ class LayerCodec:
         torch on an H200 (most of a PATS flush at 32k)."""
         from kvcalib_kernels import quant_pack
 
-        if isinstance(bits, bool) or bits not in (2, 4, 8) or bits >= qt.bits:
+        if isinstance(bits, bool) or bits not in (2, 3, 4, 8) or bits >= qt.bits:
             return None  # the reference names the problem
         per_channel = qt.axis == "token"  # keys per channel over token groups
         x = dequantize(qt)  # (B, H, T, D) float32, stored channel order

@@ -44,7 +44,7 @@ def assert_same(a, r):
         assert torch.equal(x, y), f"{name}: {(x != y).sum().item()} of {x.numel()} differ"
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8], ids=lambda b: f"{b}b")
+@pytest.mark.parametrize("bits", [2, 3, 4, 8], ids=lambda b: f"{b}b")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("d,group", [(64, 16), (128, 32), (64, 12)], ids=lambda x: str(x))
 def test_keys_bit_exact(bits, dtype, d, group):
@@ -52,7 +52,7 @@ def test_keys_bit_exact(bits, dtype, d, group):
     assert_same(qp.quantize_pack_keys(x, bits, group), quantize_pack_keys_reference(x.cpu(), bits, group))
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8], ids=lambda b: f"{b}b")
+@pytest.mark.parametrize("bits", [2, 3, 4, 8], ids=lambda b: f"{b}b")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("d,group", [(64, 16), (64, 64), (128, 128), (128, 32)], ids=lambda x: str(x))
 def test_values_bit_exact(bits, dtype, d, group):
@@ -73,7 +73,7 @@ def test_clip_and_padding_bit_exact(clip):
         kclip[..., :4] = 1.0  # alpha == 1 exactly: the unclipped range, no drift
         kclip, vclip = kclip.to(DEVICE), vclip.to(DEVICE)
     cpu = (lambda t: t.cpu() if isinstance(t, torch.Tensor) else t)  # noqa: E731
-    for bits in (2, 4):
+    for bits in (2, 3, 4):
         assert_same(qp.quantize_pack_keys(x, bits, 16, clip=kclip, valid=valid),
                     quantize_pack_keys_reference(x.cpu(), bits, 16, clip=cpu(kclip), valid=valid.cpu()))
         assert_same(qp.quantize_pack_values(x, bits, 32, clip=vclip, valid=valid),
@@ -94,7 +94,7 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError, match="multiple of group"):
         qp.quantize_pack_keys(x, 2, 24)
     with pytest.raises(ValueError, match="bits"):
-        qp.quantize_pack_values(x, 3, 32)
+        qp.quantize_pack_values(x, 5, 32)
     bad = x.clone()
     bad[0, 0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
@@ -227,7 +227,7 @@ def test_gpu_full_size_recipe_state_bit_exact(bits, mean_bits):
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("bits", [2, 4, 8], ids=lambda b: f"{b}b")
+@pytest.mark.parametrize("bits", [2, 3, 4, 8], ids=lambda b: f"{b}b")
 @pytest.mark.parametrize("d", [64, 128, 256], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_gpu_full_size_bit_exact(bits, d, dtype):

@@ -157,6 +157,19 @@ def test_cache_stores_reference_bytes(monkeypatch, case):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("case", ["plain", "center16+perm+clip"])
+def test_three_bit_cache_stores_reference_bytes(monkeypatch, case):
+    """3-bit codes (a 2-bit part then a 1-bit part per token) through the quantize-and-pack kernels."""
+    three = LayerConfig(k_bits=3, v_bits=3, k_group=8, v_group=16, window=8, sinks=2)
+    steps = _prompt_then_decode(45, 17, seed=11)
+    ref = _run(monkeypatch, "reference", three, steps, pad=11, **CASES[case])
+    spy = _Spy(monkeypatch)
+    tri = _run(monkeypatch, "triton", three, steps, pad=11, **CASES[case])
+    assert spy.key_tokens >= tri.n_packed, "every flushed token went through the kernels"
+    assert_same_storage(tri, ref)
+
+
+@needs_interpreter
 def test_cache_with_outlier_pools_stores_reference_bytes(monkeypatch):
     """OTT: pool entrants are left out of their group's ranges (``keep``), padding never enters."""
     steps = _prompt_then_decode(37, 9, seed=7)
@@ -187,7 +200,7 @@ def test_per_token_keys_and_tiers_store_reference_bytes(monkeypatch):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("src,dst", [(8, 4), (8, 2), (4, 2)])
+@pytest.mark.parametrize("src,dst", [(8, 4), (8, 2), (4, 2), (4, 3)])
 def test_requantize_on_the_kernel_stores_reference_bytes(monkeypatch, src, dst):
     """A tier move (requantization to fewer bits, padding and pool entrants out of the ranges)
     through the quantize-and-pack kernel gives the reference's bytes, keys and values."""

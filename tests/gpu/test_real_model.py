@@ -30,6 +30,9 @@ SEARCHED = ROOT / "recipes" / "smollm2-135m" / "recipe.safetensors"
 # layers and keys in 7, so the kernel's in-split query rotation and rotating combine run on real text
 ROTATED = ROOT / "recipes" / "smollm2-135m" / "long-8192-3.0b-rot" / "recipe.safetensors"
 GRAPH_RECIPES = ["kivi-2", "kivi-4", str(SEARCHED), str(ROTATED)]
+# the 4.0-bit long-context recipe with 3-bit codes on 21 of 30 layers: those decode on the reference
+# path, the 2/4/8-bit layers through the kernel, in one step
+THREE_BIT = ROOT / "recipes" / "smollm2-135m" / "long-8192-4.0b-3bit" / "recipe.safetensors"
 
 
 def _have_model() -> bool:
@@ -81,7 +84,8 @@ def _teacher_forced(model, ids: torch.Tensor, recipe, prompt: int, backend: str)
 
 
 @pytest.mark.parametrize("prompt", [4100, 6000])
-@pytest.mark.parametrize("recipe", ["kivi-2", str(SEARCHED), str(ROTATED)], ids=["kivi-2", "searched", "rotated"])
+@pytest.mark.parametrize("recipe", ["kivi-2", str(SEARCHED), str(ROTATED), str(THREE_BIT)],
+                         ids=["kivi-2", "searched", "rotated", "3-bit"])
 def test_kernel_matches_reference_at_long_context(smol, prompt, recipe):
     loaded, ids = smol
     seq = ids[:prompt + 64]
@@ -139,7 +143,22 @@ def test_graph_equals_eager(smol, recipe):
     _agree(eager_tokens, graph_tokens, el, gl)
 
 
-@pytest.mark.parametrize("recipe", ["kivi-2", str(SEARCHED), str(ROTATED)], ids=["kivi-2", "searched", "rotated"])
+def test_whole_step_graphs_refuse_3bit_layers_by_name(smol):
+    """A whole-step CUDA graph has no reference fallback: a recipe with 3-bit layers is refused with
+    the layer and the reason, not captured wrong."""
+    from kvcalib.errors import KvcalibError
+    from kvcalib.runtime.cache import CompressedCache
+    from kvcalib.runtime.graphs import GraphDecoder
+
+    loaded, ids = smol
+    prompts = ids[:300][None].cuda()  # (1, 300)
+    decoder = GraphDecoder(loaded.model, CompressedCache.from_recipe(loaded.model, str(THREE_BIT)))
+    with pytest.raises(KvcalibError, match="3-bit codes"):
+        decoder.generate(prompts, torch.ones_like(prompts), 4)
+
+
+@pytest.mark.parametrize("recipe", ["kivi-2", str(SEARCHED), str(ROTATED), str(THREE_BIT)],
+                         ids=["kivi-2", "searched", "rotated", "3-bit"])
 def test_left_padded_rows_equal_each_prompt_alone(smol, recipe):
     from kvcalib.runtime.cache import CompressedCache
 

@@ -58,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcalib.quant.packing import SUPPORTED_BITS, length_multiple, packed_width
 from kvcalib.quant.uniform import QuantizedTensor
 
 __all__ = ["MAX_CENTER_HEADS", "center_pack", "quantize_pack_keys", "quantize_pack_values", "supports"]
@@ -338,8 +339,8 @@ def supports(*, shape: tuple[int, ...], dtype: torch.dtype, bits: int, group: in
     _, h, t, d = shape
     if dtype not in _DTYPES:
         return f"dtype {dtype} is not float16, bfloat16 or float32"
-    if bits not in (2, 3, 4, 8) or isinstance(bits, bool):
-        return f"bits {bits} is not 2, 3, 4 or 8"
+    if bits not in SUPPORTED_BITS or isinstance(bits, bool):
+        return f"bits {bits} is not one of {SUPPORTED_BITS}"
     if d < 8 or d & (d - 1):
         return f"head_dim {d} is not a power of two >= 8"
     if per_channel and t % group:
@@ -359,8 +360,8 @@ def _check_input(x: torch.Tensor, name: str, bits: int, validate: bool) -> torch
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
         raise ValueError(f"{name} must be a float (B, H, T, D) tensor, got "
                          f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
-    if bits not in (2, 3, 4, 8) or isinstance(bits, bool):
-        raise ValueError(f"bits must be one of (2, 3, 4, 8), got {bits!r}")
+    if bits not in SUPPORTED_BITS or isinstance(bits, bool):
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
     d = x.shape[-1]
     if d & (d - 1) or d < 8:
         raise ValueError(f"head_dim D={d} must be a power of two >= 8 for these kernels")
@@ -432,11 +433,6 @@ def _mean_f32(mean, b, t, d, dev):
     return mean.to(dev).contiguous(), True
 
 
-def _plane_width(d: int, bits: int) -> int:
-    """Channels per plane: ``D / (8 // bits)``, and ``D / 8`` for 3-bit codes (8 one-bit planes)."""
-    return d // 8 if bits == 3 else d // (8 // bits)
-
-
 def quantize_pack_keys(k: torch.Tensor, bits: int, group: int, clip=1.0, valid: torch.Tensor | None = None,
                        *, perm: torch.Tensor | None = None, mean: torch.Tensor | None = None,
                        validate: bool = True) -> QuantizedTensor:
@@ -457,7 +453,8 @@ def quantize_pack_keys(k: torch.Tensor, bits: int, group: int, clip=1.0, valid: 
     if t % group:
         raise ValueError(f"keys are grouped along tokens: T={t} must be a multiple of group={group}")
     dev = k.device
-    p, row = _plane_width(d, bits), d * bits // 8
+    # channels per plane (D / 8 at 3 bits: 8 one-bit planes) and code bytes per token
+    p, row = d // length_multiple(bits), packed_width(d, bits)
     codes = torch.empty((b, h, t, row), dtype=torch.uint8, device=dev)
     scale = torch.empty((b, h, t // group, d), dtype=torch.float16, device=dev)
     zero = torch.empty_like(scale)
@@ -492,7 +489,8 @@ def quantize_pack_values(v: torch.Tensor, bits: int, group: int, clip=1.0, valid
     if d % group:
         raise ValueError(f"values are grouped along channels: D={d} must be a multiple of group={group}")
     dev = v.device
-    p, row = _plane_width(d, bits), d * bits // 8
+    # channels per plane (D / 8 at 3 bits: 8 one-bit planes) and code bytes per token
+    p, row = d // length_multiple(bits), packed_width(d, bits)
     codes = torch.empty((b, h, t, row), dtype=torch.uint8, device=dev)
     scale = torch.empty((b, h, t, d // group), dtype=torch.float16, device=dev)
     zero = torch.empty_like(scale)

@@ -43,6 +43,7 @@ from kvcalib.layout import LayerConfig
 from kvcalib.methods import MethodState, registry
 from kvcalib.methods.reorder import apply_perm
 from kvcalib.methods.schedule import requantize
+from kvcalib.quant.packing import SUPPORTED_BITS
 from kvcalib.quant.uniform import QuantizedTensor, dequantize, dequantize_keys, dequantize_values, quantize_fixed, \
     quantize_keys, quantize_values
 
@@ -316,7 +317,7 @@ class LayerCodec:
         torch on an H200 (most of a PATS flush at 32k)."""
         from kvcalib_kernels import quant_pack
 
-        if isinstance(bits, bool) or bits not in (2, 3, 4, 8) or bits >= qt.bits:
+        if isinstance(bits, bool) or bits not in SUPPORTED_BITS or bits >= qt.bits:
             return None  # the reference names the problem
         per_channel = qt.axis == "token"  # keys per channel over token groups
         x = dequantize(qt)  # (B, H, T, D) float32, stored channel order

@@ -73,6 +73,7 @@ from kvcalib.errors import KvcalibError
 from kvcalib.layout import LayerConfig, layer_bytes
 from kvcalib.methods.base import (CalibrationError, FitContext, Flag, LayerGeometry, Method, MethodState, TensorSpec,
                                   check_side, fake_quantize)
+from kvcalib.quant.packing import SUPPORTED_BITS
 from kvcalib.quant.uniform import QuantizedTensor, dequantize, quantize_keys, quantize_values
 from kvcalib.stats import LayerStats
 
@@ -317,7 +318,7 @@ def requantize(qt: QuantizedTensor, bits: int, valid: torch.Tensor | None = None
     """
     if not isinstance(qt, QuantizedTensor):
         raise CalibrationError(f"requantize needs a QuantizedTensor, got {type(qt).__name__}")
-    if isinstance(bits, bool) or bits not in (2, 3, 4, 8) or bits >= qt.bits:
+    if isinstance(bits, bool) or bits not in SUPPORTED_BITS or bits >= qt.bits:
         raise CalibrationError(f"requantize goes to fewer bits: got {bits!r} for a {qt.bits}-bit block")
     x = dequantize(qt)  # (B, H, T, D) float32
     fn = quantize_keys if qt.axis == "token" else quantize_values

@@ -192,7 +192,21 @@ def _stages(num_stages: int, blocks_per_split: int, deep_layout: bool) -> int:
     return num_stages + (deep_layout and blocks_per_split >= DEEP_PIPELINE_BLOCKS)
 
 
+# 3-bit codes read as byte tiles (keys; values too narrow for int16 units) take the lane unpack in
+# Triton ops (6): the PTX block with the aligned high tile as a second operand packs 4 bytes a
+# register of each and computed wrong lanes on an H200 (triton 3.6; tests/kernels/test_unpack_tiles.py:
+# the same asm on int16 units, 2 a register, is right and is what 3-bit value units use).
+THREE_BIT_BYTE_LANES = 6
+
+
 # ---------------------------------------------------------------- layouts
+
+
+def plane_bits(bits: int) -> int:
+    """Bits of the code planes the split kernel folds and multiplies: a 3-bit side is its 2-bit
+    planar part (4 planes, shifts 0/2/4/6) with the high bit added into each plane's codes
+    (``K_HI``/``V_HI``, :mod:`.unpack`); every other width is its own."""
+    return 2 if bits == 3 else bits
 
 
 def supports(*, head_dim: int, k_bits: int, v_bits: int, k_group: int, v_group: int,
@@ -203,10 +217,11 @@ def supports(*, head_dim: int, k_bits: int, v_bits: int, k_group: int, v_group: 
     if d < 16 or d & (d - 1) or d > 512:
         return f"head_dim {d} is not a power of two in [16, 512]"
     for side, bits in (("k", k_bits), ("v", v_bits)):
-        if bits not in (2, 4, 8):
-            return f"{side}_bits {bits} is not 2, 4 or 8"
-        if d * bits // 8 < 16:
-            return f"{side}: {bits}-bit codes of head_dim {d} pack into fewer than 16 bytes (tl.dot needs >= 16)"
+        if bits not in (2, 3, 4, 8):
+            return f"{side}_bits {bits} is not 2, 3, 4 or 8"
+        if d * plane_bits(bits) // 8 < 16:  # (a 3-bit side's planes are its 2-bit part's)
+            return (f"{side}: {bits}-bit codes of head_dim {d} give code planes of fewer than 16 bytes "
+                    "(tl.dot needs >= 16)")
     if k_axis not in ("channel", "token"):
         return f"k_axis {k_axis!r} is not 'channel' or 'token'"
     if k_axis == "channel" and _pow2_divisor(k_group, block_n) < 16:
@@ -392,17 +407,19 @@ def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, d
     k_halves = False
     if k_axis == "channel":  # blocks of one key group, or of two when key groups are shorter
         kgb = _pow2_divisor(k_group, config.block_n)
-        pairs = _key_group_pairs(d, r_pad, k_bits, v_bits)
+        pairs = _key_group_pairs(d, r_pad, plane_bits(k_bits), plane_bits(v_bits))
         # otherwise two groups per block without virtual rows, one per half of the block
         k_halves = (not pairs) and halves and 2 * kgb == config.block_n
         block_n = min(config.block_n, 2 * kgb) if (pairs or k_halves) else kgb
     k_fold = k_axis == "channel"
-    v_fold, v_chunks = value_fold(d, v_bits, v_group)
+    v_fold, v_chunks = value_fold(d, plane_bits(v_bits), v_group)
     # the lane unpacks (5 PTX, 6 Triton ops) leave 1024 + c * 2**shift for the folds to remove; a
     # side that dequantizes per element (no fold) takes the byte unpack of the same kind instead
     plain = 2 if (unpack == 5 and cuda and fast_unpack_available(dev_index, "bytes")) else 1
     k_unpack = plain if (unpack in (5, 6) and not k_fold) else unpack
     v_unpack = plain if (unpack in (5, 6) and not v_fold) else unpack
+    if k_unpack == 5 and k_bits == 3:
+        k_unpack = 6  # 3-bit byte tiles: the lanes in Triton ops (THREE_BIT_BYTE_LANES)
     # the interpreter's tl.dot has no bfloat16 (stored as uint16 there): float32 products instead
     fp_t = tl.float32 if (fp_dtype == torch.float32 or interp) else _tl_dtype(fp_dtype)
     fp_ieee = fp_dtype == torch.float32 or interp
@@ -522,7 +539,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     _check_layout(d, rep, k_bits, v_bits, k_group, v_group, k_axis, config.block_n)
     for i, pair in enumerate(fp):
         _check_fp(pair, bsz, h, d, i)
-    pk, pv = d * k_bits // 8, d * v_bits // 8
+    pk, pv = d * k_bits // 8, d * v_bits // 8  # bytes a token's codes take (3-bit: 2-bit part + high part)
     if n:
         for name, t, shape in (("k_codes", k_codes, (bsz, h, n, pk)), ("v_codes", v_codes, (bsz, h, n, pv))):
             if t is None or t.dtype != torch.uint8 or tuple(t.shape) != shape:
@@ -608,11 +625,13 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
         # (Mistral shape batch 8 / 32k 2-bit 107.8 -> 99.6 us); not with two key groups per block,
         # nor a value mean without a permutation (both measured slower with units); >= 16 units per
         # value group's tile (tl.dot's N; a value mean with chunks accumulates apart anyway)
-        v_units = (v_fold and v_unpack in (5, 6) and d * v_bits // 8 >= 32 * v_chunks
+        v_units = (v_fold and v_unpack in (5, 6) and d * plane_bits(v_bits) // 8 >= 32 * v_chunks
                    and k_sub == 1 and (v_mean is None or v_perm is not None or v_chunks > 1)
                    and vc.stride(3) == 1 and vc.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in vc.stride()[:3]))
         if v_units:
             vc = vc.view(torch.int16)
+        elif v_unpack == 5 and v_bits == 3:
+            v_unpack = 6  # 3-bit byte tiles: the lanes in Triton ops (THREE_BIT_BYTE_LANES)
         kcs, kss, vcs, vss = kc.stride()[:3], ks.stride()[:3], vc.stride()[:3], vs.stride()[:3]
     else:
         kc = vc = dummy8
@@ -681,9 +700,11 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     # a third pipeline stage for long splits of the plain folded layout at <= 4 bits (_stages)
     deep_layout = (k_fold and k_sub == 1 and v_chunks == 1 and not means[0][0] and not means[1][0]
                    and max(k_bits, v_bits) <= 4)
+    # the kernel's planes: a 3-bit side is read as its 2-bit part's planes plus the high part (HI)
+    kpb, vpb = plane_bits(k_bits), plane_bits(v_bits)
     stages = _stages(config.num_stages, split_size // block_n if splits else 0, deep_layout)
     meta = dict(R=rep, R_PAD=r_pad, D=d,
-                K_BITS=k_bits, V_BITS=v_bits, PK=pk, PV=pv, K_GROUP=k_group, V_GROUP=v_group,
+                K_BITS=kpb, V_BITS=vpb, PK=d * kpb // 8, PV=d * vpb // 8, K_GROUP=k_group, V_GROUP=v_group,
                 K_FOLD=k_fold, V_FOLD=v_fold,
                 HAS_RANGE=has_range, HAS_MASK=has_mask, HAS_SOFTCAP=bool(softcap),
                 DOT_T=dot_t, IEEE=ieee, FP_T=fp_t, FP_IEEE=fp_ieee,
@@ -692,12 +713,12 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
                 MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)), V_NCH=v_chunks,
                 K_SUB=k_sub,
                 V_UNITS=v_units, K_HALVES=k_halves,
-                V_SUM_DOTS=_value_sum_products(v_bits, k_sub), V_EARLY=_early_value_scales(v_bits),
-                V_T=_value_products_t(v_units, v_chunks, k_halves, v_bits, means[1][0]),
-                WHOLE=bool(_whole_blocks(d, r_pad, k_bits, v_bits) and n and n % block_n == 0
+                V_SUM_DOTS=_value_sum_products(vpb, k_sub), V_EARLY=_early_value_scales(v_bits),
+                V_T=_value_products_t(v_units, v_chunks, k_halves, vpb, means[1][0]),
+                WHOLE=bool(_whole_blocks(d, r_pad, kpb, vpb) and n and n % block_n == 0
                            and split_size % block_n == 0 and not has_range and not (has_mask and mask_packed)
                            and not has_keep),
-                ROT_Q=rot_q, ROT_Q_SCALE=d ** -0.5 if rot_q else 1.0,
+                ROT_Q=rot_q, ROT_Q_SCALE=d ** -0.5 if rot_q else 1.0, K_HI=k_bits == 3, V_HI=v_bits == 3,
                 num_warps=config.num_warps, num_stages=stages)
     return _SplitCall(bsz * h, s_tot, args, meta, splits, q_packed, rot_v)
 

@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from kvcalib_kernels.decode.common import _column, _dot, _fp_chunk, _softcap, _split_range
-from kvcalib_kernels.decode.unpack import _code_planes, _codes, _perm4, _unit_planes
+from kvcalib_kernels.decode.unpack import _code_planes, _code_tile, _codes, _perm4, _unit_planes
 
 @triton.jit
 def _walsh_hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr):
@@ -135,12 +135,12 @@ def _k_fold_planes(q0, q1, q2, q3, ks_ptr, kz_ptr, offs_p, PK: tl.constexpr, BIT
 
 
 @triton.jit
-def _k_fold_scores(scores_t, kb, qp0, qp1, qp2, qp3, kbias, BITS: tl.constexpr, DOT_T: tl.constexpr,
-                   UNPACK: tl.constexpr, IEEE: tl.constexpr):
+def _k_fold_scores(scores_t, kb, kh, qp0, qp1, qp2, qp3, kbias, BITS: tl.constexpr, DOT_T: tl.constexpr,
+                   UNPACK: tl.constexpr, IEEE: tl.constexpr, HI: tl.constexpr):
     """Transposed scores (rows, R_PAD) + the folded key planes' products: the codes of byte tile
-    kb (rows, PK) @ each (q * s) plane, plus the bias."""
+    kb (rows, PK) @ each (q * s) plane, plus the bias; HI (3-bit codes): kh the aligned high tile."""
     PER: tl.constexpr = 8 // BITS
-    c0, c1, c2, c3 = _code_planes(kb, BITS, DOT_T, UNPACK)  # (rows, PK) each
+    c0, c1, c2, c3 = _code_planes(kb, BITS, DOT_T, UNPACK, kh, HI)  # (rows, PK) each
     scores_t = _dot(c0, qp0, scores_t, IEEE)
     if PER > 1:
         scores_t = _dot(c1, qp1, scores_t, IEEE)
@@ -151,19 +151,19 @@ def _k_fold_scores(scores_t, kb, qp0, qp1, qp2, qp3, kbias, BITS: tl.constexpr, 
 
 
 @triton.jit
-def _k_deq_plane(scores_t, q_t, kb, ks_rows, kz_rows, col0, offs_p, row_ok, GROUP: tl.constexpr,
+def _k_deq_plane(scores_t, q_t, kb, kh, ks_rows, kz_rows, col0, offs_p, row_ok, GROUP: tl.constexpr,
                  SHIFT: tl.constexpr, BITS: tl.constexpr, DOT_T: tl.constexpr,
-                 UNPACK: tl.constexpr, IEEE: tl.constexpr):
+                 UNPACK: tl.constexpr, IEEE: tl.constexpr, HI: tl.constexpr):
     """Transposed scores (BLOCK_N, R_PAD) of one key plane with per-token parameters over groups
     of GROUP channels: dequantize ``c * s + z`` per element, then the product.
 
     q_t (P, R_PAD) float32; ks_rows/kz_rows (BLOCK_N,) pointers to each token's parameter row;
-    col0 = first channel.
+    col0 = first channel; HI (3-bit codes): kh the aligned high tile.
     """
     g = (col0 + offs_p) // GROUP  # (P,) parameter column of each channel
     sc = tl.load(ks_rows[:, None] + g[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     ze = tl.load(kz_rows[:, None] + g[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    c = _codes(kb, SHIFT, BITS, DOT_T, UNPACK).to(tl.float32)  # (BLOCK_N, P)
+    c = _codes(kb, SHIFT, BITS, DOT_T, UNPACK, kh, HI).to(tl.float32)  # (BLOCK_N, P)
     k = (c * sc + ze).to(DOT_T)
     return _dot(k, q_t.to(DOT_T), scores_t, IEEE)
 
@@ -342,14 +342,15 @@ def _value_scales(vs_base, vz_base, vrows, row_ok, offs_z, G1: tl.constexpr, G2:
 
 
 @triton.jit
-def _v_deq_plane(acc, p_dot, vb, vs_rows, vz_rows, col0, offs_p, row_ok, GROUP: tl.constexpr,
+def _v_deq_plane(acc, p_dot, vb, vh, vs_rows, vz_rows, col0, offs_p, row_ok, GROUP: tl.constexpr,
                  SHIFT: tl.constexpr, BITS: tl.constexpr, DOT_T: tl.constexpr,
-                 UNPACK: tl.constexpr, IEEE: tl.constexpr):
-    """``acc + p @ (c * s + z)`` for one value plane spanning several value groups."""
+                 UNPACK: tl.constexpr, IEEE: tl.constexpr, HI: tl.constexpr):
+    """``acc + p @ (c * s + z)`` for one value plane spanning several value groups (HI: 3-bit
+    codes, vh the aligned high tile)."""
     g = (col0 + offs_p) // GROUP  # (P,)
     sc = tl.load(vs_rows[:, None] + g[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     ze = tl.load(vz_rows[:, None] + g[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    c = _codes(vb, SHIFT, BITS, DOT_T, UNPACK).to(tl.float32)  # (BLOCK_N, P)
+    c = _codes(vb, SHIFT, BITS, DOT_T, UNPACK, vh, HI).to(tl.float32)  # (BLOCK_N, P)
     v = (c * sc + ze).to(DOT_T)
     return _dot(p_dot, v, acc, IEEE)
 
@@ -462,6 +463,7 @@ def _decode_split_kernel(
     V_UNITS: tl.constexpr = False, K_HALVES: tl.constexpr = False,
     V_SUM_DOTS: tl.constexpr = False, V_EARLY: tl.constexpr = False, V_T: tl.constexpr = False,
     WHOLE: tl.constexpr = False, ROT_Q: tl.constexpr = False, ROT_Q_SCALE: tl.constexpr = 1.0,
+    K_HI: tl.constexpr = False, V_HI: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -481,6 +483,7 @@ def _decode_split_kernel(
     NACC: tl.constexpr = PER_V * V_NCH
     AW: tl.constexpr = PV // (2 * V_NCH) if V_UNITS else PV // V_NCH
     tl.static_assert(not (V_UNITS and (K_SUB > 1)), "value units: one key group per block")
+    tl.static_assert(not (V_HI and (V_NCH > 1)), "3-bit values: their 2-bit planes lie in one value group")
     tl.static_assert((not V_UNITS) or (AW >= 16), "value units: >= 16 units per accumulator (tl.dot's N)")
     # virtual rows of the packed loop: with K_SUB key groups per block (per-channel keys of groups
     # shorter than a block), row v = g * R_PAD + r is query row r over the tokens of the block's key
@@ -647,7 +650,7 @@ def _decode_split_kernel(
                                                                                     offs_z, G1, G2, G3, NACC, V_NCH, V_T)
             # ---- scores: all key planes from one (BLOCK_N, PK) byte tile
             if not K_HALVES:  # (halves load their own (BLOCK_N / 2, PK) tiles below)
-                kb = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_kcol[None, :], mask=row_ok[:, None], other=0)
+                kb, kh = _code_tile(kc_base + offs_n * stride_kcn, row_ok, PK, K_HI)  # (BLOCK_N, PK) x 2
             scores = tl.zeros([BLOCK_N, VR], tl.float32)  # transposed: token rows
             valid2 = valid[:, None]  # (BLOCK_N, 1 | VR) tokens each virtual row sees
             if K_HALVES:
@@ -662,21 +665,20 @@ def _decode_split_kernel(
                                                              PK, K_BITS, DOT_T, K_LANES)
                 qb0, qb1, qb2, qb3, kbias_b = _k_fold_planes(q0, q1, q2, q3, ks_base + krow_b, kz_base + krow_b,
                                                              offs_pk, PK, K_BITS, DOT_T, K_LANES)
-                ka = tl.load(kc_base + offs_h[:, None] * stride_kcn + offs_kcol[None, :], mask=_before(offs_h, end, WHOLE)[:, None],
-                             other=0)  # (HB, PK)
-                kbb = tl.load(kc_base + (offs_h + HB)[:, None] * stride_kcn + offs_kcol[None, :],
-                              mask=_before(offs_h + HB, end, WHOLE)[:, None], other=0)
-                sa = _k_fold_scores(tl.zeros([HB, VR], tl.float32), ka, qa0, qa1, qa2, qa3, kbias_a, K_BITS, DOT_T,
-                                    K_UNPACK, IEEE)
-                sb = _k_fold_scores(tl.zeros([HB, VR], tl.float32), kbb, qb0, qb1, qb2, qb3, kbias_b, K_BITS, DOT_T,
-                                    K_UNPACK, IEEE)
+                ka, kha = _code_tile(kc_base + offs_h * stride_kcn, _before(offs_h, end, WHOLE), PK, K_HI)  # (HB, PK)
+                kbb, khb = _code_tile(kc_base + (offs_h + HB) * stride_kcn, _before(offs_h + HB, end, WHOLE), PK, K_HI)
+                sa = _k_fold_scores(tl.zeros([HB, VR], tl.float32), ka, kha, qa0, qa1, qa2, qa3, kbias_a, K_BITS,
+                                    DOT_T, K_UNPACK, IEEE, K_HI)
+                sb = _k_fold_scores(tl.zeros([HB, VR], tl.float32), kbb, khb, qb0, qb1, qb2, qb3, kbias_b, K_BITS,
+                                    DOT_T, K_UNPACK, IEEE, K_HI)
                 scores = tl.reshape(tl.permute(tl.join(sa, sb), (2, 0, 1)), (BLOCK_N, VR))
             elif K_FOLD & (K_SUB == 1):
                 if ((n0 % K_GROUP) == 0) | (n0 == start):  # a new key group (blocks never straddle one)
                     krow = (n0 // K_GROUP) * stride_ksn
                     qp0, qp1, qp2, qp3, kbias = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
                                                                PK, K_BITS, DOT_T, K_LANES)
-                scores = _k_fold_scores(scores, kb, qp0, qp1, qp2, qp3, kbias, K_BITS, DOT_T, K_UNPACK, IEEE)
+                scores = _k_fold_scores(scores, kb, kh, qp0, qp1, qp2, qp3, kbias, K_BITS, DOT_T, K_UNPACK, IEEE,
+                                        K_HI)
             elif K_FOLD:
                 # K_SUB key groups per block: virtual row v takes the scales of group g = v // R_PAD
                 offs_g = tl.arange(0, K_SUB)
@@ -684,22 +686,23 @@ def _decode_split_kernel(
                 k_ok = _before(n0 + offs_g * K_GROUP, end, WHOLE)  # (K_SUB,) groups that hold tokens here
                 qp0, qp1, qp2, qp3, kbias = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
                                                            PK, K_BITS, DOT_T, K_LANES, k_ok, K_SUB)
-                scores = _k_fold_scores(scores, kb, qp0, qp1, qp2, qp3, kbias, K_BITS, DOT_T, K_UNPACK, IEEE)
+                scores = _k_fold_scores(scores, kb, kh, qp0, qp1, qp2, qp3, kbias, K_BITS, DOT_T, K_UNPACK, IEEE,
+                                        K_HI)
                 # a token counts only in the virtual rows of its key group
                 valid2 = valid2 & ((tl.arange(0, BLOCK_N) // K_GROUP)[:, None] == (offs_v // R_PAD)[None, :])
             else:
                 ks_rows = ks_base + offs_n * stride_ksn
                 kz_rows = kz_base + offs_n * stride_ksn
-                scores = _k_deq_plane(scores, q0, kb, ks_rows, kz_rows, 0, offs_pk, row_ok, K_GROUP,
-                                      0, K_BITS, DOT_T, K_UNPACK, IEEE)
+                scores = _k_deq_plane(scores, q0, kb, kh, ks_rows, kz_rows, 0, offs_pk, row_ok, K_GROUP,
+                                      0, K_BITS, DOT_T, K_UNPACK, IEEE, K_HI)
                 if PER_K > 1:
-                    scores = _k_deq_plane(scores, q1, kb, ks_rows, kz_rows, PK, offs_pk, row_ok, K_GROUP,
-                                          K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE)
+                    scores = _k_deq_plane(scores, q1, kb, kh, ks_rows, kz_rows, PK, offs_pk, row_ok, K_GROUP,
+                                          K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE, K_HI)
                 if PER_K > 2:
-                    scores = _k_deq_plane(scores, q2, kb, ks_rows, kz_rows, 2 * PK, offs_pk, row_ok, K_GROUP,
-                                          2 * K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE)
-                    scores = _k_deq_plane(scores, q3, kb, ks_rows, kz_rows, 3 * PK, offs_pk, row_ok, K_GROUP,
-                                          3 * K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE)
+                    scores = _k_deq_plane(scores, q2, kb, kh, ks_rows, kz_rows, 2 * PK, offs_pk, row_ok, K_GROUP,
+                                          2 * K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE, K_HI)
+                    scores = _k_deq_plane(scores, q3, kb, kh, ks_rows, kz_rows, 3 * PK, offs_pk, row_ok, K_GROUP,
+                                          3 * K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE, K_HI)
             if K_MEAN == 16:
                 km = tl.load(km_base + offs_n[:, None] * stride_kmn + offs_d[None, :], mask=row_ok[:, None],
                              other=0.0).to(DOT_T)  # (BLOCK_N, D)
@@ -822,18 +825,13 @@ def _decode_split_kernel(
                                                         offs_z, 3, 0, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
             elif V_FOLD:
                 if V_UNITS:  # (BLOCK_N, PV / 2) int16 units (the launcher passes an int16 view), tokens in order
-                    offs_u = tl.arange(0, PV // 2)
-                    if V_T:  # loaded transposed, (PV / 2, BLOCK_N): the planes are the products' M operand as is
-                        vu = tl.load(vc_base + offs_u[:, None] + offs_n[None, :] * stride_vcn, mask=row_ok[None, :],
-                                     other=0)
-                    else:
-                        vu = tl.load(vc_base + offs_n[:, None] * stride_vcn + offs_u[None, :], mask=row_ok[:, None],
-                                     other=0)
-                    vcode0, vhi0, vcode1, vhi1, vcode2, vhi2, vcode3, vhi3 = _unit_planes(vu, V_BITS, V_UNPACK)
+                    # (V_T: loaded transposed, (PV / 2, BLOCK_N): the planes are the products' M operand as is)
+                    vu, vuh = _code_tile(vc_base + offs_n * stride_vcn, row_ok, PV // 2, V_HI, V_T)
+                    vcode0, vhi0, vcode1, vhi1, vcode2, vhi2, vcode3, vhi3 = _unit_planes(vu, V_BITS, V_UNPACK, vuh,
+                                                                                          V_HI)
                 else:
-                    vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_vcol[None, :],
-                                 mask=_before(offs_nv, end, WHOLE)[:, None], other=0)
-                    vcode0, vcode1, vcode2, vcode3 = _code_planes(vb, V_BITS, DOT_T, V_UNPACK)  # (BLOCK_N, PV) each
+                    vb, vbh = _code_tile(vc_base + offs_nv * stride_vcn, _before(offs_nv, end, WHOLE), PV, V_HI)
+                    vcode0, vcode1, vcode2, vcode3 = _code_planes(vb, V_BITS, DOT_T, V_UNPACK, vbh, V_HI)  # (BLOCK_N, PV)
                     vhi0 = vcode0  # (high-byte tiles: value units only)
                     vhi1 = vcode1
                     vhi2 = vcode2
@@ -920,21 +918,20 @@ def _decode_split_kernel(
                             asum2 += sa2
                             asum3 += sa3
             else:
-                vb = tl.load(vc_base + offs_nv[:, None] * stride_vcn + offs_vcol[None, :],
-                             mask=_before(offs_nv, end, WHOLE)[:, None], other=0)
+                vb, vbh = _code_tile(vc_base + offs_nv * stride_vcn, _before(offs_nv, end, WHOLE), PV, V_HI)
                 p_dot = tl.trans(pt.to(DOT_T))  # (VR, BLOCK_N)
                 vs_rows = vs_base + vrows
                 vz_rows = vz_base + vrows
-                acc0 = _v_deq_plane(acc0, p_dot, vb, vs_rows, vz_rows, 0, offs_pv, row_ok, V_GROUP,
-                                    0, V_BITS, DOT_T, V_UNPACK, IEEE)
+                acc0 = _v_deq_plane(acc0, p_dot, vb, vbh, vs_rows, vz_rows, 0, offs_pv, row_ok, V_GROUP,
+                                    0, V_BITS, DOT_T, V_UNPACK, IEEE, V_HI)
                 if PER_V > 1:
-                    acc1 = _v_deq_plane(acc1, p_dot, vb, vs_rows, vz_rows, PV, offs_pv, row_ok, V_GROUP,
-                                        V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE)
+                    acc1 = _v_deq_plane(acc1, p_dot, vb, vbh, vs_rows, vz_rows, PV, offs_pv, row_ok, V_GROUP,
+                                        V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE, V_HI)
                 if PER_V > 2:
-                    acc2 = _v_deq_plane(acc2, p_dot, vb, vs_rows, vz_rows, 2 * PV, offs_pv, row_ok, V_GROUP,
-                                        2 * V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE)
-                    acc3 = _v_deq_plane(acc3, p_dot, vb, vs_rows, vz_rows, 3 * PV, offs_pv, row_ok, V_GROUP,
-                                        3 * V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE)
+                    acc2 = _v_deq_plane(acc2, p_dot, vb, vbh, vs_rows, vz_rows, 2 * PV, offs_pv, row_ok, V_GROUP,
+                                        2 * V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE, V_HI)
+                    acc3 = _v_deq_plane(acc3, p_dot, vb, vbh, vs_rows, vz_rows, 3 * PV, offs_pv, row_ok, V_GROUP,
+                                        3 * V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE, V_HI)
             if V_MEAN != 0:
                 pm = pt  # (BLOCK_N, VR)
                 if V_MEAN == 8:  # sum_n p_n (c_n * s_n + z_n) = (p * s) @ c + sum_n p_n z_n

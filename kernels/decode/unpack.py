@@ -8,7 +8,11 @@ of 1024 is set around them, so a lane reads exactly ``1024 + code * 2**shift``; 
 ``2**shift`` are folded into the key bias / query planes and into the value accumulators by the
 split kernel, and the lane order (bytes 0, 2, 1, 3) is undone on the query channels (keys) or on
 the loaded value rows. ``unpack=6`` is the same arithmetic in Triton ops (the interpreter's
-default and the fallback). Sides that dequantize per element (per-token keys, value groups
+default and the fallback). 3-bit codes (:mod:`kvcalib.quant.packing`: a 2-bit planar part, then a 1-bit planar part of the high
+bits) arrive as a 2-bit tile plus its high tile (:func:`_high_tile`, aligned column for column), and
+every helper here takes that pair with ``HI``: plane s reads ``low + 4 * high`` (``1024 + (low + 4 *
+high) * 2**(2 s)`` in the lanes: at most ``1024 + 7 * 64``, still exact), so the kernel folds and
+multiplies them exactly as 2-bit planes. Sides that dequantize per element (per-token keys, value groups
 narrower than a quarter of the head) take the plain codes: ``unpack=2`` (a few PTX instructions
 per 4 codes) on GPU, ``1`` (the magic-number trick in Triton ops) elsewhere; float32 queries
 take ``0`` (``.to``: exact float32 codes for IEEE products).
@@ -96,15 +100,88 @@ _LANES_ALL_4 = tl.constexpr(_lanes_all_asm(4))
 _LANES_ALL_8 = tl.constexpr(_lanes_all_asm(8))
 
 
+def _lanes_all3_asm() -> str:
+    """PTX of :func:`_lanes_all_asm` (2-bit planes) for 3-bit codes, on int16 units (2 a register,
+    :func:`_unit_planes`): inputs ``$8`` the 4 low bytes and ``$9`` the 4 aligned high bytes (:func:`_high_tile`: bit 2s of high byte k is the high bit of
+    plane s of low byte k). Each plane's lanes are the 2-bit lanes with the high bit ORed in two
+    places up, ``(high & 1 << 2s) << 2``: one ``shl`` of each of the even and the odd high bytes
+    (moved down by the same ``prmt`` as the low ones; the exponent bytes it writes land above the
+    plane masks) and one ``lop3`` per lane register: 4 + 4 * 4 instructions per 4 bytes
+    (2-bit: 1 + 4 * 2)."""
+    body = ("{ .reg .b32 r_h, r_c, r_e, r_g, r_t; mov.b32 r_c, 0x64006400; "
+            "prmt.b32 r_h, $8, r_c, 0x7351; shl.b32 r_e, $9, 2; prmt.b32 r_g, $9, r_c, 0x7351; "
+            "shl.b32 r_g, r_g, 2; ")
+    for s in range(4):
+        m = 3 << (2 * s)  # the plane's low bits in each 16-bit lane
+        hb = 1 << (2 * s + 2)  # its high bit, two places above them
+        body += (f"lop3.b32 r_t, $8, 0x{m:04X}{m:04X}, r_c, 0xEA; "
+                 f"lop3.b32 ${2 * s}, r_e, 0x{hb:04X}{hb:04X}, r_t, 0xEA; "
+                 f"and.b32 r_t, r_h, 0x{m | 0x6400:04X}{m | 0x6400:04X}; "
+                 f"lop3.b32 ${2 * s + 1}, r_g, 0x{hb:04X}{hb:04X}, r_t, 0xEA; ")
+    return body + "}"
+
+
+_LANES_ALL_3 = tl.constexpr(_lanes_all3_asm())
+
+
 @triton.jit
-def _unit_lanes(u, SHIFT: tl.constexpr, BITS: tl.constexpr):
-    """uint16 units -> float16 ``1024 + (byte & (mask << SHIFT))`` of the low and of the high byte."""
+def _high_tile(rows, row_ok, P: tl.constexpr, T: tl.constexpr):
+    """The high bits of 3-bit codes aligned with their low tile (:func:`_code_tile`). A token's row
+    holds ``P`` low units (bytes, or int16 units of two bytes), the 2-bit planar part, then ``P / 2``
+    units of the 1-bit planar high part, whose bits (2s, 2s + 1) of unit j are the high bits of
+    plane s's columns j and j + P / 2 (:mod:`kvcalib.quant.packing`). ``rows`` (N,) pointers to each
+    token's first unit, ``row_ok`` (N,) its mask. Returns (N, P) (T: (P, N)) whose column j is high
+    unit ``j mod P/2``, shifted right by one for j >= P / 2, so that its bit 2s (in each byte) is the
+    high bit of the code in bits (2s, 2s + 1) of low unit j. Each high unit is loaded for two
+    columns (an L1 hit the second time). (The (N, P / 2) units loaded once and joined with
+    themselves shifted (tl.join, permute, reshape) were right in the interpreter and in a small
+    kernel, and wrong inside the split kernel on an H200: artifacts/bench/HISTORY.md.)"""
+    HALF: tl.constexpr = P // 2
+    offs = tl.arange(0, P)
+    high = P + offs % HALF  # (P,) each column's high unit
+    # (one return: triton merges the types of every return of a function, taken or not; an int16
+    # unit's arithmetic shift copies its sign into bit 15, which no plane reads)
+    if T:
+        h = tl.load(rows[None, :] + high[:, None], mask=row_ok[None, :], other=0)  # (P, N)
+        out = tl.where((offs >= HALF)[:, None], h >> 1, h)
+    else:
+        h = tl.load(rows[:, None] + high[None, :], mask=row_ok[:, None], other=0)  # (N, P)
+        out = tl.where((offs >= HALF)[None, :], h >> 1, h)
+    return out
+
+
+@triton.jit
+def _code_tile(rows, row_ok, P: tl.constexpr, HI: tl.constexpr, T: tl.constexpr = False):
+    """The (N, P) code units (uint8 bytes or int16 units) of the tokens whose first unit ``rows``
+    (N,) points at, masked by ``row_ok`` (N,) (T: loaded transposed, (P, N)), and with HI (3-bit
+    codes) their aligned high tile (:func:`_high_tile`; without HI the code tile again, unused)."""
+    offs = tl.arange(0, P)
+    if T:
+        lo = tl.load(rows[None, :] + offs[:, None], mask=row_ok[None, :], other=0)
+    else:
+        lo = tl.load(rows[:, None] + offs[None, :], mask=row_ok[:, None], other=0)
+    hi = lo
+    if HI:
+        hi = _high_tile(rows, row_ok, P, T)
+    return lo, hi
+
+
+@triton.jit
+def _unit_lanes(u, SHIFT: tl.constexpr, BITS: tl.constexpr, h=None, HI: tl.constexpr = False):
+    """uint16 units -> float16 ``1024 + (byte & (mask << SHIFT))`` of the low and of the high byte;
+    HI (3-bit codes, h the uint16 high units of :func:`_high_tile`): plus the high bit
+    ``(h_byte & 1 << SHIFT) << 2``."""
     M: tl.constexpr = ((1 << BITS) - 1) << SHIFT
-    return (((u & 0xFF) & M) | 0x6400).to(tl.float16, bitcast=True), (((u >> 8) & M) | 0x6400).to(tl.float16, bitcast=True)
+    lo = (u & 0xFF) & M
+    hi = (u >> 8) & M
+    if HI:
+        lo = lo | (((h & 0xFF) & (1 << SHIFT)) << 2)
+        hi = hi | (((h >> 8) & (1 << SHIFT)) << 2)
+    return (lo | 0x6400).to(tl.float16, bitcast=True), (hi | 0x6400).to(tl.float16, bitcast=True)
 
 
 @triton.jit
-def _unit_planes(x, BITS: tl.constexpr, UNPACK: tl.constexpr):
+def _unit_planes(x, BITS: tl.constexpr, UNPACK: tl.constexpr, xh=None, HI: tl.constexpr = False):
     """All planes of an int16 tile of code units (N, P / 2), unit u = bytes 2u (low) and 2u + 1
     (high) of a token's code row, as float16 lanes ``1024 + (byte & (mask << s * BITS))``: 8 tiles
     (lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3), plane s of the low and of the high byte (tiles past
@@ -112,9 +189,14 @@ def _unit_planes(x, BITS: tl.constexpr, UNPACK: tl.constexpr):
     (one unit in, one code of each plane out), so no register order is assumed: the value tile
     reaches the MMA through ``ldmatrix.trans`` of 16-bit units instead of byte loads and permutes.
     UNPACK 5: the PTX block of :func:`_lanes_all_asm` on 2 units per 32-bit register (its byte
-    pairs (0, 2) and (1, 3) are then the low and the high bytes of the two units); 6: Triton ops."""
+    pairs (0, 2) and (1, 3) are then the low and the high bytes of the two units); 6: Triton ops.
+    HI (3-bit codes, BITS 2): xh the aligned high units (:func:`_high_tile`), planes of 3 bits."""
     if UNPACK == 5:
-        if BITS == 2:
+        if HI:
+            l0, h0, l1, h1, l2, h2, l3, h3 = tl.inline_asm_elementwise(
+                _LANES_ALL_3, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [x, xh], dtype=(tl.float16,) * 8, is_pure=True,
+                pack=2)
+        elif BITS == 2:
             l0, h0, l1, h1, l2, h2, l3, h3 = tl.inline_asm_elementwise(
                 _LANES_ALL_2, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x], dtype=(tl.float16,) * 8, is_pure=True, pack=2)
         elif BITS == 4:
@@ -127,22 +209,30 @@ def _unit_planes(x, BITS: tl.constexpr, UNPACK: tl.constexpr):
             l1, h1, l2, h2, l3, h3 = l0, h0, l0, h0, l0, h0
     else:
         u = x.to(tl.uint16, bitcast=True)
-        l0, h0 = _unit_lanes(u, 0, BITS)
+        uh = u
+        if HI:
+            uh = xh.to(tl.uint16, bitcast=True)
+        l0, h0 = _unit_lanes(u, 0, BITS, uh, HI)
         l1, h1, l2, h2, l3, h3 = l0, h0, l0, h0, l0, h0
         if BITS < 8:
-            l1, h1 = _unit_lanes(u, BITS, BITS)
+            l1, h1 = _unit_lanes(u, BITS, BITS, uh, HI)
         if BITS < 4:
-            l2, h2 = _unit_lanes(u, 2 * BITS, BITS)
-            l3, h3 = _unit_lanes(u, 3 * BITS, BITS)
+            l2, h2 = _unit_lanes(u, 2 * BITS, BITS, uh, HI)
+            l3, h3 = _unit_lanes(u, 3 * BITS, BITS, uh, HI)
     return l0, h0, l1, h1, l2, h2, l3, h3
 
 
 @triton.jit
-def _code_planes(x, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexpr):
+def _code_planes(x, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexpr, xh=None,
+                 HI: tl.constexpr = False):
     """All planes of a uint8 byte tile (N, P): 4 tiles, plane s = :func:`_codes` (x, s * BITS)
     (tiles past 8 // BITS repeat plane 0). UNPACK 5 takes one PTX block for every plane
     (:func:`_lanes_all_asm`: values ``1024 + code * 2**shift``, element k of each 4 holding byte
-    :func:`_perm4` (k)); other unpacks go plane by plane."""
+    :func:`_perm4` (k)); other unpacks go plane by plane. HI (3-bit codes, BITS 2): xh the aligned
+    high tile (:func:`_high_tile`), each plane ``low + 4 * high``."""
+    # (3-bit byte tiles take unpack 6: the PTX with a second operand of 4 bytes a register was
+    # wrong on an H200, kernels/decode/plan.py's THREE_BIT_BYTE_LANES)
+    tl.static_assert(not (HI and (UNPACK == 5)), "3-bit byte tiles: unpack 6, not the PTX lanes")
     if UNPACK == 5:
         if BITS == 2:
             c0, c1, c2, c3 = tl.inline_asm_elementwise(
@@ -157,15 +247,15 @@ def _code_planes(x, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexp
             c0 = tl.inline_asm_elementwise(_LANES_ALL_8, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
             return c0, c0, c0, c0
     else:
-        c0 = _codes(x, 0, BITS, OUT_T, UNPACK)
+        c0 = _codes(x, 0, BITS, OUT_T, UNPACK, xh, HI)
         c1 = c0
         c2 = c0
         c3 = c0
         if BITS < 8:
-            c1 = _codes(x, BITS, BITS, OUT_T, UNPACK)
+            c1 = _codes(x, BITS, BITS, OUT_T, UNPACK, xh, HI)
         if BITS < 4:
-            c2 = _codes(x, 2 * BITS, BITS, OUT_T, UNPACK)
-            c3 = _codes(x, 3 * BITS, BITS, OUT_T, UNPACK)
+            c2 = _codes(x, 2 * BITS, BITS, OUT_T, UNPACK, xh, HI)
+            c3 = _codes(x, 3 * BITS, BITS, OUT_T, UNPACK, xh, HI)
         return c0, c1, c2, c3
 
 
@@ -177,11 +267,22 @@ def _perm4(k):
 
 
 @triton.jit
-def _codes(x, SHIFT: tl.constexpr, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexpr):
+def _codes(x, SHIFT: tl.constexpr, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexpr, xh=None,
+           HI: tl.constexpr = False):
     """Codes of one plane of a uint8 byte tile (N, P), as exact ``OUT_T`` values (module doc).
     UNPACK 6 returns ``1024 + code * 2**SHIFT`` (folded by the caller), 0-2 the codes. (UNPACK 5
-    only ever unpacks every plane at once: :func:`_code_planes`.)"""
-    if UNPACK == 6:
+    only ever unpacks every plane at once: :func:`_code_planes`.) HI (3-bit codes, BITS 2): xh the
+    aligned high tile (:func:`_high_tile`), the code ``low + 4 * high`` (unpack 2 takes Triton ops:
+    its PTX reads one byte tile)."""
+    if HI and (UNPACK == 6):  # 1024 + (low + 4 * high) * 2**SHIFT: the high bit two places above the low ones
+        lanes = (x & (3 << SHIFT)).to(tl.uint16) | ((xh & (1 << SHIFT)).to(tl.uint16) << 2)
+        return (lanes | 0x6400).to(tl.float16, bitcast=True)
+    elif HI and (UNPACK == 0):
+        return (((x >> SHIFT) & 3) | (((xh >> SHIFT) & 1) << 2)).to(OUT_T)  # codes 0..7
+    elif HI:  # the magic-number conversion of unpack 1 (unpack 2's PTX reads one byte tile)
+        c = ((x >> SHIFT) & 3) | (((xh >> SHIFT) & 1) << 2)  # uint8 codes 0..7
+        return ((c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0).to(OUT_T)
+    elif UNPACK == 6:
         # the values of unpack=5 in Triton ops (no lane swap): 1024 + code * 2**SHIFT, exact
         return ((x & (((1 << BITS) - 1) << SHIFT)).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
     elif UNPACK == 2:

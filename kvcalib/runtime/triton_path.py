@@ -6,7 +6,7 @@ the caller (:func:`kvcalib.runtime.backend.decode_attention`) then runs the PyTo
 
 - one query token per sequence (decode steps, ``Tq == 1``);
 - CUDA tensors (or any device under ``TRITON_INTERPRET=1``, for the CPU tests);
-- a compressed layer with both K and V at 2, 4 or 8 bits (a 16-bit side returns None), keys per
+- a compressed layer with both K and V at 2, 3, 4 or 8 bits (a 16-bit side returns None), keys per
   channel or per token, the group sizes :func:`kvcalib_kernels.decode_attention.supports` takes;
 - global and sliding-window layers: a layer whose window sits in its fixed buffer (every
   compressed layer between prompts) is launched exactly as a static step launches it -- the
@@ -58,7 +58,7 @@ import os
 
 import torch
 
-_PACKED_BITS = (2, 4, 8)
+_PACKED_BITS = (2, 3, 4, 8)
 
 
 def _reason_unsupported(query: torch.Tensor, layer) -> str | None:
@@ -84,15 +84,20 @@ def _check_supported(query: torch.Tensor, layer, interp: bool) -> str | None:
         return "not a CUDA tensor"
     if not getattr(layer, "is_initialized", False):
         return "layer not initialised"
-    cfg = layer.cfg
-    if 3 in (cfg.k_bits, cfg.v_bits):
-        # 3-bit codes (a 2-bit plane + a 1-bit plane, kvcalib.quant.packing) are not in the fused kernel yet
-        return "3-bit codes: the fused kernel reads 2-, 4- and 8-bit codes (this layer decodes on the reference path)"
+    return kernel_reason(layer.cfg, layer.codec, d, layer.sink_k.shape[1], hq, query.device)
+
+
+def kernel_reason(cfg, codec, head_dim: int, kv_heads: int, q_heads: int,
+                  device: torch.device | str = "cpu") -> str | None:
+    """Why the fused kernel cannot decode a layer of this config and method states (None: it
+    can), from the layout alone: no tokens, no device kernel run. ``codec`` is the layer's
+    :class:`~kvcalib.codec.LayerCodec`; ``device`` where its method states' kernel arguments are
+    built (their shapes, not their values, matter here)."""
     if not cfg.compressed or cfg.k_bits not in _PACKED_BITS or cfg.v_bits not in _PACKED_BITS:
         return "layer is not packed on both K and V"
-    h = layer.sink_k.shape[1]
+    d, h, hq = head_dim, kv_heads, q_heads
     for side in ("k", "v"):
-        args = layer.codec.kernel_attend(side, query.device)
+        args = codec.kernel_attend(side, torch.device(device))
         if args is None:
             return f"a method state of the {side} side has a transform the kernel does not apply"
         perm = args.get(f"{side}_perm")
@@ -102,7 +107,7 @@ def _check_supported(query: torch.Tensor, layer, interp: bool) -> str | None:
         return "query heads not a multiple of kv heads"
     from kvcalib_kernels.decode_attention import supports
 
-    for _, k_bits, v_bits in layer.codec.tiers:  # the config's bits, then each PATS tier's
+    for _, k_bits, v_bits in codec.tiers:  # the config's bits, then each PATS tier's
         if k_bits not in _PACKED_BITS or v_bits not in _PACKED_BITS:
             return f"a PATS tier at K{k_bits}/V{v_bits} is not packed on both K and V"
         why = supports(head_dim=d, k_bits=k_bits, v_bits=v_bits, k_group=cfg.k_group, v_group=cfg.v_group,
@@ -110,6 +115,19 @@ def _check_supported(query: torch.Tensor, layer, interp: bool) -> str | None:
         if why is not None:
             return why
     return None
+
+
+def decode_paths(recipe, info) -> list[str | None]:
+    """Per layer of ``recipe`` on the model ``info`` describes, why its decode steps take the
+    PyTorch reference path on a GPU (None: the fused kernel decodes it). From the recipe's layout
+    and method states alone (:func:`kernel_reason`); what ``kvcalib inspect`` and the search report
+    show beside each layer. Where Triton is not installed every layer says so."""
+    try:
+        import kvcalib_kernels.decode_attention  # noqa: F401  (triton)
+    except ImportError as err:  # no triton on this platform: the reference path is all it has
+        return [f"the fused kernels need triton ({err.name or err})"] * info.num_layers
+    return [kernel_reason(cfg, codec, info.head_dim, info.num_kv_heads, info.num_q_heads)
+            for cfg, codec in zip(recipe.layer_configs(info.num_layers), recipe.codecs(info))]
 
 
 def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, scaling: float,

@@ -29,10 +29,11 @@ SEARCHED = ROOT / "recipes" / "smollm2-135m" / "recipe.safetensors"
 # the long-context recipe searched with the rotation: random-sign Walsh-Hadamard values in 29 of 30
 # layers and keys in 7, so the kernel's in-split query rotation and rotating combine run on real text
 ROTATED = ROOT / "recipes" / "smollm2-135m" / "long-8192-3.0b-rot" / "recipe.safetensors"
-GRAPH_RECIPES = ["kivi-2", "kivi-4", str(SEARCHED), str(ROTATED)]
-# the 4.0-bit long-context recipe with 3-bit codes on 21 of 30 layers: those decode on the reference
-# path, the 2/4/8-bit layers through the kernel, in one step
+# the 4.0-bit long-context recipe with 3-bit codes on 21 of 30 layers, and the 3.0-bit one: every
+# layer through the kernel (3-bit codes read as a 2-bit tile plus its high-bit tile)
 THREE_BIT = ROOT / "recipes" / "smollm2-135m" / "long-8192-4.0b-3bit" / "recipe.safetensors"
+THREE_BIT_3 = ROOT / "recipes" / "smollm2-135m" / "long-8192-3.0b-3bit" / "recipe.safetensors"
+GRAPH_RECIPES = ["kivi-2", "kivi-4", str(SEARCHED), str(ROTATED), str(THREE_BIT), str(THREE_BIT_3)]
 
 
 def _have_model() -> bool:
@@ -84,8 +85,8 @@ def _teacher_forced(model, ids: torch.Tensor, recipe, prompt: int, backend: str)
 
 
 @pytest.mark.parametrize("prompt", [4100, 6000])
-@pytest.mark.parametrize("recipe", ["kivi-2", str(SEARCHED), str(ROTATED), str(THREE_BIT)],
-                         ids=["kivi-2", "searched", "rotated", "3-bit"])
+@pytest.mark.parametrize("recipe", ["kivi-2", str(SEARCHED), str(ROTATED), str(THREE_BIT), str(THREE_BIT_3)],
+                         ids=["kivi-2", "searched", "rotated", "4.0b-3bit", "3.0b-3bit"])
 def test_kernel_matches_reference_at_long_context(smol, prompt, recipe):
     loaded, ids = smol
     seq = ids[:prompt + 64]
@@ -135,7 +136,8 @@ def _agree(eager_tokens, graph_tokens, eager_logits, graph_logits) -> None:
             assert float(top2[0] - top2[1]) < 0.05 * scale, (row, upto)
 
 
-@pytest.mark.parametrize("recipe", GRAPH_RECIPES, ids=["kivi-2", "kivi-4", "searched", "rotated"])
+@pytest.mark.parametrize("recipe", GRAPH_RECIPES, ids=["kivi-2", "kivi-4", "searched", "rotated", "4.0b-3bit",
+                                                   "3.0b-3bit"])
 def test_graph_equals_eager(smol, recipe):
     loaded, ids = smol
     prompts = ids[:2 * 700].reshape(2, 700).cuda()  # (2, 700): beyond every window, several flushes in 128 steps
@@ -143,22 +145,25 @@ def test_graph_equals_eager(smol, recipe):
     _agree(eager_tokens, graph_tokens, el, gl)
 
 
-def test_whole_step_graphs_refuse_3bit_layers_by_name(smol):
-    """A whole-step CUDA graph has no reference fallback: a recipe with 3-bit layers is refused with
-    the layer and the reason, not captured wrong."""
-    from kvcalib.errors import KvcalibError
+def test_every_3bit_layer_runs_in_the_kernel(smol):
+    """No layer of the 3-bit recipes is left on the reference path on CUDA: the kernel check
+    passes for each of them (a whole-step graph would refuse one by name)."""
     from kvcalib.runtime.cache import CompressedCache
-    from kvcalib.runtime.graphs import GraphDecoder
+    from kvcalib.runtime.triton_path import _reason_unsupported
 
     loaded, ids = smol
-    prompts = ids[:300][None].cuda()  # (1, 300)
-    decoder = GraphDecoder(loaded.model, CompressedCache.from_recipe(loaded.model, str(THREE_BIT)))
-    with pytest.raises(KvcalibError, match="3-bit codes"):
-        decoder.generate(prompts, torch.ones_like(prompts), 4)
+    for recipe in (THREE_BIT, THREE_BIT_3):
+        cache = CompressedCache.from_recipe(loaded.model, str(recipe))
+        with torch.no_grad():
+            loaded.model(input_ids=ids[:300][None].cuda(), past_key_values=cache)
+        cfg = loaded.model.config
+        q = torch.zeros(1, cfg.num_attention_heads, 1, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+        reasons = {layer.layer_idx: _reason_unsupported(q, layer) for layer in cache.layers}
+        assert all(why is None for why in reasons.values()), reasons
 
 
 @pytest.mark.parametrize("recipe", ["kivi-2", str(SEARCHED), str(ROTATED), str(THREE_BIT)],
-                         ids=["kivi-2", "searched", "rotated", "3-bit"])
+                         ids=["kivi-2", "searched", "rotated", "4.0b-3bit"])
 def test_left_padded_rows_equal_each_prompt_alone(smol, recipe):
     from kvcalib.runtime.cache import CompressedCache
 

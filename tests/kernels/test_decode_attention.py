@@ -97,6 +97,41 @@ def test_bits(k_bits, v_bits):
     check(args, kw)
 
 
+@pytest.mark.parametrize("case", [
+    dict(k_bits=3, v_bits=3),  # folded keys in one group per block, folded value planes
+    dict(k_bits=3, v_bits=2, k_axis="token", v_group=16, dtype=torch.float32),  # per-element keys, IEEE
+    dict(k_bits=2, v_bits=3, v_group=8, n=32, f=(0, 3)),  # per-element values (groups under a plane)
+    dict(k_bits=3, v_bits=3, d=64, rep=4, v_group=64, n=64, config=dict(block_n=32)),  # key-group pairs
+    dict(k_bits=3, v_bits=3, d=128, rep=1, b=1, k_group=32, v_group=128, n=32),  # value units, transposed
+    dict(k_bits=3, v_bits=8, d=128, rep=2, b=1, h=1, k_group=16, v_group=128, n=48,
+         config=dict(block_n=32, num_splits=1)),
+], ids=["k3v3", "k3-token-v2-f32", "v3-per-element", "k3v3-group-pairs", "k3v3-units", "k3v8-halves"])
+def test_three_bit_codes(case):
+    """3-bit codes (a 2-bit planar part, then a 1-bit planar part: kvcalib.quant.packing) on each
+    path that reads a code tile: the high tile joins the low one in the unpack, so the folds see
+    2-bit planes of codes 0..7. (unpack 6 here; on a GPU 3-bit value units take the PTX block (5).)"""
+    case = dict(case)
+    config = replace(SMALL, **case.pop("config", {}))
+    args, kw = make_case(**case)
+    meta = _meta(args, kw, config)
+    assert (meta["K_HI"], meta["V_HI"]) == (kw["k_bits"] == 3, kw["v_bits"] == 3)
+    check(args, kw, config)
+
+
+def test_three_bit_paths_are_the_ones_named():
+    """The cases above reach the paths their names say (so a rule change cannot silently skip one)."""
+    def meta(**case):
+        config = replace(SMALL, **case.pop("config", {}))
+        args, kw = make_case(**case)
+        return _meta(args, kw, config)
+    assert meta(k_bits=3, v_bits=3, d=64, rep=4, v_group=64, n=64, config=dict(block_n=32))["K_SUB"] == 2
+    units = meta(k_bits=3, v_bits=3, d=128, rep=1, b=1, k_group=32, v_group=128, n=32)
+    assert units["V_UNITS"] and units["V_T"]
+    assert not meta(k_bits=2, v_bits=3, v_group=8, n=32, f=(0, 3))["V_FOLD"]
+    assert meta(k_bits=3, v_bits=8, d=128, rep=2, b=1, h=1, k_group=16, v_group=128, n=48,
+                config=dict(block_n=32, num_splits=1))["K_HALVES"]
+
+
 @pytest.mark.parametrize("rep", [1, 3, 4, 7], ids=lambda r: f"gqa{r}")
 def test_gqa_ratios_head_dim_128(rep):
     args, kw = make_case(rep=rep, d=128, h=1, b=1, k_bits=2, v_bits=4, v_group=64, dtype=torch.float16)
@@ -868,7 +903,8 @@ def _filled_layer(cfg, b=2, h=2, rep=3, d=64, prompt=75, steps=3, pad=(0, 9), dt
     dict(k_bits=2, v_bits=2, k_group=16, v_group=32, window=16, sinks=2),
     dict(k_bits=4, v_bits=8, k_group=32, v_group=64, window=32, sinks=0),
     dict(k_bits=4, v_bits=2, k_axis="token", k_group=16, v_group=16, window=0, sinks=3),
-], ids=["kivi2-sinks", "k4v8-nosinks", "token-keys"])
+    dict(k_bits=3, v_bits=3, k_group=16, v_group=64, window=16, sinks=2),
+], ids=["kivi2-sinks", "k4v8-nosinks", "token-keys", "k3v3"])
 def test_triton_path_matches_runtime_reference(cfg):
     from kvcalib.layout import LayerConfig
     from kvcalib.runtime.reference import attend_compressed
@@ -1248,17 +1284,22 @@ def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch, 
 # ---------------------------------------------------------------- full-size grid (GPU)
 
 
+GPU_GRID_LAYOUTS = [
+    (2, 2, 128, 128), (4, 4, 128, 128), (4, 4, 32, 32), (8, 8, 64, 64), (2, 4, 32, 128), (8, 2, 128, 32),
+    (3, 3, 128, 128), (3, 3, 64, 64), (3, 4, 32, 32), (8, 3, 64, 32),
+]
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("d,rep,dtype", [
     (64, 3, torch.bfloat16), (128, 1, torch.bfloat16), (128, 4, torch.bfloat16), (128, 7, torch.bfloat16),
     (256, 4, torch.bfloat16), (128, 4, torch.float16),
 ], ids=lambda x: str(x))
-@pytest.mark.parametrize("k_bits,v_bits,k_group,v_group", [
-    (2, 2, 128, 128), (4, 4, 128, 128), (4, 4, 32, 32), (8, 8, 64, 64), (2, 4, 32, 128), (8, 2, 128, 32),
-], ids=lambda x: str(x))
+@pytest.mark.parametrize("k_bits,v_bits,k_group,v_group", GPU_GRID_LAYOUTS,
+                         ids=["k{}v{}-g{}-{}".format(*x) for x in GPU_GRID_LAYOUTS])
 def test_gpu_grid(d, rep, dtype, k_bits, v_bits, k_group, v_group):
-    if d % v_group or d * min(k_bits, v_bits) // 8 < 16:
+    if d % v_group or d * plan.plane_bits(min(k_bits, v_bits)) // 8 < 16:
         pytest.skip("layout not valid for this head_dim")
     n = 4 * k_group * 9  # several splits
     args, kw = make_case(b=3, h=2, rep=rep, d=d, n=n, f=(4, 131), k_bits=k_bits, v_bits=v_bits,
@@ -1277,7 +1318,7 @@ def test_gpu_grid(d, rep, dtype, k_bits, v_bits, k_group, v_group):
     (64, 1, 1, 2), (32, 1, 2, 2), (64, 2, 1, 2), (128, 4, 2, 2), (64, 1, 1, 1), (64, 1, 1, 0),
     (64, 1, 2, 5), (64, 2, 2, 5), (128, 4, 2, 5), (64, 4, 2, 5), (32, 1, 2, 5), (64, 1, 3, 6),
 ], ids=str)
-@pytest.mark.parametrize("bits", [2, 4, 8], ids=lambda b: f"{b}b")
+@pytest.mark.parametrize("bits", [2, 3, 4, 8], ids=lambda b: f"{b}b")
 def test_gpu_configs(block_n, num_warps, num_stages, unpack, bits):
     args, kw = make_case(b=4, h=8, rep=4, d=128, n=128 * 40, f=(0, 128), dtype=torch.bfloat16,
                          k_bits=bits, v_bits=bits, k_group=128, v_group=128, spare=256)

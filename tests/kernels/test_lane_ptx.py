@@ -34,15 +34,16 @@ def _lop3(a: int, b: int, c: int, lut: int) -> int:
     return out & 0xFFFFFFFF
 
 
-def _run_ptx(src: str, word: int, n_out: int) -> list[int]:
-    """Interpret the asm block: ``$n_out`` is the input word, ``$0..`` the outputs."""
-    regs = {f"${n_out}": word}
+def _run_ptx(src: str, word: int, n_out: int, *more: int) -> list[int]:
+    """Interpret the asm block: ``$n_out`` is the input word (``more``: the next inputs, ``$n_out + 1``
+    ...), ``$0..`` the outputs."""
+    regs = {f"${n_out + i}": w for i, w in enumerate((word, *more))}
 
     def val(tok: str) -> int:
         tok = tok.strip()
         return int(tok, 0) if tok[0].isdigit() else regs[tok]
 
-    for ins in re.findall(r"(mov|prmt|lop3|and)\.b32 ([^;]+);", src):
+    for ins in re.findall(r"(mov|prmt|lop3|and|shl)\.b32 ([^;]+);", src):
         op, args = ins[0], [t.strip() for t in ins[1].split(",")]
         if op == "mov":
             regs[args[0]] = val(args[1])
@@ -50,6 +51,8 @@ def _run_ptx(src: str, word: int, n_out: int) -> list[int]:
             regs[args[0]] = _prmt(val(args[1]), val(args[2]), val(args[3]))
         elif op == "lop3":
             regs[args[0]] = _lop3(val(args[1]), val(args[2]), val(args[3]), val(args[4]))
+        elif op == "shl":
+            regs[args[0]] = (val(args[1]) << val(args[2])) & 0xFFFFFFFF
         else:
             regs[args[0]] = val(args[1]) & val(args[2])
     return [regs[f"${i}"] for i in range(n_out)]
@@ -70,3 +73,20 @@ def test_all_plane_ptx_matches_lanes(bits):
             want = [0x6400 | (data[i] & mask) for i in (0, 2, 1, 3)]  # element k holds byte _perm4(k)
             got = [outs[2 * s] & 0xFFFF, outs[2 * s] >> 16, outs[2 * s + 1] & 0xFFFF, outs[2 * s + 1] >> 16]
             assert got == want, (bits, s, data, [hex(g) for g in got], [hex(w) for w in want])
+
+
+def test_three_bit_ptx_matches_lanes():
+    """3-bit codes: low bytes (2-bit planes) and their aligned high bytes (bit 2s: plane s's high
+    bit, :func:`unpack._high_tile`) give, per plane, ``1024 + (low + 4 * high) * 2**(2 s)``, the
+    Triton-ops lanes of ``unpack._codes`` with HI, for bytes (0, 2, 1, 3) of each 4."""
+    src = unpack._lanes_all3_asm()
+    rng = random.Random(3)
+    for _ in range(500):
+        low = [rng.randrange(256) for _ in range(4)]
+        high = [rng.randrange(256) for _ in range(4)]  # every bit set at random: the others must be ignored
+        outs = _run_ptx(src, sum(x << (8 * i) for i, x in enumerate(low)), 8,
+                        sum(x << (8 * i) for i, x in enumerate(high)))
+        for s in range(4):
+            want = [0x6400 | (low[i] & (3 << 2 * s)) | ((high[i] & (1 << 2 * s)) << 2) for i in (0, 2, 1, 3)]
+            got = [outs[2 * s] & 0xFFFF, outs[2 * s] >> 16, outs[2 * s + 1] & 0xFFFF, outs[2 * s + 1] >> 16]
+            assert got == want, (s, low, high, [hex(g) for g in got], [hex(w) for w in want])

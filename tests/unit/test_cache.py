@@ -229,17 +229,21 @@ def test_triton_path_covers_centred_permuted_and_clipped_layers(monkeypatch):
         assert _reason_unsupported(torch.randn(1, 4, 1, 64), layer) is None
 
 
-def test_three_bit_layers_say_why_they_take_the_reference_path():
-    """3-bit codes are packed, simulated and decoded through the reference path; the kernel check
-    names them (static CUDA-graph mode raises with this reason, eager decoding falls back)."""
+def test_three_bit_layers_run_in_the_kernel():
+    """3-bit codes decode in the fused kernel (a 2-bit tile plus its high-bit tile) wherever their
+    2-bit planes would: the kernel check passes at head_dim 64, and refuses 3 bits exactly where it
+    refuses 2 (code planes of fewer than 16 bytes, head_dim 16 of the tiny models)."""
+    pytest.importorskip("triton")
+    from kvcalib.codec import LayerCodec
+    from kvcalib.runtime.cache import CompressedLayer
     from kvcalib.runtime.triton_path import _check_supported
 
-    model = tiny_model("llama")
-    cache = CompressedCache.from_recipe(model, recipe(THREE_BIT))
-    with torch.no_grad():
-        model(input_ids=torch.randint(0, 128, (1, 30)), past_key_values=cache)
-    layer = cache.layers[0]
-    hq = model.config.num_attention_heads
-    d = model.config.hidden_size // hq
-    why = _check_supported(torch.zeros(1, hq, 1, d), layer, interp=True)  # (B, Hq, 1, D)
-    assert why is not None and "3-bit" in why
+    for bits, d, supported in ((3, 64, True), (3, 16, False), (2, 16, False)):
+        cfg = LayerConfig(k_bits=bits, v_bits=bits, k_group=16, v_group=16, window=16, sinks=2)
+        layer = CompressedLayer(cfg, LayerCodec(cfg))
+        layer.update(torch.randn(1, 2, 60, d), torch.randn(1, 2, 60, d))  # (B, H, T, D)
+        layer.flush()
+        why = _check_supported(torch.zeros(1, 4, 1, d), layer, interp=True)  # (B, Hq, 1, D)
+        assert (why is None) == supported, why
+        if not supported:
+            assert "fewer than 16 bytes" in why

@@ -652,10 +652,14 @@ def inspect(
         print(json.dumps(report, indent=2))
         return
     rows = [[r["layer"], r["k_bits"], r["v_bits"], r["k_axis"], r["k_group"], r["v_group"], r["window"],
-             r["sinks"], r["effective_bits"]] for r in report["layers"]]
+             r["sinks"], r["effective_bits"], "kernel" if r["decode"] == "kernel" else "reference"]
+            for r in report["layers"]]
     print_table(f"recipe {report['name']} for {report['model']['name']} (context {context})",
                 ["layer", "K bits", "V bits", "K axis", "K group", "V group", "window", "sinks",
-                 "eff. bits"], rows)
+                 "eff. bits", "GPU decode"], rows)
+    from kvcalib.inspect import decode_summary
+
+    print(decode_summary(report["layers"]))
     mem = report["memory"]
     print(f"effective bits per element at {context}: {mem['effective_bits']:.3f} (bf16 = 16.0); compression vs "
           f"the model's bf16 cache ({mem['bf16_bytes']:,.0f} bytes): {mem['compression_ratio']:.2f}x; "

@@ -77,6 +77,10 @@ def inspect_recipe(spec: str | Recipe, model: str | ModelInfo | None = None, con
     layers = [{"layer": i, **cfg.to_dict(), "sliding_window": info.sliding_window[i],
                "held_tokens": held_tokens(context, info.sliding_window[i]), "effective_bits": bits}
               for i, (cfg, bits) in enumerate(zip(recipe.layer_configs(info.num_layers), _layer_bits(recipe, info, context)))]
+    from kvcalib.runtime.triton_path import decode_paths
+
+    for row, why in zip(layers, decode_paths(recipe, info)):
+        row["decode"] = "kernel" if why is None else f"reference: {why}"
     mem = recipe.memory(info, context)
     return {
         "name": recipe.name,
@@ -97,6 +101,19 @@ def inspect_recipe(spec: str | Recipe, model: str | ModelInfo | None = None, con
         "provenance": recipe.provenance,
         "origin": provenance_summary(recipe.provenance),
     }
+
+
+def decode_summary(layers: list[dict[str, Any]]) -> str:
+    """One line on the decode path of an :func:`inspect_recipe` report's layers: all in the fused
+    kernel, or which ones are not, why, and what that costs."""
+    slow = [r for r in layers if r["decode"] != "kernel"]
+    if not slow:
+        return f"decode on a GPU: all {len(layers)} layers in the fused Triton kernel"
+    reasons = sorted({r["decode"].removeprefix("reference: ") for r in slow})
+    return (f"decode on a GPU: {len(layers) - len(slow)} of {len(layers)} layers in the fused kernel; layers "
+            f"{', '.join(str(r['layer']) for r in slow)} on the PyTorch reference path ({'; '.join(reasons)}), "
+            "which dequantizes the whole cache at every step (tens of times slower than bf16 at long context) "
+            "and keeps the recipe out of whole-step CUDA graphs")
 
 
 def method_lines(report: dict[str, Any]) -> list[str]:

@@ -356,6 +356,9 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
                     doc[method.name] = {"skipped": str(err)}
         recipe.save(run_dir / "recipe.safetensors")
         doc["recipe"], doc["recipe_name"] = "recipe.safetensors", name
+        from kvcalib.runtime.triton_path import decode_paths
+
+        doc["decode_paths"] = decode_paths(recipe, info)  # per layer: None = the fused kernel on a GPU
         report.plot_bits_per_layer(chosen["point"], sensitivity, run_dir / "bits_per_layer.png")
     report.plot_pareto(records, front, presets, config.budget_bits, doc["chosen"], run_dir / "pareto.png",
                        context=config.context)

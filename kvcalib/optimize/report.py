@@ -174,6 +174,17 @@ def held_out_table(doc: dict[str, Any]) -> str:
     return markdown_table(cols, rows)
 
 
+def decode_path_line(paths: Sequence[str | None]) -> str:
+    """Where the chosen recipe's layers decode on a GPU (``search.json``'s ``decode_paths``: None =
+    the fused kernel, else why the reference path), as one line of the report."""
+    slow = {i: why for i, why in enumerate(paths) if why is not None}
+    if not slow:
+        return f"Decode on a GPU: all {len(paths)} layers in the fused Triton kernel."
+    return (f"Decode on a GPU: **{len(slow)} of {len(paths)} layers on the PyTorch reference path** (tens of times "
+            "slower than bf16 at long context; no whole-step CUDA graphs): "
+            + "; ".join(f"layer {i}: {why}" for i, why in slow.items()) + ".")
+
+
 def write_report(doc: dict[str, Any], path: Path) -> str:
     """``report.md`` from the ``search.json`` document; returns the held-out table (markdown)."""
     from kvcalib.io import atomic_path
@@ -210,6 +221,8 @@ def write_report(doc: dict[str, Any], path: Path) -> str:
                   f"{16.0 / c['effective_bits']:.2f}x smaller than bf16 (group {c['point']['group']}, window {c['point']['window']}, sinks {c['point']['sinks']}"
                   + (f", schedule {c['point']['schedule']}" if c["point"].get("schedule", "none") != "none" else "")
                   + f") -> [`{doc.get('recipe')}`]({doc.get('recipe')})", ""]
+    if c is not None and doc.get("decode_paths") is not None:
+        lines += [decode_path_line(doc["decode_paths"]), ""]
     table = held_out_table(doc)
     if table:
         ho = doc.get("held_out_config", {})

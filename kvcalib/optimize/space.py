@@ -50,10 +50,13 @@ from kvcalib.layout import LayerConfig
 from kvcalib.methods.schedule import NO_SCHEDULE, SCHEDULE_PRESETS  # noqa: F401  (the space's schedule names)
 from kvcalib.methods.schedule import schedule_ages as _schedule_ages
 
-SEARCH_BITS = (2, 4, 8)  # the default space's widths
-# widths a space may name: 3-bit codes are packed and simulated, but the fused decode kernel reads
-# 2, 4 and 8 only, so a 3-bit layer decodes on the reference path (hence not in the default)
-ALLOWED_SEARCH_BITS = (2, 3, 4, 8)
+# the default space's widths: each decodes in the fused kernel faster than bf16 attention
+# (tests/unit/test_default_space_kernel.py samples the space and checks each layer's kernel path).
+# 3-bit codes decode in the kernel too (a 2-bit tile plus its high-bit tile), but measured 0.93x bf16
+# SDPA at batch 8 / 32k (H200, Mistral-7B shape; artifacts/bench/HISTORY.md), so a space opts in
+# to them (scripts/spaces/rotate-3bit.json) until the kernel reads them faster than bf16
+SEARCH_BITS = (2, 4, 8)
+ALLOWED_SEARCH_BITS = (2, 3, 4, 8)  # widths a space may name
 
 
 def layer_switches() -> tuple[str, ...]:

@@ -29,7 +29,7 @@ MODELS = {  # name: (query heads, kv heads, head_dim)
 }
 BATCHES = (1, 8, 32)
 CONTEXTS = (4096, 16384, 32768, 131072)
-SETTINGS = ((2, 128), (4, 128), (4, 32))  # (bits for K and V, group)
+SETTINGS = ((2, 128), (3, 128), (4, 128), (4, 32))  # (bits for K and V, group)
 WINDOW = 128
 
 

@@ -36,6 +36,8 @@ ROWS = {  # name: (models, batches, contexts, settings)
     "all": (tuple(MODELS), BATCHES, CONTEXTS, SETTINGS),
     "ab": (tuple(MODELS), (1, 8), (4096, 32768), SETTINGS),
     "quick": (("mistral-7b",), (1, 8), (4096, 32768), SETTINGS),
+    # issue 50: every code width the default search space offers, Mistral-7B shape, 4k-128k
+    "widths": (("mistral-7b",), (1, 8), (4096, 32768, 131072), ((2, 128), (3, 128), (4, 128))),
 }
 
 

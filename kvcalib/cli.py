@@ -233,7 +233,7 @@ def search(
                               m.strip() for m in finish.split(",") if m.strip() and m.strip() != "none"))
     config.out = Path(config.out) if config.out is not None else default_run_dir("search")
     _preflight_run(model, data, "calib", text_field, device, dtype)
-    _search_context_preflight(config, device)
+    _search_context_preflight(config)
     has_stats = (config.out / "stats.safetensors").is_file()  # a collect folder, or a search to resume
     info = None if has_stats else preflight.model_info_offline(model)
     stats = preflight.stats_bytes(info, config.reservoir_blocks, min(config.block_len, seq_len)) if info else 0
@@ -278,7 +278,7 @@ def search(
     print(f"report: {result.report_path}")
 
 
-def _search_context_preflight(config: Any, device: Optional[str]) -> None:
+def _search_context_preflight(config: Any) -> None:
     """Before the model loads: the default --context from the model's config where it is on this
     machine, and a --context beyond the model's maximum refused."""
     from kvcalib import preflight

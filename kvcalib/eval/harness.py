@@ -325,7 +325,7 @@ def evaluate(config: EvalConfig, loaded: "LoadedModel | None" = None) -> list[Ev
     model, tok, info = loaded.model, loaded.tokenizer, loaded.info
     if info.max_positions and config.max_tokens() > info.max_positions:
         raise EvalConfigError(f"the evaluation feeds {config.max_tokens()} tokens but {info.name} supports "
-                              f"{info.max_positions}: lower ppl_seq_len / passkey lengths / agreement lengths")
+                              f"{info.max_positions}: lower ppl_seq_len / copy_len / passkey lengths / agreement lengths")
     torch.manual_seed(config.seed)
 
     recipes: list[Recipe] = [resolve_recipe(r) for r in config.recipes]

@@ -115,17 +115,4 @@ class KvcalibLM(HFLM):
                            "tasks: score perplexity with `kvcalib eval --metrics ppl`, decode-faithful at any length")
 
 
-def main() -> None:
-    """``kvcalib-lm-eval``: lm-eval's command line with ``--model kvcalib`` registered and the
-    RULER tasks' offline needs in place (NLTK data, a tokenizer folder for ``pretrained``)."""
-    import sys
-
-    from kvcalib.eval.tasks import prepare_lm_eval_argv
-
-    sys.argv = prepare_lm_eval_argv(sys.argv)
-    from lm_eval.__main__ import cli_evaluate
-
-    cli_evaluate()
-
-
-__all__ = ["KvcalibLM", "main"]
+__all__ = ["KvcalibLM"]

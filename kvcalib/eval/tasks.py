@@ -24,6 +24,7 @@ inside functions.
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import os
 from dataclasses import asdict, dataclass, field
@@ -96,6 +97,29 @@ def tokenizer_source(loaded: "LoadedModel") -> str:
     return str(folder)
 
 
+def task_manager(names: Sequence[str], metadata: dict[str, Any] | None = None) -> Any:
+    """lm-eval's ``TaskManager`` for ``names``: indexing all of lm-eval's ~15,000 task configs takes
+    ~30 s, so where every name is a RULER task only lm-eval's own ``ruler`` folder is indexed (the
+    same task definitions); otherwise all of them."""
+    import lm_eval.tasks
+    from lm_eval.tasks import TaskManager
+
+    ruler = Path(lm_eval.tasks.__file__).parent / "ruler"
+    if ruler.is_dir():
+        small = TaskManager(include_defaults=False, include_path=str(ruler), metadata=metadata)
+        if set(names) <= set(small.all_tasks):
+            return small
+    return TaskManager(metadata=metadata)
+
+
+@functools.lru_cache(maxsize=1)
+def _all_task_names() -> frozenset[str]:
+    """Every task, group and tag lm-eval knows (indexed once per process)."""
+    from lm_eval.tasks import TaskManager
+
+    return frozenset(TaskManager().all_tasks)
+
+
 def check_tasks(names: Sequence[str]) -> list[str]:
     """``names`` as lm-eval knows them (tasks or groups), or :class:`KvcalibError` naming the
     closest known names."""
@@ -103,9 +127,9 @@ def check_tasks(names: Sequence[str]) -> list[str]:
     if not names:
         raise KvcalibError(f"--tasks is empty: name lm-eval tasks, e.g. --tasks {','.join(RULER_TASKS[:3])}")
     require_lm_eval()
-    from lm_eval.tasks import TaskManager
-
-    known = set(TaskManager().all_tasks)
+    if set(names) <= set(RULER_TASKS):  # the common case, without indexing every task lm-eval has
+        return list(dict.fromkeys(names))
+    known = _all_task_names()
     unknown = [n for n in names if n not in known]
     if unknown:
         hints = {n: difflib.get_close_matches(n, sorted(known), n=3) for n in unknown}
@@ -140,6 +164,22 @@ def prepare_lm_eval_argv(argv: list[str]) -> list[str]:
         elif kind in ("folder", "hub"):
             args[i] += f",tokenizer={where}"
     return args
+
+
+def lm_eval_main() -> None:
+    """``kvcalib-lm-eval``: lm-eval's own command line (same flags, same output files) with
+    ``--model kvcalib`` registered and RULER's offline needs met; a missing lm-eval or a bad
+    kvcalib argument is one line and exit code 2."""
+    import sys
+
+    try:
+        sys.argv = prepare_lm_eval_argv(sys.argv)
+    except KvcalibError as err:
+        print("kvcalib-lm-eval: error: " + " ".join(str(err).split()), file=sys.stderr)
+        raise SystemExit(2) from None
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
 
 
 # ------------------------------------------------------------------ kvcalib eval --tasks
@@ -238,6 +278,7 @@ def run_tasks(config: TaskConfig, loaded: "LoadedModel | None" = None, progress:
         r.check_model(info)
     lm = KvcalibLM(loaded=loaded, batch_size=config.batch_size, max_length=config.context)
     metadata = {"max_seq_lengths": [config.context], "tokenizer": tokenizer_source(loaded), "pretrained": config.model}
+    manager = task_manager(tasks, metadata)  # indexed once for every recipe
     names = _unique_names(["full precision"] + [r.name for r in recipes])
     runs: list[tuple[str, str, Any]] = [("full precision", "full precision", None)]
     runs += [(name, _spec(spec), r) for name, spec, r in zip(names[1:], config.recipes, recipes)]
@@ -248,7 +289,7 @@ def run_tasks(config: TaskConfig, loaded: "LoadedModel | None" = None, progress:
         for name, spec, recipe in runs:
             t0 = time.perf_counter()
             lm.set_recipe(recipe)
-            results = _evaluate(lm, tasks, config, metadata, name)
+            results = _evaluate(lm, tasks, config, manager, name)
             bits = 16.0 if recipe is None else recipe.memory(info, config.context).effective_bits
             seconds = time.perf_counter() - t0
             for task in tasks:
@@ -268,7 +309,7 @@ def run_tasks(config: TaskConfig, loaded: "LoadedModel | None" = None, progress:
     return out
 
 
-def _evaluate(lm: Any, tasks: list[str], config: TaskConfig, metadata: dict[str, Any], name: str) -> dict[str, Any]:
+def _evaluate(lm: Any, tasks: list[str], config: TaskConfig, manager: Any, name: str) -> dict[str, Any]:
     """One ``lm_eval.simple_evaluate`` call, its files written when ``config.output_path`` is set."""
     from lm_eval import simple_evaluate
 
@@ -281,7 +322,7 @@ def _evaluate(lm: Any, tasks: list[str], config: TaskConfig, metadata: dict[str,
     results = simple_evaluate(model=lm, tasks=list(tasks), limit=config.limit, log_samples=True,
                               random_seed=config.seed, numpy_random_seed=config.seed, torch_random_seed=config.seed,
                               fewshot_random_seed=config.seed, apply_chat_template=config.apply_chat_template,
-                              metadata=dict(metadata), bootstrap_iters=0, gen_kwargs=gen_kwargs,
+                              task_manager=manager, bootstrap_iters=0, gen_kwargs=gen_kwargs,
                               evaluation_tracker=tracker)
     if results is None:  # pragma: no cover - lm-eval returns None only on non-zero ranks
         raise RuntimeError("lm-eval returned no results")
@@ -299,5 +340,5 @@ def _folder_name(name: str) -> str:
 
 
 __all__ = ["DEFAULT_LIMIT", "INSTALL_FIX", "LM_EVAL_REQUIREMENT", "RULER_TASKS", "TaskConfig", "TaskResult",
-           "check_tasks", "prepare_lm_eval_argv", "prepare_nltk_data", "require_lm_eval", "run_tasks",
+           "check_tasks", "lm_eval_main", "prepare_lm_eval_argv", "prepare_nltk_data", "require_lm_eval", "run_tasks",
            "tokenizer_source"]

@@ -9,7 +9,11 @@ tokenizer to ``--context`` tokens including the answer budget), formats the prom
 answers and writes its own files (``--output-path``, default ``artifacts/runs/ruler/<model>-<context>``:
 results JSON and every sample with its generation). kvcalib runs generation through each recipe's
 ``CompressedCache`` (:mod:`kvcalib.eval.lm_eval_model`), full precision first, on the same samples
-(checked through lm-eval's prompt hashes). ``kivi-2`` and ``kivi-4`` are always run.
+(checked through lm-eval's prompt hashes). ``--baselines`` (``kivi-2,kivi-4``) run beside the recipes;
+full precision always runs, so a long list of recipes can be split over several commands with
+``--baselines ''`` after the first (rows are merged). ``--batch-size 8`` batches generation (padded
+rows: the compressed cache anchors each row at its first real token) and ``--max-gen-toks 32`` caps
+the answers (RULER's answers are a few numbers or words; its default budget is 128).
 
 Rows are merged into ``artifacts/results/ruler.json`` (a list of objects with ``model``,
 ``context``, ``recipe``, ``effective_bits`` (at ``context``), ``task``, ``metric``, ``score``,
@@ -37,7 +41,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     from kvcalib.eval.tasks import TaskConfig, require_lm_eval, run_tasks
 
     version = require_lm_eval()
-    recipes = list(dict.fromkeys([*BASELINES, *args.recipe]))
+    baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    recipes = list(dict.fromkeys([*baselines, *args.recipe]))
     output = args.output_path or ROOT / "artifacts" / "runs" / "ruler" / f"{args.model}-{args.context}"
     config = TaskConfig(model=args.model, recipes=recipes, tasks=tuple(args.tasks.split(",")), context=args.context,
                         limit=args.limit, batch_size=args.batch_size, seed=args.seed, output_path=output,
@@ -90,8 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--context", type=int, required=True, help="RULER sequence length (tokens)")
-    parser.add_argument("--recipe", action="append", default=[], help="preset or recipe file (repeatable; "
-                        "kivi-2 and kivi-4 always run)")
+    parser.add_argument("--recipe", action="append", default=[], help="preset or recipe file (repeatable)")
+    parser.add_argument("--baselines", default=",".join(BASELINES),
+                        help="presets run beside the recipes (comma-separated; '' for none: full precision always runs)")
     parser.add_argument("--tasks", default=",".join(RULER_TASKS))
     parser.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help="samples per task")
     parser.add_argument("--max-gen-toks", type=int, default=None, help="cap on generated tokens (default: the task's)")

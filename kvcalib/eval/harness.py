@@ -75,6 +75,7 @@ class EvalConfig:
     ppl_samples: int = 16
     ppl_seq_len: int = 1024
     ppl_overlap: float = 0.0  # the most a ppl window may share with its neighbour when the text is short
+    ppl_allow_fewer: bool = False  # a text short of ppl_samples windows gives those it holds (else refused)
     agreement_prompts: int = 8
     agreement_prompt_len: int = 512  # longer than KIVI's 128-token window, so compression matters
     agreement_tokens: int = 64
@@ -267,7 +268,7 @@ def _build_inputs(config: EvalConfig, tokenizer) -> _Inputs:
             win = eval_windows(texts, tokenizer, config.ppl_seq_len, config.ppl_samples, config.seed,
                                config.ppl_overlap, what,
                                {"n": " (--ppl-samples)", "seq_len": " (--ppl-seq-len)", "text": " (--data)",
-                                "overlap": " (--ppl-overlap)"})
+                                "overlap": " (--ppl-overlap)"}, allow_fewer=config.ppl_allow_fewer)
             inputs.ppl_ids, inputs.ppl_overlap = win.ids, win.overlap
         if "agreement" in config.metrics:
             inputs.prompts = pack_samples(texts, tokenizer, config.agreement_prompt_len,

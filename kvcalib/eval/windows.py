@@ -20,6 +20,7 @@ mean).
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -27,6 +28,8 @@ from typing import Any, Sequence
 import torch
 
 from kvcalib.errors import KvcalibError
+
+log = logging.getLogger(__name__)
 
 BOOTSTRAP_ITERS = 2000
 CI_LEVEL = 0.95
@@ -70,10 +73,13 @@ def leading_bos(tokenizer: Any) -> int | None:
 
 
 def eval_windows(texts: Sequence[str], tokenizer: Any, seq_len: int, n: int, seed: int = 0,
-                 max_overlap: float = 0.0, what: str = "the text", opts: dict[str, str] | None = None) -> Windows:
+                 max_overlap: float = 0.0, what: str = "the text", opts: dict[str, str] | None = None,
+                 allow_fewer: bool = False) -> Windows:
     """``n`` windows of exactly ``seq_len`` tokens (see module docstring); :class:`KvcalibError`
     naming the fix when the text cannot hold them within ``max_overlap``. ``opts``: the option
-    that sets each of ``n``, ``seq_len``, ``text``, ``overlap``, shown in the fix (" (--ppl-samples)")."""
+    that sets each of ``n``, ``seq_len``, ``text``, ``overlap``, shown in the fix (" (--ppl-samples)").
+    ``allow_fewer``: a short text gives the disjoint windows it holds (at least one), with a warning,
+    as :func:`kvcalib.data.pack_samples` does (the search's held-out proof)."""
     opts = opts or {}
     if seq_len < 2 or n < 1:
         raise ValueError(f"need seq_len >= 2 and n >= 1, got {seq_len} and {n}")
@@ -84,8 +90,10 @@ def eval_windows(texts: Sequence[str], tokenizer: Any, seq_len: int, n: int, see
     stream = token_stream(texts, tokenizer, seed)
     total = len(stream)
     disjoint = total // body
-    if disjoint >= n:
-        starts = [i * body for i in range(n)]
+    if disjoint >= n or (allow_fewer and disjoint >= 1):  # allow_fewer: as many disjoint windows as fit
+        if disjoint < n:
+            log.warning("only %d of %d windows of %d tokens fit in %s (%d tokens)", disjoint, n, seq_len, what, total)
+        starts = [i * body for i in range(min(n, disjoint))]
         overlap = 0.0
     else:
         stride = (total - body) / (n - 1) if n > 1 else 0.0

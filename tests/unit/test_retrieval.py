@@ -204,3 +204,31 @@ def test_lm_eval_command_line_gets_the_tokenizer_folder(monkeypatch, tmp_path):
     assert argv[-1] == f"pretrained={folder},tokenizer={folder}"
     kept = ["lm_eval", "--model", "kvcalib", "--model_args", "pretrained=x/y,tokenizer=z"]
     assert tasks.prepare_lm_eval_argv(list(kept)) == kept
+
+
+# ------------------------------------------------------------------ benchmark files
+def test_benchmark_rows_merge_and_tables(tmp_path):
+    from benchmarks import long_context, ruler
+
+    base = {"model": "m", "context": 8192, "machine": "x", "command": "c"}
+    rows = [{**base, "recipe": r, "effective_bits": b, "task": t, "metric": "8192,none", "score": s, "score_fp": 1.0,
+             "n": 50} for r, b, t, s in (("full precision", 16.0, "niah_single_1", 1.0), ("kivi-2", 3.2, "niah_single_1", 0.5),
+                                          ("kivi-2", 3.2, "ruler_vt", 0.25))]
+    path = tmp_path / "ruler.json"
+    ruler.merge(rows, path)
+    merged = ruler.merge([{**rows[1], "score": 0.75}], path)  # a rerun replaces its row
+    assert len(merged) == 3 and [r["score"] for r in merged if r["recipe"] == "kivi-2" and r["task"] == "niah_single_1"] == [0.75]
+    table = ruler.markdown(merged)
+    assert "| kivi-2 | 3.200 | 0.750 | 0.250 | 0.500 |" in table and "| full precision | 16.000 | 1.000 |  | 1.000 |" in table
+    old = {**base, "recipe": "kivi-2", "effective_bits": 3.2, "metric": "ppl", "ppl": 23.0, "ppl_fp": 20.0,
+           "delta_pct": 15.0}  # a row from before --text: a Britannica row without an interval
+    new = [{**old, "text": "plays", "ci_low": 10.0, "ci_high": 20.0, "windows": 8, "overlap": 0.0},
+           {**base, "recipe": "kivi-2", "effective_bits": 3.2, "metric": "copy", "text": "plays", "nll": 2.0,
+            "nll_fp": 0.2, "nll_decode": None, "nll_reference": 3.3, "passages": 4, "tail": 256}]
+    lc = tmp_path / "long_context.json"
+    long_context.merge([old], lc)
+    merged = long_context.merge(new, lc)
+    assert len(merged) == 3  # the plays row sits beside the Britannica one
+    md = long_context.markdown(merged)
+    assert "| m | 8192 | plays | kivi-2 | 3.200 | 23.000 | 20.000 | +15.00% | [+10.00, +20.00] | 8 | x |" in md
+    assert "| m | 8192 | longtext | kivi-2 |" in md and "| 2.000 |  | 0.200 | 3.300 | 4 x 256 |" in md

@@ -232,3 +232,43 @@ def test_benchmark_rows_merge_and_tables(tmp_path):
     md = long_context.markdown(merged)
     assert "| m | 8192 | plays | kivi-2 | 3.200 | 23.000 | 20.000 | +15.00% | [+10.00, +20.00] | 8 | x |" in md
     assert "| m | 8192 | longtext | kivi-2 |" in md and "| 2.000 |  | 0.200 | 3.300 | 4 x 256 |" in md
+
+
+def test_cli_refuses_a_context_beyond_the_model_and_a_text_too_short(tiny_tokenizer, tmp_path):
+    """Each one line, exit code 2, nothing written; the context checks run before the model loads."""
+    from typer.testing import CliRunner
+
+    from kvcalib.cli import app
+    from tests.conftest import tiny_config, tiny_model
+
+    folder = tmp_path / "model"  # max_position_embeddings 512; head_dim 64 for the presets' groups
+    cfg = tiny_config("llama", head_dim=64)
+    cfg.vocab_size = len(tiny_tokenizer)
+    tiny_model("llama", config=cfg).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    short = tmp_path / "short.txt"
+    short.write_text("\n".join(corpus_lines(20, seed=3)))
+    out = tmp_path / "out.json"
+    cases = [(["search", "--model", str(folder), "--context", "1024", "--out", str(tmp_path / "run")],
+              "--context 1024 is beyond model's maximum of 512"),
+             (["eval", "--model", str(folder), "--preset", "kivi-2", "--metrics", "ppl", "--ppl-seq-len", "1024"],
+              "beyond model's maximum of 512"),
+             (["eval", "--model", str(folder), "--preset", "kivi-2", "--tasks", "niah_single_1", "--context-len", "1024"],
+              "maximum of 512"),
+             (["eval", "--model", str(folder), "--preset", "kivi-2", "--data", str(short), "--metrics", "ppl",
+               "--ppl-samples", "50", "--ppl-seq-len", "64", "--device", "cpu", "--json", str(out)], "(--ppl-samples)")]
+    runner = CliRunner()
+    for args, words in cases:
+        if "--tasks" in args and not _has_lm_eval():
+            continue
+        res = runner.invoke(app, args)
+        # transformers' own weight-loading bar may come first (the text check runs once the model is loaded)
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip() and "Loading weights" not in ln]
+        assert res.exit_code == 2 and len(lines) == 1 and words in lines[0], (args, res.exit_code, res.stderr)
+    assert not out.exists() and not (tmp_path / "run").exists()
+
+
+def _has_lm_eval() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("lm_eval") is not None

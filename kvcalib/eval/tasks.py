@@ -8,6 +8,9 @@ full precision on the same samples: lm-eval seeds its generators the same way fo
 :func:`run_tasks` checks that each recipe saw exactly full precision's prompts (lm-eval's
 ``prompt_hash`` of every sample).
 
+Each task is built once (lm-eval's ``Task``: RULER generates its samples then) and handed to
+every run, so the recipes are scored on the very samples full precision was.
+
 RULER's sequence length is ``context`` (lm-eval's ``max_seq_lengths`` metadata): a sample's prompt
 and its answer budget fit in it, and the score reported is the task's metric at that length.
 :data:`RULER_TASKS` are the RULER tasks whose haystack is generated locally (the ``essay`` ones
@@ -278,7 +281,9 @@ def run_tasks(config: TaskConfig, loaded: "LoadedModel | None" = None, progress:
         r.check_model(info)
     lm = KvcalibLM(loaded=loaded, batch_size=config.batch_size, max_length=config.context)
     metadata = {"max_seq_lengths": [config.context], "tokenizer": tokenizer_source(loaded), "pretrained": config.model}
-    manager = task_manager(tasks, metadata)  # indexed once for every recipe
+    manager = task_manager(tasks, metadata)
+    built = manager.load(list(tasks))["tasks"]  # leaf tasks (a group expands), samples built once (RULER: ~10-50 s a task at 8k)
+    leaves, task_objects = list(built), list(built.values())
     names = _unique_names(["full precision"] + [r.name for r in recipes])
     runs: list[tuple[str, str, Any]] = [("full precision", "full precision", None)]
     runs += [(name, _spec(spec), r) for name, spec, r in zip(names[1:], config.recipes, recipes)]
@@ -289,10 +294,10 @@ def run_tasks(config: TaskConfig, loaded: "LoadedModel | None" = None, progress:
         for name, spec, recipe in runs:
             t0 = time.perf_counter()
             lm.set_recipe(recipe)
-            results = _evaluate(lm, tasks, config, manager, name)
+            results = _evaluate(lm, task_objects, config, manager, name)
             bits = 16.0 if recipe is None else recipe.memory(info, config.context).effective_bits
             seconds = time.perf_counter() - t0
-            for task in tasks:
+            for task in leaves:
                 metric, score = _score(results["results"][task], config.context)
                 samples = results["samples"][task]
                 digest = _prompts_digest(samples)
@@ -309,7 +314,7 @@ def run_tasks(config: TaskConfig, loaded: "LoadedModel | None" = None, progress:
     return out
 
 
-def _evaluate(lm: Any, tasks: list[str], config: TaskConfig, manager: Any, name: str) -> dict[str, Any]:
+def _evaluate(lm: Any, tasks: list[Any], config: TaskConfig, manager: Any, name: str) -> dict[str, Any]:
     """One ``lm_eval.simple_evaluate`` call, its files written when ``config.output_path`` is set."""
     from lm_eval import simple_evaluate
 

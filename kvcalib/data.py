@@ -12,7 +12,7 @@
                     (~60k tokens; scan markers removed); split ``calib`` = Milton's *Paradise
                     Lost* (~120k tokens) and *Areopagitica* (~25k), two documents
 ``plays``           held-out long text of another kind (issue 51): eight Shakespeare tragedies as
-                    Project Gutenberg transcribed them (dialogue and verse, ~380k tokens), eight
+                    Project Gutenberg transcribed them (dialogue and verse, ~360k tokens), eight
                     documents; split ``eval`` only: never calibrated on, so ``calib`` is refused
 ``gsm8k-100``       100 GSM8K test problems, "question\\nsolution" per text (see
                     :func:`load_gsm8k_100` for accuracy). Calibrating on these and scoring accuracy

@@ -1,21 +1,42 @@
-"""Quality at long context: held-out perplexity (overall and by position) and passkey retrieval of
-recipes beside full precision, on identical inputs, at the contexts where the cache is large.
+"""Quality at long context: held-out perplexity (overall, by position, with a bootstrap interval),
+copying and passkey retrieval of recipes beside full precision, on identical inputs, at the contexts
+where the cache is large.
 
-    python benchmarks/long_context.py --model smollm2-135m --context 4096 --context 8192 \
-        --recipe kivi-2 --recipe kivi-4 --recipe recipes/smollm2-135m/long-8k-3.0/recipe.safetensors \
-        [--ppl-samples 4] [--passkey-depths 0.1,0.5,0.9] [--passkey-trials 2] [--metrics ppl,passkey]
+    python benchmarks/long_context.py --model smollm2-135m --context 8192 \
+        --recipe kivi-2 --recipe kivi-4 --recipe recipes/smollm2-135m/long-8192-3.0b-3bit/recipe.safetensors \
+        [--text longtext --text plays] [--ppl-samples 8] [--passkey-depths 0.1,0.3,0.5,0.7,0.9]
+        [--passkey-trials 4] [--metrics ppl,passkey,copy] [--decode] [--device cuda]
 
-Perplexity: ``--ppl-samples`` windows of exactly ``context`` tokens from the *evaluation* split of
-``--data longtext`` (the Britannica article; calibration uses Milton, never this text); effective
-bits are accounted at that same context. Passkey: prompts of exactly ``context`` tokens, the key at
-each depth, the question asked after the context is compressed (``split`` mode).
+Texts (``--text``, repeatable; never used for calibration): ``longtext``, the Britannica article
+(encyclopaedia prose; calibration uses Milton), and ``plays``, eight Shakespeare tragedies
+(dialogue and verse; no calibration split at all).
+
+Perplexity: ``--ppl-samples`` windows of exactly ``context`` tokens of each text, side by side;
+where the text holds fewer, evenly spaced windows that share at most ``--ppl-overlap`` of their
+tokens with a neighbour (the row records the overlap: overlapping windows make the interval
+narrower than independent ones would). ``ci_low``/``ci_high``: the 95% paired bootstrap interval
+over windows of ``delta_pct`` (the perplexity change against full precision, in %). Effective
+bits are accounted at the context.
+
+Copy (:mod:`kvcalib.eval.copy`): ``--copy-samples`` passages of ``--copy-len`` tokens of each
+text, each repeated; ``nll`` is the mean NLL (nats/token) of the last ``--copy-tail`` tokens of
+the second copy, decode steps after a compressed prompt, through the decode-faithful simulation,
+``nll_decode`` the same through a real token-by-token decode with CompressedCache (``--decode``),
+``nll_fp`` full precision, ``nll_reference`` full precision on the same tokens of the first copy.
+
+Passkey: prompts of exactly ``context`` tokens (the Britannica filler), the key at each depth, the
+question asked after the context is compressed (``split`` mode); once per context, with the first
+``--text``. ``--passkey-trials`` per depth (default 4 x 5 depths = 20 trials).
 
 Every row is merged into ``artifacts/results/long_context.json`` (a list of objects with keys
-``model``, ``context``, ``recipe``, ``effective_bits``, ``metric`` ("ppl" | "passkey"), ``ppl``,
-``ppl_fp``, ``delta_pct`` (ppl rows), ``accuracy``, ``accuracy_fp``, ``trials`` (passkey rows),
-``by_position`` (ppl rows), ``machine`` and ``command``; a rerun replaces the rows with the same
-model/context/recipe/metric), then ``long_context.md`` is rewritten from the JSON and a PNG of
-perplexity by position is written per (model, context).
+``model``, ``context``, ``recipe``, ``effective_bits``, ``metric`` ("ppl" | "copy" | "passkey"),
+``text``; ppl rows ``ppl``, ``ppl_fp``, ``delta_pct``, ``ci_low``, ``ci_high``, ``windows``,
+``overlap``, ``tokens``, ``by_position``; copy rows ``nll``, ``nll_fp``, ``nll_decode``,
+``nll_reference``, ``passages``, ``tail``; passkey rows ``accuracy``, ``accuracy_fp``, ``trials``,
+``by_depth``; and ``machine`` and ``command``; rows written before ``text`` existed are Britannica
+rows; a rerun replaces the rows with the same model/context/recipe/metric/text), then
+``long_context.md`` is rewritten from the JSON and a PNG of perplexity by position is written per
+(model, context, text).
 """
 
 from __future__ import annotations
@@ -51,80 +72,126 @@ def recipe_label(spec: str) -> str:
     return spec
 
 
+TEXTS = {"longtext": "Britannica article", "plays": "Shakespeare tragedies"}
+
+
+def text_of(row: dict) -> str:
+    return row.get("text", "longtext")  # rows written before --text existed are Britannica rows
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     from kvcalib.eval.harness import EvalConfig, evaluate
     from kvcalib.models import load_model
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/long_context.py", *sys.argv[1:]])
+    metrics = [m for m in args.metrics.split(",") if m]
     rows: list[dict] = []
     for context in args.context:
-        metrics = [m for m in args.metrics.split(",") if m]
         # the passkey prompt plus its answer must fit the model: at its full context (SmolLM2's 8192)
         # the prompt gives up the answer's tokens
         limit = loaded.info.max_positions or context + EvalConfig.passkey_new_tokens
         passkey_len = min(context, limit - EvalConfig.passkey_new_tokens)
-        config = EvalConfig(model=args.model, recipes=list(args.recipe), data="longtext", metrics=tuple(metrics),
-                            context_len=context, ppl_samples=args.ppl_samples, ppl_seq_len=context,
-                            passkey_lengths=(passkey_len,), passkey_depths=tuple(args.passkey_depths),
-                            passkey_trials=args.passkey_trials, batch_size=1, seed=args.seed)
-        results = evaluate(config, loaded)
-        for spec, r in zip(args.recipe, results):
-            base = {"model": args.model, "context": context, "recipe": recipe_label(spec),
-                    "effective_bits": r.effective_bits, "machine": machine(), "command": command}
-            if r.ppl is not None:
-                rows.append({**base, "metric": "ppl", "ppl": r.ppl, "ppl_fp": r.ppl_fp, "delta_pct": r.ppl_delta_pct,
-                             "tokens": r.ppl_tokens, "by_position": r.ppl_by_position})
-            if r.passkey is not None:
-                rows.append({**base, "metric": "passkey", "accuracy": r.passkey, "accuracy_fp": r.passkey_fp,
-                             "trials": len(args.passkey_depths) * args.passkey_trials, "by_depth": r.passkey_cells})
+        for i, text in enumerate(args.text):
+            chosen = tuple(m for m in metrics if m != "passkey" or i == 0)  # passkey: one filler, once
+            if not chosen:
+                continue
+            config = EvalConfig(model=args.model, recipes=list(args.recipe), data=text, metrics=chosen,
+                                context_len=context, ppl_samples=args.ppl_samples, ppl_seq_len=context,
+                                ppl_overlap=args.ppl_overlap, passkey_lengths=(passkey_len,),
+                                passkey_depths=tuple(args.passkey_depths), passkey_trials=args.passkey_trials,
+                                copy_len=args.copy_len, copy_tail=args.copy_tail, copy_samples=args.copy_samples,
+                                copy_decode=args.decode, batch_size=1, seed=args.seed)
+            results = evaluate(config, loaded)
+            for spec, r in zip(args.recipe, results):
+                base = {"model": args.model, "context": context, "recipe": recipe_label(spec), "text": text,
+                        "effective_bits": r.effective_bits, "machine": machine(), "command": command}
+                if r.ppl is not None:
+                    rows.append({**base, "metric": "ppl", "ppl": r.ppl, "ppl_fp": r.ppl_fp,
+                                 "delta_pct": r.ppl_delta_pct, "ci_low": r.ppl_ci_low, "ci_high": r.ppl_ci_high,
+                                 "windows": r.ppl_windows, "overlap": r.ppl_overlap, "tokens": r.ppl_tokens,
+                                 "by_position": r.ppl_by_position})
+                if r.copy_nll is not None:
+                    rows.append({**base, "metric": "copy", "nll": r.copy_nll, "nll_fp": r.copy_nll_fp,
+                                 "nll_decode": r.copy_nll_decode, "nll_reference": r.copy_nll_reference,
+                                 "passages": r.copy_passages, "tail": r.copy_tail, "copy_len": args.copy_len})
+                if r.passkey is not None:
+                    rows.append({**base, "metric": "passkey", "text": "longtext", "accuracy": r.passkey,
+                                 "accuracy_fp": r.passkey_fp,
+                                 "trials": len(args.passkey_depths) * args.passkey_trials, "by_depth": r.passkey_cells})
     return rows
 
 
-def merge(rows: list[dict], path: Path) -> list[dict]:
-    """The file's rows with ``rows`` replacing those of the same model/context/recipe/metric."""
+def merge(rows: list[dict], path: Path, key=None, order=None) -> list[dict]:
+    """The file's rows with ``rows`` replacing those of the same ``key`` (default: model, context,
+    recipe, metric and text), sorted by ``order``; written atomically."""
     from kvcalib.io import write_json_atomic
 
+    key = key or (lambda r: (r["model"], r["context"], r["recipe"], r["metric"], text_of(r)))
+    order = order or (lambda r: (r["model"], r["context"], r["metric"], text_of(r), r["effective_bits"]))
     old = json.loads(path.read_text()) if path.is_file() else []
-    key = lambda r: (r["model"], r["context"], r["recipe"], r["metric"])  # noqa: E731
     new_keys = {key(r) for r in rows}
     merged = [r for r in old if key(r) not in new_keys] + rows
-    merged.sort(key=lambda r: (r["model"], r["context"], r["metric"], r["effective_bits"]))
+    merged.sort(key=order)
     write_json_atomic(path, merged)
     return merged
 
 
 def plot(rows: list[dict], folder: Path) -> list[Path]:
-    """One PNG per model and context: perplexity vs full precision by position, a line for every
-    recipe in ``rows`` (the merged file's, so a run that adds one recipe redraws the whole plot)."""
+    """One PNG per model, context and text: perplexity vs full precision by position, a line for
+    every recipe in ``rows`` (the merged file's, so a run that adds one recipe redraws the whole plot)."""
     from types import SimpleNamespace
 
     from kvcalib.eval.harness import plot_positions
 
     paths = []
-    for model, context in sorted({(r["model"], r["context"]) for r in rows if r.get("by_position")}):
+    for model, context, text in sorted({(r["model"], r["context"], text_of(r)) for r in rows if r.get("by_position")}):
         lines = [SimpleNamespace(name=r["recipe"].removeprefix(f"recipes/{model}/").removesuffix("/recipe.safetensors"),
                                  effective_bits=r["effective_bits"], ppl_by_position=r["by_position"])
-                 for r in rows if r["metric"] == "ppl" and (r["model"], r["context"]) == (model, context)
+                 for r in rows if r["metric"] == "ppl" and (r["model"], r["context"], text_of(r)) == (model, context, text)
                  and r.get("by_position")]
-        path = folder / f"long_context_{model}_{context}.png"
-        plot_positions(lines, path, f"{model}: perplexity by position, {context}-token windows")
+        suffix = "" if text == "longtext" else f"_{text}"  # the Britannica plots keep their names
+        path = folder / f"long_context_{model}_{context}{suffix}.png"
+        plot_positions(lines, path, f"{model}: perplexity by position, {context}-token windows, {TEXTS.get(text, text)}")
         paths.append(path)
     return paths
 
 
+def _ci(r: dict) -> str:
+    if r.get("ci_low") is None:
+        return ""
+    return f"[{r['ci_low']:+.2f}, {r['ci_high']:+.2f}]"
+
+
 def markdown(rows: list[dict]) -> str:
-    """The results as tables: perplexity rows, then passkey rows, by model and context."""
+    """The results as tables: perplexity, copy, then passkey rows, by model, context and text."""
     out = ["# Quality at long context", "",
            "Generated from `long_context.json` by `benchmarks/long_context.py` (each row's command and",
-           "machine are in the JSON). Effective bits are counted at the row's context (bf16 = 16).", ""]
+           "machine are in the JSON). Effective bits are counted at the row's context (bf16 = 16). Texts: the",
+           "Britannica article (longtext) and eight Shakespeare tragedies (plays), neither calibrated on.", ""]
     ppl = [r for r in rows if r["metric"] == "ppl"]
     if ppl:
-        out += ["## Held-out perplexity (Britannica article, windows of exactly `context` tokens)", "",
-                "| model | context | recipe | eff. bits | ppl | ppl fp | vs fp | machine |",
-                "|---|---:|---|---:|---:|---:|---:|---|"]
-        out += [f"| {r['model']} | {r['context']} | {r['recipe']} | {r['effective_bits']:.3f} | {r['ppl']:.3f} | "
-                f"{r['ppl_fp']:.3f} | {r['delta_pct']:+.2f}% | {r['machine']} |" for r in ppl]
+        out += ["## Held-out perplexity (windows of exactly `context` tokens)", "",
+                "95% CI: paired bootstrap over windows of the change against full precision; windows: how many, and",
+                "the fraction of a window shared with its neighbour where the text is too short for disjoint ones.", "",
+                "| model | context | text | recipe | eff. bits | ppl | ppl fp | vs fp | 95% CI | windows | machine |",
+                "|---|---:|---|---|---:|---:|---:|---:|---|---:|---|"]
+        for r in ppl:
+            win = "" if r.get("windows") is None else f"{r['windows']}" + (f" ({r['overlap']:.2f} shared)" if r.get("overlap") else "")
+            out.append(f"| {r['model']} | {r['context']} | {text_of(r)} | {r['recipe']} | {r['effective_bits']:.3f} | "
+                       f"{r['ppl']:.3f} | {r['ppl_fp']:.3f} | {r['delta_pct']:+.2f}% | {_ci(r)} | {win} | {r['machine']} |")
+        out.append("")
+    copy = [r for r in rows if r["metric"] == "copy"]
+    if copy:
+        out += ["## Copy (a passage repeated: NLL of the second copy's last tokens, nats/token)", "",
+                "reference: full precision on the same tokens of the first copy, where there is nothing to copy.", "",
+                "| model | context | text | recipe | eff. bits | NLL (simulated) | NLL (decode) | NLL fp | reference | passages x tail | machine |",
+                "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+        for r in copy:
+            dec = "" if r.get("nll_decode") is None else f"{r['nll_decode']:.3f}"
+            out.append(f"| {r['model']} | {r['context']} | {text_of(r)} | {r['recipe']} | {r['effective_bits']:.3f} | "
+                       f"{r['nll']:.3f} | {dec} | {r['nll_fp']:.3f} | {r['nll_reference']:.3f} | "
+                       f"{r['passages']} x {r['tail']} | {r['machine']} |")
         out.append("")
     pk = [r for r in rows if r["metric"] == "passkey"]
     if pk:
@@ -142,25 +209,42 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--context", type=int, action="append", required=True)
     parser.add_argument("--recipe", action="append", required=True, help="preset name or recipe file (repeatable)")
-    parser.add_argument("--metrics", default="ppl,passkey")
-    parser.add_argument("--ppl-samples", type=int, default=4)
-    parser.add_argument("--passkey-depths", type=lambda s: [float(x) for x in s.split(",")], default=[0.1, 0.5, 0.9])
-    parser.add_argument("--passkey-trials", type=int, default=2)
+    parser.add_argument("--text", action="append", choices=sorted(TEXTS), default=None,
+                        help="held-out text (repeatable; default: longtext and plays)")
+    parser.add_argument("--metrics", default="ppl,passkey,copy")
+    parser.add_argument("--ppl-samples", type=int, default=8)
+    parser.add_argument("--ppl-overlap", type=float, default=0.75,
+                        help="the most a window may share with its neighbour where the text is short")
+    parser.add_argument("--copy-len", type=int, default=3000)
+    parser.add_argument("--copy-tail", type=int, default=256)
+    parser.add_argument("--copy-samples", type=int, default=4)
+    parser.add_argument("--decode", action="store_true", help="copy: also through a real CompressedCache decode")
+    parser.add_argument("--passkey-depths", type=lambda s: [float(x) for x in s.split(",")],
+                        default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    parser.add_argument("--passkey-trials", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--out", type=Path, default=OUT / "long_context.json")
     args = parser.parse_args()
-    rows = merge(run(args), args.out)
+    args.text = args.text or ["longtext", "plays"]
+    from kvcalib.errors import KvcalibError
+
+    try:
+        rows = merge(run(args), args.out)
+    except KvcalibError as err:
+        print(f"long_context.py: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     args.out.with_suffix(".md").write_text(markdown(rows) + "\n")
     plot(rows, args.out.parent)
     for r in rows:
+        head = f"{r['model']} {r['context']:>6} {text_of(r):<8} {r['recipe']:<50} {r['effective_bits']:6.3f} bits"
         if r["metric"] == "ppl":
-            print(f"{r['model']} {r['context']:>6} {r['recipe']:<40} {r['effective_bits']:6.3f} bits  ppl "
-                  f"{r['ppl']:.3f} (fp {r['ppl_fp']:.3f}, {r['delta_pct']:+.2f}%)")
+            print(f"{head}  ppl {r['ppl']:.3f} (fp {r['ppl_fp']:.3f}, {r['delta_pct']:+.2f}% {_ci(r)})")
+        elif r["metric"] == "copy":
+            print(f"{head}  copy NLL {r['nll']:.3f} (fp {r['nll_fp']:.3f}, reference {r['nll_reference']:.3f})")
         else:
-            print(f"{r['model']} {r['context']:>6} {r['recipe']:<40} {r['effective_bits']:6.3f} bits  passkey "
-                  f"{r['accuracy']:.2f} (fp {r['accuracy_fp']:.2f}, {r['trials']} trials)")
+            print(f"{head}  passkey {r['accuracy']:.2f} (fp {r['accuracy_fp']:.2f}, {r['trials']} trials)")
 
 
 if __name__ == "__main__":

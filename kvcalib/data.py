@@ -11,6 +11,9 @@
                     ``eval`` = the Britannica 11th-edition article on Shakespeare as one document
                     (~60k tokens; scan markers removed); split ``calib`` = Milton's *Paradise
                     Lost* (~120k tokens) and *Areopagitica* (~25k), two documents
+``plays``           held-out long text of another kind (issue 51): eight Shakespeare tragedies as
+                    Project Gutenberg transcribed them (dialogue and verse, ~360k tokens), eight
+                    documents; split ``eval`` only: never calibrated on, so ``calib`` is refused
 ``gsm8k-100``       100 GSM8K test problems, "question\\nsolution" per text (see
                     :func:`load_gsm8k_100` for accuracy). Calibrating on these and scoring accuracy
                     on them leaks: calibrate on ``embedded`` when you evaluate GSM8K.
@@ -55,7 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SPLITS = ("calib", "eval")
-EMBEDDED_SOURCES = ("embedded", "longtext", "gsm8k-100")
+EMBEDDED_SOURCES = ("embedded", "longtext", "plays", "gsm8k-100")
 DEFAULT_TEXT_FIELDS = ("text", "passage", "content", "question")
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 _HUB_PROBE_TIMEOUT_S = 5.0  # an unreachable hub must fail in seconds, not after minutes of retries
@@ -109,7 +112,7 @@ _GENERIC_HUB_SPLITS = {"calib": "train", "eval": "validation"}
 class TextSource:
     """A resolved ``--data`` value: what to read, not yet read. :meth:`load` reads it."""
 
-    kind: str  # "embedded" | "longtext" | "gsm8k-100" | "file" | "hub"
+    kind: str  # "embedded" | "longtext" | "plays" | "gsm8k-100" | "file" | "hub"
     data: str  # as the user wrote it
     split: str
     text_field: str | None = None
@@ -134,6 +137,8 @@ class TextSource:
             texts = list(calib if self.split == "calib" else evaluation)
         elif self.kind == "longtext":
             texts = [_britannica_text()] if self.split == "eval" else list(_milton_texts())
+        elif self.kind == "plays":
+            texts = list(_plays_texts())
         elif self.kind == "gsm8k-100":
             texts = [f"{p.question}\n{p.answer_text}" for p in load_gsm8k_100()]
         elif self.kind == "file":
@@ -167,6 +172,11 @@ def resolve_text_source(data: str, split: str = "calib", text_field: str | None 
             raise KvcalibError(
                 f"--data {data} has splits {' and '.join(SPLITS)}, not {split!r}. "
                 f"Fix: use one of them."
+            )
+        if data == "plays" and split != "eval":
+            raise KvcalibError(
+                f"--data plays is held-out text only (split eval), never calibration text, not {split!r}. "
+                f"Fix: calibrate on embedded or longtext; evaluate on plays."
             )
         return TextSource(kind=data, data=data, split=split)
 
@@ -487,6 +497,15 @@ def _britannica_text() -> str:
             pages[-1].append(line.rstrip())
     bodies = ["\n".join(p).strip() for p in pages]
     return "\n".join(b for b in bodies if b) + "\n"
+
+
+@functools.lru_cache(maxsize=1)
+def _plays_texts() -> tuple[str, ...]:
+    """The eight tragedies of :data:`kvcalib.assets.PLAYS`, one document each, in that order."""
+    from kvcalib.assets import PLAYS, embedded_text_file
+
+    return tuple(embedded_text_file(f"play-{name}").read_text(encoding="utf-8", errors="replace").strip() + "\n"
+                 for name, _, _ in PLAYS)
 
 
 @dataclass(frozen=True)

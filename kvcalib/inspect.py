@@ -100,6 +100,7 @@ def inspect_recipe(spec: str | Recipe, model: str | ModelInfo | None = None, con
         "tensors": {k: list(v.shape) for k, v in recipe.tensors.items()},
         "provenance": recipe.provenance,
         "origin": provenance_summary(recipe.provenance),
+        "searched_context": recipe.searched_context,  # tokens per scored window of its search (None: not searched)
     }
 
 

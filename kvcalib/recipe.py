@@ -78,6 +78,16 @@ class Recipe:
     def is_preset(self) -> bool:
         return self.layers is None
 
+    @property
+    def searched_context(self) -> int | None:
+        """The context (tokens) this recipe was searched for: the length of the windows its
+        search scored (provenance ``searched_context``; a search before that field recorded it as
+        ``seq_len``). None for presets and hand-made recipes (:func:`beyond_searched_note`)."""
+        value = self.provenance.get("searched_context")
+        if value is None and self.provenance.get("made_by") == "kvcalib search":
+            value = self.provenance.get("seq_len")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
     def layer_configs(self, num_layers: int) -> list[LayerConfig]:
         """One LayerConfig per layer of a model with ``num_layers`` layers."""
         if self.layers is None:
@@ -339,6 +349,19 @@ def resolve_recipe(spec: str | Path | Recipe) -> Recipe:
     if isinstance(spec, Recipe):
         return spec
     return Recipe.load(str(spec) if not isinstance(spec, Path) else spec)
+
+
+BEYOND_FACTOR = 2  # a recipe used at more than this many times its searched context is flagged
+
+
+def beyond_searched_note(recipe: Recipe, context: int) -> str | None:
+    """One line when ``recipe`` is used at ``context`` tokens, more than :data:`BEYOND_FACTOR` times
+    the context it was searched for (its choices were never scored there), else None."""
+    searched = recipe.searched_context
+    if searched is None or context <= BEYOND_FACTOR * searched:
+        return None
+    return (f"note: recipe {recipe.name!r} was searched for {searched}-token contexts and is used at {context} "
+            f"tokens; its bits were never scored that far. Search one for this context: kvcalib search --context {context}")
 
 
 def build_codecs(recipe: Recipe, configs: list[LayerConfig], head_dim: int | None = None) -> list[LayerCodec]:

@@ -93,3 +93,17 @@ def tiny_loaded_model(tokenizer, arch: str = "llama", **kw):
 @pytest.fixture(params=TINY_ARCHS)
 def tiny_arch_model(request):
     return request.param, tiny_model(request.param)
+
+
+@pytest.fixture
+def one_thread_when_busy():
+    """On a shared 2-core box with other jobs running, two intra-op threads wait on each other's
+    barriers (an embedded evaluation took 592 s with 2 threads vs 72 s with 1 at load ~7): use one
+    thread while the machine is oversubscribed (``pytest.mark.usefixtures("one_thread_when_busy")``)."""
+    n = torch.get_num_threads()
+    busy = os.getloadavg()[0] > (os.cpu_count() or 1)
+    if busy:
+        torch.set_num_threads(1)
+    yield
+    if busy:
+        torch.set_num_threads(n)

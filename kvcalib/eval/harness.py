@@ -11,6 +11,11 @@ exactly those inputs. Per recipe:
   what the plain forward scores (the simulation's attention is then exact attention, equal to
   1e-4 relative in ``tests/unit/test_eval.py``), so it reuses the baseline: its delta is 0.
 - ``agreement`` / ``first_divergence``: :mod:`kvcalib.eval.agreement`.
+  Windows are cut side by side from the held-out stream (:mod:`kvcalib.eval.windows`; with
+  ``ppl_overlap`` > 0 a short text may give overlapping windows, recorded in ``ppl_overlap``);
+  ``ppl_ci_low``/``ppl_ci_high`` bound ``ppl_delta_pct`` (95% paired bootstrap over windows).
+- ``copy``: :mod:`kvcalib.eval.copy` (a passage repeated; NLL of the second copy's tail through the
+  simulation, and with ``copy_decode`` through a real decode; ``copy_nll_fp`` full precision).
 - ``passkey``: :mod:`kvcalib.eval.passkey` (``passkey_fp`` = full precision on the same prompts).
 - ``gsm8k``: :mod:`kvcalib.eval.gsm8k`, only when asked (``gsm8k_fp`` likewise).
 - ``effective_bits`` and ``kv_bytes``: ``Recipe.memory(info, context_len)``, i.e. the accounted
@@ -20,7 +25,7 @@ exactly those inputs. Per recipe:
   model's own bf16 cache beside it, and ``accounting`` naming how the bits were counted.
 
 Randomness: ``torch.manual_seed(seed)`` once; data seeds derive from ``seed`` (windows ``seed``,
-agreement prompts ``seed + 1``, passkey ``seed + 2``).
+agreement prompts ``seed + 1``, passkey ``seed + 2``, copy passages ``seed + 3``).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-METRICS = ("ppl", "agreement", "passkey", "gsm8k")
+METRICS = ("ppl", "agreement", "passkey", "copy", "gsm8k")
 DEFAULT_METRICS = ("ppl", "agreement", "passkey")
 PASSKEY_MODES = ("split", "prefill")
 EVAL_SPLIT = "eval"
@@ -69,16 +74,22 @@ class EvalConfig:
     context_len: int = 4096  # T for effective bits / KV bytes
     ppl_samples: int = 16
     ppl_seq_len: int = 1024
+    ppl_overlap: float = 0.0  # the most a ppl window may share with its neighbour when the text is short
+    ppl_allow_fewer: bool = False  # a text short of ppl_samples windows gives those it holds (else refused)
     agreement_prompts: int = 8
     agreement_prompt_len: int = 512  # longer than KIVI's 128-token window, so compression matters
     agreement_tokens: int = 64
     passkey_lengths: tuple[int, ...] = (512, 1024, 2048)
-    passkey_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
-    passkey_trials: int = 2  # per (length, depth)
+    passkey_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    passkey_trials: int = 4  # per (length, depth): 20 per length
     passkey_mode: str = "split"
     passkey_chunk: int = 0  # split mode: context chunk size (0 = one forward)
     passkey_filler: str = "longtext"  # --data source of the filler text
     passkey_new_tokens: int = 10
+    copy_len: int = 3000  # tokens per passage (the sequence holds it twice)
+    copy_tail: int = 256  # scored tokens at the end of the second copy
+    copy_samples: int = 4  # passages
+    copy_decode: bool = False  # also score the copy through a real token-by-token decode
     gsm8k_limit: int = 100
     gsm8k_shots: int = 4
     gsm8k_new_tokens: int = 256
@@ -110,10 +121,17 @@ class EvalConfig:
                           ("agreement_prompts", 1), ("agreement_prompt_len", 1), ("agreement_tokens", 1),
                           ("passkey_trials", 1), ("passkey_new_tokens", 1), ("gsm8k_limit", 1),
                           ("gsm8k_new_tokens", 1), ("batch_size", 1), ("passkey_chunk", 0),
-                          ("gsm8k_shots", 0), ("seed", 0)):
+                          ("gsm8k_shots", 0), ("seed", 0), ("copy_len", 2), ("copy_tail", 1),
+                          ("copy_samples", 1)):
             val = getattr(self, name)
             if not _is_int(val) or val < low:
                 raise EvalConfigError(f"{name} must be an integer >= {low}, got {val!r}")
+        if self.copy_tail > self.copy_len:
+            raise EvalConfigError(f"copy_tail ({self.copy_tail}) must not exceed copy_len ({self.copy_len}): the scored "
+                                  "tokens are the end of the second copy")
+        if isinstance(self.ppl_overlap, bool) or not isinstance(self.ppl_overlap, (int, float)) \
+                or not 0.0 <= self.ppl_overlap < 1.0:
+            raise EvalConfigError(f"ppl_overlap must be a fraction in [0, 1), got {self.ppl_overlap!r}")
         if self.gsm8k_shots >= 100:
             raise EvalConfigError(f"gsm8k_shots must be below 100 (the shots come from the 100 problems), got {self.gsm8k_shots}")
         self.passkey_lengths = tuple(self.passkey_lengths)
@@ -149,6 +167,8 @@ class EvalConfig:
             need = max(need, self.agreement_prompt_len + self.agreement_tokens)
         if "passkey" in self.metrics:
             need = max(need, max(self.passkey_lengths) + self.passkey_new_tokens)
+        if "copy" in self.metrics:
+            need = max(need, 2 * self.copy_len + 1)
         return need
 
 
@@ -173,12 +193,22 @@ class EvalResult:
     ppl_fp: float | None = None
     ppl_delta_pct: float | None = None
     ppl_tokens: int | None = None  # scored tokens
+    ppl_windows: int | None = None
+    ppl_overlap: float | None = None  # fraction of a window shared with its neighbour (0: disjoint)
+    ppl_ci_low: float | None = None  # 95% paired bootstrap interval over windows of ppl_delta_pct
+    ppl_ci_high: float | None = None
     # NLL by token position (equal-width buckets over the window): [{"start", "end", "tokens", "nll",
     # "nll_fp", "ppl", "ppl_fp", "delta_pct"}]: where in a long context the compressed cache costs
     ppl_by_position: list[dict[str, Any]] | None = None
     agreement: float | None = None
     first_divergence: float | None = None
     agreement_tokens: int | None = None  # generated tokens per prompt
+    copy_nll: float | None = None  # nats/token, the second copy's tail, decode-faithful simulation
+    copy_nll_decode: float | None = None  # the same through a real CompressedCache decode (copy_decode)
+    copy_nll_fp: float | None = None  # full precision, same tokens
+    copy_nll_reference: float | None = None  # full precision, same tokens of the first copy (nothing to copy)
+    copy_passages: int | None = None
+    copy_tail: int | None = None
     passkey: float | None = None
     passkey_fp: float | None = None
     passkey_cells: dict[str, float] | None = None  # "length@depth" -> accuracy
@@ -209,7 +239,7 @@ def eval_texts(data: str, text_field: str | None = None) -> list[str]:
     if source.kind in ("embedded", "longtext"):
         if set(texts) & set(load_texts(data, "calib")):
             raise RuntimeError("kvcalib bug: evaluation texts overlap the calibration split")
-    elif source.kind != "hub":
+    elif source.kind not in ("hub", "plays"):  # plays: held-out text only, it has no calibration split
         log.warning("--data %s has no separate evaluation split: it is used whole; do not calibrate on it", data)
     return texts
 
@@ -219,23 +249,40 @@ class _Inputs:
     """Everything the metrics feed the model, built once and shared by all recipes."""
 
     ppl_ids: "torch.Tensor | None" = None  # (N, L)
+    ppl_overlap: float = 0.0
+    copy: Any = None  # kvcalib.eval.copy.CopyInputs
     prompts: "torch.Tensor | None" = None  # (N, P) agreement prompts
     passkey: list | None = None  # list[PasskeyPrompt]
 
 
 def _build_inputs(config: EvalConfig, tokenizer) -> _Inputs:
-    from kvcalib.data import load_texts, pack_samples
+    from kvcalib.data import pack_samples
 
     inputs = _Inputs()
-    if "ppl" in config.metrics or "agreement" in config.metrics:
+    if {"ppl", "agreement", "copy"} & set(config.metrics):
         texts = eval_texts(config.data, config.text_field)
+        what = f"the evaluation split of --data {config.data}"
         if "ppl" in config.metrics:
-            inputs.ppl_ids = pack_samples(texts, tokenizer, config.ppl_seq_len, config.ppl_samples, config.seed)
+            from kvcalib.eval.windows import eval_windows
+
+            win = eval_windows(texts, tokenizer, config.ppl_seq_len, config.ppl_samples, config.seed,
+                               config.ppl_overlap, what,
+                               {"n": " (--ppl-samples)", "seq_len": " (--ppl-seq-len)", "text": " (--data)",
+                                "overlap": " (--ppl-overlap)"}, allow_fewer=config.ppl_allow_fewer)
+            inputs.ppl_ids, inputs.ppl_overlap = win.ids, win.overlap
         if "agreement" in config.metrics:
             inputs.prompts = pack_samples(texts, tokenizer, config.agreement_prompt_len,
                                           config.agreement_prompts, config.seed + 1)
+        if "copy" in config.metrics:
+            from kvcalib.eval.copy import build_copy_inputs
+
+            inputs.copy = build_copy_inputs(texts, tokenizer, config.copy_len, config.copy_tail, config.copy_samples,
+                                            config.seed + 3, what, {"n": " (--copy-samples)", "seq_len": " (--copy-len)",
+                                                                    "text": " (--data)"})
     if "passkey" in config.metrics:
         from kvcalib.eval.passkey import build_passkey_prompts
+
+        from kvcalib.data import load_texts
 
         filler = "\n\n".join(load_texts(config.passkey_filler, EVAL_SPLIT))
         try:
@@ -279,7 +326,7 @@ def evaluate(config: EvalConfig, loaded: "LoadedModel | None" = None) -> list[Ev
     model, tok, info = loaded.model, loaded.tokenizer, loaded.info
     if info.max_positions and config.max_tokens() > info.max_positions:
         raise EvalConfigError(f"the evaluation feeds {config.max_tokens()} tokens but {info.name} supports "
-                              f"{info.max_positions}: lower ppl_seq_len / passkey lengths / agreement lengths")
+                              f"{info.max_positions}: lower ppl_seq_len / copy_len / passkey lengths / agreement lengths")
     torch.manual_seed(config.seed)
 
     recipes: list[Recipe] = [resolve_recipe(r) for r in config.recipes]
@@ -358,6 +405,11 @@ def _full_precision(config: EvalConfig, model, tok, inputs: _Inputs, steps: _Ste
     if inputs.prompts is not None:
         fp["tokens"] = greedy_generate(model, inputs.prompts, config.agreement_tokens, None, config.batch_size,
                                        steps.unit(f"{label}: agreement", inputs.prompts.shape[0]))  # (N, T)
+    if inputs.copy is not None:
+        from kvcalib.eval.copy import copy_fp
+
+        fp["copy"], fp["copy_reference"] = copy_fp(model, inputs.copy, config.batch_size,
+                                                   steps.unit(f"{label}: copy", inputs.copy.ids.shape[0]))  # (N, tail) x 2
     if inputs.passkey is not None:
         fp["passkey"] = run_passkey(model, tok, inputs.passkey, None, config.passkey_mode, config.passkey_chunk,
                                     config.passkey_new_tokens, config.batch_size,
@@ -399,7 +451,15 @@ def _score_recipe(config: EvalConfig, model, tok, inputs: _Inputs, fp: dict[str,
         res.ppl_delta_pct = 100.0 * (res.ppl / res.ppl_fp - 1.0)
         res.ppl_tokens = n_tok
         res.ppl_by_position = position_table(per, fp_per, inputs.ppl_ids.shape[1])
+        res.ppl_windows, res.ppl_overlap = int(per.shape[0]), inputs.ppl_overlap
+        if per.shape[0] > 1:
+            from kvcalib.eval.windows import bootstrap_delta_ci
+
+            res.ppl_ci_low, res.ppl_ci_high = bootstrap_delta_ci(per, fp_per, seed=config.seed)
         lap("ppl")
+    if inputs.copy is not None:
+        _score_copy(config, model, inputs.copy, fp, recipe, configs, codecs, lossless, res, steps, name)
+        lap("copy")
     if inputs.prompts is not None:
         cand = greedy_generate(model, inputs.prompts, config.agreement_tokens, recipe, config.batch_size,
                                steps.unit(f"{name}: agreement", inputs.prompts.shape[0]))  # (N, T)
@@ -417,6 +477,25 @@ def _score_recipe(config: EvalConfig, model, tok, inputs: _Inputs, fp: dict[str,
                            steps.unit(f"{name}: gsm8k", fp["gsm8k"].n_problems))
         res.gsm8k, res.gsm8k_fp, res.gsm8k_problems = g.accuracy, fp["gsm8k"].accuracy, g.n_problems
         lap("gsm8k")
+
+
+def _score_copy(config: EvalConfig, model, copy_inputs, fp: dict[str, Any], recipe, configs, codecs, lossless: bool,
+                res: EvalResult, steps: _Steps, name: str) -> None:
+    """The copy metric of one recipe (simulated; and decoded with ``config.copy_decode``)."""
+    from kvcalib.eval.copy import copy_decoded, copy_simulated
+
+    n = copy_inputs.ids.shape[0]
+    done = steps.unit(f"{name}: copy", n * (2 if config.copy_decode else 1))
+    if lossless:  # exact attention: the plain forward's numbers, as for ppl
+        sim = fp["copy"]
+        done(n)
+    else:
+        sim = copy_simulated(model, copy_inputs, configs, codecs, config.batch_size, done)  # (N, tail)
+    res.copy_nll, res.copy_nll_fp = float(sim.mean()), float(fp["copy"].mean())
+    res.copy_nll_reference = float(fp["copy_reference"].mean())
+    res.copy_passages, res.copy_tail = n, copy_inputs.tail
+    if config.copy_decode:
+        res.copy_nll_decode = float(copy_decoded(model, copy_inputs, recipe, config.batch_size, done).mean())
 
 
 POSITION_BUCKETS = 16  # equal-width position buckets of a perplexity window
@@ -485,6 +564,10 @@ _COLUMNS: tuple[tuple[str, str, Callable[[EvalResult], Any]], ...] = (
     ("ppl", "ppl", lambda r: r.ppl),
     ("ppl fp", "ppl", lambda r: r.ppl_fp),
     ("Δppl %", "ppl", lambda r: None if r.ppl_delta_pct is None else round(r.ppl_delta_pct, 3)),
+    ("95% CI", "ppl", lambda r: None if r.ppl_ci_low is None else f"[{r.ppl_ci_low:+.2f}, {r.ppl_ci_high:+.2f}]"),
+    ("copy nll", "copy", lambda r: r.copy_nll),
+    ("copy decode", "copy", lambda r: r.copy_nll_decode),
+    ("copy fp", "copy", lambda r: r.copy_nll_fp),
     ("agreement", "agreement", lambda r: r.agreement),
     ("1st diverg.", "agreement", lambda r: r.first_divergence),
     ("passkey", "passkey", lambda r: r.passkey),

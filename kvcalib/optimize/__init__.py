@@ -41,6 +41,14 @@ __all__ = ["SearchConfig", "SearchResult", "SearchSpace", "Point", "SpaceError",
 SEARCH_VERSION = 2  # 2: the "accounting" field (issue 38); 1: every layer counted at the full context
 
 PRESETS = ("kivi-2", "kivi-4", "pertoken-4")
+LONG_CONTEXT = 8192  # `kvcalib search`'s default --context: min(this, the model's maximum)
+DECODE_FRACTION = 8  # at long context the last context // 8 positions of a scoring window are decode steps
+
+
+def long_context_default(max_positions: int | None) -> int:
+    """The context ``kvcalib search`` targets unless told: :data:`LONG_CONTEXT` tokens, or the
+    model's maximum where that is shorter (0 / None: unknown, so :data:`LONG_CONTEXT`)."""
+    return min(LONG_CONTEXT, max_positions) if max_positions else LONG_CONTEXT
 
 
 @dataclass
@@ -60,7 +68,13 @@ class SearchConfig:
     score_last: int | None = None
     trials: int = 30  # finished trials the study should hold
     budget_bits: float = 3.0
-    context: int = 4096  # effective bits accounted at this context length
+    # effective bits accounted at this context length; None: long_context_default(the model's maximum),
+    # resolved once the model's geometry is known (resolve_context)
+    context: int | None = 4096
+    # score at the deployed context: unless score_seq_len / score_last / eval_seq_len are given, score
+    # windows of `context` tokens whose last context // DECODE_FRACTION are decode steps, and prove on
+    # held-out windows of `context` tokens (`kvcalib search` sets it; the library default scores seq_len)
+    score_at_context: bool = False
     space: SearchSpace | str | Path | None = None
     storage: str | None = None  # default sqlite:///RUN_DIR/study.db
     study: str = "kvcalib-search"
@@ -70,7 +84,7 @@ class SearchConfig:
     seed: int = 0
     eval: bool = True
     eval_samples: int = 4
-    eval_seq_len: int = 512
+    eval_seq_len: int | None = 512  # None: context (with score_at_context)
     presets: tuple[str, ...] = PRESETS
     device: str | None = None
     dtype: str | None = None
@@ -96,6 +110,8 @@ class SearchConfig:
         for name, low in (("samples", 1), ("seq_len", 2), ("score_samples", 1), ("trials", 1), ("context", 1),
                           ("eval_samples", 1), ("eval_seq_len", 2), ("reservoir_blocks", 0), ("block_len", 1)):
             val = getattr(self, name)
+            if val is None and name in ("context", "eval_seq_len"):
+                continue  # resolved with the model's geometry (resolve_context)
             if not isinstance(val, int) or isinstance(val, bool) or val < low:
                 raise KvcalibError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {val!r}.")
         if not isinstance(self.budget_bits, (int, float)) or not math.isfinite(self.budget_bits) or self.budget_bits <= 0:
@@ -116,10 +132,6 @@ class SearchConfig:
             self.block_len = self.seq_len
         if self.score_seq_len is not None and (not isinstance(self.score_seq_len, int) or self.score_seq_len < 2):
             raise KvcalibError(f"--score-seq-len must be an integer >= 2, got {self.score_seq_len!r}.")
-        if self.score_last is not None and (not isinstance(self.score_last, int)
-                                            or not 1 <= self.score_last < self.scoring_length):
-            raise KvcalibError(f"--score-last must be an integer in [1, {self.scoring_length}) (the scored decode steps "
-                               f"at the end of each {self.scoring_length}-token scoring window), got {self.score_last!r}.")
         if self.space is None:
             self.space = SearchSpace()
         elif isinstance(self.space, (str, Path)):
@@ -134,12 +146,10 @@ class SearchConfig:
             replay_points(self.points_from, self.space)
         if self.out is not None:
             self.out = Path(self.out)
-        from kvcalib.optimize.space import check_scored_schedules
-
-        check_scored_schedules(self.space, self.scoring_length, self.context)  # before any model is loaded
-        from kvcalib.optimize.guards import check_quantized_scoring
-
-        check_quantized_scoring(self.space, self.scoring_length, "--score-seq-len" if self.score_seq_len else "--seq-len")
+        if self.context is not None:
+            self.resolve_context(None)  # the defaults that follow the context, and their checks, before any model loads
+        elif self.score_seq_len is not None or not self.score_at_context:
+            self._check_scoring()  # the window is known without the context: checked now all the same
         if self.chosen_methods is not None:
             from kvcalib.methods import registry
 
@@ -152,8 +162,46 @@ class SearchConfig:
 
     @property
     def scoring_length(self) -> int:
-        """Tokens per scoring window: ``score_seq_len``, else ``seq_len``."""
-        return self.score_seq_len or self.seq_len
+        """Tokens per scoring window: ``score_seq_len``, else ``context`` (``score_at_context``), else
+        ``seq_len``."""
+        if self.score_seq_len:
+            return self.score_seq_len
+        if self.score_at_context:
+            if self.context is None:
+                raise RuntimeError("kvcalib bug: the scoring length of an unresolved context (call resolve_context)")
+            return self.context
+        return self.seq_len
+
+    def resolve_context(self, max_positions: int | None) -> None:
+        """Fix ``context`` (None: :func:`long_context_default` of ``max_positions``) and, with
+        ``score_at_context``, the scoring window, its decode steps and the held-out windows that
+        follow it; then check them against the search space. Idempotent."""
+        if self.context is None:
+            self.context = long_context_default(max_positions)
+        if self.score_at_context:
+            if self.score_seq_len is None and self.score_last is None:
+                self.score_last = max(1, self.context // DECODE_FRACTION)
+            if self.eval_seq_len is None:
+                self.eval_seq_len = self.context
+        elif self.eval_seq_len is None:
+            self.eval_seq_len = 512
+        self._check_scoring()
+
+    def _check_scoring(self) -> None:
+        """The scoring window against --score-last and the search space (the schedules' check once
+        the context is known)."""
+        if self.score_last is not None and (isinstance(self.score_last, bool) or not isinstance(self.score_last, int)
+                                            or not 1 <= self.score_last < self.scoring_length):
+            raise KvcalibError(f"--score-last must be an integer in [1, {self.scoring_length}) (the scored decode steps "
+                               f"at the end of each {self.scoring_length}-token scoring window), got {self.score_last!r}.")
+        if self.context is not None:
+            from kvcalib.optimize.space import check_scored_schedules
+
+            check_scored_schedules(self.space, self.scoring_length, self.context)  # before any model is loaded
+        from kvcalib.optimize.guards import check_quantized_scoring
+
+        check_quantized_scoring(self.space, self.scoring_length,
+                                "--score-seq-len" if self.score_seq_len or self.score_at_context else "--seq-len")
 
     def finishers(self) -> tuple[str, ...]:
         """The methods applied to the chosen recipe (:attr:`chosen_methods`, or every registered
@@ -510,6 +558,7 @@ def search_provenance(doc: dict[str, Any], chosen: dict[str, Any]) -> dict[str, 
             "seq_len": doc["score_seq_len"], "seed": cfg["seed"], "objective": "decode-faithful KL",
             "objective_value": chosen["kl"], "effective_bits": chosen["effective_bits"], "trial": chosen["number"],
             "trials": len(doc["trials"]), "budget_bits": doc["budget_bits"], "context": doc["context"],
+            "searched_context": doc["score_seq_len"], "score_last": doc.get("score_last"),
             "study": doc["study"], "storage": storage, "run": doc.get("run_dir"), "command": doc.get("command"),
             "schedule": (chosen.get("point") or {}).get("schedule", "none"),
             **({"accounting_converted": doc["accounting_converted"]} if doc.get("accounting_converted") else {})}
@@ -543,15 +592,26 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
         open_storage(config.storage)
     from kvcalib.optimize import guards
 
+    if config.context is None:  # the model's maximum from its config on this machine, where it is (else after loading)
+        from kvcalib.preflight import model_info_offline
+
+        known = model_info_offline(config.model)
+        if known is not None:
+            config.resolve_context(known.max_positions)
     guards.check_study_before_work(config)  # a study to resume, with this objective: before any model loads
     guards.check_stats_before_work(run_dir)
     space: SearchSpace = config.space  # type: ignore[assignment]
     loaded = loaded or load_model(config.model, device=config.device, dtype=config.dtype)
     info = loaded.info
-    longest = max(config.scoring_length, config.eval_seq_len if config.eval else 0)
+    config.resolve_context(info.max_positions)
+    longest = max(config.scoring_length, config.eval_seq_len if config.eval else 0, config.context)
     if info.max_positions and longest > info.max_positions:
-        raise KvcalibError(f"the search scores or evaluates {longest}-token windows but {info.name} supports "
-                           f"{info.max_positions} positions: lower --score-seq-len / --eval-seq-len.")
+        raise KvcalibError(f"the search targets, scores or evaluates {longest}-token windows but {info.name} supports "
+                           f"{info.max_positions} positions: pass --context {info.max_positions} or less (and lower "
+                           "--score-seq-len / --eval-seq-len).")
+    if config.scoring_length > 2048 and progress and next(loaded.model.parameters()).device.type == "cpu":
+        print(f"note: the search scores {config.scoring_length}-token windows (--context {config.context}); on a CPU "
+              "that takes hours (minutes on a GPU): pass --context 1024 for a quick CPU run", file=sys.stderr)
     config.presets = guards.presets_for(config.presets, info)  # found now, not after the trials
     # the floor check runs before any work, so a bad budget costs nothing and touches nothing
     from kvcalib.optimize.objective import SearchObjective
@@ -583,7 +643,8 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
 
         ecfg = EvalConfig(model=config.model, recipes=[str(run_dir / "recipe.safetensors"), *config.presets],
                           data=config.data, text_field=config.text_field, metrics="ppl", context_len=config.context,
-                          ppl_samples=config.eval_samples, ppl_seq_len=config.eval_seq_len, seed=config.seed)
+                          ppl_samples=config.eval_samples, ppl_seq_len=config.eval_seq_len, seed=config.seed,
+                          ppl_allow_fewer=True)  # after the trials, a short text is no reason to fail
         results = evaluate(ecfg, loaded)
         held = [r.to_dict() for r in results]
         for h in held:  # the searched recipe by its path relative to the run folder, not the machine's

@@ -60,6 +60,8 @@ def check_same_objective(recorded: Any, config: "SearchConfig", where: str) -> N
         if name not in recorded:
             continue
         was, now = recorded[name], getattr(config, name)
+        if name == "context" and now is None:  # resolved when the model loads; record_objective checks it then
+            continue
         if was != now and not (isinstance(was, (int, float)) and isinstance(now, (int, float))
                                and math.isclose(was, now, rel_tol=1e-12)):
             shown = "(not given)" if was is None else was

@@ -4,29 +4,13 @@ must (fp16 < KIVI-4 < KIVI-2 in perplexity, the reverse in bits) on held-out tex
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
-import torch
 
 from kvcalib.eval import EvalConfig, evaluate, results_table_columns, results_table_rows
 from kvcalib.eval.harness import eval_texts
 
-pytestmark = pytest.mark.embedded
-
-
-@pytest.fixture(autouse=True)
-def _one_thread_when_busy():
-    """On a shared 2-core box with other jobs running, two intra-op threads wait on each other's
-    barriers: the smollm2 evaluation below took 592 s with 2 threads vs 72 s with 1 at load ~7
-    (22 s with 2 threads on an idle box). Use one thread while the machine is oversubscribed."""
-    n = torch.get_num_threads()
-    busy = os.getloadavg()[0] > (os.cpu_count() or 1)
-    if busy:
-        torch.set_num_threads(1)
-    yield
-    if busy:
-        torch.set_num_threads(n)
+pytestmark = [pytest.mark.embedded, pytest.mark.usefixtures("one_thread_when_busy")]  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

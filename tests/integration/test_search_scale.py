@@ -52,7 +52,8 @@ def inputs(tmp_path_factory, tiny_tokenizer):
 
 def search_cmd(inputs: Path, out: Path, *extra: str, trials: int = 8) -> list[str]:
     return [sys.executable, "-m", "kvcalib.cli", "search", "--model", str(inputs / "model"), "--data", str(inputs / "corpus.txt"),
-            "--space", str(inputs / "space.json"), "--samples", "4", "--seq-len", "40", "--score-samples", "2",
+            "--space", str(inputs / "space.json"), "--samples", "4", "--seq-len", "40", "--score-seq-len", "40",
+            "--score-samples", "2",
             "--context", "256", "--budget-bits", BUDGET, "--trials", str(trials), "--no-eval", "--device", "cpu",
             "--out", str(out), *extra]
 

@@ -81,7 +81,11 @@ def test_known_prefixes_and_sizes():
 
 
 def test_text_registry_consistent():
-    assert set(EMBEDDED_TEXTS) == {"boolq-test", "boolq-dev", "gsm8k-100", "britannica", "paradise-lost", "areopagitica"}
+    plays = {f"play-{name}" for name, _, _ in assets.PLAYS}
+    punkt = {f"punkt_tab/{file}" for file, _ in assets.PUNKT_TAB}
+    assert set(EMBEDDED_TEXTS) == {"boolq-test", "boolq-dev", "gsm8k-100", "britannica", "paradise-lost",
+                                   "areopagitica", *plays, *punkt}
+    assert len(plays) == 8 and "punkt_tab/english/sent_starters.txt" in punkt
     for t in EMBEDDED_TEXTS.values():
         assert HEX64.fullmatch(t.sha256) and t.licence and t.attribution
         assert DISTRIBUTIONS[t.source.dist.requirement] is t.source.dist

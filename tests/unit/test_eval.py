@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -23,21 +22,8 @@ from kvcalib.runtime.cache import CompressedCache
 from tests.conftest import TINY_ARCHS, corpus_lines as _corpus, tiny_loaded_model, tiny_model
 
 LOSSY = LayerConfig(k_bits=2, v_bits=2, k_group=8, v_group=8, window=8)  # tiny model: head_dim 16
+pytestmark = pytest.mark.usefixtures("one_thread_when_busy")  # see tests/conftest.py
 
-
-@pytest.fixture(autouse=True)
-def _one_thread_when_busy():
-    """On a shared 2-core box with other jobs running, two intra-op threads wait on each other's
-    barriers: the smollm2 evaluation of tests/integration/test_eval_embedded.py took 592 s with
-    2 threads vs 72 s with 1 at load ~7 (22 s with 2 threads on an idle box). Use one thread
-    while the machine is oversubscribed."""
-    n = torch.get_num_threads()
-    busy = os.getloadavg()[0] > (os.cpu_count() or 1)
-    if busy:
-        torch.set_num_threads(1)
-    yield
-    if busy:
-        torch.set_num_threads(n)
 
 
 def lossy_recipe() -> Recipe:

@@ -1,0 +1,128 @@
+"""RULER through lm-evaluation-harness: full precision, KIVI-2, KIVI-4 and given recipes at one context.
+
+    python benchmarks/ruler.py --model smollm2-135m --context 8192 --device cuda \
+        --recipe kivi-2 --recipe kivi-4 --recipe recipes/smollm2-135m/long-8192-3.0b-3bit/recipe.safetensors \
+        [--tasks niah_single_1,niah_multikey_2,niah_multikey_3,ruler_vt,ruler_cwe,ruler_fwe] [--limit 50]
+
+lm-eval builds each task's samples (RULER generates its haystacks locally, sized with the model's
+tokenizer to ``--context`` tokens including the answer budget), formats the prompts, scores the
+answers and writes its own files (``--output-path``, default ``artifacts/runs/ruler/<model>-<context>``:
+results JSON and every sample with its generation). kvcalib runs generation through each recipe's
+``CompressedCache`` (:mod:`kvcalib.eval.lm_eval_model`), full precision first, on the same samples
+(checked through lm-eval's prompt hashes). ``--baselines`` (``kivi-2,kivi-4``) run beside the recipes;
+full precision always runs, so a long list of recipes can be split over several commands with
+``--baselines ''`` after the first (rows are merged). ``--batch-size 8`` batches generation (padded
+rows: the compressed cache anchors each row at its first real token) and ``--max-gen-toks 32`` caps
+the answers (RULER's answers are a few numbers or words; its default budget is 128).
+
+Rows are merged into ``artifacts/results/ruler.json`` (a list of objects with ``model``,
+``context``, ``recipe``, ``effective_bits`` (at ``context``), ``task``, ``metric``, ``score``,
+``score_fp`` (full precision on the same samples), ``n`` (samples), ``prompts_sha256``,
+``machine``, ``command``, ``lm_eval``; the full-precision row has ``recipe`` "full precision" and
+16 bits; a rerun replaces the rows of the same model/context/recipe/task); ``ruler.md`` is
+rewritten from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/ruler.py` from the root
+
+from benchmarks.long_context import OUT, ROOT, machine, recipe_label  # noqa: E402
+
+BASELINES = ("kivi-2", "kivi-4")
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    from kvcalib.eval.tasks import TaskConfig, require_lm_eval, run_tasks
+
+    version = require_lm_eval()
+    baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    recipes = list(dict.fromkeys([*baselines, *args.recipe]))
+    output = args.output_path or ROOT / "artifacts" / "runs" / "ruler" / f"{args.model}-{args.context}"
+    config = TaskConfig(model=args.model, recipes=recipes, tasks=tuple(args.tasks.split(",")), context=args.context,
+                        limit=args.limit, batch_size=args.batch_size, seed=args.seed, output_path=output,
+                        max_gen_toks=args.max_gen_toks, device=args.device, dtype=args.dtype)
+    command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/ruler.py", *sys.argv[1:]])
+    labels = {"full precision": "full precision", **{r: recipe_label(r) for r in recipes}}
+    rows = []
+    for r in run_tasks(config):
+        rows.append({"model": args.model, "context": args.context, "recipe": labels.get(r.recipe, r.recipe),
+                     "effective_bits": r.effective_bits, "task": r.task, "metric": r.metric, "score": r.score,
+                     "score_fp": r.score_fp, "n": r.n, "prompts_sha256": r.prompts_sha256, "machine": machine(),
+                     "command": command, "lm_eval": version, "seconds": r.seconds})
+    return rows
+
+
+def merge(rows: list[dict], path: Path) -> list[dict]:
+    """The file's rows with ``rows`` replacing those of the same model/context/recipe/task."""
+    from benchmarks.long_context import merge as merge_rows
+
+    return merge_rows(rows, path, key=lambda r: (r["model"], r["context"], r["recipe"], r["task"]),
+                      order=lambda r: (r["model"], r["context"], r["task"], -r["effective_bits"], r["recipe"]))
+
+
+def markdown(rows: list[dict]) -> str:
+    """One table per model and context: a row per recipe, a column per task, and the mean."""
+    out = ["# RULER through lm-evaluation-harness", "",
+           "Generated from `ruler.json` by `benchmarks/ruler.py` (each row's command, machine and lm-eval version",
+           "are in the JSON). Scores are lm-eval's RULER metric at the context (string match, 0-1), on the same",
+           "samples for every recipe; effective bits are counted at that context (bf16 = 16).", ""]
+    for model, context in sorted({(r["model"], r["context"]) for r in rows}):
+        part = [r for r in rows if (r["model"], r["context"]) == (model, context)]
+        tasks = sorted({r["task"] for r in part})
+        recipes = sorted({(r["effective_bits"], r["recipe"]) for r in part}, reverse=True)
+        n = sorted({r["n"] for r in part})
+        out += [f"## {model}, {context} tokens ({'/'.join(map(str, n))} samples per task)", "",
+                "| recipe | eff. bits | " + " | ".join(tasks) + " | mean |",
+                "|---|---:|" + "---:|" * (len(tasks) + 1)]
+        for bits, recipe in recipes:
+            cells = {r["task"]: r["score"] for r in part if r["recipe"] == recipe}
+            shown = [f"{cells[t]:.3f}" if t in cells else "" for t in tasks]
+            mean = sum(cells.values()) / len(cells) if cells else float("nan")
+            out.append(f"| {recipe} | {bits:.3f} | " + " | ".join(shown) + f" | {mean:.3f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from kvcalib.eval.tasks import DEFAULT_LIMIT, RULER_TASKS
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--context", type=int, required=True, help="RULER sequence length (tokens)")
+    parser.add_argument("--recipe", action="append", default=[], help="preset or recipe file (repeatable)")
+    parser.add_argument("--baselines", default=",".join(BASELINES),
+                        help="presets run beside the recipes (comma-separated; '' for none: full precision always runs)")
+    parser.add_argument("--tasks", default=",".join(RULER_TASKS))
+    parser.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help="samples per task")
+    parser.add_argument("--max-gen-toks", type=int, default=None, help="cap on generated tokens (default: the task's)")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--output-path", type=Path, default=None, help="lm-eval's own files")
+    parser.add_argument("--out", type=Path, default=OUT / "ruler.json")
+    args = parser.parse_args(argv)
+    from kvcalib.errors import KvcalibError
+
+    try:
+        rows = merge(run(args), args.out)
+    except KvcalibError as err:
+        print(f"ruler.py: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    from kvcalib.io import atomic_path
+
+    with atomic_path(args.out.with_suffix(".md")) as tmp:
+        tmp.write_text(markdown(rows) + "\n")
+    for r in rows:
+        print(f"{r['model']} {r['context']:>6} {r['task']:<16} {r['recipe']:<50} {r['effective_bits']:6.3f} bits  "
+              f"{r['score']:.3f} (fp {r['score_fp']:.3f}, n={r['n']})")
+
+
+if __name__ == "__main__":
+    main()

@@ -715,21 +715,11 @@ def _inspect_diff(a: str, b: str, model: Optional[str], context: int, as_json: b
         print(f"{report[side]['name']} made from: " + ("; ".join(f"{k}: {v}" for k, v in origin) if origin else "no provenance recorded"))
 
 
-BENCHMARKS = ("grid", "latency", "sweep", "fitted", "groups", "combine", "e2e", "host", "accuracy", "huffman", "report")
-# --mode of the former kernels/bench/bench_decode.py -> the script and its leading arguments
-BENCH_MODES = {"micro": ("grid",), "latency": ("latency", "--mode", "latency"), "splits": ("latency", "--mode", "splits"),
-               "tune": ("latency", "--mode", "tune")}
+BENCHMARKS = ("grid", "latency", "sweep", "fitted", "groups", "combine", "e2e", "host", "accuracy", "report")
 
 
 def _bench_command(args: list[str]) -> tuple[str, list[str]]:
-    """(script, its arguments) of ``kvcalib bench``'s arguments: ``NAME ARGS...``, or the former
-    ``--mode MODE ARGS...`` (``micro`` is the grid, its ``--quick`` the grid's ``--rows quick``)."""
-    if args[:1] == ["--mode"] and len(args) > 1:
-        script, *lead = BENCH_MODES.get(args[1], (args[1],))
-        rest = args[2:]
-        if script == "grid":
-            rest = [x for a in rest for x in (("--rows", "quick") if a == "--quick" else (a,))]
-        return script, [*lead, *rest]
+    """(script, its arguments) of ``kvcalib bench``'s arguments ``NAME ARGS...``."""
     if args and not args[0].startswith("-"):
         return args[0], args[1:]
     raise KvcalibError(f"kvcalib bench needs a benchmark name: kvcalib bench NAME [ARGS...], NAME one of "
@@ -747,9 +737,8 @@ def bench(ctx: typer.Context) -> None:
 
     Runs ``python -m benchmarks.NAME [ARGS...]`` of a source checkout (the benchmarks are not part
     of the installed package): run it from the repository root. NAME: grid, latency, sweep, fitted,
-    groups, combine, e2e, host, accuracy, huffman or report; ARGS go to the script (``--out DIR``,
-    ...; ``python -m benchmarks.NAME --help`` lists them). ``--mode micro|latency|splits|tune|...``
-    (the former spelling) maps to the same scripts.
+    groups, combine, e2e, host, accuracy or report; ARGS go to the script (``--out DIR``, ...;
+    ``python -m benchmarks.NAME --help`` lists them).
     """
     import subprocess
 

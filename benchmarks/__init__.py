@@ -14,7 +14,10 @@ One script per question; each writes JSON into ``--out`` (``artifacts/bench`` by
 - :mod:`.e2e`: end to end on random-weight models (``e2e.json``, ``e2e_pats.json``, ``e2e_sliding.json``).
 - :mod:`.host`: host time of eager decoding (``host.json``, its own ``--mode report``: ``host.md``).
 - :mod:`.accuracy`: the kernel's error against the float32 reference (``accuracy.json``).
-- :mod:`.huffman`: entropy-coded decode and fused attention (``huffman.json``, ``huffman.md``).
+- :mod:`.search_curve`: searched recipes at several budgets against the presets (CPU;
+  ``scripts/search_curve.sh``; moved out of the installed ``kvcalib.optimize`` in issue 52).
+- :mod:`.huffman_bits`: Huffman bits per symbol on held-out K/V and their drift during generation
+  (CPU; ``scripts/huffman_bits.sh``; moved out of the installed ``kvcalib.eval`` in issue 52).
 - :mod:`.report`: the shared report step (``decode_attention.md``/``.png``, ``e2e.md``; ``--compare``
   for an A/B).
 

@@ -1,7 +1,7 @@
 """Accuracy of the fused decode kernel on keys with outlier channels, against the float32
 reference and against the same attention computed by PyTorch in float16 and bfloat16.
 
-Data: the Huffman benchmark's draw (:func:`benchmarks.huffman.draw_kv`: Laplace keys
+Data: :func:`draw_kv` (Laplace keys
 with per-channel location and spread, every 32nd channel 4x wider; Gaussian values), quantized
 per channel (keys) / per token (values) in groups of 128; Mistral-7B shape, batch 1, 32k context
 (the last 128 tokens a bf16 window). Each row: the largest absolute error of the kernel (default
@@ -19,7 +19,26 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.huffman import GROUP, draw_kv, quantize
+GROUP = 128  # tokens per key group, channels per value group
+
+
+def draw_kv(b, h, t, d, dev, seed):
+    """(K, V) float32 (B, H, T, D): keys Laplace with per-channel location/spread (a few outlier
+    channels, as real keys have), values Gaussian."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    loc = torch.randn(1, h, 1, d, device=dev, generator=g) * 2
+    spread = torch.exp(torch.randn(1, h, 1, d, device=dev, generator=g) * 0.5)
+    spread[..., :: d // 4] *= 4  # outlier channels
+    u = torch.rand(b, h, t, d, device=dev, generator=g) - 0.5
+    k = loc - spread * u.sign() * torch.log1p(-2 * u.abs().clamp(max=0.4999999))
+    v = torch.randn(b, h, t, d, device=dev, generator=g)
+    return k, v
+
+
+def quantize(k, v, bits):
+    from kvcalib.quant.uniform import quantize_keys, quantize_values
+
+    return quantize_keys(k, bits, GROUP), quantize_values(v, bits, min(GROUP, k.shape[-1]))
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ held-out perplexity on windows of exactly ``--context`` tokens of the *evaluatio
 (the Britannica article, never seen in calibration), decode-faithful (the simulation uses each
 recipe's codec), effective bits accounted at that same context (bf16 = 16). Huffman: codebooks
 from the statistics' reservoir, coded bits measured on held-out K/V of one ``--context`` window
-(:func:`kvcalib.eval.entropy.measure_recipe`); the coded row has the same perplexity (the code is
+(:func:`benchmarks.huffman_bits.measure_recipe`); the coded row has the same perplexity (the code is
 lossless) and ``huffman_saving_pct`` = coded against uncoded effective bits of the same recipe.
 
 Rows are merged into ``artifacts/results/quantizers.json`` (a list of objects with keys ``model``,
@@ -76,7 +76,7 @@ def export_variants(run: Path, out: Path, bits: list[str], variants: list[str], 
 def huffman_rows(made, stats, loaded, context: int, seed: int) -> dict[str, dict]:
     """Coded effective bits of the :data:`HUFFMAN_VARIANTS` recipes on one held-out window."""
     from kvcalib.data import pack_samples
-    from kvcalib.eval.entropy import EntropyConfig, capture_kv, measure_recipe
+    from benchmarks.huffman_bits import EntropyConfig, capture_kv, measure_recipe
     from kvcalib.eval.harness import eval_texts
     from kvcalib.recipe import Recipe
 

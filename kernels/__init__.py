@@ -10,10 +10,6 @@ twin of the same signature in :mod:`kvcalib_kernels.reference` that it is tested
 - :mod:`kvcalib_kernels.quant_pack`: quantize-and-pack a flushed block (with the recipe's
   permutation, clip, OTT keep mask and TaDA mean; ``center_pack`` stores the mean), bit-exact
   with :func:`kvcalib.codec.quantize_reference` / ``center_reference``.
-- :mod:`kvcalib_kernels.huffman_decode`: Huffman streams (block format v1 of
-  :mod:`kvcalib.quant.huffman`) -> codes, one lane per stream, bit-exact with ``decode_blocks``.
-- :mod:`kvcalib_kernels.decode_attention_huffman`: decode attention with the Huffman decode fused
-  into the loop (decoded codes never written to memory); same result as ``decode_attention``.
 
 :mod:`kvcalib_kernels.launch` (no kernel of its own) launches a compiled kernel again without
 Triton's per-call argument binding, for the decode kernels' eager host time.

@@ -9,10 +9,6 @@ clarity, not speed: they dequantize the whole packed cache (the kernels never do
 - :func:`quantize_pack_keys_reference` <-> :func:`kvcalib_kernels.quant_pack.quantize_pack_keys`
 - :func:`quantize_pack_values_reference` <-> :func:`kvcalib_kernels.quant_pack.quantize_pack_values`
 - :func:`center_pack_reference` <-> :func:`kvcalib_kernels.quant_pack.center_pack`
-- :func:`huffman_decode_reference` <-> :func:`kvcalib_kernels.huffman_decode.huffman_decode`
-  (it *is* :func:`kvcalib.quant.huffman.decode_blocks`)
-- :func:`decode_attention_huffman_reference` <->
-  :func:`kvcalib_kernels.decode_attention_huffman.decode_attention_huffman`
 
 The quantization references *are* :mod:`kvcalib.quant.uniform` (the specification of the
 packed layout); they are re-exported under the kernel signatures.
@@ -29,12 +25,10 @@ from kvcalib.quant.uniform import (QuantizedTensor, dequantize_keys, dequantize_
                                    quantize_dequantize_values, quantize_keys, quantize_values)
 
 __all__ = [
-    "decode_attention_huffman_reference",
     "decode_attention_parts_reference",
     "decode_attention_reference",
     "decode_attention_reference_in",
     "dequantize_packed",
-    "huffman_decode_reference",
     "center_pack_reference",
     "merge_parts",
     "quantize_pack_keys_reference",
@@ -389,68 +383,3 @@ def center_pack_reference(x: torch.Tensor, mean_bits: int):
         raise ValueError(f"mean_bits must be 8 or 16, got {mean_bits!r}")
     mean_hat = quantize_dequantize_values(mean, 8, mean.shape[-1])  # (B, 1, N, D)
     return mean_hat, None, quantize_values(mean_hat, 8, mean_hat.shape[-1])
-
-
-# ---------------------------------------------------------------- Huffman-coded cache
-
-
-def huffman_decode_reference(encoded, codebook):
-    """Huffman streams -> ``uint8 (N, L)`` symbols: :func:`kvcalib.quant.huffman.decode_blocks`
-    (the codec's own specification), under the signature of
-    :func:`kvcalib_kernels.huffman_decode.huffman_decode`."""
-    from kvcalib.quant.huffman import decode_blocks
-
-    return decode_blocks(encoded, codebook)
-
-
-def decode_attention_huffman_reference(
-    q: torch.Tensor,
-    k_blocks,
-    k_scale: torch.Tensor | None,
-    k_zero: torch.Tensor | None,
-    v_blocks,
-    v_scale: torch.Tensor | None,
-    v_zero: torch.Tensor | None,
-    *,
-    k_codebook,
-    v_codebook,
-    k_group: int,
-    v_group: int,
-    k_axis: str = "channel",
-    scaling: float,
-    softcap: float | None = None,
-    packed_start: torch.Tensor | None = None,
-    packed_end: torch.Tensor | None = None,
-    packed_position: int = 0,
-    fp_segments: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
-    fp_positions: Sequence[int] = (),
-    mask: torch.Tensor | None = None,
-    config=None,
-    validate: bool = True,
-) -> torch.Tensor:
-    """:func:`decode_attention_reference` over a Huffman-coded cache (the twin of
-    :func:`kvcalib_kernels.decode_attention_huffman.decode_attention_huffman`).
-
-    ``k_blocks`` / ``v_blocks``: :class:`kvcalib.quant.huffman.EncodedBlocks` of ``B*H*N``
-    streams of ``D`` codes each (the token's codes in channel order, stream ``(b*H + h)*N + n``),
-    coded with ``k_codebook`` / ``v_codebook``; ``N`` is read from ``v_scale`` ``(B, H, N, D /
-    v_group)``. The streams are decoded by :func:`kvcalib.quant.huffman.decode_blocks`, packed
-    (:func:`kvcalib.quant.packing.pack_codes`) and handed to :func:`decode_attention_reference`.
-    Returns float32 ``(B, Hq, D)``.
-    """
-    from kvcalib.quant.huffman import decode_blocks
-    from kvcalib.quant.packing import pack_codes
-
-    del config, validate  # tuning / the kernel's structure checks (decode_blocks always checks)
-    k_codes = v_codes = None
-    if k_blocks is not None:
-        b, h, n = v_scale.shape[:3]
-        d = q.shape[2]
-        k_codes = pack_codes(decode_blocks(k_blocks, k_codebook).reshape(b, h, n, d), k_codebook.bits)
-        v_codes = pack_codes(decode_blocks(v_blocks, v_codebook).reshape(b, h, n, d), v_codebook.bits)
-    return decode_attention_reference(
-        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-        k_bits=k_codebook.bits if k_codebook is not None else 2,
-        v_bits=v_codebook.bits if v_codebook is not None else 2, k_group=k_group, v_group=v_group,
-        k_axis=k_axis, scaling=scaling, softcap=softcap, packed_start=packed_start, packed_end=packed_end,
-        packed_position=packed_position, fp_segments=fp_segments, fp_positions=fp_positions, mask=mask)

@@ -413,16 +413,6 @@ def _with_method_flags(fn: Callable) -> Callable:
     return fn
 
 
-def _check_run_dir(run_dir: Path) -> None:
-    """``kvcalib export``'s RUN_DIR: a folder that holds statistics."""
-    if not run_dir.is_dir():
-        raise KvcalibError(f"run folder {run_dir} does not exist: pass a folder written by `kvcalib collect` or "
-                           "`kvcalib search`.")
-    if not (run_dir / "stats.safetensors").is_file():
-        raise KvcalibError(f"{run_dir} holds no stats.safetensors: pass a folder written by `kvcalib collect` or "
-                           "`kvcalib search`.")
-
-
 @app.command(epilog="Examples:\n\n    kvcalib export runs/smol -o smol-k2v2.safetensors --bits k2v2 --group 32 --window 128\n\n    kvcalib export runs/smol-search --budget-bits 3.5 -o smol-3.5.safetensors\n\n    kvcalib export runs/smol -o smol-all.safetensors --bits k4v2 --reorder --clip --center\n\n    kvcalib export runs/smol -o smol-ott-pats.safetensors --bits k8v8 --outliers 3 --schedule middle-heavy")
 @_with_method_flags
 @user_errors
@@ -445,47 +435,28 @@ def export(
 ) -> None:
     """Build a fitted recipe from collected statistics, with the methods given as flags; or pick
     a point of a `kvcalib search` run with --budget-bits / --trial (no new search)."""
-    from kvcalib import preflight
-    from kvcalib.export import ExportConfig, export_recipe, export_search_point
+    from kvcalib.export import ExportConfig, export_fp8_scales, export_recipe, export_search_point
 
     if format not in ("kvcalib", "compressed-tensors"):
         raise KvcalibError(f"--format {format!r} is not known: use kvcalib or compressed-tensors.")
     given = sorted(name_ for name_, val in method_flags.items() if val is not None and val is not False)
+    searched_point = budget_bits is not None or trial is not None
     if format == "compressed-tensors":
-        from kvcalib.serving import export_compressed_tensors
-
-        from kvcalib.export import parse_bits
-
-        sub8 = bits is not None and min(parse_bits(bits)) < 8
-        if sub8 or given or budget_bits is not None or trial is not None:
-            raise KvcalibError(
-                f"--bits {bits} and recipe methods cannot be expressed in the FP8 compressed-tensors layout "
-                "(vLLM/SGLang hold FP8 K/V with per-tensor or per-head scales only): export the FP8 scales from "
-                f"the statistics with `kvcalib export {run_dir} --format compressed-tensors -o DIR`, and run "
-                "sub-8-bit recipes with the kvcalib runtime.")
-        _check_run_dir(run_dir)
-        preflight.check_output_dir(out, "-o", may_exist=True)
-        written = export_compressed_tensors(run_dir, out, model=model, per_head=per_head, force=force)
-        print(f"wrote FP8 KV-cache scales and config.json to {written if written is not None else out}")
-        return
-    if budget_bits is not None or trial is not None:
-        if given:
-            flags = ", ".join("--" + g.replace("_", "-") for g in given)
-            raise KvcalibError(f"{flags} build a recipe from statistics; --budget-bits/--trial pick a searched point "
-                               "whose settings are fixed: pass one kind or the other.")
-        _check_run_dir(run_dir)
-        preflight.check_output_file(out, "-o", force=force)
-        recipe, record = export_search_point(run_dir, out, budget_bits=budget_bits, trial=trial, force=force)
+        written = export_fp8_scales(run_dir, out, bits=bits, methods=given, searched_point=searched_point,
+                                    model=model, per_head=per_head, force=force)
+        print(f"wrote FP8 KV-cache scales and config.json to {written}")
+    elif searched_point:
+        recipe, record = export_search_point(run_dir, out, budget_bits=budget_bits, trial=trial, methods=given,
+                                             force=force)
         print(f"wrote {out}: trial {record['number']} of the search, KL {record['kl']:.4g}, "
               f"{record['effective_bits']:.3f} effective bits at {recipe.provenance.get('context', 4096)}")
-        return
-    config = ExportConfig(bits=bits or "k2v2", group=group, window=window, sinks=sinks, name=name, seed=seed,
-                          **method_flags)
-    _check_run_dir(run_dir)
-    preflight.check_output_file(out, "-o", force=force)
-    recipe = export_recipe(run_dir, out, config, force=force)
-    mem = recipe.memory(recipe.model, 4096)
-    print(f"wrote {out}: recipe {recipe.name} for {recipe.model.name}, {mem.effective_bits:.3f} effective bits at 4096")
+    else:
+        config = ExportConfig(bits=bits or "k2v2", group=group, window=window, sinks=sinks, name=name, seed=seed,
+                              **method_flags)
+        recipe = export_recipe(run_dir, out, config, force=force)
+        mem = recipe.memory(recipe.model, 4096)
+        print(f"wrote {out}: recipe {recipe.name} for {recipe.model.name}, {mem.effective_bits:.3f} effective bits "
+              "at 4096")
 
 
 @app.command(epilog="Examples:\n\n    kvcalib run --recipe kivi-2 --prompt 'The capital of France is'\n\n    kvcalib run --recipe runs/smol/recipe.safetensors --prompt-file prompt.txt --max-new-tokens 128 --compare\n\n    kvcalib run --recipe kivi-4 --prompt 'Once upon a time' --temperature 0.8 --top-p 0.95 --seed 0")
@@ -818,21 +789,11 @@ def _inspect_diff(a: str, b: str, model: Optional[str], context: int, as_json: b
         print(f"{report[side]['name']} made from: " + ("; ".join(f"{k}: {v}" for k, v in origin) if origin else "no provenance recorded"))
 
 
-BENCHMARKS = ("grid", "latency", "sweep", "fitted", "groups", "combine", "e2e", "host", "accuracy", "huffman", "report")
-# --mode of the former kernels/bench/bench_decode.py -> the script and its leading arguments
-BENCH_MODES = {"micro": ("grid",), "latency": ("latency", "--mode", "latency"), "splits": ("latency", "--mode", "splits"),
-               "tune": ("latency", "--mode", "tune")}
+BENCHMARKS = ("grid", "latency", "sweep", "fitted", "groups", "combine", "e2e", "host", "accuracy", "report")
 
 
 def _bench_command(args: list[str]) -> tuple[str, list[str]]:
-    """(script, its arguments) of ``kvcalib bench``'s arguments: ``NAME ARGS...``, or the former
-    ``--mode MODE ARGS...`` (``micro`` is the grid, its ``--quick`` the grid's ``--rows quick``)."""
-    if args[:1] == ["--mode"] and len(args) > 1:
-        script, *lead = BENCH_MODES.get(args[1], (args[1],))
-        rest = args[2:]
-        if script == "grid":
-            rest = [x for a in rest for x in (("--rows", "quick") if a == "--quick" else (a,))]
-        return script, [*lead, *rest]
+    """(script, its arguments) of ``kvcalib bench``'s arguments ``NAME ARGS...``."""
     if args and not args[0].startswith("-"):
         return args[0], args[1:]
     raise KvcalibError(f"kvcalib bench needs a benchmark name: kvcalib bench NAME [ARGS...], NAME one of "
@@ -850,9 +811,8 @@ def bench(ctx: typer.Context) -> None:
 
     Runs ``python -m benchmarks.NAME [ARGS...]`` of a source checkout (the benchmarks are not part
     of the installed package): run it from the repository root. NAME: grid, latency, sweep, fitted,
-    groups, combine, e2e, host, accuracy, huffman or report; ARGS go to the script (``--out DIR``,
-    ...; ``python -m benchmarks.NAME --help`` lists them). ``--mode micro|latency|splits|tune|...``
-    (the former spelling) maps to the same scripts.
+    groups, combine, e2e, host, accuracy or report; ARGS go to the script (``--out DIR``, ...;
+    ``python -m benchmarks.NAME --help`` lists them).
     """
     import subprocess
 

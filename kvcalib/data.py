@@ -32,7 +32,8 @@ passed to ``datasets`` as it is (``train[:1000]``). Local files and ``gsm8k-100`
 are used whole whatever the split: pass different files for calibration and evaluation.
 
 The hub is reached only through ``datasets``, imported inside the functions that need it; when
-it cannot be reached, :class:`~kvcalib.errors.OfflineError` says what to do within seconds.
+it cannot be reached (:mod:`kvcalib.hub` asks first), :class:`~kvcalib.errors.OfflineError` says
+what to do within seconds.
 """
 
 from __future__ import annotations
@@ -43,13 +44,11 @@ import logging
 import os
 import random
 import re
-import threading
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from kvcalib import hub
 from kvcalib.errors import KvcalibError, OfflineError
 
 if TYPE_CHECKING:
@@ -61,7 +60,6 @@ SPLITS = ("calib", "eval")
 EMBEDDED_SOURCES = ("embedded", "longtext", "plays", "gsm8k-100")
 DEFAULT_TEXT_FIELDS = ("text", "passage", "content", "question")
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
-_HUB_PROBE_TIMEOUT_S = 5.0  # an unreachable hub must fail in seconds, not after minutes of retries
 _NGRAM = 13  # decontamination span in words (the GPT-3 paper's 13-gram overlap test)
 
 
@@ -314,41 +312,6 @@ def _load_parquet(path: Path, text_field: str | None) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-
-def _hub_offline_requested() -> bool:
-    return any(_env_true(v) for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
-def _hub_endpoint() -> str:
-    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-
-
-def _probe(url: str, timeout: float) -> str | None:
-    """None if ``url`` answers at all (any HTTP status) within ``timeout``, else the reason.
-
-    Runs in a daemon thread so that a slow DNS lookup cannot hold us past the timeout
-    (``urlopen``'s timeout does not cover name resolution). Honours proxy variables.
-    """
-    result: list[str | None] = ["no answer within %.0f s" % timeout]
-
-    def run() -> None:
-        try:
-            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
-            result[0] = None
-        except urllib.error.HTTPError:
-            result[0] = None  # it answered: reachable
-        except (urllib.error.URLError, OSError, ValueError) as err:
-            result[0] = str(getattr(err, "reason", err))
-
-    thread = threading.Thread(target=run, name="kvcalib-hub-probe", daemon=True)
-    thread.start()
-    thread.join(timeout + 1.0)
-    return result[0]
-
-
 def _offline_error(source: TextSource, reason: str) -> OfflineError:
     cfg = f" (config {source.hub_config})" if source.hub_config else ""
     hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
@@ -374,11 +337,11 @@ def _looks_offline(err: BaseException) -> bool:
 def _load_hub(source: TextSource) -> list[str]:
     """Rows of a hub (or local-folder) dataset as texts, via ``datasets.load_dataset``."""
     local = source.path is not None
-    offline = _hub_offline_requested()
+    offline = hub.offline_requested()
     if not local and not offline:
-        reason = _probe(_hub_endpoint(), _HUB_PROBE_TIMEOUT_S)
+        reason = hub.unreachable()
         if reason is not None:
-            raise _offline_error(source, f"{_hub_endpoint()} is unreachable ({reason})")
+            raise _offline_error(source, reason)
     try:
         import datasets
     except ImportError:

@@ -1,7 +1,14 @@
-"""``kvcalib export``: a fitted recipe from collected statistics, with methods chosen by flags.
+"""``kvcalib export``: its three jobs, one function each, all from a run folder's statistics.
 
-The statistics record the model they came from, so the recipe is fitted for that model (name,
-geometry, config hash) and refused for any other.
+- :func:`export_recipe`: a fitted recipe, with methods chosen by flags (:class:`ExportConfig`);
+- :func:`export_search_point`: the recipe of another point of a finished ``kvcalib search``
+  (``--budget-bits`` / ``--trial``), refitted as the search fitted it;
+- :func:`export_fp8_scales`: FP8 ``k_scale`` / ``v_scale`` for vLLM / SGLang
+  (``--format compressed-tensors``, :mod:`kvcalib.serving`).
+
+Each checks its inputs and its output path first (one clear line, nothing written), so the
+command only picks the job. The statistics record the model they came from, so a recipe is fitted
+for that model (name, geometry, config hash) and refused for any other.
 
 Methods come from the registry (:mod:`kvcalib.methods`): each declares its ``kvcalib export``
 flags and how their values configure it (:meth:`~kvcalib.methods.base.Method.from_flags`); a
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,15 +110,32 @@ class ExportConfig:
         return "-".join(parts)
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """``kvcalib export``'s RUN_DIR: a folder that holds statistics."""
+    if not run_dir.is_dir():
+        raise KvcalibError(f"run folder {run_dir} does not exist: pass a folder written by `kvcalib collect` or "
+                           "`kvcalib search`.")
+    if not (run_dir / "stats.safetensors").is_file():
+        raise KvcalibError(f"{run_dir} holds no stats.safetensors: pass a folder written by `kvcalib collect` or "
+                           "`kvcalib search`.")
+
+
+def _check_inputs(run_dir: Path, out: Path, force: bool) -> None:
+    """A run folder with statistics and a recipe file that may be written (``-o``)."""
+    from kvcalib import preflight
+
+    check_run_dir(run_dir)
+    preflight.check_output_file(out, "-o", force=force)
+
+
 def export_recipe(run_dir: Path, out: Path, config: ExportConfig, *, force: bool = False) -> Recipe:
     """Fit ``config``'s methods on ``run_dir``'s statistics and write the recipe to ``out`` atomically."""
     from kvcalib import __version__
     from kvcalib.calibrate import finish_recipe, fit_stats
     from kvcalib.stats import CollectedStats
 
-    out = Path(out)
-    if out.exists() and not force:
-        raise KvcalibError(f"{out} already exists: pass another -o path, or --force to replace it.")
+    run_dir, out = Path(run_dir), Path(out)
+    _check_inputs(run_dir, out, force)
     stats = CollectedStats.load(Path(run_dir))
     try:
         config.layer.check_head_dim(stats.model.head_dim)
@@ -139,10 +164,11 @@ def export_recipe(run_dir: Path, out: Path, config: ExportConfig, *, force: bool
 
 
 def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None = None, trial: int | None = None,
-                        force: bool = False) -> tuple[Recipe, dict]:
+                        methods: Sequence[str] = (), force: bool = False) -> tuple[Recipe, dict]:
     """Pick another point of a finished ``kvcalib search`` (``RUN_DIR/search.json``) without searching:
     the lowest-KL complete trial at or under ``budget_bits``, or trial number ``trial``. Its recipe
     tensors are refitted from ``RUN_DIR``'s statistics exactly as the search fitted them.
+    ``methods``: the method flags given with it (refused: a searched point's settings are fixed).
 
     ``budget_bits`` is in today's accounting (``kvcalib.layout.ACCOUNTING``); a ``search.json``
     written before it (every layer counted at the full context) is read converted
@@ -152,11 +178,14 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
     from kvcalib.optimize.study import choose
     from kvcalib.stats import CollectedStats
 
+    if methods:
+        flags = ", ".join("--" + m.replace("_", "-") for m in methods)
+        raise KvcalibError(f"{flags} build a recipe from statistics; --budget-bits/--trial pick a searched point "
+                           "whose settings are fixed: pass one kind or the other.")
     if (budget_bits is None) == (trial is None):
         raise KvcalibError("pass exactly one of --budget-bits B or --trial N to pick a searched point.")
     run_dir, out = Path(run_dir), Path(out)
-    if out.exists() and not force:
-        raise KvcalibError(f"{out} already exists: pass another -o path, or --force to replace it.")
+    _check_inputs(run_dir, out, force)
     doc = read_search_json(run_dir)
     from kvcalib.optimize import current_accounting, search_provenance
 
@@ -192,6 +221,29 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
             "search again (kvcalib search ... --resume keeps the finished trials' settings).")
     recipe.save(out)
     return recipe, record
+
+
+def export_fp8_scales(run_dir: Path, out: Path, *, bits: str | None = None, methods: Sequence[str] = (),
+                      searched_point: bool = False, model: str | None = None, per_head: bool = False,
+                      force: bool = False) -> Path:
+    """``--format compressed-tensors``: FP8 ``k_scale`` / ``v_scale`` of ``run_dir``'s statistics in
+    the folder ``out``, for vLLM / SGLang (:func:`kvcalib.serving.export_compressed_tensors`).
+    What that layout cannot hold is refused first: sub-8-bit ``bits``, method flags
+    (``methods``), a searched point. Returns the folder written."""
+    from kvcalib import preflight
+    from kvcalib.serving import export_compressed_tensors
+
+    run_dir, out = Path(run_dir), Path(out)
+    if (bits is not None and min(parse_bits(bits)) < 8) or methods or searched_point:
+        raise KvcalibError(
+            f"--bits {bits} and recipe methods cannot be expressed in the FP8 compressed-tensors layout "
+            "(vLLM/SGLang hold FP8 K/V with per-tensor or per-head scales only): export the FP8 scales from "
+            f"the statistics with `kvcalib export {run_dir} --format compressed-tensors -o DIR`, and run "
+            "sub-8-bit recipes with the kvcalib runtime.")
+    check_run_dir(run_dir)
+    preflight.check_output_dir(out, "-o", may_exist=True)
+    written = export_compressed_tensors(run_dir, out, model=model, per_head=per_head, force=force)
+    return out if written is None else written
 
 
 # what export and the provenance of an exported point read from search.json: key -> accepted types

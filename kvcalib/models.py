@@ -284,28 +284,50 @@ def resolve_model_source(model: str) -> tuple[str, str, dict[str, Any]]:
     return "hub", model, {}
 
 
-def _offline_message(model: str, hub_id: str, err: BaseException) -> str:
+def _offline_message(model: str, hub_id: str, detail: str) -> str:
     return (
-        f"could not load model {model!r} from the Hugging Face hub (tried {hub_id!r}: "
-        f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else 'no detail'}). "
+        f"could not load model {model!r} from the Hugging Face hub (tried {hub_id!r}: {detail}). "
         "The hub is unreachable or the model is not in the local cache: pass a local folder with "
         "--model PATH, set HF_HOME to a cache that holds it, or use an embedded model "
         f"({', '.join(embedded_aliases())})."
     )
 
 
+def _error_detail(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else 'no detail'}"
+
+
+def _hub_kwargs(model: str, hub_id: str) -> dict[str, Any]:
+    """What ``from_pretrained`` needs for a hub id now: nothing while the hub answers (or with
+    HF_HUB_OFFLINE set: the clients then read the cache without retrying);
+    ``local_files_only=True`` when it does not answer but the local cache holds the model; an
+    :class:`OfflineError` at once when it holds nothing (the clients would retry for ~25 s)."""
+    from kvcalib import hub
+
+    if hub.offline_requested():
+        return {}
+    reason = hub.unreachable()
+    if reason is None:
+        return {}
+    if hub.cached(hub_id):
+        return {"local_files_only": True}
+    raise OfflineError(_offline_message(model, hub_id, f"{reason}, and the local cache does not hold it"))
+
+
 def load_tokenizer(model: str, *, trust_remote_code: bool = False) -> "PreTrainedTokenizerBase":
     """The tokenizer of ``--model`` alone (no weights)."""
-    from transformers import AutoTokenizer
-
     kind, where, kwargs = resolve_model_source(model)
     if kind == "embedded":
         where = str(ensure_embedded_folder(model))
+    if kind == "hub":
+        kwargs = {**kwargs, **_hub_kwargs(model, where)}
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as err:
         if kind == "hub":
-            raise OfflineError(_offline_message(model, where, err)) from None
+            raise OfflineError(_offline_message(model, where, _error_detail(err))) from None
         raise KvcalibError(f"could not load the tokenizer of {model!r}: {err}") from None
 
 
@@ -322,12 +344,14 @@ def load_model(
     Raises :class:`KvcalibError` for a bad alias, path or folder, and :class:`OfflineError` when a
     hub id cannot be fetched.
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     kind, where, kwargs = resolve_model_source(model)
     if kind == "embedded":
         where = str(ensure_embedded_folder(model))
+    if kind == "hub":  # before transformers is imported: an unreachable hub fails in a second or two
+        kwargs = {**kwargs, **_hub_kwargs(model, where)}
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     device = device or default_device()
     if isinstance(dtype, str):
         dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -345,7 +369,7 @@ def load_model(
         )
     except (OSError, ValueError, EnvironmentError) as err:
         if kind == "hub":
-            raise OfflineError(_offline_message(model, where, err)) from None
+            raise OfflineError(_offline_message(model, where, _error_detail(err))) from None
         raise KvcalibError(f"could not load model {model!r} from {where}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
     if "gguf_file" in kwargs:  # a GGUF-loaded model keeps a quantizer record we do not need
         net.hf_quantizer = None

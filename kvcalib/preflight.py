@@ -156,6 +156,11 @@ def model_info_offline(model: str) -> "ModelInfo | None":
         where = str(folder)
     elif kind == "gguf":
         return None
+    elif kind == "hub":
+        from kvcalib import hub
+
+        if not hub.cached(where):  # nothing to read (and no transformers import to pay for it)
+            return None
     from transformers import AutoConfig
 
     try:

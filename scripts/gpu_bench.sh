@@ -30,7 +30,6 @@
 #         quantizers-smol / quantizers-qwen   benchmarks/quantizers.py: issue 34's ablation (rotation,
 #                     levels, pre-RoPE keys, error-bounded codes + Huffman) at 8k (SmolLM2) / 16k (Qwen)
 #         groups      benchmarks/groups.py: cost of key / value groups of 32 and 16
-#         huffman     benchmarks/huffman.py (entropy-coded decode and fused attention)
 #         accuracy    benchmarks/accuracy.py: the kernel's error vs the float32 reference on
 #                     outlier-channel keys, beside PyTorch's float16 / bfloat16 (accuracy.json)
 #         host        benchmarks/host.py: host time per attention call and eager vs graph decode
@@ -155,9 +154,6 @@ for st in $STAGES; do
     groups)
       timeout "${KV_GROUPS_TIMEOUT:-420}" $PY -m benchmarks.groups --out "$OUT" > "$OUT/groups.log" 2>&1
       echo "groups exit $?"; grep -E "^  b=|Error" "$OUT/groups.log" ;;
-    huffman)
-      timeout "${KV_HUFF_TIMEOUT:-200}" $PY -m benchmarks.huffman --out "$OUT" > "$OUT/huffman.log" 2>&1
-      echo "huffman exit $?"; tail -n 20 "$OUT/huffman.log" ;;
     accuracy)
       timeout "${KV_ACC_TIMEOUT:-150}" $PY -m benchmarks.accuracy --out "$OUT" > "$OUT/accuracy.log" 2>&1
       echo "accuracy exit $?"; tail -n 3 "$OUT/accuracy.log" ;;

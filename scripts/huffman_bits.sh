@@ -34,7 +34,7 @@ done
 python - "$model" "$run" "$out" "${recipes[@]}" <<'PY'
 import sys
 
-from kvcalib.eval.entropy import EntropyConfig, huffman_report
+from benchmarks.huffman_bits import EntropyConfig, huffman_report
 
 model, run, out, *recipes = sys.argv[1:]
 huffman_report(model, run, recipes, f"artifacts/results/huffman-{model}.json", f"artifacts/results/huffman-{model}.md",

@@ -4,7 +4,7 @@ given their channel, channel class or previous token, on real K/V (CPU, a few mi
 kvcalib codes each (layer, K|V side) with one order-0 codebook. At 2 bits the real symbols carry
 ~1.75-1.85 bits of order-0 entropy, so coding saves ~1% of the effective bits, not 15%. This script
 measures what richer codes could give. Symbols come out exactly as kvcalib's cache stores them
-(:func:`kvcalib.eval.entropy.capture_kv` -> the packed span -> ``flush_codes`` with the recipe's
+(:func:`benchmarks.huffman_bits.capture_kv` -> the packed span -> ``flush_codes`` with the recipe's
 codecs). Calibration windows come from the ``embedded`` calibration split; held-out windows from
 ``eval_texts("embedded")`` (disjoint documents).
 
@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))  # kvcalib importable from a checkout
 from kvcalib.methods.huffman import (SIDES, StreamLayout, entropy_memory, flush_codes,
                                          strip_codebooks)
 from kvcalib.data import load_texts, pack_samples
-from kvcalib.eval.entropy import _packed_span, _with_books, capture_kv
+from benchmarks.huffman_bits import _packed_span, _with_books, capture_kv
 from kvcalib.eval.harness import eval_texts
 from kvcalib.models import load_model
 from kvcalib.quant.huffman import build_codebook

@@ -2,7 +2,7 @@
 
 For each model: one forward over a held-out text (evaluation split of the embedded data) of
 ``--tokens`` tokens records every layer's K/V (bf16, as a deployment holds them;
-:func:`kvcalib.eval.entropy.capture_kv`). For each recipe they are prefilled into a
+:func:`benchmarks.huffman_bits.capture_kv`). For each recipe they are prefilled into a
 CompressedCache exactly as a prefill step fills it (``update`` then ``flush`` per layer: the
 prompt's own attention is full precision, so the cache content does not depend on it, and the
 reference kvcalib attention over 2k prompt tokens would take most of the time budget on this
@@ -41,7 +41,10 @@ from pathlib import Path
 
 import torch
 
-from kvcalib.methods.huffman import StreamLayout, add_codebooks
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # benchmarks (and kvcalib) importable from a checkout
+
+from kvcalib.methods.huffman import StreamLayout, add_codebooks  # noqa: E402
 from kvcalib.errors import KvcalibError
 from kvcalib.export import ExportConfig
 from kvcalib.progress import ProgressBar, console, status
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvcalib import __version__
     from kvcalib.data import pack_samples
-    from kvcalib.eval.entropy import capture_kv
+    from benchmarks.huffman_bits import capture_kv
     from kvcalib.eval.harness import eval_texts
     from kvcalib.io import atomic_path, write_json_atomic
     from kvcalib.models import load_model

@@ -8,7 +8,7 @@
 #   preset is "not comparable (fewer bits)").
 #
 #   1. budgets: KIVI-2's and KIVI-4's effective bits exactly, per-token-4's, 3.0, 4.0 and just
-#      above the floor of the search space (python -m kvcalib.optimize.curve plan);
+#      above the floor of the search space (python -m benchmarks.search_curve plan);
 #   2. statistics collected once on the embedded calibration text, then one `kvcalib search
 #      --budget-bits B` per budget (constrained: a search spends its trials at its budget;
 #      scripts/search_front.py compares this with one --objective pareto study), each chosen
@@ -16,7 +16,7 @@
 #   3. one `kvcalib eval --metrics ppl` over every exported point and the presets fp16, kivi-2,
 #      kivi-4, pertoken-4 on identical held-out inputs (evaluation split), with the perplexity
 #      settings of scripts/preset_table.sh (SmolLM2 8 x 1024 tokens, others 4 x 1024);
-#   4. artifacts/results/search-curve-MODEL.{json,png,md} (python -m kvcalib.optimize.curve report).
+#   4. artifacts/results/search-curve-MODEL.{json,png,md} (python -m benchmarks.search_curve report).
 #
 # Every setting can be overridden from the environment, e.g. a smoke run:
 #   CURVE_TRIALS=3 CURVE_SAMPLES=2 CURVE_SEQ_LEN=160 CURVE_SCORE_SAMPLES=1 CURVE_SWEEP=0 \
@@ -53,7 +53,7 @@ sweep_args=()
 if [ "${CURVE_SWEEP:-1}" = "0" ]; then sweep_args=(--no-sweep); fi
 
 mkdir -p "$run/points"
-python -m kvcalib.optimize.curve plan --model "$model" --run "$run" "${space_args[@]}" \
+python -m benchmarks.search_curve plan --model "$model" --run "$run" "${space_args[@]}" \
   --extra-budgets "${CURVE_EXTRA_BUDGETS:-}" \
   --setting "trials=$trials" --setting "samples=$samples" --setting "seq_len=$seq_len" \
   --setting "score_samples=$score_samples" --setting "ppl_samples=$ppl_samples" \
@@ -96,4 +96,4 @@ done < "$run/budgets.txt"
 
 kvcalib eval --model "$model" "${recipes[@]}" --preset fp16 --preset kivi-2 --preset kivi-4 --preset pertoken-4 \
   --metrics ppl --ppl-samples "$ppl_samples" --ppl-seq-len "$ppl_seq_len" --json "$run/eval.json" > "$run/eval.log"
-python -m kvcalib.optimize.curve report --run "$run" --out-dir "$out_dir"
+python -m benchmarks.search_curve report --run "$run" --out-dir "$out_dir"

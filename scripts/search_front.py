@@ -17,7 +17,7 @@
    search's wall time.
 
 Budgets: numbers, or a preset name for that preset's effective bits on the model exactly
-(``python -m kvcalib.optimize.curve plan`` computes them). Run from the repository root with the
+(``python -m benchmarks.search_curve plan`` computes them). Run from the repository root with the
 project's environment (``kvcalib`` on PATH).
 """
 
@@ -59,7 +59,7 @@ def main() -> int:
     args = ap.parse_args()
     run = args.run or Path(f"artifacts/runs/front-{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
     run.mkdir(parents=True, exist_ok=True)
-    from kvcalib.optimize.curve import preset_effective_bits
+    from benchmarks.search_curve import preset_effective_bits
     from kvcalib.recipe import Recipe
 
     preset_bits = preset_effective_bits(args.model)

@@ -59,7 +59,7 @@ def test_bench_without_cuda_says_what_to_do():
 
     if torch.cuda.is_available():
         pytest.skip("has CUDA")
-    code, out = run("bench", "--mode", "micro", "--quick")
+    code, out = run("bench", "grid", "--rows", "quick")
     assert code == 2 and "CUDA" in out
 
 

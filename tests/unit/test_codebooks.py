@@ -518,7 +518,7 @@ def test_entropy_memory_counts_sliding_layers_up_to_their_window():
 
 
 # ----------------------------------------------------------------------------------------------
-# measurement on a tiny real model (kvcalib.eval.entropy)
+# measurement on a tiny real model (benchmarks.huffman_bits)
 
 
 @pytest.fixture(scope="module")
@@ -529,7 +529,7 @@ def tiny():
 
 
 def test_capture_kv_records_what_the_cache_stores(tiny):
-    from kvcalib.eval.entropy import capture_kv
+    from benchmarks.huffman_bits import capture_kv
 
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     ks, vs = capture_kv(tiny, ids)
@@ -543,7 +543,7 @@ def test_capture_kv_records_what_the_cache_stores(tiny):
 
 def test_heldout_and_drift_on_a_tiny_model(tiny):
     from kvcalib.collection import collect_stats
-    from kvcalib.eval.entropy import EntropyConfig, capture_kv, drift_check, heldout_bits
+    from benchmarks.huffman_bits import EntropyConfig, capture_kv, drift_check, heldout_bits
 
     g = torch.Generator().manual_seed(1)
     stats = collect_stats(tiny, torch.randint(0, 128, (4, 64), generator=g), reservoir_blocks=4, block_len=32,
@@ -573,7 +573,7 @@ def test_heldout_and_drift_on_a_tiny_model(tiny):
     from dataclasses import replace
 
     from kvcalib.errors import KvcalibError
-    from kvcalib.eval.entropy import markdown_report, measure_recipe
+    from benchmarks.huffman_bits import markdown_report, measure_recipe
 
     drift_kv = capture_kv(tiny, torch.randint(0, 128, (1, 32), generator=g))
     _, full = measure_recipe(recipe, stats, info, kv, drift_kv, 16, 16,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcalib import data
+from kvcalib import data, hub
 from kvcalib.data import load_texts, pack_samples, resolve_text_source
 from kvcalib.errors import KvcalibError, OfflineError
 
@@ -225,10 +225,10 @@ def test_probe_is_bounded(monkeypatch):
         released.wait(30)
         raise urllib.error.URLError("released")
 
-    monkeypatch.setattr(data.urllib.request, "urlopen", blackhole)
+    monkeypatch.setattr(hub.urllib.request, "urlopen", blackhole)
     t0 = time.monotonic()
     try:
-        reason = data._probe("https://example.invalid", timeout=0.2)
+        reason = hub.probe("https://example.invalid", timeout=0.2)
     finally:
         released.set()  # the abandoned probe thread ends now, not inside a later test
     assert reason is not None and "no answer" in reason
@@ -281,7 +281,7 @@ def test_hub_alias_formatting(monkeypatch, alias, expected):
         return datasets.Dataset.from_dict(_FAKE_HUB_ROWS[hub_id])
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
-    monkeypatch.setattr(data, "_probe", lambda url, timeout: None)
+    monkeypatch.setattr(hub, "unreachable", lambda: None)
     assert load_texts(alias, "eval") == expected
     src = resolve_text_source(alias, "eval")
     assert calls == [(src.hub_id, src.hub_config, src.hub_split)]

@@ -7,7 +7,7 @@ import torch
 
 from kvcalib.collection import collect_stats
 from kvcalib.errors import KvcalibError
-from kvcalib.export import ExportConfig, export_recipe, parse_bits
+from kvcalib.export import ExportConfig, export_fp8_scales, export_recipe, export_search_point, parse_bits
 from kvcalib.layout import LayerConfig
 from kvcalib.recipe import Recipe
 from kvcalib.recipe import build_codecs
@@ -31,6 +31,24 @@ def test_parse_bits():
     assert parse_bits("k2v4") == (2, 4)
     with pytest.raises(KvcalibError, match="k<bits>v<bits>"):
         parse_bits("k5v2")
+
+
+def test_each_export_job_refuses_bad_input_before_writing(tmp_path):
+    """The three jobs of `kvcalib export` each check their own inputs (the command only picks one)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    recipe = tmp_path / "r.safetensors"
+    for job in (lambda: export_recipe(run, recipe, ExportConfig()), lambda: export_search_point(run, recipe, trial=0),
+                lambda: export_fp8_scales(run, tmp_path / "fp8")):
+        with pytest.raises(KvcalibError, match="holds no stats.safetensors"):
+            job()
+    with pytest.raises(KvcalibError, match="FP8 compressed-tensors layout"):
+        export_fp8_scales(run, tmp_path / "fp8", bits="k4v4")
+    with pytest.raises(KvcalibError, match="FP8 compressed-tensors layout"):
+        export_fp8_scales(run, tmp_path / "fp8", methods=["clip"])
+    with pytest.raises(KvcalibError, match="--clip build a recipe from statistics"):
+        export_search_point(run, recipe, trial=0, methods=["clip"])
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
 
 
 def test_export_writes_a_fitted_recipe(run_dir, tmp_path):

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from kvcalib import hub
 from kvcalib.errors import KvcalibError, OfflineError
 from kvcalib.models import HUB_ALIASES, load_model, model_info, resolve_model_source
 from tests.conftest import tiny_config, tiny_model
@@ -30,7 +31,60 @@ def test_bad_model_names(bad, needle):
         resolve_model_source(bad)
 
 
-def test_hub_id_offline_is_one_clear_error():
+@pytest.fixture
+def no_network(monkeypatch):
+    """The hub unreachable, deterministically: no HF_HUB_OFFLINE, and the probe answers "no
+    network (test)" at once; transformers' loaders fail the test if anything reaches them."""
+    import transformers
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(hub, "probe", lambda url, timeout: "no network (test)")
+    hub._unreachable.cache_clear()
+    reached: list[str] = []
+
+    def ask_hub(where, **kwargs):  # what transformers would do: retry the hub for ~25 s, then fail
+        reached.append(f"{where} local_files_only={kwargs.get('local_files_only')}")
+        raise OSError("We couldn't connect to 'https://huggingface.co' (test)")
+
+    for cls in (transformers.AutoConfig, transformers.AutoTokenizer, transformers.AutoModelForCausalLM):
+        monkeypatch.setattr(cls, "from_pretrained", ask_hub)
+    yield reached
+    hub._unreachable.cache_clear()
+
+
+def test_search_of_a_hub_model_offline_fails_in_one_line_at_once(no_network, monkeypatch, tmp_path):
+    """Issue 52: `kvcalib search --model mistral-7b --data hotpotqa` with no network took 29 s (six
+    hub retries) to its error; the probe answers first, and nothing is asked of the hub."""
+    from typer.testing import CliRunner
+
+    from kvcalib.cli import app
+
+    monkeypatch.setattr(hub, "cached", lambda repo_id, filename="config.json": False)  # an empty HF cache
+    t0 = time.monotonic()
+    result = CliRunner().invoke(app, ["search", "--model", "mistral-7b", "--data", "hotpotqa",
+                                      "--out", str(tmp_path / "s")])
+    elapsed = time.monotonic() - t0
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1, result.output
+    assert "mistralai/Mistral-7B-v0.1" in lines[0] and "no network (test)" in lines[0] and "smollm2-135m" in lines[0]
+    assert no_network == []  # transformers never asked the hub
+    assert not (tmp_path / "s").exists()
+    assert elapsed < 5
+
+
+def test_hub_model_in_the_cache_loads_from_it_while_the_hub_is_unreachable(no_network, monkeypatch):
+    monkeypatch.setattr(hub, "cached", lambda repo_id, filename="config.json": True)
+    with pytest.raises(OfflineError, match="mistralai/Mistral-7B-v0.1"):
+        load_model("mistral-7b", device="cpu")
+    assert no_network == ["mistralai/Mistral-7B-v0.1 local_files_only=True"]  # the cache only: no retries
+
+
+def test_hub_id_offline_is_one_clear_error(monkeypatch):
+    """HF_HUB_OFFLINE=1 (set for the whole suite by conftest): transformers reads its cache
+    without retrying, so no probe is made."""
+    monkeypatch.setattr(hub, "probe", lambda url, timeout: pytest.fail("probed although HF_HUB_OFFLINE is set"))
     t0 = time.perf_counter()
     with pytest.raises(OfflineError) as err:
         load_model("mistral-7b", device="cpu")

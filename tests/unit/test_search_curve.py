@@ -1,4 +1,4 @@
-"""The search-curve report (kvcalib.optimize.curve) on a fake finished run: budgets, the curve
+"""The search-curve report (benchmarks.search_curve) on a fake finished run: budgets, the curve
 document, the issue's targets, the markdown table and the PNG. No model is loaded."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvcalib.optimize import curve
+from benchmarks import search_curve as curve
 
 PRESET_BITS = {"fp16": 16.0, "kivi-2": 3.40625, "kivi-4": 5.34375, "pertoken-4": 4.5}
 

@@ -530,7 +530,7 @@ def markdown_report(report: dict[str, Any]) -> str:
                     cells.append("-" if not x else f"{x['heldout_bits_per_symbol']:.3f} / {x['calib_bits_per_symbol']:.3f}")
                 worst = f"{row['worst_side']} ({row['worst_excess_bits']:+.3f})" if row["worst_side"] else "-"
                 lines.append(f"| {r['name']} | {row['window']} | {cells[0]} | {cells[1]} | {worst} |")
-    lines += ["", f"Made by `kvcalib.eval.entropy.huffman_report` (kvcalib {report['kvcalib_version']}, "
+    lines += ["", f"Made by `benchmarks.huffman_bits.huffman_report` (kvcalib {report['kvcalib_version']}, "
               f"{report['threads']} thread(s), {report['wall_seconds']} s)."]
     return "\n".join(lines) + "\n"
 

@@ -1,7 +1,7 @@
 """The search curve benchmark (issue 5's targets): searched recipes at several memory budgets
 against the presets, on held-out perplexity. ``scripts/search_curve.sh MODEL`` drives it:
 
-1. ``python -m kvcalib.optimize.curve plan --model M --run RUN`` writes ``RUN/curve-plan.json``
+1. ``python -m benchmarks.search_curve plan --model M --run RUN`` writes ``RUN/curve-plan.json``
    and prints one ``LABEL BUDGET`` line per budget (:func:`curve_budgets`): KIVI-2's and KIVI-4's
    effective bits exactly (``Recipe.memory`` on the model's geometry), per-token-4's, 3.0 (the
    issue's "within 1% at <= 3.0 bits"), 4.0, and just above the floor of the search space;
@@ -11,7 +11,7 @@ against the presets, on held-out perplexity. ``scripts/search_curve.sh MODEL`` d
    exports each chosen point with ``kvcalib export RUN/budget-LABEL --budget-bits B -o
    RUN/points/LABEL.safetensors`` and evaluates all of them with the presets in one
    ``kvcalib eval`` call (identical held-out inputs) into ``RUN/eval.json``;
-3. ``python -m kvcalib.optimize.curve report --run RUN`` (:func:`write_curve`) writes
+3. ``python -m benchmarks.search_curve report --run RUN`` (:func:`write_curve`) writes
    ``search-curve-<model>.json``, ``.png`` (held-out ppl delta vs effective bits: the searched
    points as a line, presets as marked points) and ``.md`` (the table, every searched point
    against every preset at equal memory, and the issue's targets, met or not) into
@@ -300,7 +300,7 @@ def write_curve(run: Path, out_dir: Path = Path("artifacts/results")) -> dict[st
 
 # ------------------------------------------------------------------ command line (for the script)
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvcalib.optimize.curve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.search_curve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan", help="write RUN/curve-plan.json and print 'LABEL BUDGET' lines")
     p.add_argument("--model", required=True)

@@ -36,11 +36,11 @@ FITTED_VARIANTS = {  # name: (K and V permuted, mean bits of K and V: 0 off, 8 o
     "rotate-qlaunch-combine": (False, 0, 0),
 }
 # the rotated variants' kvcalib_kernels.decode.plan settings, whatever the shape:
-# (COMBINE_ROTATION_MIN_ROWS, QUERY_HADAMARD_IN_KERNEL): the accumulators rotated back by their own
-# launch (never in the combine) or inside the combine (always); the query rotated by the split
-# kernel itself (the launcher's choice for Walsh-Hadamard keys) or by a launch before it
-ROTATION_RULES = {"rotate-2launch": (1 << 62, True), "rotate-combine": (0, True),
-                  "rotate-qlaunch-2launch": (1 << 62, False), "rotate-qlaunch-combine": (0, False)}
+# COMBINE_ROTATION_MIN_ROWS: the accumulators rotated back by their own launch (never in the
+# combine) or inside the combine (always); the qlaunch variants pass a copy of the Walsh-Hadamard
+# matrix, so the query is rotated by a launch before the split kernel instead of by the split kernel
+ROTATION_RULES = {"rotate-2launch": 1 << 62, "rotate-combine": 0,
+                  "rotate-qlaunch-2launch": 1 << 62, "rotate-qlaunch-combine": 0}
 # PATS as kvcalib exports it (--schedule middle-heavy, ages 1024 and 4096 after a 128-token window):
 # (first age, bits) per stored tier; the "pats" rows run at the last tier's bits (2) only
 PATS_TIERS = ((WINDOW, 8), (1024, 4), (4096, 2))
@@ -96,7 +96,10 @@ def fitted_inputs(b, h, n, d, variant, dev, seed=0) -> dict:
         from kvcalib.quant.rotation import hadamard, random_signs
 
         for i, side in enumerate(("k_rot", "v_rot")):
-            kw[side] = (hadamard(d, dev), random_signs(h, d, seed + i).to(dev))
+            matrix = hadamard(d, dev)
+            # the qlaunch variants: a copy of the shared Walsh-Hadamard tensor, which the launcher
+            # treats as a fitted matrix (query rotated by a launch before the split kernel)
+            kw[side] = (matrix.clone() if "qlaunch" in variant else matrix, random_signs(h, d, seed + i).to(dev))
     for side in ("k_mean", "v_mean"):
         if mean_bits == 16:
             kw[side] = torch.randn(b, 1, n, d, device=dev, generator=g).half()
@@ -133,12 +136,12 @@ def _timed_with_rotation_rule(variant, fns) -> float:
     rule = ROTATION_RULES.get(variant)
     if rule is None:
         return graph_ms_per_call(fns, rep=30)
-    before = plan.COMBINE_ROTATION_MIN_ROWS, plan.QUERY_HADAMARD_IN_KERNEL
-    plan.COMBINE_ROTATION_MIN_ROWS, plan.QUERY_HADAMARD_IN_KERNEL = rule
+    before = plan.COMBINE_ROTATION_MIN_ROWS
+    plan.COMBINE_ROTATION_MIN_ROWS = rule
     try:
         return graph_ms_per_call(fns, rep=30)
     finally:
-        plan.COMBINE_ROTATION_MIN_ROWS, plan.QUERY_HADAMARD_IN_KERNEL = before
+        plan.COMBINE_ROTATION_MIN_ROWS = before
 
 
 def _table(rows: list[dict]) -> str:

@@ -3,8 +3,7 @@
 lane-unpack check on the device, the argument checks, and the launch.
 
 Rotated packed sides (``k_rot`` / ``v_rot``, :mod:`.rotation`): the query is rotated by the split
-kernel itself for a random-sign Walsh-Hadamard rotation (:data:`QUERY_HADAMARD_IN_KERNEL`, a fast
-transform in registers), by its own launch (:func:`.rotation.rotate_query`) before the split
+kernel itself for a random-sign Walsh-Hadamard rotation (``ROT_Q``: a fast transform in registers), by its own launch (:func:`.rotation.rotate_query`) before the split
 kernel for a fitted matrix; the value accumulators rotate
 back inside the combine (:func:`.combine._combine_rotated`) on calls of at least
 :data:`COMBINE_ROTATION_MIN_ROWS` (batch x kv heads) rows, else by their own launch
@@ -94,13 +93,13 @@ DEEP_PIPELINE_BLOCKS = 16  # a third pipeline stage where every split runs at le
 # (_back_rotation_in_combine); benchmarks and tests set it (0: always there, a huge number: never)
 COMBINE_ROTATION_MIN_ROWS = 32
 
-# A random-sign Walsh-Hadamard rotation of the keys: the split kernel rotates the query itself
-# (ROT_Q, a fast transform) rather than a launch before it (rotation.rotate_query, which fitted
-# matrices keep). False forces the launch (benchmarks.fitted's rotate-qlaunch-* variants). H100,
-# Mistral-7B shape, K and V rotated, CUDA-graph us per call, in kernel / by a launch (back-rotation
-# as COMBINE_ROTATION_MIN_ROWS picks): batch 1 4k 2-bit 16.8 / 22.2, batch 1 32k 24.5 / 28.7, batch
-# 8 32k 2-bit 75.5 / 81.1 (plain 71.1), 4-bit 112.2 / 117.7 (plain 107.8): docs/results.md.
-QUERY_HADAMARD_IN_KERNEL = True
+# A random-sign Walsh-Hadamard rotation of the keys (the shared tensor, kvcalib.quant.rotation.is_hadamard):
+# the split kernel rotates the query itself (ROT_Q, a fast transform) rather than a launch before it
+# (rotation.rotate_query, which fitted matrices keep, and a copy of the Hadamard matrix too: what
+# benchmarks.fitted's rotate-qlaunch-* variants pass). H100, Mistral-7B shape, K and V rotated,
+# CUDA-graph us per call, in kernel / by a launch (back-rotation as COMBINE_ROTATION_MIN_ROWS picks):
+# batch 1 4k 2-bit 16.8 / 22.2, batch 1 32k 24.5 / 28.7, batch 8 32k 2-bit 75.5 / 81.1 (plain 71.1),
+# 4-bit 112.2 / 117.7 (plain 107.8): docs/results.md.
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,7 +140,7 @@ def _back_rotation_in_combine(rows: int) -> bool:
     (2-bit: +63% over plain against +15%) and at batch 1 / 32k, and won only at batch 1 / 4k (0.5
     us at 2 bits, 2.6 at 4; artifacts/bench/HISTORY.md, "Rotation paths removed from the code").
     With the fast transform that now rotates a Walsh-Hadamard query in the split kernel
-    (:data:`QUERY_HADAMARD_IN_KERNEL`) the rule holds as it was (H100, 2026-11-27, two launches /
+    (``ROT_Q``) the rule holds as it was (H100, 2026-11-27, two launches /
     in the combine: batch 1 4k 2-bit 16.8 / 16.4, 32k 24.5 / 31.5; batch 8 32k 2-bit 79.8 / 75.5).)
     """
     return rows >= COMBINE_ROTATION_MIN_ROWS
@@ -661,7 +660,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     q_signs, rot_q = dummy32, False
     if n and k_rot is not None:
         k_matrix, k_signs = _check_rot("k_rot", k_rot, h, d, dev)
-        if QUERY_HADAMARD_IN_KERNEL and k_signs is not None and is_hadamard(k_matrix):
+        if k_signs is not None and is_hadamard(k_matrix):
             # the split kernel rotates the query into this buffer itself (ROT_Q): no launch
             q_packed = torch.empty((bsz, q.shape[1], d), dtype=torch.float32, device=dev)  # (B, Hq, D)
             q_signs, rot_q = k_signs, True

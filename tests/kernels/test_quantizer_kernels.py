@@ -194,13 +194,10 @@ def test_rotation_paths_pass_the_tolerance_rule(monkeypatch, path, case):
 ], ids=["bf16", "fp32", "d128-gqa1-4b", "gqa7-k8v2", "token-keys-fp32"])
 def test_hadamard_query_rotated_in_the_split_kernel_equals_its_launch(monkeypatch, case):
     """A Walsh-Hadamard key rotation: the split kernel's own fast transform of the query (ROT_Q,
-    no launch) against the launch of the matrix product before it (plan.QUERY_HADAMARD_IN_KERNEL
-    off), on a ragged batch with sinks and a window; both float32 products of one rotation, so
-    they agree to a rounding step of the 16-bit query planes (a wrong rotation is off by the
-    output's own scale), inside the tolerance rule (checked too).
-    A copy of the matrix (not the shared tensor) takes the launch."""
-    from kvcalib_kernels.decode import plan
-
+    no launch) against the launch of the matrix product before it, which a copy of the matrix (not
+    the shared tensor) takes, on a ragged batch with sinks and a window; both float32 products of
+    one rotation, so they agree to a rounding step of the 16-bit query planes (a wrong rotation is
+    off by the output's own scale), inside the tolerance rule (checked too)."""
     args, kw = make_case(b=2, **case)
     h, d = args[1].shape[1], args[0].shape[-1]
     n = args[1].shape[2]
@@ -209,15 +206,11 @@ def test_hadamard_query_rotated_in_the_split_kernel_equals_its_launch(monkeypatc
     counts = _spy_rotation_launches(monkeypatch)
     fused = check(args, {**kw, **rot, **ranged})
     assert counts["rotate_query"] == 0
-    monkeypatch.setattr(plan, "QUERY_HADAMARD_IN_KERNEL", False)
-    launched = da.decode_attention(*args, **kw, **rot, **ranged, config=SMALL)
+    copied = {"k_rot": (rot["k_rot"][0].clone(), rot["k_rot"][1]), "v_rot": rot["v_rot"]}
+    launched = da.decode_attention(*args, **kw, **copied, **ranged, config=SMALL)
     assert counts["rotate_query"] == 1
     scale = float(launched.abs().max())
     assert float((fused - launched).abs().max()) <= 2e-3 * scale  # a 16-bit rounding of a query plane, at most
-    monkeypatch.setattr(plan, "QUERY_HADAMARD_IN_KERNEL", True)
-    copied = {"k_rot": (rot["k_rot"][0].clone(), rot["k_rot"][1]), "v_rot": rot["v_rot"]}
-    da.decode_attention(*args, **kw, **copied, **ranged, config=SMALL)
-    assert counts["rotate_query"] == 2
 
 
 @pytest.mark.parametrize("case", [

@@ -54,9 +54,12 @@ of :func:`triton_decode_attention` only.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _PACKED_BITS = (2, 3, 4, 8)
 
@@ -73,7 +76,19 @@ def _reason_unsupported(query: torch.Tensor, layer) -> str | None:
     why = _check_supported(query, layer, interp)
     if getattr(layer, "is_initialized", False):
         layer._kernel_reason = (key, why)
+        if (why is not None and why not in _STEP_REASONS and layer.cfg.compressed
+                and not layer.__dict__.get("_reference_said")):
+            # a compressed layout the kernel does not read: its decode steps run the PyTorch
+            # reference, many times slower; said once per layer (not per step, not for a prompt
+            # pass, not for a layer kept in full precision)
+            layer._reference_said = True
+            log.warning("layer %s decodes on the PyTorch reference path, not the fused kernel: %s",
+                        getattr(layer, "layer_idx", "?"), why)
     return why
+
+
+# reasons that belong to the step, not to the layer's layout (nothing to tell the user)
+_STEP_REASONS = ("not a single-token decode step", "not a CUDA tensor", "layer not initialised")
 
 
 def _check_supported(query: torch.Tensor, layer, interp: bool) -> str | None:

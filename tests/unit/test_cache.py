@@ -247,3 +247,32 @@ def test_three_bit_layers_run_in_the_kernel():
         assert (why is None) == supported, why
         if not supported:
             assert "fewer than 16 bytes" in why
+
+
+def test_a_layer_on_the_reference_path_says_so_once(caplog, monkeypatch):
+    """A layer whose layout the kernel does not read (here a 16-bit value side) still decodes (the
+    reference path) and says so once, with the reason, however many steps run; a layer the kernel
+    reads says nothing."""
+    import logging
+
+    pytest.importorskip("triton")
+    from kvcalib.codec import LayerCodec
+    from kvcalib.runtime.cache import CompressedLayer
+    from kvcalib.runtime.triton_path import _reason_unsupported
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernel's checks as on a GPU
+    for v_bits, says in ((16, True), (2, False)):
+        cfg = LayerConfig(k_bits=2, v_bits=v_bits, k_group=16, v_group=16, window=16, sinks=2)
+        layer = CompressedLayer(cfg, LayerCodec(cfg))
+        layer.layer_idx = 5
+        layer.update(torch.randn(1, 2, 60, 64), torch.randn(1, 2, 60, 64))  # (B, H, T, D)
+        layer.flush()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvcalib.runtime.triton_path"):
+            for steps in range(3):
+                layer.__dict__.pop("_kernel_reason", None)  # a new step signature each time: checked again
+                _reason_unsupported(torch.zeros(1, 4, 1, 64), layer)  # (B, Hq, 1, D), under the interpreter
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == int(says), lines
+        if says:
+            assert "layer 5 decodes on the PyTorch reference path" in lines[0] and "not packed" in lines[0]

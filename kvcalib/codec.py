@@ -41,7 +41,7 @@ from kvcalib.accel import interpreting, triton_chosen
 from kvcalib.errors import KvcalibError
 from kvcalib.layout import LayerConfig
 from kvcalib.methods import MethodState, registry
-from kvcalib.methods.reorder import apply_perm
+from kvcalib.quant.transforms import apply_perm
 from kvcalib.methods.schedule import requantize
 from kvcalib.quant.packing import SUPPORTED_BITS
 from kvcalib.quant.uniform import QuantizedTensor, dequantize, dequantize_keys, dequantize_values, quantize_fixed, \

@@ -18,7 +18,7 @@ PACKAGES = {"kvcalib": ROOT / "kvcalib", "kvcalib_kernels": ROOT / "kernels"}
 LAYERS = [
     ("utilities", ("kvcalib", "kvcalib.errors", "kvcalib.io", "kvcalib.paths", "kvcalib.progress",
                    "kvcalib.accel")),
-    ("spec", ("kvcalib.quant", "kvcalib.layout", "kvcalib.assets", "kvcalib.models", "kvcalib.stats",
+    ("spec", ("kvcalib.quant", "kvcalib.reservoir", "kvcalib.layout", "kvcalib.assets", "kvcalib.models", "kvcalib.stats",
               "kvcalib.data", "kvcalib_kernels")),
     ("methods", ("kvcalib.methods",)),
     ("codec", ("kvcalib.codec",)),
@@ -163,7 +163,6 @@ def test_methods_are_named_only_by_their_own_files():
     pool and tier mechanisms read the pure functions of OTT and PATS)."""
     graph = _graph()
     seams = {
-        ("kvcalib.codec", "kvcalib.methods.reorder"),  # quantize_reference: the kernels' specification
         ("kvcalib.codec", "kvcalib.methods.schedule"),  # requantize: the tier move every tiered codec does
         ("kvcalib.runtime.outlier_pool", "kvcalib.methods.outliers"),  # the pool mechanism runs OTT's selection
         ("kvcalib.simulate", "kvcalib.methods.outliers"),  # traces OTT's pool decisions
@@ -176,3 +175,13 @@ def test_methods_are_named_only_by_their_own_files():
                    and not m.startswith(("kvcalib.optimize", "kvcalib.eval", "kvcalib.inspect")))
     unexpected = [f"{m} -> {d}" for m, d in found if (m, d) not in seams]
     assert not unexpected, "modules naming a method's module directly:\n" + "\n".join(unexpected)
+
+
+def test_methods_do_not_import_each_other():
+    """Methods compose through the pipeline (registry order, the tensors earlier methods fitted),
+    not by importing each other: a method module imports the contract (``kvcalib.methods.base``)
+    and the layers below, and what several methods share lives there (issue 52)."""
+    graph = _graph()
+    crossed = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith("kvcalib.methods.")
+                     for d in deps if d.startswith("kvcalib.methods.") and d != "kvcalib.methods.base")
+    assert not crossed, "method modules importing another method's module:\n" + "\n".join(crossed)

@@ -73,8 +73,8 @@ from kvcalib.errors import KvcalibError
 from kvcalib.layout import LayerConfig, layer_bytes
 from kvcalib.methods.base import (CalibrationError, FitContext, Flag, LayerGeometry, Method, MethodState, TensorSpec,
                                   check_side, fake_quantize)
-from kvcalib.quant.packing import SUPPORTED_BITS
-from kvcalib.quant.uniform import QuantizedTensor, dequantize, quantize_keys, quantize_values
+# requantize (a packed block moved to fewer bits) is the packed format's, shared with the codec
+from kvcalib.quant.uniform import requantize  # noqa: F401  (named here as before)
 from kvcalib.stats import LayerStats
 
 __all__ = [
@@ -297,32 +297,6 @@ def preset_schedule(name: str, window: int = 128, sinks: int = 4, ages: Sequence
 
 
 # ---------------------------------------------------------------------- packed-storage operations
-
-
-def requantize(qt: QuantizedTensor, bits: int, valid: torch.Tensor | None = None) -> QuantizedTensor:
-    """A packed block at ``qt.bits`` -> the same block at fewer ``bits``, same layout and group.
-
-    Dequantize (``code * scale16 + zero16``), then quantize with :mod:`kvcalib.quant.uniform` at
-    ``bits`` over the same groups: keys (``axis="token"``) per channel over the same token groups,
-    values (``axis="channel"``) per token over the same channel groups. No clipping (the range is
-    the dequantized range, already clipped at the first quantization). Values that are exactly on
-    the new grid come back exactly (e.g. 4-bit codes that are multiples of 5 -> 2 bits).
-
-    Args:
-        qt: the block, codes ``(B, H, T, D * qt.bits / 8)``.
-        bits: 2, 3 or 4, ``bits < qt.bits``.
-        valid: optional mask as for ``quantize_keys`` (tokens excluded from the ranges).
-
-    Returns a new :class:`QuantizedTensor` with codes ``(B, H, T, D * bits / 8)`` and scale/zero
-    of the same shape as ``qt``'s.
-    """
-    if not isinstance(qt, QuantizedTensor):
-        raise CalibrationError(f"requantize needs a QuantizedTensor, got {type(qt).__name__}")
-    if isinstance(bits, bool) or bits not in SUPPORTED_BITS or bits >= qt.bits:
-        raise CalibrationError(f"requantize goes to fewer bits: got {bits!r} for a {qt.bits}-bit block")
-    x = dequantize(qt)  # (B, H, T, D) float32
-    fn = quantize_keys if qt.axis == "token" else quantize_values
-    return fn(x, bits, qt.group, valid=valid)
 
 
 def fake_quantize_chain(x: torch.Tensor, side: str, chain: Sequence[int], group: int, k_axis: str = "channel",

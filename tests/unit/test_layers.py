@@ -163,7 +163,6 @@ def test_methods_are_named_only_by_their_own_files():
     pool and tier mechanisms read the pure functions of OTT and PATS)."""
     graph = _graph()
     seams = {
-        ("kvcalib.codec", "kvcalib.methods.schedule"),  # requantize: the tier move every tiered codec does
         ("kvcalib.runtime.outlier_pool", "kvcalib.methods.outliers"),  # the pool mechanism runs OTT's selection
         ("kvcalib.simulate", "kvcalib.methods.outliers"),  # traces OTT's pool decisions
         ("kvcalib.runtime.coded_tier", "kvcalib.methods.huffman"),  # Huffman's entropy-coded storage tier

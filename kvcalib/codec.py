@@ -154,10 +154,12 @@ class LayerCodec:
         order = list(registry())
         self.states: dict[str, MethodState] = {n: states[n] for n in sorted(states, key=order.index)}
         self._encoders = list(self.states.values())  # registry order; decode runs them reversed
-        pools = [s.pool_size for s in self.states.values() if s.pool_size]
+        pools = [s for s in self.states.values() if s.pool_size]
         if len(pools) > 1:
             raise KvcalibError("two methods ask for a full-precision token pool on one layer: keep one")
-        self.pool_size = pools[0] if pools else 0
+        # the state that asked for the pool runs its selection (the cache) and its trace (the simulation)
+        self.pool: MethodState | None = pools[0] if pools else None
+        self.pool_size = pools[0].pool_size if pools else 0
         if self.pool_size and not cfg.compressed:
             raise KvcalibError(f"an outlier pool ({self.pool_size}) needs a compressed layer; this layer keeps "
                                "K and V at 16 bits: set the pool to 0")

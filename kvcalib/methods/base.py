@@ -263,7 +263,9 @@ class MethodState:
     method does. Tensors are ``(B, H, N, D)``: batch, kv heads, tokens, head_dim.
     """
 
-    #: full-precision token pool per kv head the cache must keep (OTT); 0 = none
+    #: full-precision token pool per kv head the cache must keep (OTT); 0 = none. A state that asks
+    #: for one also runs its selection for the cache and the simulation (``extra_capacity``,
+    #: ``select``, ``trace``: :class:`kvcalib.methods.outliers.PoolState`), so neither imports the method
     pool_size: int = 0
     #: stored tiers ``[(first age, k_bits, v_bits), ...]`` youngest first (PATS); None = one tier
     stored_tiers: list[tuple[int, int, int]] | None = None

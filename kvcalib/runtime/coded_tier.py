@@ -72,10 +72,10 @@ import torch
 
 from kvcalib.methods.huffman import (HUFFMAN, HUFFMAN_HIST, CacheStreams, Key, StreamLayout,
                                          decode_cache_streams, encode_cache_streams, load_codebooks)
-from kvcalib.methods.outliers import POS_DTYPE, OutlierState
 from kvcalib.errors import KvcalibError
 from kvcalib.io import read_safetensors_document
 from kvcalib.quant.huffman import DEFAULT_MAX_LEN, Codebook, HuffmanError
+from kvcalib.quant.pools import POS_DTYPE, OutlierState
 from kvcalib.quant.packing import SUPPORTED_BITS, pack_codes, unpack_codes
 from kvcalib.layout import LayerConfig
 from kvcalib.recipe import Recipe, resolve_recipe

@@ -163,10 +163,7 @@ def test_methods_are_named_only_by_their_own_files():
     pool and tier mechanisms read the pure functions of OTT and PATS)."""
     graph = _graph()
     seams = {
-        ("kvcalib.runtime.outlier_pool", "kvcalib.methods.outliers"),  # the pool mechanism runs OTT's selection
-        ("kvcalib.simulate", "kvcalib.methods.outliers"),  # traces OTT's pool decisions
         ("kvcalib.runtime.coded_tier", "kvcalib.methods.huffman"),  # Huffman's entropy-coded storage tier
-        ("kvcalib.runtime.coded_tier", "kvcalib.methods.outliers"),  # snapshots hold the OTT pools' state
     }
     found = sorted((m, d) for m, deps in graph.items() for d in deps
                    if d.startswith("kvcalib.methods.") and d != "kvcalib.methods.base"

@@ -514,6 +514,14 @@ class ScheduleMethod(Method):
         schedule.check_layer(layer_cfg)
         return schedule
 
+    def static_tensors(self, layer_cfg: LayerConfig) -> dict[str, torch.Tensor]:
+        """``kv.schedule`` from the ages alone, without statistics (what :meth:`_fit` attaches: nothing
+        is read from data), for the search's floor check before collection; a schedule that does
+        not fit the layer raises :meth:`Schedule.from_layer`'s ``ValueError`` as it is."""
+        sched = Schedule.from_layer(layer_cfg, self.ages)
+        sched.check_layer(layer_cfg)
+        return {"kv.schedule": sched.to_tensor()}
+
     def _fit(self, layer_stats: LayerStats, layer_cfg: LayerConfig, seed: int,
              context: FitContext, geom: LayerGeometry) -> dict[str, torch.Tensor]:
         if not layer_cfg.compressed:

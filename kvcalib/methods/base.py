@@ -380,7 +380,10 @@ class Method(abc.ABC):
             then refused) rather than the per-channel moments only.
         search: ``"layer"``: a per-layer on/off switch of the search space (``layer_methods``);
             ``"chosen"``: applied to the search's chosen recipe only (it changes memory, never
-            quality: Huffman codebooks); None: not searched.
+            quality: Huffman codebooks); ``"global"``: one choice for the whole model, the search
+            space's ``schedules`` (PATS), whose names, checks and scoring length the method declares
+            (``search_off``, ``search_ages``, ``check_search_choice``, ``min_scoring_length``);
+            None: not searched.
         search_default: in the default search space's ``layer_methods``.
         letter: its tag on the bits-per-layer plot.
         flags: the ``kvcalib export`` options it adds.

@@ -483,6 +483,8 @@ class ScheduleMethod(Method):
                    "tiers (age, k_bits, v_bits), youngest first; sinks from the LayerConfig"),
     )
     needs_reservoir: ClassVar[bool] = False
+    search: ClassVar[str | None] = "global"  # the search space's ``schedules`` (kvcalib.optimize.space)
+    search_off: ClassVar[str] = NO_SCHEDULE  # the choice that attaches no schedule (the default space's only one)
     letter: ClassVar[str] = "s"
     flags: ClassVar[tuple[Flag, ...]] = (
         Flag("schedule", str, "PATS position-adaptive tiers: old-heavy | middle-heavy | new-heavy. Starts at --bits "
@@ -513,6 +515,52 @@ class ScheduleMethod(Method):
             raise CalibrationError(f"schedule: {err}") from None
         schedule.check_layer(layer_cfg)
         return schedule
+
+    # ------------------------------------------------------------------ its search dimension
+    search_ages = staticmethod(schedule_ages)
+
+    @staticmethod
+    def check_search_choice(name: str, space: Any) -> None:
+        """Refuse (``ValueError``) a choice of the space's ``schedules`` that no layout of ``space``
+        (its ``windows`` and ``sinks``) can carry."""
+        ages = schedule_ages(name)
+        if ages and ages[0] <= max(space.windows):
+            raise ValueError(f"search space key 'schedules': {name!r} changes bits at age {ages[0]}, inside the "
+                             f"full-precision window {max(space.windows)}; every age must exceed every window")
+        if name == "middle-heavy" and min(space.sinks) < 1:
+            raise ValueError("search space key 'schedules': 'middle-heavy' keeps the oldest tokens as sinks, but "
+                             f"the space's sinks include 0 ({list(space.sinks)}): give sinks >= 1 only (e.g. [4]), "
+                             "or use 'ages:1024,4096' (the same tiers with any sinks)")
+        if name == "old-heavy" and max(space.sinks) > 0:
+            raise ValueError("search space key 'schedules': 'old-heavy' keeps no sinks, but the space's sinks are "
+                             f"{list(space.sinks)}: give sinks [0], or use 'ages:1024,4096' (the same tiers with any sinks)")
+
+    @staticmethod
+    def min_scoring_length(name: str, space: Any, context: int) -> int:
+        """The shortest scoring sequence in which every tier of schedule ``name`` that holds tokens at
+        ``context`` also holds tokens, for every (bits, group, window, sinks) of ``space``; 0 for none.
+
+        A block's tier is that of its youngest token (``Schedule.block_tier``), and the oldest
+        flushed block of a T-token sequence ends at ``sinks + block``, so tier ``age`` holds tokens
+        at T once ``T >= sinks + block + age`` (``block`` = key group for per-channel keys).
+        """
+        ages = schedule_ages(name)
+        need = 0
+        if not ages:
+            return need
+        for bits in space.bits:
+            for group in space.groups:
+                for window in space.windows:
+                    for sinks in space.sinks:
+                        cfg = LayerConfig(k_bits=bits, v_bits=bits, k_axis=space.k_axis, k_group=group,
+                                          v_group=group, sinks=sinks, window=window)
+                        sched = Schedule.from_layer(cfg, ages)
+                        at_context = tier_token_counts(sched, context, group, space.k_axis)["tiers"]
+                        block = cfg.flush_block
+                        for tier, n in zip(sched.tiers, at_context):
+                            if n and tier.age > 0:
+                                need = max(need, sinks + block + tier.age)
+        return need
 
     def static_tensors(self, layer_cfg: LayerConfig) -> dict[str, torch.Tensor]:
         """``kv.schedule`` from the ages alone, without statistics (what :meth:`_fit` attaches: nothing

@@ -165,7 +165,6 @@ def test_methods_are_named_only_by_their_own_files():
     graph = _graph()
     seams = {
         ("kvcalib.runtime.coded_tier", "kvcalib.methods.huffman"),  # Huffman's storage tier codes with its codebooks
-        ("kvcalib.optimize.space", "kvcalib.methods.schedule"),  # the space's schedules dimension is PATS's presets
     }
     found = sorted((m, d) for m, deps in graph.items() for d in deps
                    if d.startswith("kvcalib.methods.") and d != "kvcalib.methods.base"

@@ -159,13 +159,12 @@ def test_no_import_cycles():
 
 def test_methods_are_named_only_by_their_own_files():
     """Outside kvcalib/methods/, no module of the package imports a method's own module except
-    through the registry or one of the few seams below, each with its reason (no folder is exempt):
-    what several methods share lives below them (kvcalib.quant, kvcalib.reservoir), and the runtime
-    reaches a method's rule through the state the codec holds (OTT's pool: LayerCodec.pool)."""
+    through the registry or a seam listed below with its reason (none today; no folder is exempt):
+    what several methods share lives below them (kvcalib.quant, kvcalib.reservoir), the runtime
+    reaches a method's rule through the state the codec holds (OTT's pool: LayerCodec.pool) or the
+    registry (PATS's schedules, Huffman's codebooks)."""
     graph = _graph()
-    seams = {
-        ("kvcalib.runtime.coded_tier", "kvcalib.methods.huffman"),  # Huffman's storage tier codes with its codebooks
-    }
+    seams: set[tuple[str, str]] = set()  # none left (issue 52): add one only with its one-line reason
     found = sorted((m, d) for m, deps in graph.items() for d in deps
                    if d.startswith("kvcalib.methods.") and d != "kvcalib.methods.base"
                    and not m.startswith("kvcalib.methods") and m.startswith("kvcalib."))

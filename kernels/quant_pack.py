@@ -407,7 +407,7 @@ def _valid_u8(valid, b, h, t, dev):
 
 def _perm_i32(perm, h, d, dev, validate: bool):
     """(int32 (H, D) contiguous, has_perm) for an optional per-head permutation (H' | H rows:
-    kv head ``h`` uses row ``h // (H / H')``, like :func:`kvcalib.methods.reorder.apply_perm`)."""
+    kv head ``h`` uses row ``h // (H / H')``, like :func:`kvcalib.quant.transforms.apply_perm`)."""
     if perm is None:
         return torch.zeros(1, dtype=torch.int32, device=dev), False
     if not isinstance(perm, torch.Tensor) or perm.dim() != 2 or perm.is_floating_point() or perm.dtype == torch.bool:

@@ -41,11 +41,10 @@ from kvcalib.accel import interpreting, triton_chosen
 from kvcalib.errors import KvcalibError
 from kvcalib.layout import LayerConfig
 from kvcalib.methods import MethodState, registry
-from kvcalib.methods.reorder import apply_perm
-from kvcalib.methods.schedule import requantize
 from kvcalib.quant.packing import SUPPORTED_BITS
+from kvcalib.quant.transforms import apply_perm
 from kvcalib.quant.uniform import QuantizedTensor, dequantize, dequantize_keys, dequantize_values, quantize_fixed, \
-    quantize_keys, quantize_values
+    quantize_keys, quantize_values, requantize
 
 
 @dataclass
@@ -155,10 +154,12 @@ class LayerCodec:
         order = list(registry())
         self.states: dict[str, MethodState] = {n: states[n] for n in sorted(states, key=order.index)}
         self._encoders = list(self.states.values())  # registry order; decode runs them reversed
-        pools = [s.pool_size for s in self.states.values() if s.pool_size]
+        pools = [s for s in self.states.values() if s.pool_size]
         if len(pools) > 1:
             raise KvcalibError("two methods ask for a full-precision token pool on one layer: keep one")
-        self.pool_size = pools[0] if pools else 0
+        # the state that asked for the pool runs its selection (the cache) and its trace (the simulation)
+        self.pool: MethodState | None = pools[0] if pools else None
+        self.pool_size = pools[0].pool_size if pools else 0
         if self.pool_size and not cfg.compressed:
             raise KvcalibError(f"an outlier pool ({self.pool_size}) needs a compressed layer; this layer keeps "
                                "K and V at 16 bits: set the pool to 0")
@@ -298,7 +299,7 @@ class LayerCodec:
     def requantize(self, side: str, block: PackedBlock, bits: int, valid: torch.Tensor | None = None,
                    keep: torch.Tensor | None = None) -> PackedBlock:
         """A stored block's side at fewer ``bits`` (PATS tier move), same layout, groups, side
-        data and permutation: :func:`~kvcalib.methods.schedule.requantize` on the codes, with the
+        data and permutation: :func:`~kvcalib.quant.uniform.requantize` on the codes, with the
         same range mask as at the first quantization (``valid`` (B, N), ``keep`` (B, H, N))."""
         if block.quantized is None:
             raise KvcalibError(f"the {side} side is stored at 16 bits: a schedule cannot requantize it")
@@ -310,7 +311,7 @@ class LayerCodec:
 
     @staticmethod
     def _requantize_triton(qt, bits: int, m: torch.Tensor | None):
-        """:func:`~kvcalib.methods.schedule.requantize` with the quantize-and-pack kernel for the
+        """:func:`~kvcalib.quant.uniform.requantize` with the quantize-and-pack kernel for the
         second step (the same bytes: the kernels are bit-exact with the reference quantizers):
         dequantize in torch, then quantize the stored-order values at ``bits``, no clip. None when
         the kernels do not cover the layout. A tier move at a flush was ~2 ms per layer and side in

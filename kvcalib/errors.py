@@ -23,6 +23,16 @@ class StorageFailed(KvcalibError):
         self.problem = problem
 
 
+class CalibrationError(KvcalibError, ValueError):
+    """Calibration input that cannot be fitted (wrong shapes, empty reservoir, NaN/inf...).
+
+    Both a :class:`KvcalibError` (the CLI prints it as one line) and a ``ValueError`` (what the
+    quantization core raises for bad arguments), so callers may catch either. It lives here, below
+    the methods, because the reservoir helpers the methods share (:mod:`kvcalib.reservoir`,
+    :mod:`kvcalib.quant.transforms`) raise it too.
+    """
+
+
 class RecipeError(KvcalibError):
     """A recipe file is corrupt, truncated, of another schema version or for another model."""
 

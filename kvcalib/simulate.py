@@ -15,8 +15,8 @@ one forward per sequence instead of a token-by-token loop.
 
 OTT (the codec's ``pool_size`` > 0): a flushed token chosen for the pool at its own flush stays
 in full precision forever, and one not chosen is quantized forever, per (batch row, kv head);
-:func:`~kvcalib.methods.outliers.trace_outliers` runs the runtime's flushes over the flushed
-keys and gives that set. Those tokens are seen in full precision by every query and are left out
+:func:`~kvcalib.methods.outliers.trace_outliers` (reached through the codec's ``pool`` state) runs
+the runtime's flushes over the flushed keys and gives that set. Those tokens are seen in full precision by every query and are left out
 of their group's range (the codec's ``keep`` mask), exactly as the cache does.
 
 PATS (the codec's ``schedule``): the cache requantizes, after each step at context T, every block
@@ -35,7 +35,6 @@ from typing import Iterator
 
 import torch
 
-from kvcalib.methods.outliers import EXTRA_CAPACITY, trace_outliers
 from kvcalib.layout import LayerConfig, quantized_token_count
 from kvcalib.codec import LayerCodec
 
@@ -138,8 +137,8 @@ def _simulated_attention(module, query, key, value, attention_mask, scaling=None
                 positions = torch.arange(span.start, span.stop, device=query.device)[None]
         keep = None  # (B, H, N) OTT quant mask over the flushed span
         if codec.pool_size:
-            fp, _ = trace_outliers(key[:, :, span], cfg.flush_block, codec.pool_size, EXTRA_CAPACITY,
-                                   start=cfg.sinks, v=value[:, :, span])  # (B, H, N): kept in the pool
+            fp, _ = codec.pool.trace(key[:, :, span], cfg.flush_block, start=cfg.sinks,
+                                     v=value[:, :, span])  # (B, H, N): kept in the pool
             keep = ~fp
         k_tiers = _blockwise_tiers(codec, "k", k[:, :, span], keep, cfg.flush_block, positions)  # U x (B, H, N, D)
         v_tiers = _blockwise_tiers(codec, "v", v[:, :, span], keep, cfg.flush_block, positions)

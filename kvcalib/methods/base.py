@@ -35,9 +35,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvcalib.errors import KvcalibError
-from kvcalib.quant.uniform import quantize_dequantize_keys, quantize_dequantize_values
+from kvcalib.errors import CalibrationError
 from kvcalib.layout import LayerConfig
+# the reservoir helpers live one layer below, where the shared scoring uses them; the methods take
+# them from here with the rest of their contract
+from kvcalib.reservoir import SIDES, check_side, fake_quantize, reservoir_to_bhtd, usable_tokens, validate_reservoir
 from kvcalib.stats import LayerStats
 
 __all__ = [
@@ -63,17 +65,7 @@ __all__ = [
     "SIDES",
 ]
 
-SIDES = ("k", "v")
 STAT_KEYS = ("min", "max", "mean", "absmax", "sq_mean")
-
-
-class CalibrationError(KvcalibError, ValueError):
-    """Calibration input that cannot be fitted (wrong shapes, empty reservoir, NaN/inf...).
-
-    Both a :class:`~kvcalib.errors.KvcalibError` (the CLI prints it as one line) and a
-    ``ValueError`` (what the quantization core raises for bad arguments), so callers may catch
-    either.
-    """
 
 
 @dataclass(frozen=True)
@@ -92,12 +84,6 @@ class LayerGeometry:
         return self.q_heads // self.heads if self.q_heads else 0
 
 
-def check_side(side: str) -> str:
-    if side not in SIDES:
-        raise CalibrationError(f"side must be 'k' or 'v', got {side!r}")
-    return side
-
-
 def check_quantized_side(cfg: LayerConfig, key: str) -> None:
     """For :meth:`Method.load`: refuse tensor ``key`` (``"k.clip"``...) on a side the layer keeps
     at 16 bits, where nothing is quantized and nothing would apply it (a ``ValueError`` naming it)."""
@@ -113,32 +99,6 @@ def scalar_value(t: torch.Tensor, key: str, what: str) -> float:
     if t.numel() != 1 or t.dtype == torch.bool or t.is_complex():
         raise ValueError(f"{key} must be a scalar ({what}), got {t.dtype} of shape {tuple(t.shape)}")
     return float(t.reshape(-1)[0])
-
-
-def validate_reservoir(
-    reservoir: torch.Tensor, name: str, heads: int | None = None, head_dim: int | None = None
-) -> tuple[int, int, int, int]:
-    """Check a reservoir ``(NB, BL, H, D)``: 4-D, floating, non-empty, finite. Returns its shape."""
-    if not isinstance(reservoir, torch.Tensor) or not reservoir.is_floating_point():
-        raise CalibrationError(f"{name} must be a floating tensor (NB, BL, H, D), got {type(reservoir).__name__}"
-                               f"{'' if not isinstance(reservoir, torch.Tensor) else ' ' + str(reservoir.dtype)}")
-    if reservoir.dim() != 4:
-        raise CalibrationError(f"{name} must have shape (NB, BL, H, D), got {tuple(reservoir.shape)}")
-    nb, bl, h, d = reservoir.shape
-    if nb == 0 or bl == 0:
-        raise CalibrationError(
-            f"{name} is empty (shape {tuple(reservoir.shape)}): collect statistics with "
-            "--reservoir-blocks >= 1 and enough samples to fill at least one block"
-        )
-    if heads is not None and h != heads:
-        raise CalibrationError(f"{name} has {h} heads, expected {heads}: statistics from another model?")
-    if head_dim is not None and d != head_dim:
-        raise CalibrationError(f"{name} has head_dim {d}, expected {head_dim}: statistics from another model?")
-    if not bool(torch.isfinite(reservoir).all()):
-        raise CalibrationError(
-            f"{name} holds NaN or inf: collect again in float32 (--dtype fp32) or check the model"
-        )
-    return nb, bl, h, d
 
 
 def validate_layer_stats(
@@ -207,11 +167,6 @@ def validate_layer_stats(
     return LayerGeometry(heads=h, head_dim=d, q_heads=hq, blocks=nb, block_len=bl)
 
 
-def reservoir_to_bhtd(reservoir: torch.Tensor) -> torch.Tensor:
-    """``(NB, BL, H, D)`` float16 reservoir -> ``(NB, H, BL, D)`` float32 (blocks become the batch)."""
-    return reservoir.float().transpose(1, 2).contiguous()
-
-
 def reservoir_moments(reservoir: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-channel moments ``(H, D)`` (min/max/mean/absmax/sq_mean, float32) of a reservoir
     ``(NB, BL, H, D)``, with the streamed token ``count``: the statistics of a side a method moved
@@ -233,48 +188,6 @@ def reservoir_positions(layer_stats: LayerStats) -> torch.Tensor:
         raise CalibrationError(f"reservoir positions of shape {tuple(layer_stats.positions.shape)} do not fit "
                                f"{nb} reservoir blocks: collect again")
     return layer_stats.positions.long()[:, None] + torch.arange(bl)[None, :]  # (NB, BL)
-
-
-def usable_tokens(block_len: int, side: str, group: int, k_axis: str = "channel") -> int:
-    """Tokens of a block that quantize: keys per channel need whole groups of ``group`` tokens.
-
-    Per-channel keys (``side="k"``, ``k_axis="channel"``) use the first ``(BL // group) * group``
-    tokens; every other layout quantizes each token alone and uses all ``BL``. Raises when a
-    block is shorter than one key group.
-    """
-    if check_side(side) == "k" and k_axis == "channel":
-        n = (block_len // group) * group
-        if n == 0:
-            raise CalibrationError(
-                f"reservoir blocks of {block_len} tokens are shorter than one key group ({group} tokens): "
-                f"collect with --block-len >= {group}"
-            )
-        return n
-    return block_len
-
-
-def fake_quantize(
-    x: torch.Tensor,
-    side: str,
-    bits: int,
-    group: int,
-    k_axis: str = "channel",
-    clip: float | torch.Tensor = 1.0,
-    valid: torch.Tensor | None = None,
-    levels: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """What decoding sees for ``x (..., T, D)`` stored in the runtime's layout, float32 ``(..., T, D)``.
-
-    Keys with ``k_axis="channel"``: per channel over groups of ``group`` consecutive tokens
-    (``T % group == 0``). Keys with ``k_axis="token"`` and values: per token over groups of
-    ``group`` channels. ``levels``: non-uniform levels ``(2**bits,)``. ``bits >= 16`` returns ``x``
-    as float32 (not quantized).
-    """
-    if bits >= 16:
-        return x.float()
-    if check_side(side) == "k" and k_axis == "channel":
-        return quantize_dequantize_keys(x, bits, group, clip=clip, valid=valid, levels=levels)
-    return quantize_dequantize_values(x, bits, group, clip=clip, valid=valid, levels=levels)
 
 
 @dataclass(frozen=True)
@@ -350,7 +263,9 @@ class MethodState:
     method does. Tensors are ``(B, H, N, D)``: batch, kv heads, tokens, head_dim.
     """
 
-    #: full-precision token pool per kv head the cache must keep (OTT); 0 = none
+    #: full-precision token pool per kv head the cache must keep (OTT); 0 = none. A state that asks
+    #: for one also runs its selection for the cache and the simulation (``extra_capacity``,
+    #: ``select``, ``trace``: :class:`kvcalib.methods.outliers.PoolState`), so neither imports the method
     pool_size: int = 0
     #: stored tiers ``[(first age, k_bits, v_bits), ...]`` youngest first (PATS); None = one tier
     stored_tiers: list[tuple[int, int, int]] | None = None
@@ -465,7 +380,10 @@ class Method(abc.ABC):
             then refused) rather than the per-channel moments only.
         search: ``"layer"``: a per-layer on/off switch of the search space (``layer_methods``);
             ``"chosen"``: applied to the search's chosen recipe only (it changes memory, never
-            quality: Huffman codebooks); None: not searched.
+            quality: Huffman codebooks); ``"global"``: one choice for the whole model, the search
+            space's ``schedules`` (PATS), whose names, checks and scoring length the method declares
+            (``search_off``, ``search_ages``, ``check_search_choice``, ``min_scoring_length``);
+            None: not searched.
         search_default: in the default search space's ``layer_methods``.
         letter: its tag on the bits-per-layer plot.
         flags: the ``kvcalib export`` options it adds.

@@ -32,6 +32,10 @@ H = 1 (MQA): the mean is the token itself and ``dev = 0``; centering would just 
 information into the mean stream at ``mean_bits``. :func:`center` returns that exact
 decomposition (a no-op), :func:`fit_centering_gain` reports 0.0 and :class:`CenterMethod`
 leaves centering off.
+
+The split itself (:func:`center`, :func:`quantize_mean`) lives in :mod:`kvcalib.quant.transforms`,
+one layer down, because the methods fitted after centering (reorder, clip, levels) fit on the
+deviations the runtime quantizes; this file decides where centering pays and carries its state.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ from kvcalib.methods.base import (
     usable_tokens,
     validate_reservoir,
 )
-from kvcalib.quant.uniform import QuantizedTensor, dequantize_values, quantize_dequantize_values, quantize_values
+from kvcalib.quant.transforms import MEAN_BITS, center, check_mean_bits, quantize_mean, uncenter
+from kvcalib.quant.uniform import QuantizedTensor, dequantize_values, quantize_values
 from kvcalib.stats import LayerStats
 
 __all__ = [
@@ -75,57 +80,9 @@ __all__ = [
     "CenterMethod",
 ]
 
-MEAN_BITS = (8, 16)
-
-
-def _check_mean_bits(mean_bits: int) -> int:
-    if mean_bits not in MEAN_BITS or isinstance(mean_bits, bool):
-        raise CalibrationError(f"mean_bits must be one of {MEAN_BITS}, got {mean_bits!r}")
-    return mean_bits
-
-
-def quantize_mean(mean: torch.Tensor, mean_bits: int) -> torch.Tensor:
-    """The mean as the runtime stores it, dequantized to float32 ``(B, 1, T, D)``.
-
-    ``16``: rounded to float16. ``8``: per-token 8-bit over one group of D channels (float16
-    scale/zero), i.e. ``quantize_dequantize_values(mean, 8, group=D)``.
-    """
-    _check_mean_bits(mean_bits)
-    if mean_bits == 16:
-        return mean.to(torch.float16).float()
-    return quantize_dequantize_values(mean, 8, mean.shape[-1])
-
-
-def center(x: torch.Tensor, mean_bits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split ``x (B, H, T, D)`` into the mean over kv heads and the deviations.
-
-    Args:
-        x: float ``(B, H, T, D)``.
-        mean_bits: None: the exact float32 mean. 8 or 16: the mean as stored
-            (:func:`quantize_mean`), and deviations from that stored mean.
-
-    Returns:
-        ``mean`` float32 ``(B, 1, T, D)`` and ``dev`` float32 ``(B, H, T, D)`` with
-        ``mean + dev == x`` up to float32 rounding. H = 1 gives ``mean = x`` (or its stored
-        version) and ``dev = 0`` (exactly 0 when ``mean_bits`` is None).
-    """
-    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
-        raise CalibrationError(f"center needs a float tensor (B, H, T, D), got {tuple(getattr(x, 'shape', ()))}")
-    xf = x.float()
-    mean = xf.mean(dim=1, keepdim=True)  # (B, 1, T, D)
-    if mean_bits is not None:
-        mean = quantize_mean(mean, mean_bits)  # (B, 1, T, D)
-    return mean, xf - mean
-
-
-def uncenter(mean: torch.Tensor, dev: torch.Tensor) -> torch.Tensor:
-    """``mean (B, 1, T, D) + dev (B, H, T, D)`` -> float32 ``(B, H, T, D)``."""
-    return mean.float() + dev.float()
-
-
 def mean_bytes_per_token(head_dim: int, mean_bits: int) -> float:
     """Bytes of the stored mean per token, per layer and side (module docstring)."""
-    _check_mean_bits(mean_bits)
+    check_mean_bits(mean_bits)
     if mean_bits == 16:
         return 2.0 * head_dim
     return float(head_dim + 4)  # D codes of 1 byte + float16 scale + float16 zero
@@ -158,7 +115,7 @@ def centering_errors(
         the usable tokens (whole key groups), as Python floats.
     """
     check_side(side)
-    _check_mean_bits(mean_bits)
+    check_mean_bits(mean_bits)
     validate_reservoir(reservoir, "reservoir")
     x = reservoir_to_bhtd(reservoir)  # (NB, H, BL, D)
     x = x[:, :, : usable_tokens(x.shape[2], side, group, k_axis)]  # (NB, H, T, D)

@@ -38,7 +38,6 @@ when centering is on), it must be applied to the permuted (centred) data, as it 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -54,142 +53,24 @@ from kvcalib.methods.base import (
     MethodState,
     TensorSpec,
     check_quantized_side,
-    check_side,
-    fake_quantize,
-    reservoir_to_bhtd,
-    usable_tokens,
-    validate_reservoir,
 )
-from kvcalib.methods.center import center
-from kvcalib.methods.reorder import apply_perm, check_perm
+# causal_probs: the attention-output objective's softmax, shared with levels; named here as before
+from kvcalib.reservoir import OBJECTIVES, causal_probs, check_grid, quantization_errors  # noqa: F401
 from kvcalib.stats import LayerStats
 
 __all__ = ["DEFAULT_GRID", "OBJECTIVES", "clip_errors", "choose_alpha", "fit_clip_alpha", "ClipState", "ClipMethod"]
 
 DEFAULT_GRID = tuple(round(1.0 - 0.05 * i, 2) for i in range(11))  # 1.0, 0.95, ..., 0.5
-OBJECTIVES = ("output", "mse")
 TIE_RTOL = 1e-3  # errors within this relative margin of the best count as ties -> largest alpha
-_SCORE_BUDGET = 1 << 22  # attention-score elements per chunk of blocks (16 MiB in float32)
 
 
-def _check_grid(grid: Sequence[float]) -> tuple[float, ...]:
-    try:
-        g = tuple(float(a) for a in grid)
-    except (TypeError, ValueError):
-        raise CalibrationError(f"grid must be a sequence of floats in (0, 1], got {grid!r}") from None
-    if not g or not all(math.isfinite(a) and 0.0 < a <= 1.0 for a in g):
-        raise CalibrationError(f"grid must be a non-empty sequence of floats in (0, 1], got {grid!r}")
-    return g
-
-
-def causal_probs(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
-    """softmax(scaling q k^T) under the causal mask: q ``(N, Hq, T, D)``, k ``(N, Hq, T, D)`` -> ``(N, Hq, T, T)``."""
-    t = q.shape[2]
-    scores = torch.einsum("nhtd,nhsd->nhts", q, k) * scaling  # (N, Hq, T, T)
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~causal, float("-inf"))
-    return torch.softmax(scores, dim=-1)  # the diagonal is always visible: no all-masked row
-
-
-def clip_errors(
-    reservoir_k: torch.Tensor,
-    reservoir_v: torch.Tensor,
-    reservoir_q: torch.Tensor,
-    scaling: float,
-    bits: int,
-    group: int,
-    side: str,
-    grid: Sequence[float] = DEFAULT_GRID,
-    perm: torch.Tensor | None = None,
-    k_axis: str = "channel",
-    objective: str = "output",
-    center_bits: int = 0,
-) -> torch.Tensor:
-    """Error of every candidate alpha for every kv head, float64 ``(len(grid), H)``.
-
-    Args:
-        reservoir_k, reservoir_v: ``(NB, BL, H, D)``; reservoir_q: ``(NB, BL, Hq, D)``, ``Hq = H * rep``.
-        scaling: the softmax scale the model applies to ``q . k``.
-        bits, group, side, k_axis: the quantized side and its layout (``fake_quantize``).
-        grid: candidate alphas in (0, 1].
-        perm: optional int ``(H, D)`` channel permutation applied before quantizing (and to q
-            when ``side="k"``).
-        objective: ``"output"`` (attention output error, module docstring) or ``"mse"``.
-        center_bits: 0 = raw K/V; 8 or 16 = TaDA centering is on with the mean stored at that
-            precision: the deviations are quantized and the stored mean added back.
-
-    Returns: ``err[a, h]`` = summed squared error of kv head ``h`` at ``grid[a]``.
-    """
-    check_side(side)
-    grid = _check_grid(grid)
-    if objective not in OBJECTIVES:
-        raise CalibrationError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    nb, bl, h, d = validate_reservoir(reservoir_k, "reservoir_k")
-    validate_reservoir(reservoir_v, "reservoir_v", h, d)
-    if reservoir_v.shape[:2] != reservoir_k.shape[:2]:
-        raise CalibrationError(f"reservoir_v {tuple(reservoir_v.shape)} and reservoir_k {tuple(reservoir_k.shape)} differ")
-    if objective == "output":
-        _, _, hq, _ = validate_reservoir(reservoir_q, "reservoir_q", None, d)
-        if tuple(reservoir_q.shape[:2]) != (nb, bl) or hq % h:
-            raise CalibrationError(
-                f"reservoir_q {tuple(reservoir_q.shape)} does not fit reservoir_k {tuple(reservoir_k.shape)}: "
-                f"expected ({nb}, {bl}, Hq, {d}) with Hq a multiple of {h}"
-            )
-        if not (isinstance(scaling, int | float) and 0 < scaling < float("inf")):
-            raise CalibrationError(f"scaling must be a positive finite float, got {scaling!r}")
-    else:
-        hq = h
-    rep = hq // h
-    t = usable_tokens(bl, side, group, k_axis)  # keys per channel: whole groups only
-    if perm is not None:
-        perm = check_perm(perm, h, d)
-
-    k = reservoir_to_bhtd(reservoir_k)[:, :, :t]  # (NB, H, T, D)
-    v = reservoir_to_bhtd(reservoir_v)[:, :, :t]  # (NB, H, T, D)
-    x = k if side == "k" else v  # the side being quantized, (NB, H, T, D)
-    mean = None
-    if center_bits and h >= 2:
-        # TaDA: the runtime stores mean_hat and quantizes dev = x - mean_hat; what attention sees
-        # is mean_hat + fq(dev). So fq acts on dev, and mean_hat is added back for the scores.
-        mean, x = center(x, mean_bits=center_bits)  # (NB, 1, T, D), (NB, H, T, D)
-        mean = mean.expand_as(x)  # (NB, H, T, D)
-    if perm is not None:
-        x = apply_perm(x, perm)
-        if mean is not None:
-            mean = apply_perm(mean, perm)
-
-    errs = torch.zeros(len(grid), h, dtype=torch.float64)
-    if objective == "mse":
-        for a, alpha in enumerate(grid):
-            xh = fake_quantize(x, side, bits, group, k_axis, clip=alpha)  # (NB, H, T, D)
-            errs[a] = ((xh - x) ** 2).sum(dim=(0, 2, 3), dtype=torch.float64)
-        return errs
-
-    q = reservoir_to_bhtd(reservoir_q)[:, :, :t]  # (NB, Hq, T, D)
-    if perm is not None and side == "k":
-        q = apply_perm(q, perm)  # q_perm . k_perm = q . k
-    chunk = max(1, _SCORE_BUDGET // max(1, hq * t * t))
-    for s in range(0, nb, chunk):
-        xs = x[s : s + chunk]  # (n, H, T, D)
-        ms = None if mean is None else mean[s : s + chunk]
-        qs = q[s : s + chunk]  # (n, Hq, T, D)
-        full = xs if ms is None else xs + ms  # the side as the model has it (permuted)
-        if side == "k":
-            vs = v[s : s + chunk]
-            v_rep = vs.repeat_interleave(rep, dim=1)  # (n, Hq, T, D)
-            o_ref = causal_probs(qs, full.repeat_interleave(rep, dim=1), scaling) @ v_rep  # (n, Hq, T, D)
-        else:
-            probs = causal_probs(qs, k[s : s + chunk].repeat_interleave(rep, dim=1), scaling)  # (n, Hq, T, T)
-        for a, alpha in enumerate(grid):
-            xh = fake_quantize(xs, side, bits, group, k_axis, clip=alpha)  # (n, H, T, D)
-            if side == "k":
-                kh = xh if ms is None else xh + ms
-                diff = causal_probs(qs, kh.repeat_interleave(rep, dim=1), scaling) @ v_rep - o_ref
-            else:
-                diff = probs @ (xh - xs).repeat_interleave(rep, dim=1)  # P (V_hat - V), (n, Hq, T, D)
-            per_q = (diff.double() ** 2).sum(dim=(0, 2, 3))  # (Hq,)
-            errs[a] += per_q.view(h, rep).sum(-1)
-    return errs
+def clip_errors(reservoir_k: torch.Tensor, reservoir_v: torch.Tensor, reservoir_q: torch.Tensor, scaling: float,
+                bits: int, group: int, side: str, grid: Sequence[float] = DEFAULT_GRID, *layout: Any,
+                **options: Any) -> torch.Tensor:
+    """The error of every alpha of the clip grid for every kv head, float64 ``(len(grid), H)``:
+    :func:`kvcalib.reservoir.quantization_errors` (the measure rotation shares) over ``grid``."""
+    return quantization_errors(reservoir_k, reservoir_v, reservoir_q, scaling, bits, group, side, grid,
+                               *layout, **options)
 
 
 def choose_alpha(errs: torch.Tensor, grid: Sequence[float], rtol: float = TIE_RTOL) -> torch.Tensor:
@@ -197,7 +78,7 @@ def choose_alpha(errs: torch.Tensor, grid: Sequence[float], rtol: float = TIE_RT
 
     ``errs`` float ``(len(grid), H)`` (from :func:`clip_errors`).
     """
-    grid = _check_grid(grid)
+    grid = check_grid(grid)
     if errs.dim() != 2 or errs.shape[0] != len(grid):
         raise CalibrationError(f"errs must be (len(grid)={len(grid)}, H), got {tuple(errs.shape)}")
     if not bool(torch.isfinite(errs).all()):
@@ -209,28 +90,17 @@ def choose_alpha(errs: torch.Tensor, grid: Sequence[float], rtol: float = TIE_RT
     return cand.amax(0).float()  # (H,)
 
 
-def fit_clip_alpha(
-    reservoir_k: torch.Tensor,
-    reservoir_v: torch.Tensor,
-    reservoir_q: torch.Tensor,
-    scaling: float,
-    bits: int,
-    group: int,
-    side: str,
-    grid: Sequence[float] = DEFAULT_GRID,
-    perm: torch.Tensor | None = None,
-    k_axis: str = "channel",
-    objective: str = "output",
-    center_bits: int = 0,
-) -> torch.Tensor:
+def fit_clip_alpha(reservoir_k: torch.Tensor, reservoir_v: torch.Tensor, reservoir_q: torch.Tensor, scaling: float,
+                   bits: int, group: int, side: str, grid: Sequence[float] = DEFAULT_GRID, *layout: Any,
+                   **options: Any) -> torch.Tensor:
     """Fit the clip alpha per kv head, float32 ``(H,)`` in (0, 1] (arguments: :func:`clip_errors`).
 
     Returns all-ones for ``bits >= 16`` (nothing is quantized).
     """
     if bits >= 16:
         return torch.ones(reservoir_k.shape[2], dtype=torch.float32)
-    errs = clip_errors(reservoir_k, reservoir_v, reservoir_q, scaling, bits, group, side, grid, perm,
-                       k_axis, objective, center_bits)
+    errs = quantization_errors(reservoir_k, reservoir_v, reservoir_q, scaling, bits, group, side, grid,
+                               *layout, **options)
     return choose_alpha(errs, grid)
 
 
@@ -282,7 +152,7 @@ class ClipMethod(Method):
 
     def __init__(self, grid: Sequence[float] = DEFAULT_GRID, objective: str = "output") -> None:
         try:
-            self.grid = _check_grid(grid)
+            self.grid = check_grid(grid)
         except CalibrationError as err:
             raise ValueError(str(err)) from None
         if objective not in OBJECTIVES:

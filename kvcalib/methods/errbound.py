@@ -31,6 +31,7 @@ import torch
 from kvcalib.layout import LayerConfig
 from kvcalib.methods.base import FitContext, Flag, LayerGeometry, Method, MethodState, TensorSpec
 from kvcalib.quant.uniform import dequantize, quantize_fixed
+from kvcalib.reservoir import quantizer_input
 from kvcalib.stats import LayerStats
 
 __all__ = ["DEFAULT_ALPHAS", "fixed_params", "step_errors", "ErrBoundState", "ErrBoundMethod"]
@@ -108,8 +109,6 @@ class ErrBoundMethod(Method):
 
     def _fit(self, layer_stats: LayerStats, layer_cfg: LayerConfig, seed: int,
              context: FitContext, geom: LayerGeometry) -> dict[str, torch.Tensor]:
-        from kvcalib.methods.levels import quantizer_input
-
         out = {}
         for side in ("k", "v"):
             bits = layer_cfg.bits(side)

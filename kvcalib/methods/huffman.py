@@ -106,7 +106,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
 import torch
 
 from kvcalib.errors import RecipeError
@@ -114,16 +113,21 @@ from kvcalib.layout import LayerConfig, MemoryBreakdown, held_tokens, quantized_
 from kvcalib.methods.base import (CalibrationError, FitContext, Flag, LayerGeometry, Method, TensorSpec,
                                   reservoir_positions, reservoir_to_bhtd)
 from kvcalib.models import ModelInfo
+# the cache stream layout (StreamLayout, CacheStreams and their coding) is the bit stream's format,
+# shared with the coded storage tier: it lives with the Huffman codec, named here as before
 from kvcalib.quant.huffman import (
     DEFAULT_MAX_LEN,
+    CacheStreams,
     Codebook,
-    EncodedBlocks,
     HuffmanError,
+    StreamLayout,
     build_codebook,
-    decode_bit_ranges,
-    decode_blocks,
-    encode_blocks,
+    decode_cache_streams,
+    decode_side,
+    encode_cache_streams,
+    encode_side,
     symbol_histogram,
+    to_cache_streams,
 )
 from kvcalib.quant.packing import unpack_codes
 from kvcalib.stats import CollectedStats, LayerStats
@@ -161,7 +165,6 @@ __all__ = [
 HUFFMAN = "huffman"  # layers.{i}.{k|v}.huffman: uint8 code lengths (2**bits,)
 HUFFMAN_HIST = "huffman_hist"  # layers.{i}.{k|v}.huffman_hist: int64 calibration histogram (2**bits,)
 SIDES = ("k", "v")
-_WORD = 32  # payload word bits
 _TABLE_ENTRY_BYTES = 2  # decode table entry: symbol (uint8) + length (uint8)
 
 Key = tuple[int, str]  # (layer, side)
@@ -469,256 +472,6 @@ def codebook_bits(recipe: Recipe, configs: list[LayerConfig],
 
 
 # ----------------------------------------------------------------------------------------------
-# streams of one side
-
-
-@dataclass(frozen=True)
-class StreamLayout:
-    """The knobs of the cache stream layout (module docstring)."""
-
-    tokens_per_stream: int = 1
-    chunk_tokens: int = 32
-
-    def __post_init__(self) -> None:
-        for name in ("tokens_per_stream", "chunk_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.chunk_tokens % self.tokens_per_stream:
-            raise ValueError(f"chunk_tokens ({self.chunk_tokens}) must be a multiple of tokens_per_stream "
-                             f"({self.tokens_per_stream})")
-
-    def symbols_per_stream(self, head_dim: int) -> int:
-        return self.tokens_per_stream * head_dim
-
-    def overhead_bits(self, head_dim: int, bits: int) -> float:
-        """Index and padding bits per symbol this layout adds to a side's payload: the stream
-        length field, the 32-bit chunk word and 16 bits of mean padding per chunk."""
-        excess = torch.empty((), dtype=self.excess_dtype(head_dim, bits)).element_size()
-        return 8.0 * excess / self.symbols_per_stream(head_dim) + 48.0 / (self.chunk_tokens * head_dim)
-
-    def excess_dtype(self, head_dim: int, bits: int) -> torch.dtype:
-        """dtype of ``stream_excess``: the smallest holding ``L * (bits - 1)``."""
-        top = self.symbols_per_stream(head_dim) * (bits - 1)
-        if top <= 255:
-            return torch.uint8
-        if top <= 32767:
-            return torch.int16
-        return torch.int32
-
-
-def _check_codes(codes: object) -> torch.Tensor:
-    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.dim() != 4:
-        got = f"{codes.dtype} {tuple(codes.shape)}" if isinstance(codes, torch.Tensor) else type(codes).__name__
-        raise HuffmanError(f"codes must be unpacked uint8 (B, H, N, D), got {got}")
-    return codes
-
-
-def encode_side(codes: torch.Tensor, codebook: Codebook, tokens_per_stream: int = 1) -> EncodedBlocks:
-    """Code one side's unpacked codes ``uint8 (B, H, N, D)`` as format-v1 streams of
-    ``tokens_per_stream`` tokens each, in (b, h, stream) order (``N % tokens_per_stream == 0``)."""
-    b, h, n, d = _check_codes(codes).shape
-    if isinstance(tokens_per_stream, bool) or not isinstance(tokens_per_stream, int) or tokens_per_stream < 1:
-        raise HuffmanError(f"tokens_per_stream must be a positive int, got {tokens_per_stream!r}")
-    if n % tokens_per_stream:
-        raise HuffmanError(f"N = {n} tokens do not split into streams of {tokens_per_stream} tokens")
-    rows = codes.reshape(b * h * (n // tokens_per_stream), tokens_per_stream * d)  # copies if non-contiguous
-    return encode_blocks(rows, codebook)
-
-
-def decode_side(encoded: EncodedBlocks, codebook: Codebook, shape: tuple[int, int, int, int],
-                tokens_per_stream: int = 1) -> torch.Tensor:
-    """Inverse of :func:`encode_side`: ``uint8 shape`` = (B, H, N, D)."""
-    b, h, n, d = shape
-    if n % tokens_per_stream or encoded.n_streams != b * h * (n // tokens_per_stream) \
-            or encoded.n_symbols != tokens_per_stream * d:
-        raise HuffmanError(
-            f"blocks of {encoded.n_streams} streams x {encoded.n_symbols} symbols do not hold a side of "
-            f"shape {tuple(shape)} in streams of {tokens_per_stream} tokens"
-        )
-    return decode_blocks(encoded, codebook).reshape(b, h, n, d)
-
-
-@dataclass(frozen=True, eq=False)
-class CacheStreams:
-    """One side of one layer in the cache stream layout (module docstring, points 1-5).
-
-    Attributes:
-        payload: ``uint32 (W,)`` word-aligned chunks, then a zero guard word.
-        chunk_word: ``int32 (B, H, C)`` first word of each chunk.
-        stream_excess: ``(B, H, S)`` stream length minus ``L`` (dtype from
-            :meth:`StreamLayout.excess_dtype`); ``S = N / tokens_per_stream``.
-        shape: ``(B, H, N, D)`` of the unpacked codes.
-        bits: bits per raw symbol.
-        layout: the :class:`StreamLayout`.
-
-    Construction validates the structure and raises :class:`HuffmanError` if it is corrupt:
-    excess out of range, a chunk starting outside the payload, chunks overlapping or out of order,
-    the last chunk running into the guard word.
-    """
-
-    payload: torch.Tensor
-    chunk_word: torch.Tensor
-    stream_excess: torch.Tensor
-    shape: tuple[int, int, int, int]
-    bits: int
-    layout: StreamLayout = field(default_factory=StreamLayout)
-
-    def __post_init__(self) -> None:
-        b, h, n, d = self.shape
-        lay = self.layout
-        if n % lay.tokens_per_stream:
-            raise HuffmanError(f"N = {n} is not a multiple of tokens_per_stream = {lay.tokens_per_stream}")
-        s = n // lay.tokens_per_stream
-        c = math.ceil(n / lay.chunk_tokens)
-        if not isinstance(self.payload, torch.Tensor) or self.payload.dtype != torch.uint32 or self.payload.dim() != 1:
-            raise HuffmanError("payload must be a 1-D uint32 tensor")
-        if self.payload.numel() < 1:
-            raise HuffmanError("corrupt cache streams: the payload lacks its guard word")
-        if self.chunk_word.dtype != torch.int32 or tuple(self.chunk_word.shape) != (b, h, c):
-            raise HuffmanError(f"chunk_word must be int32 {(b, h, c)}, got {self.chunk_word.dtype} "
-                               f"{tuple(self.chunk_word.shape)}")
-        want = lay.excess_dtype(d, self.bits)
-        if self.stream_excess.dtype != want or tuple(self.stream_excess.shape) != (b, h, s):
-            raise HuffmanError(f"stream_excess must be {want} {(b, h, s)}, got {self.stream_excess.dtype} "
-                               f"{tuple(self.stream_excess.shape)}")
-        top = lay.symbols_per_stream(d) * (self.bits - 1)
-        ex = self.stream_excess.long()
-        if bool(((ex < 0) | (ex > top)).any()):
-            raise HuffmanError(f"corrupt cache streams: a stream_excess lies outside 0..{top} "
-                               f"(L * (bits - 1))")
-        words = self.chunk_word.long().reshape(-1)  # (B*H*C,)
-        w_all = self.payload.numel()
-        if bool(((words < 0) | (words >= w_all)).any()):
-            raise HuffmanError(f"corrupt cache streams: a chunk_word lies outside the payload's {w_all} words")
-        if words.numel():
-            bits_c = self._chunk_bits().reshape(-1)  # (B*H*C,)
-            end_word = words + (bits_c + _WORD - 1) // _WORD  # one past each chunk's last word
-            nxt = torch.cat([words[1:], torch.tensor([w_all - 1])])  # the guard word stays free
-            if bool((end_word > nxt).any()):
-                j = int(torch.nonzero(end_word > nxt)[0])
-                raise HuffmanError(f"corrupt cache streams: chunk {j} (in (b, h, chunk) order) runs into the "
-                                   "next chunk or the guard word (chunk_word out of order or stream_excess "
-                                   "too large)")
-
-    @property
-    def n_symbols(self) -> int:
-        """``L``, symbols per stream."""
-        return self.layout.symbols_per_stream(self.shape[3])
-
-    def _sizes(self) -> torch.Tensor:
-        return self.stream_excess.long() + self.n_symbols  # (B, H, S) stream bits
-
-    def _chunk_bits(self) -> torch.Tensor:
-        """Bits of each chunk's streams ``int64 (B, H, C)``."""
-        b, h, _, _ = self.shape
-        spc = self.layout.chunk_tokens // self.layout.tokens_per_stream
-        sizes = self._sizes()
-        s = sizes.shape[-1]
-        c = self.chunk_word.shape[-1]
-        padded = torch.zeros(b, h, c * spc, dtype=torch.int64)
-        padded[:, :, :s] = sizes
-        return padded.reshape(b, h, c, spc).sum(-1)
-
-    def raw_fallback(self) -> torch.Tensor:
-        """``bool (B, H, S)``: streams stored raw (excess == L * (bits - 1))."""
-        return self.stream_excess.long() == self.n_symbols * (self.bits - 1)
-
-    def bit_ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Start and end bit ``int64 (B*H*S,)`` of every stream (module docstring, point 5)."""
-        spc = self.layout.chunk_tokens // self.layout.tokens_per_stream
-        sizes = self._sizes()  # (B, H, S)
-        s = sizes.shape[-1]
-        incl = sizes.cumsum(-1)
-        excl = incl - sizes  # (B, H, S) exclusive prefix sum over the whole (b, h) row
-        chunk = torch.arange(s) // spc  # (S,)
-        first = chunk * spc  # first stream of each stream's chunk
-        base = excl[:, :, first] if s else excl  # prefix at the chunk's first stream
-        starts = _WORD * self.chunk_word.long()[:, :, chunk] + (excl - base)  # (B, H, S)
-        return starts.reshape(-1), (starts + sizes).reshape(-1)
-
-    def nbytes(self) -> dict[str, int]:
-        """Bytes held, by part: ``payload`` (with padding and guard word), ``chunk_index``,
-        ``stream_index``."""
-        def size(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
-        return {"payload": size(self.payload), "chunk_index": size(self.chunk_word),
-                "stream_index": size(self.stream_excess)}
-
-    def stream_bits(self) -> int:
-        """Bits of all streams (no padding, no index)."""
-        return int(self._sizes().sum())
-
-
-def to_cache_streams(encoded: EncodedBlocks, shape: tuple[int, int, int, int],
-                     layout: StreamLayout = StreamLayout()) -> CacheStreams:
-    """Re-lay format-v1 streams from :func:`encode_side` as :class:`CacheStreams` (word-aligned
-    chunks, 32-bit chunk word index, per-stream excess lengths)."""
-    b, h, n, d = shape
-    tps, spc = layout.tokens_per_stream, layout.chunk_tokens // layout.tokens_per_stream
-    if n % tps or encoded.n_streams != b * h * (n // tps) or encoded.n_symbols != tps * d:
-        raise HuffmanError(f"blocks of {encoded.n_streams} x {encoded.n_symbols} symbols are not a side of "
-                           f"shape {tuple(shape)} in streams of {tps} tokens")
-    s = n // tps
-    c = math.ceil(n / layout.chunk_tokens)
-    off = encoded.bit_offsets.cpu().numpy()  # (B*H*S + 1,)
-    src = encoded.payload.cpu().numpy().astype(np.uint64)  # (W,)
-    # first and one-past-last stream of every chunk, in (b, h, chunk) order
-    row = np.arange(b * h)[:, None] * s  # (BH, 1)
-    first = row + np.minimum(np.arange(c) * spc, s)[None, :]  # (BH, C)
-    last = row + np.minimum((np.arange(c) + 1) * spc, s)[None, :]
-    c_start, c_end = off[first].reshape(-1), off[last].reshape(-1)  # (BH*C,) chunk bit ranges
-    c_bits = c_end - c_start
-    c_words = (c_bits + _WORD - 1) // _WORD  # (BH*C,)
-    dest = np.zeros(c_words.shape[0] + 1, dtype=np.int64)
-    np.cumsum(c_words, out=dest[1:])
-    total_words = int(dest[-1])
-    if total_words >= 2**31 - 1:
-        raise HuffmanError("one side's payload exceeds 2**31 words: chunk_word (int32) cannot index it")
-    # every destination word j of chunk q reads 32 source bits from c_start[q] + 32 j
-    q = np.repeat(np.arange(c_words.shape[0]), c_words)  # (total_words,)
-    j = np.arange(total_words) - dest[q]
-    p = c_start[q] + _WORD * j
-    w, sh = p >> 5, (p & 31).astype(np.uint64)
-    window = (src[w] << np.uint64(32)) | src[w + 1]  # w + 1 exists: p < total bits, guard word
-    val = (window >> (np.uint64(32) - sh)) & np.uint64(0xFFFFFFFF)
-    left = c_bits[q] - _WORD * j  # bits of the chunk still to copy
-    keep = np.minimum(left, _WORD).astype(np.uint64)
-    val &= ~((np.uint64(1) << (np.uint64(32) - keep)) - np.uint64(1)) & np.uint64(0xFFFFFFFF)
-    payload = np.concatenate([val.astype(np.uint32), np.zeros(1, dtype=np.uint32)])
-    excess = (np.diff(off) - tps * d).reshape(b, h, s)
-    return CacheStreams(
-        payload=torch.from_numpy(payload),
-        chunk_word=torch.from_numpy(dest[:-1].astype(np.int32).reshape(b, h, c)),
-        stream_excess=torch.from_numpy(excess).to(layout.excess_dtype(d, encoded.bits)),
-        shape=(b, h, n, d), bits=encoded.bits, layout=layout,
-    )
-
-
-def encode_cache_streams(codes: torch.Tensor, codebook: Codebook,
-                         layout: StreamLayout = StreamLayout()) -> CacheStreams:
-    """Unpacked codes ``uint8 (B, H, N, D)`` -> :class:`CacheStreams`."""
-    enc = encode_side(codes, codebook, layout.tokens_per_stream)
-    return to_cache_streams(enc, tuple(codes.shape), layout)  # type: ignore[arg-type]
-
-
-def decode_cache_streams(streams: CacheStreams, codebook: Codebook) -> torch.Tensor:
-    """Reference decoder of the cache stream layout -> ``uint8 (B, H, N, D)``.
-
-    Raises:
-        HuffmanError: bits mismatch, or corrupt streams (see :func:`kvcalib.quant.huffman.decode_bit_ranges`).
-    """
-    if not isinstance(streams, CacheStreams):
-        raise HuffmanError(f"streams must be CacheStreams, got {type(streams).__name__}")
-    if streams.bits != codebook.bits:
-        raise HuffmanError(f"the streams hold {streams.bits}-bit symbols but the codebook is {codebook.bits}-bit")
-    starts, ends = streams.bit_ranges()
-    out = decode_bit_ranges(streams.payload, starts, ends, streams.raw_fallback().reshape(-1),
-                            streams.n_symbols, codebook)
-    return out.reshape(streams.shape)
-
-
-# ----------------------------------------------------------------------------------------------
 # memory
 
 
@@ -994,6 +747,10 @@ class HuffmanMethod(Method):
     @classmethod
     def origin(cls, note: dict[str, Any]) -> str | None:
         return origin_line(note)
+
+    #: the recipe's codebooks for the coded storage tier (kvcalib.runtime.coded_tier reaches them
+    #: through the registry, as it reaches the codebook tensors' names through :attr:`tensors`)
+    codebooks = staticmethod(load_codebooks)
 
     @classmethod
     def load(cls, tensors: dict[str, torch.Tensor], cfg: LayerConfig, heads: int | None,

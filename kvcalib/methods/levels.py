@@ -49,9 +49,10 @@ from kvcalib.methods.base import (
     reservoir_to_bhtd,
     switch_lines,
     switch_section,
-    usable_tokens,
 )
+from kvcalib.quant.transforms import apply_perm
 from kvcalib.quant.uniform import check_levels, code_units
+from kvcalib.reservoir import causal_probs, quantizer_input
 from kvcalib.stats import LayerStats
 
 __all__ = ["LEVEL_BITS", "WEIGHTINGS", "lloyd_max", "grid_error", "quantizer_input", "side_units", "LevelsState", "LevelsMethod"]
@@ -97,35 +98,11 @@ def grid_error(t: torch.Tensor, w: torch.Tensor, levels: torch.Tensor) -> float:
     return float((w.double() * (t.double() - lv[cell]) ** 2).sum())
 
 
-def quantizer_input(layer_stats: LayerStats, cfg: LayerConfig, side: str,
-                    fitted: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float | torch.Tensor]:
-    """What the side's quantizer sees of the reservoir, float32 ``(NB, H, T, D)`` (whole key groups;
-    in the basis the statistics are in: rotated / before RoPE when those methods ran first), with
-    the centering and permutation fitted before (``fitted``) applied as the runtime applies them,
-    and the side's clip (1.0 or ``(1, H, 1, 1|D)``)."""
-    from kvcalib.methods.center import center
-    from kvcalib.methods.reorder import apply_perm
-
-    x = reservoir_to_bhtd(getattr(layer_stats, f"reservoir_{side}"))  # (NB, H, BL, D)
-    x = x[:, :, :usable_tokens(x.shape[2], side, cfg.group(side), cfg.k_axis)]
-    center_bits = int(float(fitted.get(f"{side}.center", torch.tensor(0.0))))
-    if center_bits and x.shape[1] >= 2:
-        _, x = center(x, center_bits)  # deviations from the stored mean
-    perm = fitted.get(f"{side}.perm")
-    if perm is not None:
-        x = apply_perm(x, perm)
-    clip = fitted.get(f"{side}.clip")
-    return x, (1.0 if clip is None else clip.float()[None, :, None, :])  # (1, H, 1, 1|D)
-
-
 def side_units(layer_stats: LayerStats, cfg: LayerConfig, side: str, fitted: dict[str, torch.Tensor],
                weighting: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The reservoir's elements of ``side`` on their groups' grids and their weights (module
     docstring): ``(t, w)`` float32, both ``(NB, H, T, D)``. Centering, permutation and clip fitted
     before (``fitted``) are applied as the runtime applies them (:func:`quantizer_input`)."""
-    from kvcalib.methods.clip import causal_probs
-    from kvcalib.methods.reorder import apply_perm
-
     bits, group = cfg.bits(side), cfg.group(side)
     x, alpha = quantizer_input(layer_stats, cfg, side, fitted)  # (NB, H, T, D)
     t_len, h = x.shape[2], x.shape[1]

@@ -54,7 +54,9 @@ Runtime contract (per layer; ``kv.outlier_pool`` = ``pool_size``, int64 scalar, 
 
 The runtime that does this is :mod:`kvcalib.runtime.outlier_pool` (state and masks) with
 :mod:`kvcalib.runtime.cache` (flush, attention segments); :mod:`kvcalib.simulate` reproduces it
-with :func:`trace_outliers`.
+with :func:`trace_outliers`. Neither imports this file: they reach the rule through the layer's
+:class:`PoolState` (the codec's ``pool``: :meth:`PoolState.select`, :meth:`PoolState.trace`), and
+the pools' storage (:class:`OutlierState`) lives in :mod:`kvcalib.quant.pools`.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ from kvcalib.methods.base import (
     scalar_value,
     validate_reservoir,
 )
+# the pools' storage (what the cache keeps and a snapshot saves) is shared with the runtime: one layer down
+from kvcalib.quant.pools import DEFAULT_POOL, EXTRA_CAPACITY, MAX_OUTLIER_POOL, POS_DTYPE, OutlierState
 from kvcalib.quant.uniform import quantize_dequantize_keys
 from kvcalib.stats import LayerStats
 
@@ -94,70 +98,6 @@ __all__ = [
     "PoolState",
     "OutlierMethod",
 ]
-
-DEFAULT_POOL = 3  # OTT's outlier_num
-EXTRA_CAPACITY = 32  # OTT's extra pool for evicted outlier tokens
-POS_DTYPE = torch.int32  # pool positions as stored and accounted (pool_bytes pos_bytes=4)
-MAX_OUTLIER_POOL = 1024  # full-precision pool slots per kv head; beyond this a pool defeats compression
-
-
-@dataclass
-class OutlierState:
-    """The full-precision outlier pools of one layer, carried from flush to flush.
-
-    Attributes:
-        pool_k, pool_v: ``(B, H, P, D)``, P = pool_size, in the cache dtype.
-        pool_pos: int32 ``(B, H, P)`` absolute token positions, -1 = empty slot (int32: what
-            :func:`pool_bytes` accounts; contexts stay far below 2**31).
-        extra_k, extra_v: ``(B, H, E, D)``, E = extra capacity; filled from slot 0 upward.
-        extra_pos: int32 ``(B, H, E)``, -1 = empty slot.
-        extra_count: int64 ``(B, H)`` filled extra slots.
-        tracking: bool ``(B, H)``: False once tracking has stopped for that row/head.
-    """
-
-    pool_k: torch.Tensor
-    pool_v: torch.Tensor
-    pool_pos: torch.Tensor
-    extra_k: torch.Tensor
-    extra_v: torch.Tensor
-    extra_pos: torch.Tensor
-    extra_count: torch.Tensor
-    tracking: torch.Tensor
-
-    @classmethod
-    def empty(cls, batch: int, heads: int, head_dim: int, pool_size: int = DEFAULT_POOL,
-              extra_capacity: int = EXTRA_CAPACITY, dtype: torch.dtype = torch.float32,
-              device: torch.device | str | None = None) -> "OutlierState":
-        """Empty pools for ``(batch, heads)`` rows."""
-        for name, val in (("pool_size", pool_size), ("extra_capacity", extra_capacity)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
-                raise CalibrationError(f"{name} must be a non-negative int, got {val!r}")
-        z = dict(dtype=dtype, device=device)
-        i = dict(dtype=POS_DTYPE, device=device)
-        return cls(
-            pool_k=torch.zeros(batch, heads, pool_size, head_dim, **z),
-            pool_v=torch.zeros(batch, heads, pool_size, head_dim, **z),
-            pool_pos=torch.full((batch, heads, pool_size), -1, **i),
-            extra_k=torch.zeros(batch, heads, extra_capacity, head_dim, **z),
-            extra_v=torch.zeros(batch, heads, extra_capacity, head_dim, **z),
-            extra_pos=torch.full((batch, heads, extra_capacity), -1, **i),
-            extra_count=torch.zeros(batch, heads, dtype=torch.int64, device=device),
-            tracking=torch.ones(batch, heads, dtype=torch.bool, device=device),
-        )
-
-    @property
-    def pool_size(self) -> int:
-        return int(self.pool_k.shape[2])
-
-    @property
-    def extra_capacity(self) -> int:
-        return int(self.extra_k.shape[2])
-
-    def full_precision_positions(self) -> list[list[list[int]]]:
-        """Sorted positions held in full precision (pool + extra), per ``[b][h]`` (for tests/debug)."""
-        pos = torch.cat([self.pool_pos, self.extra_pos], dim=-1).tolist()  # (B, H, P + E)
-        return [[sorted(p for p in row if p >= 0) for row in rows] for rows in pos]
-
 
 @dataclass
 class OutlierSelection:
@@ -400,8 +340,20 @@ class PoolState(MethodState):
     """An OTT pool of ``pool_size`` tokens per kv head: the cache keeps the pools
     (:mod:`kvcalib.runtime.outlier_pool`), the simulation traces them (runtime contract above)."""
 
+    extra_capacity: int = EXTRA_CAPACITY
+
     def __init__(self, pool_size: int) -> None:
         self.pool_size = int(pool_size)
+
+    def select(self, k_group: torch.Tensor, v_group: torch.Tensor, state: OutlierState, start: int,
+               valid: torch.Tensor | None = None) -> OutlierSelection:
+        """One flush of the cache's pools: :func:`select_outliers`."""
+        return select_outliers(k_group, v_group, state, start, valid=valid)
+
+    def trace(self, k: torch.Tensor, group: int, start: int = 0, v: torch.Tensor | None = None,
+              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, OutlierState]:
+        """The flushes of ``k`` (B, H, T, D) with this layer's pools: :func:`trace_outliers`."""
+        return trace_outliers(k, group, self.pool_size, self.extra_capacity, start, v, valid)
 
     def bytes(self, cfg: LayerConfig, heads: int, head_dim: int, kept: int, packed: int) -> dict[str, float]:
         if not packed:  # the cache allocates the pools at the first flush

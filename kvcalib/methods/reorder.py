@@ -39,6 +39,8 @@ Convention (what the runtime must do with ``{k|v}.perm``, int64 ``(H, D)``)::
     apply_perm(x, perm)[..., h, t, j] = x[..., h, t, perm[h, j]]
 
 ``perm[h, j]`` is the original channel stored at position ``j`` of kv head ``h``.
+:func:`apply_perm` and its kin live in :mod:`kvcalib.quant.transforms`: the codec's reference
+quantizer and the methods fitted after this one permute as the runtime does.
 
 - values (``v.perm``): permute every value vector of head ``h`` with ``apply_perm`` before it is
   quantized and stored (keep the full-precision segments, sinks, window and outlier pool, in
@@ -71,6 +73,7 @@ from kvcalib.methods.base import (
     check_side,
     reservoir_to_bhtd,
 )
+from kvcalib.quant.transforms import apply_perm, center, check_perm, invert_perm
 from kvcalib.stats import LayerStats
 
 __all__ = [
@@ -105,8 +108,6 @@ def channel_features(layer_stats: LayerStats, side: str, centered: bool = False)
     """
     check_side(side)
     if centered:
-        from kvcalib.methods.center import center
-
         res = reservoir_to_bhtd(getattr(layer_stats, f"reservoir_{side}"))  # (NB, H, BL, D)
         if res.shape[1] < 2:
             raise CalibrationError("centered features need at least 2 kv heads (centering is off for H=1)")
@@ -131,54 +132,6 @@ def channel_features_from_tokens(x: torch.Tensor) -> torch.Tensor:
     mn, mx = x.amin(0), x.amax(0)  # (H, D)
     feats = torch.stack([mn, mx, x.mean(0), x.std(0, unbiased=False), torch.maximum(mn.abs(), mx.abs())], -1)
     return _normalise(feats)
-
-
-def check_perm(perm: torch.Tensor, heads: int | None = None, head_dim: int | None = None) -> torch.Tensor:
-    """Validate an integer ``(H, D)`` tensor whose rows are permutations of ``range(D)``."""
-    if not isinstance(perm, torch.Tensor) or perm.dtype not in (torch.int64, torch.int32, torch.int16):
-        raise CalibrationError(f"perm must be an integer tensor (H, D), got {getattr(perm, 'dtype', type(perm))}")
-    if perm.dim() != 2:
-        raise CalibrationError(f"perm must have shape (H, D), got {tuple(perm.shape)}")
-    h, d = perm.shape
-    if (heads is not None and h != heads) or (head_dim is not None and d != head_dim):
-        raise CalibrationError(f"perm has shape {(h, d)}, expected {(heads, head_dim)}")
-    ref = torch.arange(d, device=perm.device).expand(h, d)
-    if not torch.equal(perm.long().sort(-1).values, ref):
-        raise CalibrationError("perm rows must each be a permutation of range(D)")
-    return perm.long()
-
-
-def invert_perm(perm: torch.Tensor) -> torch.Tensor:
-    """The inverse permutation, int64 ``(H, D)``: ``inv[h, perm[h, j]] = j``."""
-    perm = perm.long()
-    inv = torch.empty_like(perm)
-    inv.scatter_(-1, perm, torch.arange(perm.shape[-1], device=perm.device).expand_as(perm).contiguous())
-    return inv
-
-
-def apply_perm(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """Permute channels per head: ``out[..., h, t, j] = x[..., h, t, perm[h', j]]``.
-
-    Args:
-        x: ``(..., Hx, T, D)``; ``Hx = H`` (kv heads) or ``Hx = H * rep`` (query heads: head
-            ``h`` uses ``perm[h // rep]``, the ``repeat_kv`` convention of transformers).
-        perm: integer ``(H, D)``.
-
-    Returns a new tensor of ``x``'s shape and dtype.
-    """
-    if x.dim() < 3:
-        raise CalibrationError(f"apply_perm needs x of shape (..., H, T, D), got {tuple(x.shape)}")
-    h, d = perm.shape
-    hx, dx = x.shape[-3], x.shape[-1]
-    if dx != d or hx % h:
-        raise CalibrationError(
-            f"x of shape {tuple(x.shape)} does not fit perm {tuple(perm.shape)}: need D = {d} and heads a multiple of {h}"
-        )
-    p = perm.long().to(x.device)
-    if hx != h:
-        p = p.repeat_interleave(hx // h, dim=0)  # (Hx, D)
-    idx = p[:, None, :].expand(x.shape)  # (..., Hx, T, D)
-    return torch.gather(x, -1, idx)
 
 
 def _sorted_by_range(x: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,7 @@ from kvcalib.methods.base import (
     switch_section,
 )
 from kvcalib.quant.rotation import check_rotation, hadamard, is_hadamard, is_power_of_two, random_signs, rotate, unrotate
+from kvcalib.reservoir import quantization_errors
 from kvcalib.stats import LayerStats
 
 __all__ = ["KINDS", "side_seed", "fit_pca_rotation", "rotate_reservoir", "rotation_errors", "RotateState",
@@ -96,17 +97,15 @@ def rotation_errors(layer_stats: LayerStats, side: str, bits: int, group: int, k
     attention output error of each block's own causal attention when queries were collected,
     else the side's squared error): the rotation is orthogonal, so the output error in the
     rotated basis equals the one the model sees."""
-    from kvcalib.methods.clip import clip_errors
-
     rk, rv, rq = layer_stats.reservoir_k, layer_stats.reservoir_v, layer_stats.reservoir_q
     objective = "output" if rq.shape[2] else "mse"
-    plain = clip_errors(rk, rv, rq, layer_stats.scaling, bits, group, side, (1.0,), k_axis=k_axis,
+    plain = quantization_errors(rk, rv, rq, layer_stats.scaling, bits, group, side, (1.0,), k_axis=k_axis,
                         objective=objective)
     if side == "k":  # keys and queries rotate together: the scores stay q . k
         rk, rq = rotate_reservoir(rk, matrix, signs), (rotate_reservoir(rq, matrix, signs) if rq.shape[2] else rq)
     else:
         rv = rotate_reservoir(rv, matrix, signs)
-    rotated = clip_errors(rk, rv, rq, layer_stats.scaling, bits, group, side, (1.0,), k_axis=k_axis,
+    rotated = quantization_errors(rk, rv, rq, layer_stats.scaling, bits, group, side, (1.0,), k_axis=k_axis,
                           objective=objective)
     return float(plain.sum()), float(rotated.sum())
 

@@ -73,8 +73,8 @@ from kvcalib.errors import KvcalibError
 from kvcalib.layout import LayerConfig, layer_bytes
 from kvcalib.methods.base import (CalibrationError, FitContext, Flag, LayerGeometry, Method, MethodState, TensorSpec,
                                   check_side, fake_quantize)
-from kvcalib.quant.packing import SUPPORTED_BITS
-from kvcalib.quant.uniform import QuantizedTensor, dequantize, quantize_keys, quantize_values
+# requantize (a packed block moved to fewer bits) is the packed format's, shared with the codec
+from kvcalib.quant.uniform import requantize  # noqa: F401  (named here as before)
 from kvcalib.stats import LayerStats
 
 __all__ = [
@@ -299,32 +299,6 @@ def preset_schedule(name: str, window: int = 128, sinks: int = 4, ages: Sequence
 # ---------------------------------------------------------------------- packed-storage operations
 
 
-def requantize(qt: QuantizedTensor, bits: int, valid: torch.Tensor | None = None) -> QuantizedTensor:
-    """A packed block at ``qt.bits`` -> the same block at fewer ``bits``, same layout and group.
-
-    Dequantize (``code * scale16 + zero16``), then quantize with :mod:`kvcalib.quant.uniform` at
-    ``bits`` over the same groups: keys (``axis="token"``) per channel over the same token groups,
-    values (``axis="channel"``) per token over the same channel groups. No clipping (the range is
-    the dequantized range, already clipped at the first quantization). Values that are exactly on
-    the new grid come back exactly (e.g. 4-bit codes that are multiples of 5 -> 2 bits).
-
-    Args:
-        qt: the block, codes ``(B, H, T, D * qt.bits / 8)``.
-        bits: 2, 3 or 4, ``bits < qt.bits``.
-        valid: optional mask as for ``quantize_keys`` (tokens excluded from the ranges).
-
-    Returns a new :class:`QuantizedTensor` with codes ``(B, H, T, D * bits / 8)`` and scale/zero
-    of the same shape as ``qt``'s.
-    """
-    if not isinstance(qt, QuantizedTensor):
-        raise CalibrationError(f"requantize needs a QuantizedTensor, got {type(qt).__name__}")
-    if isinstance(bits, bool) or bits not in SUPPORTED_BITS or bits >= qt.bits:
-        raise CalibrationError(f"requantize goes to fewer bits: got {bits!r} for a {qt.bits}-bit block")
-    x = dequantize(qt)  # (B, H, T, D) float32
-    fn = quantize_keys if qt.axis == "token" else quantize_values
-    return fn(x, bits, qt.group, valid=valid)
-
-
 def fake_quantize_chain(x: torch.Tensor, side: str, chain: Sequence[int], group: int, k_axis: str = "channel",
                         clip: float | torch.Tensor = 1.0) -> torch.Tensor:
     """float32 ``(..., T, D)``: what decoding sees after the first quantization at ``chain[0]`` (with
@@ -509,6 +483,8 @@ class ScheduleMethod(Method):
                    "tiers (age, k_bits, v_bits), youngest first; sinks from the LayerConfig"),
     )
     needs_reservoir: ClassVar[bool] = False
+    search: ClassVar[str | None] = "global"  # the search space's ``schedules`` (kvcalib.optimize.space)
+    search_off: ClassVar[str] = NO_SCHEDULE  # the choice that attaches no schedule (the default space's only one)
     letter: ClassVar[str] = "s"
     flags: ClassVar[tuple[Flag, ...]] = (
         Flag("schedule", str, "PATS position-adaptive tiers: old-heavy | middle-heavy | new-heavy. Starts at --bits "
@@ -539,6 +515,60 @@ class ScheduleMethod(Method):
             raise CalibrationError(f"schedule: {err}") from None
         schedule.check_layer(layer_cfg)
         return schedule
+
+    # ------------------------------------------------------------------ its search dimension
+    search_ages = staticmethod(schedule_ages)
+
+    @staticmethod
+    def check_search_choice(name: str, space: Any) -> None:
+        """Refuse (``ValueError``) a choice of the space's ``schedules`` that no layout of ``space``
+        (its ``windows`` and ``sinks``) can carry."""
+        ages = schedule_ages(name)
+        if ages and ages[0] <= max(space.windows):
+            raise ValueError(f"search space key 'schedules': {name!r} changes bits at age {ages[0]}, inside the "
+                             f"full-precision window {max(space.windows)}; every age must exceed every window")
+        if name == "middle-heavy" and min(space.sinks) < 1:
+            raise ValueError("search space key 'schedules': 'middle-heavy' keeps the oldest tokens as sinks, but "
+                             f"the space's sinks include 0 ({list(space.sinks)}): give sinks >= 1 only (e.g. [4]), "
+                             "or use 'ages:1024,4096' (the same tiers with any sinks)")
+        if name == "old-heavy" and max(space.sinks) > 0:
+            raise ValueError("search space key 'schedules': 'old-heavy' keeps no sinks, but the space's sinks are "
+                             f"{list(space.sinks)}: give sinks [0], or use 'ages:1024,4096' (the same tiers with any sinks)")
+
+    @staticmethod
+    def min_scoring_length(name: str, space: Any, context: int) -> int:
+        """The shortest scoring sequence in which every tier of schedule ``name`` that holds tokens at
+        ``context`` also holds tokens, for every (bits, group, window, sinks) of ``space``; 0 for none.
+
+        A block's tier is that of its youngest token (``Schedule.block_tier``), and the oldest
+        flushed block of a T-token sequence ends at ``sinks + block``, so tier ``age`` holds tokens
+        at T once ``T >= sinks + block + age`` (``block`` = key group for per-channel keys).
+        """
+        ages = schedule_ages(name)
+        need = 0
+        if not ages:
+            return need
+        for bits in space.bits:
+            for group in space.groups:
+                for window in space.windows:
+                    for sinks in space.sinks:
+                        cfg = LayerConfig(k_bits=bits, v_bits=bits, k_axis=space.k_axis, k_group=group,
+                                          v_group=group, sinks=sinks, window=window)
+                        sched = Schedule.from_layer(cfg, ages)
+                        at_context = tier_token_counts(sched, context, group, space.k_axis)["tiers"]
+                        block = cfg.flush_block
+                        for tier, n in zip(sched.tiers, at_context):
+                            if n and tier.age > 0:
+                                need = max(need, sinks + block + tier.age)
+        return need
+
+    def static_tensors(self, layer_cfg: LayerConfig) -> dict[str, torch.Tensor]:
+        """``kv.schedule`` from the ages alone, without statistics (what :meth:`_fit` attaches: nothing
+        is read from data), for the search's floor check before collection; a schedule that does
+        not fit the layer raises :meth:`Schedule.from_layer`'s ``ValueError`` as it is."""
+        sched = Schedule.from_layer(layer_cfg, self.ages)
+        sched.check_layer(layer_cfg)
+        return {"kv.schedule": sched.to_tensor()}
 
     def _fit(self, layer_stats: LayerStats, layer_cfg: LayerConfig, seed: int,
              context: FitContext, geom: LayerGeometry) -> dict[str, torch.Tensor]:

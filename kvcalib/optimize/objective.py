@@ -137,15 +137,14 @@ class SearchObjective:
     def _schedule_tensors(self, i: int, cfg: LayerConfig, ages: tuple[int, ...]) -> dict[str, torch.Tensor]:
         """``kv.schedule`` of one layer: ScheduleMethod on the layer's statistics; without
         statistics (the floor check before collection) the same static tiers directly."""
-        from kvcalib.methods.schedule import Schedule, ScheduleMethod
+        from kvcalib.methods import get
 
+        schedule = get("schedule")(ages)  # PATS, through the registry: the space's schedules are its ages
         if self.stats is not None:
-            fitted = ScheduleMethod(ages).fit(self.stats.layers[i], cfg, self.seed, heads=self.info.num_kv_heads,
-                                              head_dim=self.info.head_dim)
+            fitted = schedule.fit(self.stats.layers[i], cfg, self.seed, heads=self.info.num_kv_heads,
+                                  head_dim=self.info.head_dim)
             return {k: t for k, t in fitted.items() if k.startswith("kv.")}
-        sched = Schedule.from_layer(cfg, ages)  # what ScheduleMethod fits: nothing is read from data
-        sched.check_layer(cfg)
-        return {"kv.schedule": sched.to_tensor()}
+        return schedule.static_tensors(cfg)
 
     def recipe(self, point: Point, name: str = "searched", provenance: dict | None = None) -> Recipe:
         return Recipe(name=name, layers=point.layer_configs(), model=self.info,

@@ -24,7 +24,9 @@ ages A, B, ...: 8 -> 4 -> 2), or a PATS name for ages 1024 and 4096 (as ``kvcali
 --schedule``): ``"middle-heavy"`` (both ends kept: the space's ``sinks`` must all be >= 1) or
 ``"old-heavy"`` (no sinks: the space's ``sinks`` must be ``[0]``). ``new-heavy`` (every token at
 the lowest bits from the start) is not a per-layer-bits schedule and is not searched. The tiers
-come from :class:`kvcalib.methods.schedule.ScheduleMethod` (``Schedule.from_layer``). The
+come from :class:`kvcalib.methods.schedule.ScheduleMethod` (``Schedule.from_layer``), which declares
+this dimension (``search = "global"``: its names, checks and scoring length); the space reaches it
+through the registry. The
 default space has ``["none"]`` only; outliers are off by default too (``layer_methods: ["rotate",
 "clip"]``, the methods whose ``search_default`` is set).
 
@@ -47,8 +49,12 @@ from typing import Any
 
 from kvcalib.errors import KvcalibError
 from kvcalib.layout import LayerConfig
-from kvcalib.methods.schedule import NO_SCHEDULE, SCHEDULE_PRESETS  # noqa: F401  (the space's schedule names)
-from kvcalib.methods.schedule import schedule_ages as _schedule_ages
+from kvcalib.methods import registry as _registry
+
+# the space's one global choice, ``schedules``, is declared by the method whose ``search`` is "global"
+# (PATS: kvcalib.methods.schedule.ScheduleMethod): its names, its checks and the scoring length it needs
+_SCHEDULES = next(m for m in _registry().values() if m.search == "global")
+NO_SCHEDULE = _SCHEDULES.search_off
 
 # the default space's widths: each decodes in the fused kernel faster than bf16 attention
 # (tests/unit/test_default_space_kernel.py samples the space and checks each layer's kernel path).
@@ -102,9 +108,10 @@ def _int_tuple(name: str, value: Any, allowed: tuple[int, ...] | None = None, lo
 
 
 def schedule_ages(name: str) -> tuple[int, ...]:
-    """:func:`kvcalib.methods.schedule.schedule_ages`, refusing with a :class:`SpaceError`."""
+    """The method's ``search_ages`` (:func:`kvcalib.methods.schedule.schedule_ages`), refusing with a
+    :class:`SpaceError`."""
     try:
-        return _schedule_ages(name)
+        return _SCHEDULES.search_ages(name)
     except ValueError as err:
         raise SpaceError(str(err)) from None
 
@@ -149,17 +156,11 @@ class SearchSpace:
         if not schedules:
             raise SpaceError("search space key 'schedules' is empty: give at least one value (e.g. ['none'])")
         for name in schedules:
-            ages = schedule_ages(name)
-            if ages and ages[0] <= max(self.windows):
-                raise SpaceError(f"search space key 'schedules': {name!r} changes bits at age {ages[0]}, inside the "
-                                 f"full-precision window {max(self.windows)}; every age must exceed every window")
-            if name == "middle-heavy" and min(self.sinks) < 1:
-                raise SpaceError("search space key 'schedules': 'middle-heavy' keeps the oldest tokens as sinks, but "
-                                 f"the space's sinks include 0 ({list(self.sinks)}): give sinks >= 1 only (e.g. [4]), "
-                                 "or use 'ages:1024,4096' (the same tiers with any sinks)")
-            if name == "old-heavy" and max(self.sinks) > 0:
-                raise SpaceError("search space key 'schedules': 'old-heavy' keeps no sinks, but the space's sinks are "
-                                 f"{list(self.sinks)}: give sinks [0], or use 'ages:1024,4096' (the same tiers with any sinks)")
+            schedule_ages(name)  # a name the method knows, refused as a SpaceError
+            try:
+                _SCHEDULES.check_search_choice(name, self)
+            except ValueError as err:
+                raise SpaceError(str(err)) from None
         set_(self, "schedules", schedules)
 
     # ------------------------------------------------------------------ files
@@ -237,33 +238,9 @@ class SearchSpace:
 
 def min_scoring_length(space: SearchSpace, context: int) -> int:
     """The shortest scoring sequence in which every schedule tier that holds tokens at ``context``
-    also holds tokens, for every (bits, group, window, sinks) of ``space``; 0 without schedules.
-
-    A block's tier is that of its youngest token (``Schedule.block_tier``), and the oldest
-    flushed block of a T-token sequence ends at ``sinks + block``, so tier ``age`` holds tokens
-    at T once ``T >= sinks + block + age`` (``block`` = key group for per-channel keys).
-    """
-    from kvcalib.methods.schedule import Schedule, tier_token_counts
-    from kvcalib.layout import LayerConfig
-
-    need = 0
-    for name in space.schedules:
-        ages = schedule_ages(name)
-        if not ages:
-            continue
-        for bits in space.bits:
-            for group in space.groups:
-                for window in space.windows:
-                    for sinks in space.sinks:
-                        cfg = LayerConfig(k_bits=bits, v_bits=bits, k_axis=space.k_axis, k_group=group,
-                                          v_group=group, sinks=sinks, window=window)
-                        sched = Schedule.from_layer(cfg, ages)
-                        at_context = tier_token_counts(sched, context, group, space.k_axis)["tiers"]
-                        block = cfg.flush_block
-                        for tier, n in zip(sched.tiers, at_context):
-                            if n and tier.age > 0:
-                                need = max(need, sinks + block + tier.age)
-    return need
+    also holds tokens, for every (bits, group, window, sinks) of ``space``; 0 without schedules
+    (the method's ``min_scoring_length`` over the space's ``schedules``)."""
+    return max((_SCHEDULES.min_scoring_length(name, space, context) for name in space.schedules), default=0)
 
 
 def check_scored_schedules(space: SearchSpace, seq_len: int, context: int) -> None:

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcalib.errors import CalibrationError
 from kvcalib.quant.packing import SUPPORTED_BITS, length_multiple, pack_codes, unpack_codes, unpacked_length
 
 __all__ = [
@@ -77,6 +78,7 @@ __all__ = [
     "check_levels",
     "code_units",
     "quantize_fixed",
+    "requantize",
 ]
 
 _AXES = ("token", "channel")
@@ -550,6 +552,32 @@ def dequantize_values(qt: QuantizedTensor, levels: torch.Tensor | None = None) -
 def dequantize(qt: QuantizedTensor, levels: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatch on ``qt.axis``: float32 ``(B, H, T, D)``."""
     return dequantize_keys(qt, levels) if qt.axis == "token" else dequantize_values(qt, levels)
+
+
+def requantize(qt: QuantizedTensor, bits: int, valid: torch.Tensor | None = None) -> QuantizedTensor:
+    """A packed block at ``qt.bits`` -> the same block at fewer ``bits``, same layout and group.
+
+    Dequantize (``code * scale16 + zero16``), then quantize with :mod:`kvcalib.quant.uniform` at
+    ``bits`` over the same groups: keys (``axis="token"``) per channel over the same token groups,
+    values (``axis="channel"``) per token over the same channel groups. No clipping (the range is
+    the dequantized range, already clipped at the first quantization). Values that are exactly on
+    the new grid come back exactly (e.g. 4-bit codes that are multiples of 5 -> 2 bits).
+
+    Args:
+        qt: the block, codes ``(B, H, T, D * qt.bits / 8)``.
+        bits: 2, 3 or 4, ``bits < qt.bits``.
+        valid: optional mask as for ``quantize_keys`` (tokens excluded from the ranges).
+
+    Returns a new :class:`QuantizedTensor` with codes ``(B, H, T, D * bits / 8)`` and scale/zero
+    of the same shape as ``qt``'s.
+    """
+    if not isinstance(qt, QuantizedTensor):
+        raise CalibrationError(f"requantize needs a QuantizedTensor, got {type(qt).__name__}")
+    if isinstance(bits, bool) or bits not in SUPPORTED_BITS or bits >= qt.bits:
+        raise CalibrationError(f"requantize goes to fewer bits: got {bits!r} for a {qt.bits}-bit block")
+    x = dequantize(qt)  # (B, H, T, D) float32
+    fn = quantize_keys if qt.axis == "token" else quantize_values
+    return fn(x, bits, qt.group, valid=valid)
 
 
 def quantize_dequantize_keys(

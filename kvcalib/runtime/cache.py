@@ -119,7 +119,7 @@ class CompressedLayer(CacheLayerMixin):
         self.pend_v: torch.Tensor | None = None
         self.pend_start = 0  # absolute position of pend_k[:, :, 0]
         self.packed = PackedTiers(cfg, self.codec)  # one store per PATS tier
-        self.outliers = OutlierPool(self.codec.pool_size)  # OTT pools (inactive at pool 0)
+        self.outliers = OutlierPool(self.codec.pool)  # OTT pools (inactive at pool 0)
         self.incoming: tuple[torch.Tensor, torch.Tensor] | None = None  # update()'s K/V before commit()
         # ragged mode (module docstring): one unpadded single-row layer per batch row, each row's real
         # tokens at absolute positions [row_first[b], row_end[b]) (row_first None: none yet), and
@@ -288,7 +288,7 @@ class CompressedLayer(CacheLayerMixin):
         self.pend_buf_k = self.pend_buf_v = None
         self.pend_buffered = False
         self.packed = PackedTiers(self.cfg, self.codec)
-        self.outliers = OutlierPool(self.codec.pool_size)
+        self.outliers = OutlierPool(self.codec.pool)
 
     def _copy_row_into(self, row: "CompressedLayer", i: int, held: int) -> None:
         """Make the empty single-row layer ``row`` hold batch row ``i`` of this dense layer (its

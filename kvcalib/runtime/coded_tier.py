@@ -14,7 +14,7 @@ returns a :class:`CodedCache`: a JSON-able ``document`` and a flat dict of ``ten
 the CPU. For every layer and side with a codebook (``layers.{i}.{k|v}.huffman`` in the recipe,
 or passed in), each store's packed code plane ``uint8 (B, H, N, D * bits / 8)`` is unpacked to
 symbols ``uint8 (B, H, N, D)`` and coded in the cache stream layout of
-:mod:`kvcalib.methods.huffman` (:class:`~kvcalib.methods.huffman.CacheStreams`: word
+:mod:`kvcalib.methods.huffman` (:class:`~kvcalib.quant.huffman.CacheStreams`: word
 aligned chunks, an int32 chunk word per chunk, a uint8/int16 excess per stream, and the raw
 fallback per stream where coding would not shrink it). A side whose coded bytes (payload, index
 and codebook) would not be smaller than its packed bytes stays packed (``side_fallback``).
@@ -70,12 +70,12 @@ from typing import Any, Mapping
 
 import torch
 
-from kvcalib.methods.huffman import (HUFFMAN, HUFFMAN_HIST, CacheStreams, Key, StreamLayout,
-                                         decode_cache_streams, encode_cache_streams, load_codebooks)
-from kvcalib.methods.outliers import POS_DTYPE, OutlierState
 from kvcalib.errors import KvcalibError
 from kvcalib.io import read_safetensors_document
-from kvcalib.quant.huffman import DEFAULT_MAX_LEN, Codebook, HuffmanError
+from kvcalib.methods import get as _method
+from kvcalib.quant.huffman import (DEFAULT_MAX_LEN, CacheStreams, Codebook, HuffmanError, StreamLayout,
+                                   decode_cache_streams, encode_cache_streams)
+from kvcalib.quant.pools import POS_DTYPE, OutlierState
 from kvcalib.quant.packing import SUPPORTED_BITS, pack_codes, unpack_codes
 from kvcalib.layout import LayerConfig
 from kvcalib.recipe import Recipe, resolve_recipe
@@ -88,6 +88,7 @@ FORMAT = "kvcalib-coded-cache"
 FORMAT_VERSION = 1
 METADATA_KEY = "kvcalib_coded_cache"  # safetensors metadata entry holding the JSON document
 SIDES = ("k", "v")
+Key = tuple[int, str]  # (layer, side) of a codebook
 STREAM_FIELDS = ("payload", "chunk_word", "stream_excess")  # CacheStreams tensors of a coded side
 LAYER_TENSORS = ("sink_k", "sink_v", "pend_k", "pend_v")
 OUTLIER_FIELDS = ("pool_k", "pool_v", "pool_pos", "extra_k", "extra_v", "extra_pos", "extra_count", "tracking")
@@ -134,13 +135,19 @@ def _units(layer_doc: dict[str, Any]) -> list[dict[str, Any]]:
     return layer_doc["rows"] if layer_doc.get("rows") is not None else [layer_doc]
 
 
+def _huffman_tensors() -> set[str]:
+    """Names of the Huffman method's recipe tensors (code lengths, histograms): the codebooks this
+    tier codes with, which the fingerprint leaves out (the codecs do not depend on them)."""
+    return {spec.name for spec in _method("huffman").tensors}
+
+
 def recipe_fingerprint(recipe: Recipe | None, configs: list[LayerConfig]) -> str:
     """A short hash of what the codecs depend on: the layer configs and the recipe's fitted
     tensors (clip, permutation, centering, OTT, schedule), Huffman tensors excluded."""
     h = hashlib.sha256(json.dumps([c.to_dict() for c in configs], sort_keys=True).encode())
     if recipe is not None:
         for name in sorted(recipe.tensors):
-            if name.split(".")[-1] in (HUFFMAN, HUFFMAN_HIST):
+            if name.split(".")[-1] in _huffman_tensors():
                 continue
             t = recipe.tensors[name]
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
@@ -274,7 +281,7 @@ def _codebooks_for(cache: CompressedCache, source: Recipe | str | Mapping[Key, C
                 raise KvcalibError(f"codebooks key {key!r} names no (layer, side) of this {len(configs)}-layer cache")
         return books, cache.recipe
     recipe = resolve_recipe(source)
-    return load_codebooks(recipe, configs), recipe
+    return _method("huffman").codebooks(recipe, configs), recipe
 
 
 def _code_plane(codes: torch.Tensor, bits: int, cb: Codebook, layout: StreamLayout,

@@ -2,9 +2,10 @@
 
 This is the runtime side of :mod:`kvcalib.methods.outliers` (read its "Runtime contract"):
 
-- :class:`OutlierPool` holds the layer's :class:`~kvcalib.methods.outliers.OutlierState`
+- :class:`OutlierPool` holds the layer's :class:`~kvcalib.quant.pools.OutlierState`
   (pool and extra pool K/V in full precision, int32 positions, counters), allocated at the first
-  flush. :meth:`OutlierPool.select` runs ``select_outliers`` on a group being flushed and returns
+  flush. :meth:`OutlierPool.select` runs OTT's selection on a group being flushed, through the
+  method state that asked for the pool (the codec's ``pool``: ``PoolState.select``), and returns
   its quant mask; :meth:`OutlierPool.segment` gives the pools to attention (full precision, with
   absolute positions so the attention can look up their visibility; empty slots are -1);
 - the quant mask of each flushed block is stored with the block, packed 8 tokens per byte
@@ -17,9 +18,15 @@ A pool size of 0 means OTT is off for the layer: nothing is allocated and nothin
 
 from __future__ import annotations
 
+from dataclasses import fields
+from typing import TYPE_CHECKING
+
 import torch
 
-from kvcalib.methods.outliers import EXTRA_CAPACITY, OutlierState, select_outliers
+from kvcalib.quant.pools import OutlierState
+
+if TYPE_CHECKING:
+    from kvcalib.methods import MethodState
 
 
 def mask_bytes_per_block(block: int) -> int:
@@ -62,9 +69,11 @@ def _joined(state: OutlierState) -> tuple[OutlierState, tuple[torch.Tensor, torc
 class OutlierPool:
     """One layer's OTT state in the cache (``pool_size`` 0 = off)."""
 
-    def __init__(self, pool_size: int = 0, extra_capacity: int = EXTRA_CAPACITY) -> None:
-        self.pool_size = int(pool_size)
-        self.extra_capacity = int(extra_capacity)
+    def __init__(self, pool: "MethodState | None" = None) -> None:
+        # the state that asked for the pool (its pool_size > 0) runs OTT's selection: kvcalib.methods.outliers
+        self.pool = pool
+        self.pool_size = 0 if pool is None else int(pool.pool_size)
+        self.extra_capacity = 0 if pool is None else int(pool.extra_capacity)
         self._state: OutlierState | None = None  # allocated at the first flush
         self._joined: tuple[torch.Tensor, ...] = ()  # K, V (B, H, P + E, D), positions (B, H, P + E)
 
@@ -94,15 +103,13 @@ class OutlierPool:
             b, h, _, d = k_blk.shape
             self.state = OutlierState.empty(b, h, d, self.pool_size, self.extra_capacity, k_blk.dtype,
                                             k_blk.device)
-        sel = select_outliers(k_blk, v_blk, self.state, start, valid=valid)
+        sel = self.pool.select(k_blk, v_blk, self.state, start, valid=valid)
         self.state = sel.state
         return sel.quant_mask
 
     def copy_row(self, other: "OutlierPool", row: int) -> None:
         """Hold batch row ``row`` of ``other``'s pools (a copy), as a single-row pool (padded
         batches split into rows: :mod:`kvcalib.runtime.cache`)."""
-        from dataclasses import fields
-
         state = other.state
         if state is not None:
             one = slice(row, row + 1)

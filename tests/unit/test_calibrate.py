@@ -447,11 +447,11 @@ def test_clip_key_permutation_is_applied_to_queries():
 
 
 def test_clip_chunking_does_not_change_errors(monkeypatch):
-    import kvcalib.methods.clip as clip_mod
+    import kvcalib.reservoir as reservoir_mod  # where the shared scoring chunks its blocks
 
     k, v, q = _heavy_tailed(nb=4, seed=3)
     e_all = clip_errors(k, v, q, 0.25, 4, 8, "k")
-    monkeypatch.setattr(clip_mod, "_SCORE_BUDGET", 1)  # one block per chunk
+    monkeypatch.setattr(reservoir_mod, "_SCORE_BUDGET", 1)  # one block per chunk
     torch.testing.assert_close(clip_errors(k, v, q, 0.25, 4, 8, "k"), e_all, rtol=1e-9, atol=0)
 
 

@@ -240,7 +240,7 @@ CASES = [
     Case("inspect-costlier-than-bf16", ["inspect", "{tmp}/costly.json"], "bf16 costs 16"),
     Case("inspect-sliding-window-length", ["inspect", "{tmp}/badsliding.json"], "sliding_window"),
     # ------------------------------------------------------------------ bench, and no command at all
-    Case("bench-without-cuda", ["bench", "--mode", "micro", "--quick"], "needs a CUDA GPU", NO_CUDA),
+    Case("bench-without-cuda", ["bench", "grid", "--rows", "quick"], "needs a CUDA GPU", NO_CUDA),
     Case("unknown-command", ["nope"], "No such command 'nope'"),
 ]
 

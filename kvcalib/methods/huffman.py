@@ -522,7 +522,7 @@ def entropy_memory(recipe: Recipe, info: ModelInfo, bits_per_symbol: Mapping[Key
         recipe: a recipe with codebooks (:func:`add_codebooks`); sides without one stay uncoded.
         info: the model's geometry.
         bits_per_symbol: stream bits per symbol of each coded (layer, side): the calibration
-            estimate (:func:`codebook_bits`) or a measurement (:mod:`kvcalib.eval.entropy`).
+            estimate (:func:`codebook_bits`) or a measurement (``benchmarks/huffman_bits.py``).
         context: tokens cached (T), 4096 unless said otherwise.
         layout: the stream layout whose index is counted.
 

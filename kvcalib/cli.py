@@ -166,6 +166,7 @@ def collect(
                            trust_remote_code=trust_remote_code)
     out = out or default_run_dir("collect")
     _preflight_run(model, data, split, text_field, device, dtype)
+    preflight.collect_inputs(model, data, split, text_field, seq_len)  # the text, --seq-len: before the model loads
     info = preflight.model_info_offline(model)
     preflight.check_output_dir(out, "--out", preflight.stats_bytes(info, reservoir_blocks, block_len) if info else 0)
     result = run_collect(config, out)
@@ -216,7 +217,8 @@ def search(
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
     dtype: Optional[str] = typer.Option(None, help="bf16 | fp16 | fp32."),
 ) -> None:
-    """Optuna per-layer {2,4,8}-bit search for the best recipe under a memory budget."""
+    """Optuna per-layer {2,3,4,8}-bit search for the best recipe under a memory budget (the
+    default space searches 2, 4 and 8 bits; a --space file may add 3)."""
     from kvcalib import preflight
     from kvcalib.optimize import SearchConfig
     from kvcalib.optimize.workers import search_any as run_search
@@ -234,6 +236,7 @@ def search(
     config.out = Path(config.out) if config.out is not None else default_run_dir("search")
     _preflight_run(model, data, "calib", text_field, device, dtype)
     has_stats = (config.out / "stats.safetensors").is_file()  # a collect folder, or a search to resume
+    preflight.search_inputs(config, collects=not has_stats)  # the text, lengths, budget: before the model loads
     info = None if has_stats else preflight.model_info_offline(model)
     stats = preflight.stats_bytes(info, config.reservoir_blocks, min(config.block_len, seq_len)) if info else 0
     # a --workers run folder (workers.json, worker-N/): the workers module says what it holds and how to go on
@@ -282,13 +285,15 @@ SEARCH_OUTPUT_BYTES = 16 << 20  # study.db, search.json, plots, report and recip
 
 def _preflight_run(model: str, data: str, split: str, text_field: Optional[str], device: Optional[str],
                    dtype: Optional[str]) -> None:
-    """What ``collect`` and ``search`` check before any model loads: the model names something
-    (alias, folder, file, hub id), the text source exists, the device and dtype are usable."""
+    """What ``collect`` and ``search`` check first: the model names something (alias, folder,
+    file, hub id), the text source is of a known kind, the device and dtype are usable (the text
+    itself and the lengths: :func:`kvcalib.preflight.collect_inputs` / ``search_inputs``)."""
     from kvcalib import preflight
+    from kvcalib.data import resolve_text_source
     from kvcalib.models import resolve_model_source
 
     resolve_model_source(model)
-    preflight.check_data(data, split, text_field)
+    resolve_text_source(data, split, text_field)
     preflight.check_device(device)
     preflight.check_dtype(dtype)
 
@@ -401,6 +406,9 @@ def _with_method_flags(fn: Callable) -> Callable:
 
 def _check_run_dir(run_dir: Path) -> None:
     """``kvcalib export``'s RUN_DIR: a folder that holds statistics."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise KvcalibError(f"{run_dir} is a file, not a run folder: pass a folder written by `kvcalib collect` or "
+                           "`kvcalib search` (it holds stats.safetensors).")
     if not run_dir.is_dir():
         raise KvcalibError(f"run folder {run_dir} does not exist: pass a folder written by `kvcalib collect` or "
                            "`kvcalib search`.")
@@ -415,7 +423,7 @@ def _check_run_dir(run_dir: Path) -> None:
 def export(
     run_dir: Path = typer.Argument(..., help="Run folder written by `kvcalib collect` (holds stats.safetensors)."),
     out: Path = typer.Option(..., "-o", "--out", help="Recipe file to write (.safetensors)."),
-    bits: Optional[str] = typer.Option(None, help="Key and value bits, k<2|4|8|16>v<2|4|8|16> (default k2v2)."),
+    bits: Optional[str] = typer.Option(None, help="Key and value bits, k<2|3|4|8|16>v<2|3|4|8|16> (default k2v2)."),
     group: int = typer.Option(32, help="Group size: tokens per key group, channels per value group."),
     window: Optional[int] = typer.Option(None, help="Recent tokens kept in full precision (0 or >= group; default 128, 0 with --schedule new-heavy)."),
     sinks: Optional[int] = typer.Option(None, help="First tokens kept in full precision (attention sinks; default 0, 4 with --schedule middle-heavy/new-heavy)."),
@@ -527,6 +535,7 @@ def run(
         raise KvcalibError("--cuda-graph needs a CUDA device (none here): leave --cuda-graph out.")
     model_name = model or (rec.model.name if rec.model else DEFAULT_MODEL)
     preflight.check_recipe_model(rec, model_name)  # another model's recipe: refused before anything is fetched
+    preflight.run_inputs(model_name, max_new_tokens)
     loaded = load_model(model_name, device=device, trust_remote_code=trust_remote_code)
     rec.check_model(loaded.info)
     print(f"[{rec.name}] ", end="", flush=True)
@@ -607,7 +616,7 @@ def eval_(
                         passkey_lengths=lengths, passkey_depths=depths, passkey_trials=passkey_trials,
                         gsm8k_limit=gsm8k_limit, seed=seed, batch_size=batch_size, device=device, dtype=dtype)
     resolve_model_source(model)
-    preflight.check_data(data, "eval")
+    preflight.eval_inputs(config)  # the text and the lengths against the model's positions
     preflight.check_device(device)
     if json_out is not None:  # written after the evaluation: checked before it
         preflight.check_output_file(json_out, "--json")
@@ -663,6 +672,8 @@ def inspect(
     if mem["held_tokens"] != len(report["layers"]) * context:
         print(f"sliding-window layers hold only their window: elements counted over the {mem['held_tokens']:,} "
               f"tokens the {len(report['layers'])} layers hold, not {len(report['layers'])} x {context}")
+    if report["context_note"]:
+        print(f"note: {report['context_note']}")
     if report["recorded_bits_factor"] != 1.0:
         print(f"note: the bits this recipe records (provenance) were counted the old way ({report['recorded_accounting']}: "
               f"every layer at {context} tokens); multiply them by {report['recorded_bits_factor']:.4f} to compare")

@@ -69,6 +69,10 @@ __all__ = ["DEFAULT_GRID", "OBJECTIVES", "clip_errors", "choose_alpha", "fit_cli
 DEFAULT_GRID = tuple(round(1.0 - 0.05 * i, 2) for i in range(11))  # 1.0, 0.95, ..., 0.5
 OBJECTIVES = ("output", "mse")
 TIE_RTOL = 1e-3  # errors within this relative margin of the best count as ties -> largest alpha
+# the smallest alpha a recipe may hold: a group clipped to under 1/1024 of its range quantizes every
+# value to (nearly) its centre -- the channel is zeroed, and its float16 scale underflows to 0 for
+# alphas like 1e-30 -- so a smaller one cannot come from a fit (whose grid stops at 0.5) and is refused
+MIN_CLIP = 2.0 ** -10
 _SCORE_BUDGET = 1 << 22  # attention-score elements per chunk of blocks (16 MiB in float32)
 
 
@@ -77,8 +81,8 @@ def _check_grid(grid: Sequence[float]) -> tuple[float, ...]:
         g = tuple(float(a) for a in grid)
     except (TypeError, ValueError):
         raise CalibrationError(f"grid must be a sequence of floats in (0, 1], got {grid!r}") from None
-    if not g or not all(math.isfinite(a) and 0.0 < a <= 1.0 for a in g):
-        raise CalibrationError(f"grid must be a non-empty sequence of floats in (0, 1], got {grid!r}")
+    if not g or not all(math.isfinite(a) and MIN_CLIP <= a <= 1.0 for a in g):
+        raise CalibrationError(f"grid must be a non-empty sequence of floats in [{MIN_CLIP:g}, 1], got {grid!r}")
     return g
 
 
@@ -327,8 +331,10 @@ class ClipMethod(Method):
                 also = f" (or (H, head_dim) = ({heads}, {head_dim}) for keys per channel)" if cfg.per_channel(side) else ""
                 raise ValueError(f"{side}.clip must have shape (H, 1) = ({heads}, 1){also}, got {tuple(t.shape)}")
             t = t.float()
-            if t.numel() and (t.min() <= 0 or t.max() > 1):
-                raise ValueError(f"{side}.clip must lie in (0, 1]")
+            if t.numel() and (t.min() < MIN_CLIP or t.max() > 1):
+                raise ValueError(f"{side}.clip must lie in [{MIN_CLIP:g}, 1] (1 means no clipping; below "
+                                 f"{MIN_CLIP:g} a group keeps almost none of its range: the channel is zeroed), got "
+                                 f"values in [{float(t.min()):.3g}, {float(t.max()):.3g}]")
             # stored per (head, channel-or-1); quantizers broadcast over (B, H, groups, D)
             alphas[side] = t[None, :, None, :]
         return ClipState(alphas) if alphas else None

@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover
     from click import get_current_context as _current_context
 
 from kvcalib.errors import KvcalibError, StorageFailed, environment_error, interrupted
+from kvcalib.io import WriteFailed
 from kvcalib.paths import default_run_dir
 
 _ABORT = (typer.Abort, getattr(_cx, "Abort", typer.Abort))  # Ctrl-C during parsing, in either click
@@ -252,6 +253,9 @@ def search(
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except StorageFailed as err:  # what failed, then the exact command that goes on
         _err(f"{err.problem}. {_search_left(config, ctx, failed=True)}")
+        raise typer.Exit(EXIT_USER_ERROR) from None
+    except WriteFailed as err:  # a run-folder file its disk could not take (kvcalib.io): the same
+        _err(f"{err}. {_search_left(config, ctx, failed=True)}")
         raise typer.Exit(EXIT_USER_ERROR) from None
     except KvcalibError:
         raise

@@ -92,12 +92,13 @@ def environment_error(err: BaseException) -> str | None:
             return (f"out of memory ({first}): the context or batch does not fit this machine: use a shorter "
                     "context (--ppl-seq-len, --eval-seq-len, --score-seq-len, --context), fewer rows a batch, or a "
                     "device with more memory; nothing half-written was kept")
-    for e in chain:
-        if type(e).__name__ == "SafetensorError" and "IoError" in str(e):
-            full = "StorageFull" in str(e) or "No space left" in str(e)
-            first = (str(e).strip().splitlines() or ["SafetensorError"])[0][:200]
-            return ("writing a safetensors file failed: " + ("no space left on the device: free some space or write "
-                    "to another disk" if full else f"{first}: check the output path and its disk"))
+    for e in chain:  # safetensors' I/O errors, read by the one classifier of write failures (kvcalib.io)
+        if type(e).__name__ == "SafetensorError":
+            from kvcalib.io import storage_failure
+
+            reason = storage_failure(e)
+            if reason is not None:
+                return f"writing a safetensors file failed: {reason}"
     return None
 
 

@@ -1,17 +1,66 @@
-"""Atomic writes (nothing half-written is ever left under a user's chosen name: write to a
-temporary sibling, then ``os.replace`` it into place, atomic on POSIX), and reading a
-safetensors file that carries a JSON document in its metadata (recipes, coded cache snapshots).
+"""Writes, and reading a safetensors file that carries a JSON document in its metadata (recipes,
+coded cache snapshots).
+
+Every file or folder kvcalib writes goes through one path, :func:`atomic_path`: nothing
+half-written is ever left under a user's chosen name (write to a temporary sibling, then
+``os.replace`` it into place, atomic on POSIX), and a storage failure while writing -- an
+``OSError`` (a full, read-only or vanished disk), safetensors' ``SafetensorError`` (which reports
+a full disk as ``I/O error: No space left on device (os error 28)``), a disk that fills mid-write --
+becomes one :class:`WriteFailed` naming the file and the fix, with the temporary removed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno as errno_
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
+
+from kvcalib.errors import KvcalibError
+
+
+class WriteFailed(KvcalibError):
+    """Writing an output failed for a reason of the machine's storage (one line: the file, what
+    failed, the fix). ``path`` is the output named; ``reason`` the line without the path."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"cannot write {path}: {reason}; nothing was left behind")
+        self.path, self.reason = Path(path), reason
+
+
+_OS_ERROR = re.compile(r"os error (\d+)|code: (\d+)")  # safetensors' words for the errno, new and old
+
+
+def storage_failure(err: BaseException) -> str | None:
+    """What failed, as the fix a user needs, when ``err`` (or what it was raised from) is a
+    storage failure: an OSError, or a safetensors I/O error; None for anything else."""
+    from kvcalib.errors import os_error_line
+
+    seen: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and all(current is not e for e in seen):  # raised from, not while handling:
+        seen.append(current)  # a bug of ours raised while handling an OSError stays a bug
+        current = current.__cause__
+    for e in seen:
+        if isinstance(e, OSError):
+            return os_error_line(OSError(e.errno, e.strerror))  # the path is the caller's, not a temporary's
+    for e in seen:
+        text = str(e)
+        if type(e).__name__ == "SafetensorError" and ("I/O error" in text or "IoError" in text):
+            match = _OS_ERROR.search(text)
+            if match is not None:
+                code = int(match.group(1) or match.group(2))
+                return os_error_line(OSError(code, os.strerror(code)))
+            if "StorageFull" in text or "No space left" in text:
+                return os_error_line(OSError(errno_.ENOSPC, os.strerror(errno_.ENOSPC)))
+            first = (text.strip().splitlines() or ["SafetensorError"])[0][:200]
+            return f"{first}: check the output path and its disk"
+    return None
 
 
 @contextlib.contextmanager
@@ -19,13 +68,16 @@ def atomic_path(final: Path) -> Iterator[Path]:
     """Yield a temporary path beside ``final``; on success rename it to ``final``.
 
     Works for files and for folders (the caller creates what it needs at the yielded path).
-    On any exception the temporary is removed and ``final`` is untouched.
+    On any exception the temporary is removed and ``final`` is untouched; a storage failure
+    (:func:`storage_failure`) becomes :class:`WriteFailed` naming ``final`` (a failure inside a
+    nested write, e.g. a file of a run folder being written, names the outer ``final``).
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
-    tmp_target = tmp / final.name
+    tmp: Path | None = None
     try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+        tmp_target = tmp / final.name
         yield tmp_target
         if final.is_dir() and not final.is_symlink():
             backup = final.with_name(f".{final.name}.old")
@@ -35,14 +87,30 @@ def atomic_path(final: Path) -> Iterator[Path]:
             shutil.rmtree(backup, ignore_errors=True)
         else:
             os.replace(tmp_target, final)
+    except WriteFailed as err:
+        if tmp is not None and tmp in err.path.parents:  # a file written inside this temporary
+            raise WriteFailed(final, err.reason) from None
+        raise
+    except Exception as err:
+        reason = storage_failure(err)
+        if reason is None:
+            raise
+        raise WriteFailed(final, reason) from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write ``obj`` as indented JSON to ``path`` atomically."""
     with atomic_path(Path(path)) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically."""
+    with atomic_path(Path(path)) as tmp:
+        tmp.write_text(text)
 
 
 def read_safetensors_document(path: Path, key: str, what: str, not_a: str, error_cls: type[Exception],
@@ -65,5 +133,5 @@ def read_safetensors_document(path: Path, key: str, what: str, not_a: str, error
         raise error_cls(f"{path} has no {key!r} metadata: it is not {not_a}")
     try:
         return json.loads(meta[key]), tensors
-    except (json.JSONDecodeError, TypeError) as err:
+    except (ValueError, TypeError) as err:  # ValueError: JSONDecodeError, or an integer of > 4300 digits
         raise error_cls(f"{what} {path}: its metadata is not valid JSON ({getattr(err, 'msg', err)})") from None

@@ -206,7 +206,18 @@ def test_a_sqlite_study_broken_mid_search_is_one_line(world, tmp_path):
 
 
 # ------------------------------------------------------------------ a full disk
-DRIVER = textwrap.dedent('''
+FILL = textwrap.dedent('''
+    def fill(path):
+        """Fill the disk holding ``path`` to the last byte (a file written until ENOSPC)."""
+        with open(path, "wb") as fh:
+            try:
+                while True:
+                    fh.write(b"\\0" * (1 << 16))
+                    fh.flush()
+            except OSError:
+                pass
+''')
+DRIVER = FILL + textwrap.dedent('''
     """Runs inside `unshare -m`: the tmpfs mounts are private to this process and vanish with it."""
     import json, os, shlex, subprocess, sys, time
 
@@ -233,13 +244,7 @@ DRIVER = textwrap.dedent('''
     for line in proc.stderr:
         lines.append(line)
         if "search: 2/" in line:
-            with open(f"{mnt}/filler", "wb") as fh:  # fill the disk to the last byte
-                try:
-                    while True:
-                        fh.write(b"\\0" * (1 << 16))
-                        fh.flush()
-                except OSError:
-                    pass
+            fill(f"{mnt}/filler")
             break
     lines.append(proc.stderr.read())
     out["full"] = {"code": proc.wait(), "stderr": "".join(lines)}
@@ -294,3 +299,171 @@ def test_a_full_disk_is_one_line_and_the_search_resumes(world, tmp_path):
     assert len(errors) == 1 and ("no space left" in errors[0] or "disk is full" in errors[0]), errors
     assert res["resumed"]["code"] == 0, res["resumed"]["stderr"]
     assert res["resumed"]["search"]["chosen"] is not None
+
+
+FILL_BEFORE_WRITE = textwrap.dedent('''
+    """`kvcalib ARGS...` whose output write (WHAT: kvcalib.stats.CollectedStats.save, kvcalib.recipe.Recipe.save
+    or kvcalib.eval.harness.write_json) first says FULL-ME on stderr and waits for FLAG: the test fills
+    the disk in between, so the write meets a disk that filled mid-run."""
+    import functools, importlib, os, sys, time
+
+    what, flag = sys.argv[1], sys.argv[2]
+    module_name, _, attr = what.rpartition(".")
+    try:
+        owner = importlib.import_module(module_name)
+    except ImportError:  # a class: module.Class.method
+        module_name, _, cls = module_name.rpartition(".")
+        owner = getattr(importlib.import_module(module_name), cls)
+    original = getattr(owner, attr)
+
+    @functools.wraps(original)
+    def after_the_disk_fills(*args, **kwargs):
+        print("FULL-ME", file=sys.stderr, flush=True)
+        while not os.path.exists(flag):
+            time.sleep(0.05)
+        return original(*args, **kwargs)
+    setattr(owner, attr, after_the_disk_fills)
+    sys.argv = ["kvcalib", *sys.argv[3:]]
+    from kvcalib.cli import main
+    main()
+''')
+
+MID_WRITE_DRIVER = FILL + textwrap.dedent('''
+    """Runs inside `unshare -m`: for each command, a fresh 16 MiB tmpfs, filled to the last byte by
+    this process when the command is about to write its output."""
+    import json, os, subprocess, sys
+
+    args = json.load(open(sys.argv[1]))
+    mnt, out = args["mnt"], {}
+    for name, command in args["commands"].items():
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", mnt], check=True)
+        flag = f"{args['flags']}/{name}"
+        proc = subprocess.Popen([sys.executable, args["hook"], command["what"], flag, *command["args"]],
+                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "FULL-ME" in line:
+                fill(f"{mnt}/filler")
+                open(flag, "w").close()
+        code = proc.wait()
+        filled = os.path.exists(f"{mnt}/filler")
+        if filled:
+            os.unlink(f"{mnt}/filler")
+        left = [os.path.relpath(os.path.join(d, f), mnt) for d, _, fs in os.walk(mnt) for f in fs]
+        out[name] = {"code": code, "stderr": "".join(lines)[-4000:], "left": left, "filled": filled}
+        subprocess.run(["umount", mnt], check=True)
+    json.dump(out, open(args["results"], "w"))
+''')
+
+
+def _small_group_recipe(folder: Path) -> str:
+    """A 4-bit recipe whose groups fit the tiny model's head_dim 16 (the presets' 32 do not)."""
+    from kvcalib.layout import LayerConfig
+    from kvcalib.recipe import Recipe
+
+    path = folder / "k4v4-g16.json"
+    doc = Recipe(name="k4v4-g16", default_layer=LayerConfig(k_bits=4, v_bits=4, k_group=16, v_group=16,
+                                                                window=16)).metadata()
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_a_disk_that_fills_before_collect_export_or_eval_write_is_one_line(world, tmp_path):
+    """The disk fills after the free-space check passed, just before the output is written: a
+    SafetensorError ("I/O error: No space left on device") for collect's statistics and export's
+    recipe, an OSError for eval's JSON. Each is exit code 2 and one line naming the output, and
+    nothing is left on the disk (issue 54: collect and export ended in a traceback)."""
+    why = _can_mount_tmpfs(tmp_path)
+    if why:
+        pytest.skip(why)
+    _, collected, root = world
+    mnt, flags = tmp_path / "mnt", tmp_path / "flags"
+    mnt.mkdir()
+    flags.mkdir()
+    (tmp_path / "hook.py").write_text(FILL_BEFORE_WRITE)
+    (tmp_path / "driver.py").write_text(MID_WRITE_DRIVER)
+    model = ["--model", str(root / "model"), "--device", "cpu"]
+    commands = {
+        "collect": {"what": "kvcalib.stats.CollectedStats.save",
+                    "args": ["collect", *model, "--data", str(root / "text.txt"), "--samples", "2", "--seq-len", "64",
+                             "--block-len", "32", "--out", f"{mnt}/c"]},
+        "export": {"what": "kvcalib.recipe.Recipe.save",
+                   "args": ["export", str(collected), "-o", f"{mnt}/r.safetensors", "--bits", "k4v4", "--group", "16",
+                            "--window", "16", "--clip"]},
+        "eval": {"what": "kvcalib.eval.harness.write_json",
+                 "args": ["eval", *model, "--recipe", _small_group_recipe(tmp_path), "--data", str(root / "text.txt"),
+                          "--metrics", "ppl",
+                          "--ppl-samples", "1", "--ppl-seq-len", "64", "--json", f"{mnt}/o.json"]},
+    }
+    results = tmp_path / "results.json"
+    (tmp_path / "args.json").write_text(json.dumps({"mnt": str(mnt), "flags": str(flags), "results": str(results),
+                                                    "hook": str(tmp_path / "hook.py"), "commands": commands}))
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, str(tmp_path / "driver.py"),
+                           str(tmp_path / "args.json")], env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name, res in json.loads(results.read_text()).items():
+        assert res["filled"] and res["code"] == 2 and "Traceback" not in res["stderr"], (name, res)
+        errors = _error_lines(res["stderr"])
+        assert len(errors) == 1 and "no space left on the device" in errors[0] and str(mnt) in errors[0], (name, errors)
+        assert res["left"] == [], (name, res["left"])
+
+
+def _fill_mid_write(monkeypatch) -> None:
+    """A disk that fills mid-write, where no tmpfs can be mounted: safetensors writes half its
+    bytes and fails as it does on a full disk; a text write writes half and fails with ENOSPC."""
+    import errno
+    import safetensors.torch
+
+    SafetensorError = type("SafetensorError", (Exception,), {})
+
+    def save_file(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 1000)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    real_write_text = Path.write_text
+
+    def write_text(self, data, *args, **kwargs):
+        real_write_text(self, data[: len(data) // 2], *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    monkeypatch.setattr(Path, "write_text", write_text)
+
+
+@pytest.mark.parametrize("command", ["collect", "export", "eval", "search"])
+def test_a_writer_that_fails_mid_write_is_one_line_and_leaves_nothing(world, tmp_path, monkeypatch, command):
+    """The same promise with a writer that fails halfway (what a full disk does), in this process:
+    runs where no tmpfs can be mounted (CI without root), in a second or two. A search names the
+    command that goes on once there is room."""
+    from typer.testing import CliRunner
+
+    from kvcalib.cli import app
+
+    base, collected, root = world
+    out = tmp_path / "out"
+    out.mkdir()
+    model = ["--model", str(root / "model"), "--device", "cpu"]
+    if command == "search":  # from collected statistics: the first file it writes is the recipe
+        out = shutil.copytree(collected, out, dirs_exist_ok=True)
+    kept = sorted(p.name for p in out.iterdir())
+    args = {"collect": ["collect", *model, "--data", str(root / "text.txt"), "--samples", "2", "--seq-len", "64",
+                        "--block-len", "32", "--out", str(out / "c")],
+            "export": ["export", str(collected), "-o", str(out / "r.safetensors"), "--bits", "k4v4", "--group", "16",
+                       "--window", "16"],
+            "eval": ["eval", *model, "--recipe", _small_group_recipe(tmp_path), "--data", str(root / "text.txt"),
+                     "--metrics", "ppl", "--ppl-samples", "1", "--ppl-seq-len", "64", "--json", str(out / "o.json")],
+            "search": [*base[1:-1], "2", "--out", str(out)]}[command]
+    monkeypatch.setenv("KVCALIB_QUIET", "1")
+    _fill_mid_write(monkeypatch)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, (result.exit_code, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr
+    errors = _error_lines(result.stderr)
+    assert len(errors) == 1, result.stderr  # (transformers' "Loading weights" bar may precede it)
+    assert f"cannot write {out}" in errors[0] and "no space left on the device" in errors[0], errors
+    left = sorted(p.name for p in out.iterdir())
+    if command == "search":
+        assert "--resume" in errors[0] and set(left) - set(kept) <= {"study.db"}, (errors, left)
+    else:
+        assert left == kept == []

@@ -1,7 +1,10 @@
 """Faults mid-search, through the real ``kvcalib`` command (issue 36): Ctrl-C (SIGINT) and kill -9
 lose no finished trial and resume with the command the message names; a study storage that breaks
 or vanishes mid-search, and a disk that fills up (a small tmpfs, where this machine lets a test
-mount one in a private mount namespace), end in one line and exit code 2, never a traceback.
+mount one in a private mount namespace), end in one line and exit code 2, never a traceback;
+so does a disk that fills just before ``collect``, ``export`` or ``eval`` write their outputs
+(a real tmpfs where one can be mounted, and a writer that fails mid-write where not). Ctrl-C at
+each phase of a search (collection, warm start, trials, final evaluation) exits 130 in seconds.
 
 A tiny llama saved as a local model folder, a text file and a statistics folder collected once
 are shared; each search runs a few trials of a few seconds in a subprocess.
@@ -22,6 +25,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -146,6 +150,137 @@ def test_sigint_mid_search_prints_the_command_that_resumes_it(world, tmp_path):
     after = _complete(out / "study.db")
     assert len(after) >= TRIALS and all(after[n] == kl for n, kl in kept.items())
     assert json.loads((out / "search.json").read_text())["chosen"] is not None
+
+
+# ------------------------------------------------------------------ Ctrl-C at every phase
+SIGINT_EXIT_S = 5.0  # the promise: Ctrl-C ends a search within seconds, whatever it was doing
+
+
+class SigintAt:
+    """Send this process a real SIGINT from inside one phase of a search, mid-work: at the
+    ``nth`` call of a function the phase calls repeatedly (the Python handler then raises where
+    the work is, as a terminal's Ctrl-C would)."""
+
+    def __init__(self, monkeypatch, owner: Any, name: str, nth: int) -> None:
+        self.calls, self.sent, self.nth = 0, None, nth
+        original = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            if self.calls == self.nth:
+                self.sent = time.perf_counter()
+                os.kill(os.getpid(), signal.SIGINT)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+
+def _interrupted_in_process(args: list[str], at: SigintAt) -> str:
+    """``kvcalib ARGS`` in this process with ``at`` armed: exit code 130 within
+    :data:`SIGINT_EXIT_S` of the signal, one error line saying so, no traceback; returns stderr."""
+    from typer.testing import CliRunner
+
+    from kvcalib.cli import app
+
+    result = CliRunner().invoke(app, args)
+    took = time.perf_counter() - at.sent if at.sent is not None else None
+    assert at.sent is not None, f"the phase never called {at.nth} times: {result.stderr[-2000:]}"
+    assert result.exit_code == 130 and took < SIGINT_EXIT_S, (result.exit_code, took, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = _error_lines(result.stderr)
+    assert len(errors) == 1 and errors[0].startswith("kvcalib: error: interrupted; "), errors
+    return result.stderr
+
+
+def _printed_args(stderr: str) -> list[str]:
+    """The arguments of the command an interrupted search's error line names."""
+    command = shlex.split(_error_lines(stderr)[-1].split(" with: ", 1)[1])
+    assert command[:2] == ["kvcalib", "search"], command
+    return command[1:]
+
+
+def test_sigint_at_every_phase_exits_130_and_the_printed_command_goes_on(world, tmp_path, monkeypatch):
+    """A real SIGINT mid-collection, mid-warm-start (the sensitivity sweep), mid-trial and mid-final
+    evaluation: each exits 130 within seconds with one line, and the command it prints, run as
+    printed, goes on from what was kept; the last one finishes the search. (In this process, so
+    it costs seconds; the subprocess test above does it through the real command for a trial.)"""
+    from kvcalib.collection import Recorder
+    from kvcalib.eval import harness
+    from kvcalib.optimize.objective import SearchObjective
+
+    monkeypatch.setenv("KVCALIB_QUIET", "1")
+    previous = signal.getsignal(signal.SIGINT)
+    base, _, _ = world
+    out = tmp_path / "run"
+    args = [*[a for a in base[1:] if a != "--no-eval"], "--eval-samples", "2", "--eval-seq-len", "64",
+            "--out", str(out)]
+    try:
+        with monkeypatch.context() as m:  # the 2nd layer of the 1st batch: mid-collection
+            stderr = _interrupted_in_process(args, SigintAt(m, Recorder, "observe", 2))
+        assert "nothing was written; run it again with: " in stderr and not out.exists(), stderr[-2000:]
+        args = _printed_args(stderr)
+        assert "--resume" not in args
+        with monkeypatch.context() as m:  # the sweep's 2nd layer
+            stderr = _interrupted_in_process(args, SigintAt(m, SearchObjective, "kl_configs", 2))
+        assert "the study keeps every finished trial" in stderr, stderr[-2000:]
+        args = _printed_args(stderr)
+        assert "--resume" in args
+        with monkeypatch.context() as m:  # the 3rd trial
+            stderr = _interrupted_in_process(args, SigintAt(m, SearchObjective, "kl", 3))
+        kept = _complete(out / "study.db")
+        assert len(kept) >= 2 and _printed_args(stderr) == args
+        with monkeypatch.context() as m:  # the first recipe scored after the full-precision baseline
+            stderr = _interrupted_in_process(args, SigintAt(m, harness, "_score_recipe", 1))
+        assert _printed_args(stderr) == args and len(_complete(out / "study.db")) >= TRIALS
+        from typer.testing import CliRunner
+
+        from kvcalib.cli import app
+
+        done = CliRunner().invoke(app, args)
+        assert done.exit_code == 0, done.stderr[-3000:]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    doc = json.loads((out / "search.json").read_text())
+    assert doc["chosen"] is not None and doc["held_out"]
+    assert all(_complete(out / "study.db")[n] == kl for n, kl in kept.items())
+
+
+def test_a_storage_call_cut_by_ctrl_c_finishes_before_the_interrupt(tmp_path):
+    """SIGINT inside a study write (right after SQLite's BEGIN IMMEDIATE took the write lock) is
+    raised when the write returns: the write is committed and the lock released, so recording the
+    interruption next does not wait out the busy timeout (it did: "database is locked" after 242 s)."""
+    import optuna
+    from sqlalchemy import event
+
+    from kvcalib.optimize import study as st
+
+    db = tmp_path / "s.db"
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        storage = st.open_storage(f"sqlite:///{db}")
+        study = optuna.create_study(storage=storage, study_name="s")
+        trial = study.ask()
+        fired: list[int] = []
+
+        def interrupt_once(connection) -> None:
+            if not fired:
+                fired.append(1)
+                os.kill(os.getpid(), signal.SIGINT)
+
+        event.listen(storage.engine, "begin", interrupt_once)
+        with pytest.raises(KeyboardInterrupt):
+            trial.set_user_attr("written", True)
+        event.remove(storage.engine, "begin", interrupt_once)
+        assert fired and storage.get_trial_user_attrs(trial._trial_id) == {"written": True}
+        other = sqlite3.connect(db, timeout=0.5)  # another writer gets the lock at once
+        other.execute("BEGIN IMMEDIATE")
+        other.rollback()
+        other.close()
+        start = time.perf_counter()
+        trial.set_user_attr("interrupted", True)
+        assert time.perf_counter() - start < 1.0
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_kill_9_mid_trial_loses_no_finished_trial(world, tmp_path):

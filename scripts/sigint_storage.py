@@ -9,7 +9,8 @@ Each repetition asks, annotates, reports and tells trials in a loop on a run-fol
 60 s) until a SIGINT, sent 1-30 ms in, lands; then it records the interruption on the trial and
 enqueues a trial, as the search does, and times that. A repetition whose recording takes over a
 second found the lock held by the transaction the signal cut short (each write waits out the busy
-timeout); one that takes over 40 s is reported as stuck and ends the run (a stack dump follows).
+timeout); a repetition that makes no progress for 40 s is reported as stuck and ends the run
+(the figures so far, then a stack dump, exit code 1).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import json
 import os
 import random
 import signal
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -45,9 +48,22 @@ def main() -> None:
     study = optuna.create_study(storage=storage, study_name="s")
     signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     rng = random.Random(args.seed)
-    slow, failed, worst = 0, 0, 0.0
+    figures = {"handler": "python" if args.plain else "kvcalib", "reps": 0, "recording_over_1s": 0,
+               "writes_failed": 0, "worst_s": 0.0, "stuck_at_rep": None}
+    beat = [time.monotonic()]
+
+    def watchdog() -> None:  # a stuck write: the figures so far and the stack, then exit code 1
+        while True:
+            time.sleep(1)
+            if time.monotonic() - beat[0] > 40:
+                figures["stuck_at_rep"] = figures["reps"]
+                print(json.dumps(figures), flush=True)
+                faulthandler.dump_traceback(all_threads=True)
+                os._exit(1)
+
+    threading.Thread(target=watchdog, daemon=True).start()
     for rep in range(args.reps):
-        faulthandler.dump_traceback_later(40, exit=True)  # a stuck write: the stack, then exit code 1
+        beat[0] = time.monotonic()
         trial = None
         signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.001, 0.03))
         try:
@@ -64,13 +80,13 @@ def main() -> None:
         try:
             study.enqueue_trial({})
         except Exception:  # noqa: BLE001  ("database is locked" once the busy timeout ran out)
-            failed += 1
+            figures["writes_failed"] += 1
         took = time.perf_counter() - start
-        worst = max(worst, took)
-        slow += took > 1.0
-    faulthandler.cancel_dump_traceback_later()
-    print(json.dumps({"handler": "python" if args.plain else "kvcalib", "reps": args.reps,
-                      "recording_over_1s": slow, "writes_failed": failed, "worst_s": round(worst, 2)}))
+        figures["worst_s"] = round(max(figures["worst_s"], took), 2)
+        figures["recording_over_1s"] += took > 1.0
+        figures["reps"] += 1
+    print(json.dumps(figures), flush=True)
+    sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -168,8 +168,7 @@ def collect(
                            trust_remote_code=trust_remote_code)
     out = out or default_run_dir("collect")
     _preflight_run(model, data, split, text_field, device, dtype)
-    preflight.collect_inputs(model, data, split, text_field, seq_len)  # the text, --seq-len: before the model loads
-    info = preflight.model_info_offline(model)
+    info = preflight.collect_inputs(model, data, split, text_field, seq_len)  # the text, --seq-len: before the model loads
     preflight.check_output_dir(out, "--out", preflight.stats_bytes(info, reservoir_blocks, block_len) if info else 0)
     result = run_collect(config, out)
     rows = [[r["layer"], r["k_absmax"], r["k_outlier_ratio"], r["k_std"], r["v_absmax"], r["v_std"]]
@@ -238,8 +237,8 @@ def search(
     config.out = Path(config.out) if config.out is not None else default_run_dir("search")
     _preflight_run(model, data, "calib", text_field, device, dtype)
     has_stats = (config.out / "stats.safetensors").is_file()  # a collect folder, or a search to resume
-    preflight.search_inputs(config, collects=not has_stats)  # the text, lengths, budget: before the model loads
-    info = None if has_stats else preflight.model_info_offline(model)
+    info = preflight.search_inputs(config, collects=not has_stats)  # the text, lengths, budget: before the model loads
+    info = None if has_stats else info
     stats = preflight.stats_bytes(info, config.reservoir_blocks, min(config.block_len, seq_len)) if info else 0
     # a --workers run folder (workers.json, worker-N/): the workers module says what it holds and how to go on
     workers_run = (config.out / "workers.json").is_file()

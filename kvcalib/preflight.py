@@ -305,15 +305,20 @@ def check_search_budget(config: Any, info: "ModelInfo | None") -> None:
 
 
 # ------------------------------------------------------------------------------ per command
-def collect_inputs(model: str, data: str, split: str, text_field: str | None, seq_len: int) -> None:
-    """``kvcalib collect``'s text and lengths, before the model loads."""
+def collect_inputs(model: str, data: str, split: str, text_field: str | None,
+                   seq_len: int) -> "ModelInfo | None":
+    """``kvcalib collect``'s text and lengths, before the model loads; returns the model's
+    geometry where all of it is known (for the size of the statistics)."""
     check_data(data, split, text_field)
-    check_positions(model_geometry(model), {"--seq-len": (seq_len, 0)})
+    geometry = model_geometry(model)
+    check_positions(geometry, {"--seq-len": (seq_len, 0)})
+    return (geometry or {}).get("info")
 
 
-def search_inputs(config: Any, collects: bool) -> None:
+def search_inputs(config: Any, collects: bool) -> "ModelInfo | None":
     """``kvcalib search``'s text, lengths and budget, before the model loads (``collects``: the
-    run folder holds no statistics yet, so ``--seq-len`` windows are collected too)."""
+    run folder holds no statistics yet, so ``--seq-len`` windows are collected too); returns the
+    model's geometry where all of it is known."""
     check_data(config.data, "calib", config.text_field)
     geometry = model_geometry(config.model)
     lengths = {"--seq-len": (config.seq_len, 0)} if collects or config.score_seq_len is None else {}
@@ -322,7 +327,9 @@ def search_inputs(config: Any, collects: bool) -> None:
     if config.eval:
         lengths["--eval-seq-len"] = (config.eval_seq_len, 0)
     check_positions(geometry, lengths)
-    check_search_budget(config, (geometry or {}).get("info"))
+    info = (geometry or {}).get("info")
+    check_search_budget(config, info)
+    return info
 
 
 def eval_inputs(config: Any) -> "Mapping[str, Any] | None":

@@ -90,6 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20, help="SIGINTs per phase")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--phases", default="collect,warm start,trials,final eval", help="comma-separated")
     args = parser.parse_args()
     import os
 
@@ -108,7 +109,12 @@ def main() -> None:
         for name in ("stats.safetensors", "run.json"):
             shutil.copy(finished / name, collected / name)
         phases = {"collect": (None, "PHASE collect", []), "warm start": (collected, "PHASE warm start", []),
-                  "trials": (collected, "search: 1/", []), "final eval": (finished, "PHASE final eval", ["--resume"])}
+                  "trials": (collected, "search: 1/", []),
+                  # a longer evaluation than the search's (16 x 256 tokens: about a second here), so
+                  # that a signal sent up to 300 ms after it began lands in it, not after the search
+                  "final eval": (finished, "PHASE final eval", ["--resume", "--eval-samples", "16",
+                                                                "--eval-seq-len", "256"])}
+        phases = {k: v for k, v in phases.items() if k in args.phases.split(",")}
         table = {}
         for phase, (start, marker, extra) in phases.items():
             results = []

@@ -199,68 +199,78 @@ _GEOMETRY_KEYS = ("model_type", "num_layers", "num_q_heads", "num_kv_heads", "he
 
 
 def model_geometry(model: str) -> "Mapping[str, Any] | None":
-    """What is known of ``--model``'s cache geometry without fetching or loading anything: every
-    :class:`~kvcalib.models.ModelInfo` field from its config when the config is on this machine,
-    else the fields :data:`EMBEDDED_GEOMETRY` pins for an embedded alias, else None."""
+    """What is known of ``--model``'s cache geometry without fetching or loading anything, with
+    ``info`` (a :class:`~kvcalib.models.ModelInfo`) where all of it is known: an embedded model's
+    pinned geometry where :data:`EMBEDDED_GEOMETRY` has all of it (no config read: importing
+    transformers to read one took 2-3 s of the 3 a refusal may take on a loaded 2-core machine),
+    else its config when on this machine, else the fields pinned, else None. Lengths and budgets
+    are checked against this; a recipe against the config first (:func:`check_recipe_model`: the
+    config hash a conversion gives may differ between transformers versions)."""
+    pinned = EMBEDDED_GEOMETRY.get(model)
+    if pinned is not None and all(key in pinned for key in _GEOMETRY_KEYS):
+        from kvcalib.models import ModelInfo, resolve_model_source
+
+        resolve_model_source(model)  # the alias is known (it is: the table holds embedded ones)
+        return {"name": model, **pinned, "info": ModelInfo(name=model, **pinned)}
     info = model_info_offline(model)
     if info is not None:
         return {key: getattr(info, key) for key in _GEOMETRY_KEYS} | {"name": info.name, "info": info}
-    pinned = EMBEDDED_GEOMETRY.get(model)
-    if pinned is None:
-        return None
-    out: dict[str, Any] = {"name": model, **pinned}
-    if all(key in pinned for key in _GEOMETRY_KEYS):
-        from kvcalib.models import ModelInfo
-
-        out["info"] = ModelInfo(name=model, **pinned)
-    return out
+    return None if pinned is None else {"name": model, **pinned}
 
 
-def _geometry_mismatch(recipe: "Recipe", geometry: Mapping[str, Any]) -> None:
-    """Refuse ``recipe`` when a field it records differs from the pinned geometry (the message
-    :meth:`~kvcalib.recipe.Recipe.check_model` gives), or when a layer's groups do not divide the
-    pinned head_dim."""
+def _check_against_geometry(recipe: "Recipe", geometry: Mapping[str, Any]) -> None:
+    """Refuse ``recipe`` for what is known of a model's geometry, with the words of
+    :meth:`~kvcalib.recipe.Recipe.check_model`: a field the recipe records that differs (all but
+    the config hash, which only the config on this machine can give), a group that does not divide
+    head_dim, sinks + window beyond the positions."""
+    from kvcalib.recipe import check_layer_positions
+
     if recipe.model is not None:
-        for key in _GEOMETRY_KEYS:
-            if key not in geometry:
-                continue
-            want, got = getattr(recipe.model, key), geometry[key]
-            if want != got:
+        for key in ("num_layers", "num_kv_heads", "head_dim", "num_q_heads", "model_type", "sliding_window",
+                    "max_positions"):
+            if key in geometry and getattr(recipe.model, key) != geometry[key]:
                 raise RecipeError(
                     f"recipe {recipe.name!r} was fitted for {recipe.model.name} and does not fit this model: "
-                    f"model.{key} is {got!r}, the recipe expects {want!r}. Fit a recipe for this model "
-                    "(kvcalib collect + export/search) or use a preset.")
-    if "head_dim" in geometry:
-        configs = recipe.layers if recipe.layers is not None else [recipe.default_layer]
-        for cfg in configs:
+                    f"model.{key} is {geometry[key]!r}, the recipe expects {getattr(recipe.model, key)!r}. Fit a "
+                    "recipe for this model (kvcalib collect + export/search) or use a preset.")
+    configs = recipe.layers if recipe.layers is not None else [recipe.default_layer]
+    where = "layers[{}]" if recipe.layers is not None else "default_layer"
+    for i, cfg in enumerate(configs):
+        if "head_dim" in geometry:
             try:
                 cfg.check_head_dim(geometry["head_dim"])  # type: ignore[union-attr]
             except ValueError as err:
                 raise RecipeError(f"recipe {recipe.name!r} does not fit {geometry['name']}: {err}") from None
+        check_layer_positions(cfg, geometry.get("max_positions", 0), geometry["name"],  # type: ignore[arg-type]
+                              f"recipe {recipe.name!r}: field {where.format(i)}")
 
 
 def check_recipe_model(recipe: "Recipe", model: str | None, option: str = "--model") -> "ModelInfo | None":
     """Refuse ``recipe`` for ``model`` (None: the recipe's own model) before anything is fetched or
-    loaded: against the model's config when it is on this machine, else against what kvcalib pins
-    of an embedded model's geometry (a recipe whose header names gemma3-270m over SmolLM2's 30
-    layers is refused before gemma3-270m is converted), else by name (a recipe that records
-    another model than the one named). Returns the model's geometry when known."""
+    loaded: against what is known of the model's geometry (:func:`model_geometry`: a recipe whose
+    header names gemma3-270m over SmolLM2's 30 layers is refused before gemma3-270m is converted;
+    a preset needs nothing more), then a fitted recipe against the model's config when it is on
+    this machine (its hash: :meth:`~kvcalib.recipe.Recipe.check_model`), else by name (a recipe
+    that records another model than the one named). Returns the model's geometry when known."""
     if model is None:
         if recipe.model is None:
             return None
         model = recipe.model.name
     geometry = model_geometry(model)
-    info = None if geometry is None else geometry.get("info")
-    if info is not None:  # every field known: the check the loaded model gets
+    if geometry is not None:
+        _check_against_geometry(recipe, geometry)
+    known = None if geometry is None else geometry.get("info")
+    if recipe.model is None:
+        return known
+    info = model_info_offline(model)  # transformers reads the config (2-3 s): only for a fitted recipe
+    if info is not None:
         recipe.check_model(info)
         return info
-    if geometry is not None:
-        _geometry_mismatch(recipe, geometry)
-    if recipe.model is not None and model != recipe.model.name:
+    if model != recipe.model.name:
         raise RecipeError(f"recipe {recipe.name!r} was fitted for {recipe.model.name}, and {option} {model} is "
                           f"another model (its config is not on this machine, so nothing was fetched to compare): "
                           f"leave {option} out to run on {recipe.model.name}, or fit a recipe for {model}.")
-    return None
+    return known
 
 
 def stats_bytes(info: "ModelInfo", reservoir_blocks: int, block_len: int) -> int:

@@ -106,7 +106,7 @@ class Recipe:
             except ValueError as err:
                 raise RecipeError(f"recipe {self.name!r} does not fit {info.name}: {err}") from None
             where = f"layers[{i}]" if self.layers is not None else "default_layer"
-            check_layer_positions(cfg, info, f"recipe {self.name!r}: field {where}")
+            check_layer_positions(cfg, info.max_positions, info.name, f"recipe {self.name!r}: field {where}")
 
     def validate(self, info: ModelInfo | None = None) -> "Recipe":
         """Check the whole recipe against itself (and ``info``'s model when given, else the model
@@ -129,7 +129,7 @@ class Recipe:
                 except ValueError as err:
                     raise RecipeError(f"recipe {self.name!r}: field {where}: {err} of {info.name}: use a group that "
                                       f"divides {info.head_dim}") from None
-                check_layer_positions(cfg, info, f"recipe {self.name!r}: field {where}")
+                check_layer_positions(cfg, info.max_positions, info.name, f"recipe {self.name!r}: field {where}")
         if info is None:
             if self.tensors:
                 raise RecipeError(f"recipe {self.name!r} records no model but holds fitted tensors "
@@ -433,14 +433,13 @@ def check_layer_cost(cfg: LayerConfig, where: str) -> None:
                 f"element with its scales, bf16 costs {FP_BITS}: use {side}_group >= {smallest} (or {side}_bits 16)")
 
 
-def check_layer_positions(cfg: LayerConfig, info: ModelInfo, where: str) -> None:
+def check_layer_positions(cfg: LayerConfig, limit: int, model: str, where: str) -> None:
     """Refuse sinks and a window that together keep more tokens in full precision than the model
-    has positions (``max_positions``; 0 = not known, nothing checked): they cannot mean anything
+    ``model`` has positions (``limit``; 0 = not known, nothing checked): they cannot mean anything
     for the model (no token would ever be compressed: a preset with ``sinks`` 2^31 counted as a
     "compressed" recipe at 16.0 effective bits)."""
-    limit = info.max_positions
     if not limit or cfg.sinks + cfg.window <= limit:
         return
-    raise RecipeError(f"{where}: sinks {cfg.sinks} + window {cfg.window} are beyond {info.name}'s {limit} positions "
+    raise RecipeError(f"{where}: sinks {cfg.sinks} + window {cfg.window} are beyond {model}'s {limit} positions "
                       f"(those tokens are kept in full precision, so nothing would ever be compressed): use sinks + "
                       f"window of at most {limit} (e.g. window 128, sinks 4)")

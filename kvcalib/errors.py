@@ -6,6 +6,10 @@ Library callers catch it like any exception. The message always names the proble
 
 from __future__ import annotations
 
+import errno as errno_
+import os
+import re
+
 
 class KvcalibError(Exception):
     """A problem with the user's input or environment (bad flag, missing file, wrong model...).
@@ -102,12 +106,11 @@ def environment_error(err: BaseException) -> str | None:
             return (f"out of memory ({first}): the context or batch does not fit this machine: use a shorter "
                     "context (--ppl-seq-len, --eval-seq-len, --score-seq-len, --context), fewer rows a batch, or a "
                     "device with more memory; nothing half-written was kept")
-    for e in chain:
-        if type(e).__name__ == "SafetensorError" and "IoError" in str(e):
-            full = "StorageFull" in str(e) or "No space left" in str(e)
-            first = (str(e).strip().splitlines() or ["SafetensorError"])[0][:200]
-            return ("writing a safetensors file failed: " + ("no space left on the device: free some space or write "
-                    "to another disk" if full else f"{first}: check the output path and its disk"))
+    for e in chain:  # safetensors' I/O errors, read by the one classifier of write failures (storage_failure)
+        if type(e).__name__ == "SafetensorError":
+            reason = storage_failure(e)
+            if reason is not None:
+                return f"writing a safetensors file failed: {reason}"
     return None
 
 
@@ -142,3 +145,33 @@ def os_error_line(err: OSError) -> str:
     }
     fix = fixes.get(err.errno, f"{err.strerror or type(err).__name__}: check the path and its disk")
     return f"{fix}{where}"
+
+
+# the classifier of write failures, here so that kvcalib.io (the one write path) and the command
+# line's error mapping share it without importing each other
+_OS_ERROR = re.compile(r"os error (\d+)|code: (\d+)")  # safetensors' words for the errno, new and old
+
+
+def storage_failure(err: BaseException) -> str | None:
+    """What failed, as the fix a user needs, when ``err`` (or what it was raised from) is a
+    storage failure: an OSError, or a safetensors I/O error; None for anything else."""
+    seen: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and all(current is not e for e in seen):  # raised from, not while handling:
+        seen.append(current)  # a bug of ours raised while handling an OSError stays a bug
+        current = current.__cause__
+    for e in seen:
+        if isinstance(e, OSError):
+            return os_error_line(OSError(e.errno, e.strerror))  # the path is the caller's, not a temporary's
+    for e in seen:
+        text = str(e)
+        if type(e).__name__ == "SafetensorError" and ("I/O error" in text or "IoError" in text):
+            match = _OS_ERROR.search(text)
+            if match is not None:
+                code = int(match.group(1) or match.group(2))
+                return os_error_line(OSError(code, os.strerror(code)))
+            if "StorageFull" in text or "No space left" in text:
+                return os_error_line(OSError(errno_.ENOSPC, os.strerror(errno_.ENOSPC)))
+            first = (text.strip().splitlines() or ["SafetensorError"])[0][:200]
+            return f"{first}: check the output path and its disk"
+    return None

@@ -112,6 +112,9 @@ class ExportConfig:
 
 def check_run_dir(run_dir: Path) -> None:
     """``kvcalib export``'s RUN_DIR: a folder that holds statistics."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise KvcalibError(f"{run_dir} is a file, not a run folder: pass a folder written by `kvcalib collect` or "
+                           "`kvcalib search` (it holds stats.safetensors).")
     if not run_dir.is_dir():
         raise KvcalibError(f"run folder {run_dir} does not exist: pass a folder written by `kvcalib collect` or "
                            "`kvcalib search`.")

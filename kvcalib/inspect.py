@@ -29,11 +29,11 @@ def _model_info_for(recipe: Recipe, model: str | ModelInfo | None) -> ModelInfo:
     if recipe.model is not None and model is None:
         return recipe.model
     from kvcalib.models import ensure_embedded_folder, model_info, resolve_model_source
-    from kvcalib.preflight import model_info_offline
+    from kvcalib.preflight import model_geometry
 
     name = model or DEFAULT_MODEL
     kind, where, kwargs = resolve_model_source(name)  # a bad alias or path is refused here, offline
-    info = model_info_offline(name)
+    info = (model_geometry(name) or {}).get("info")  # its config on this machine, or kvcalib's pinned geometry
     if info is not None:
         return info
     if kind == "embedded":
@@ -67,12 +67,13 @@ def inspect_recipe(spec: str | Recipe, model: str | ModelInfo | None = None, con
     ``report["huffman"]`` holds the coded memory at ``context``.
     """
     recipe = resolve_recipe(spec)
-    if context is None:
-        recorded = recipe.provenance.get("context")
-        context = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0 else 4096
-    check_context(context)
+    if context is not None:
+        check_context(context)
     info = _model_info_for(recipe, model)
     recipe.check_model(info)
+    context_note = None
+    if context is None:
+        context, context_note = recorded_context(recipe.provenance, info)
     elements_per_layer = _layer_elements(info, context)
     layers = [{"layer": i, **cfg.to_dict(), "sliding_window": info.sliding_window[i],
                "held_tokens": held_tokens(context, info.sliding_window[i]), "effective_bits": bits}
@@ -101,6 +102,7 @@ def inspect_recipe(spec: str | Recipe, model: str | ModelInfo | None = None, con
         "provenance": recipe.provenance,
         "origin": provenance_summary(recipe.provenance),
         "searched_context": recipe.searched_context,  # tokens per scored window of its search (None: not searched)
+        "context_note": context_note,
     }
 
 
@@ -115,6 +117,27 @@ def decode_summary(layers: list[dict[str, Any]]) -> str:
             f"{', '.join(str(r['layer']) for r in slow)} on the PyTorch reference path ({'; '.join(reasons)}), "
             "which dequantizes the whole cache at every step (tens of times slower than bf16 at long context) "
             "and keeps the recipe out of whole-step CUDA graphs")
+
+
+DEFAULT_CONTEXT = 4096
+
+
+def recorded_context(provenance: dict[str, Any], info: ModelInfo) -> tuple[int, str | None]:
+    """(the context to count memory at when none is asked for, a note when the recorded one was
+    set aside): the context the recipe's provenance records (a recipe searched for 16k is judged
+    where it was made to be used), unless it is not a positive integer or lies beyond the model's
+    positions (a file's number is informational: 4,096,000 on an 8,192-position model means
+    nothing); else 4096, or the model's positions where they are fewer."""
+    default = min(DEFAULT_CONTEXT, info.max_positions) if info.max_positions else DEFAULT_CONTEXT
+    recorded = provenance.get("context")
+    if recorded is None:
+        return default, None
+    if isinstance(recorded, bool) or not isinstance(recorded, int) or recorded < 1:
+        return default, f"the recorded context {recorded!r} is not a number of tokens: counted at {default}"
+    if info.max_positions and recorded > info.max_positions:
+        return default, (f"the recorded context {recorded:,} is beyond {info.name}'s {info.max_positions:,} "
+                         f"positions: counted at {default}")
+    return recorded, None
 
 
 def method_lines(report: dict[str, Any]) -> list[str]:
@@ -160,7 +183,7 @@ def provenance_summary(provenance: dict[str, Any]) -> list[tuple[str, str]]:
     from kvcalib.methods import registry
 
     for name, method in registry().items():  # a method's own record: summarised by the method, not dumped
-        line = method.origin(provenance[name]) if isinstance(provenance.get(name), dict) else None
+        line = _method_origin(method, provenance.get(name))
         if line is not None:
             out.append((name, line))
             seen.add(name)
@@ -168,6 +191,18 @@ def provenance_summary(provenance: dict[str, Any]) -> list[tuple[str, str]]:
         if key not in seen and provenance[key] not in (None, "", [], {}):
             out.append((key, fmt(provenance[key])))
     return out
+
+
+def _method_origin(method: Any, note: Any) -> str | None:
+    """``method.origin(note)`` for a method's provenance record, or None (the record is then
+    shown as it is): provenance is informational and not validated on load, so a record of
+    another shape (a number where a list was written) must not break ``inspect``."""
+    if not isinstance(note, dict):
+        return None
+    try:
+        return method.origin(note)
+    except Exception:  # noqa: BLE001  (any shape a hand-edited file can give)
+        return None
 
 
 _LAYER_FIELDS = ("k_bits", "v_bits", "k_axis", "k_group", "v_group", "window", "sinks")

@@ -381,3 +381,30 @@ def load_model(
     info = model_info(config, name)
     return LoadedModel(net, tok, info, source=model, resolved=where, load_seconds=time.perf_counter() - t0)
 
+
+def model_info_offline(model: str) -> "ModelInfo | None":
+    """``--model``'s geometry from a config already on this machine, or None when learning it
+    would fetch something (a hub id not in the cache, an embedded model never converted) or load
+    weights (a ``.gguf`` file)."""
+    from kvcalib.paths import home_subdir
+
+    kind, where, _ = resolve_model_source(model)
+    if kind == "embedded":
+        folder = home_subdir("models") / model / "hf"
+        if not (folder / "config.json").is_file():
+            return None
+        where = str(folder)
+    elif kind == "gguf":
+        return None
+    elif kind == "hub":
+        from kvcalib import hub
+
+        if not hub.cached(where):  # nothing to read (and no transformers import to pay for it)
+            return None
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(where, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    return model_info(config, model if kind in ("embedded", "hub") else Path(model).name)  # as load_model names it

@@ -110,11 +110,13 @@ class Recipe:
                         f"model.{key} is {got!r}, the recipe expects {want!r}. Fit a recipe for this model "
                         "(kvcalib collect + export/search) or use a preset."
                     )
-        for cfg in self.layer_configs(info.num_layers):
+        for i, cfg in enumerate(self.layer_configs(info.num_layers)):
             try:
                 cfg.check_head_dim(info.head_dim)
             except ValueError as err:
                 raise RecipeError(f"recipe {self.name!r} does not fit {info.name}: {err}") from None
+            where = f"layers[{i}]" if self.layers is not None else "default_layer"
+            check_layer_positions(cfg, info.max_positions, info.name, f"recipe {self.name!r}: field {where}")
 
     def validate(self, info: ModelInfo | None = None) -> "Recipe":
         """Check the whole recipe against itself (and ``info``'s model when given, else the model
@@ -137,6 +139,7 @@ class Recipe:
                 except ValueError as err:
                     raise RecipeError(f"recipe {self.name!r}: field {where}: {err} of {info.name}: use a group that "
                                       f"divides {info.head_dim}") from None
+                check_layer_positions(cfg, info.max_positions, info.name, f"recipe {self.name!r}: field {where}")
         if info is None:
             if self.tensors:
                 raise RecipeError(f"recipe {self.name!r} records no model but holds fitted tensors "
@@ -451,3 +454,15 @@ def check_layer_cost(cfg: LayerConfig, where: str) -> None:
             raise RecipeError(
                 f"{where}: {side}_bits {cfg.bits(side)} with {side}_group {cfg.group(side)} costs {cost:g} bits per "
                 f"element with its scales, bf16 costs {FP_BITS}: use {side}_group >= {smallest} (or {side}_bits 16)")
+
+
+def check_layer_positions(cfg: LayerConfig, limit: int, model: str, where: str) -> None:
+    """Refuse sinks and a window that together keep more tokens in full precision than the model
+    ``model`` has positions (``limit``; 0 = not known, nothing checked): they cannot mean anything
+    for the model (no token would ever be compressed: a preset with ``sinks`` 2^31 counted as a
+    "compressed" recipe at 16.0 effective bits)."""
+    if not limit or cfg.sinks + cfg.window <= limit:
+        return
+    raise RecipeError(f"{where}: sinks {cfg.sinks} + window {cfg.window} are beyond {model}'s {limit} positions "
+                      f"(those tokens are kept in full precision, so nothing would ever be compressed): use sinks + "
+                      f"window of at most {limit} (e.g. window 128, sinks 4)")

@@ -108,13 +108,19 @@ def fake_quantize(
     return quantize_dequantize_values(x, bits, group, clip=clip, valid=valid, levels=levels)
 
 
+# the smallest clip alpha a recipe may hold: a group clipped to under 1/1024 of its range quantizes
+# every value to (nearly) its centre -- the channel is zeroed, and its float16 scale underflows to 0
+# for alphas like 1e-30 -- so a smaller one cannot come from a fit (whose grid stops at 0.5) and is refused
+MIN_CLIP = 2.0 ** -10
+
+
 def check_grid(grid: Sequence[float]) -> tuple[float, ...]:
     try:
         g = tuple(float(a) for a in grid)
     except (TypeError, ValueError):
         raise CalibrationError(f"grid must be a sequence of floats in (0, 1], got {grid!r}") from None
-    if not g or not all(math.isfinite(a) and 0.0 < a <= 1.0 for a in g):
-        raise CalibrationError(f"grid must be a non-empty sequence of floats in (0, 1], got {grid!r}")
+    if not g or not all(math.isfinite(a) and MIN_CLIP <= a <= 1.0 for a in g):
+        raise CalibrationError(f"grid must be a non-empty sequence of floats in [{MIN_CLIP:g}, 1], got {grid!r}")
     return g
 
 

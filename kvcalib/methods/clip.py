@@ -55,7 +55,7 @@ from kvcalib.methods.base import (
     check_quantized_side,
 )
 # causal_probs: the attention-output objective's softmax, shared with levels; named here as before
-from kvcalib.reservoir import OBJECTIVES, causal_probs, check_grid, quantization_errors  # noqa: F401
+from kvcalib.reservoir import MIN_CLIP, OBJECTIVES, causal_probs, check_grid, quantization_errors  # noqa: F401
 from kvcalib.stats import LayerStats
 
 __all__ = ["DEFAULT_GRID", "OBJECTIVES", "clip_errors", "choose_alpha", "fit_clip_alpha", "ClipState", "ClipMethod"]
@@ -197,8 +197,10 @@ class ClipMethod(Method):
                 also = f" (or (H, head_dim) = ({heads}, {head_dim}) for keys per channel)" if cfg.per_channel(side) else ""
                 raise ValueError(f"{side}.clip must have shape (H, 1) = ({heads}, 1){also}, got {tuple(t.shape)}")
             t = t.float()
-            if t.numel() and (t.min() <= 0 or t.max() > 1):
-                raise ValueError(f"{side}.clip must lie in (0, 1]")
+            if t.numel() and (t.min() < MIN_CLIP or t.max() > 1):
+                raise ValueError(f"{side}.clip must lie in [{MIN_CLIP:g}, 1] (1 means no clipping; below "
+                                 f"{MIN_CLIP:g} a group keeps almost none of its range: the channel is zeroed), got "
+                                 f"values in [{float(t.min()):.3g}, {float(t.max()):.3g}]")
             # stored per (head, channel-or-1); quantizers broadcast over (B, H, groups, D)
             alphas[side] = t[None, :, None, :]
         return ClipState(alphas) if alphas else None

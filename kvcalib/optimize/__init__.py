@@ -593,7 +593,7 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
     from kvcalib.optimize import guards
 
     if config.context is None:  # the model's maximum from its config on this machine, where it is (else after loading)
-        from kvcalib.preflight import model_info_offline
+        from kvcalib.models import model_info_offline
 
         known = model_info_offline(config.model)
         if known is not None:

@@ -59,6 +59,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import threading
 import time
@@ -168,7 +169,8 @@ def open_storage(url: str, heartbeat: int | None = None):
             path = Path(url[len("journal:"):] if url.startswith("journal:") else url)
             if not path.parent.is_dir():
                 raise KvcalibError(f"journal storage {path}: folder {path.parent} does not exist; create it or pass another path.")
-            return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+            defer_interrupts_in_storage_calls()
+            return _whole_calls(optuna.storages.JournalStorage)(JournalFileBackend(str(path)))
         if "://" not in url:
             raise KvcalibError(f"--storage {url!r} is neither a database URL (sqlite:///PATH, postgresql://...) "
                                "nor a journal file (journal:PATH or PATH.log)")
@@ -185,6 +187,7 @@ def open_storage(url: str, heartbeat: int | None = None):
             if heartbeat:
                 beat = {"heartbeat_interval": int(heartbeat), "grace_period": GRACE_BEATS * int(heartbeat),
                         **_retry_callback()}
+            defer_interrupts_in_storage_calls()
             storage = _create_rdb(url, engine, beat)
         if url.startswith("sqlite") and ":memory:" not in url and url.rstrip("/") != "sqlite:":
             _serialize_sqlite(storage.engine)  # a file several processes share (an in-memory one is private)
@@ -214,8 +217,9 @@ def _retry_callback() -> dict[str, Any]:
 @functools.lru_cache(maxsize=None)
 def _quiet_rdb():
     """RDBStorage whose heartbeat thread never prints a traceback: when the database goes away,
-    the trial's own next write reports it (:func:`storage_errors`), once. (A class made on first
-    use: Optuna is imported lazily.)"""
+    the trial's own next write reports it (:func:`storage_errors`), once; and whose calls are
+    never cut short by Ctrl-C (:func:`_whole_calls`). (A class made on first use: Optuna is
+    imported lazily.)"""
     import optuna
 
     class QuietHeartbeatRDB(optuna.storages.RDBStorage):
@@ -225,7 +229,70 @@ def _quiet_rdb():
             except Exception as err:  # noqa: BLE001  (the main thread reports the storage failure)
                 log.debug("heartbeat of trial id %s not recorded: %s", trial_id, err)
 
-    return QuietHeartbeatRDB
+    return _whole_calls(QuietHeartbeatRDB)
+
+
+# ------------------------------------------------------------------ Ctrl-C and the storage
+# Why: a KeyboardInterrupt raised inside a storage call can land between SQLite's BEGIN IMMEDIATE
+# and the rollback SQLAlchemy runs when the connection goes back to its pool ("Exception during
+# reset or similar"); the connection then keeps the database's write lock, and every later write
+# -- the interrupted trial's FAIL and its "interrupted" mark -- waits out the 60 s busy timeout and
+# fails ("database is locked": 2 of 35 Ctrl-C's hung or took 242 s). A storage call now always runs
+# to its end: a SIGINT that arrives during one is held and raised as the call returns (a second
+# SIGINT while one is held is raised at once: the user insists).
+_held = {"depth": 0, "pending": False}  # main thread only: signal handlers run there
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    if _held["depth"] > 0 and not _held["pending"]:
+        _held["pending"] = True
+        return
+    _held["pending"] = False
+    signal.default_int_handler(signum, frame)  # KeyboardInterrupt, as Python's own handler
+
+
+def defer_interrupts_in_storage_calls() -> None:
+    """Install the SIGINT handler that holds Ctrl-C during storage calls (outside them it is
+    Python's own: KeyboardInterrupt at once). Only from the main thread, and only over Python's
+    default handler (a handler someone else installed is left alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
+@contextlib.contextmanager
+def storage_call() -> Iterator[None]:
+    """A storage call that Ctrl-C does not cut short (the module comment above): a SIGINT that
+    arrives inside it is raised as KeyboardInterrupt when it returns."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _held["depth"] += 1
+    try:
+        yield
+    finally:
+        _held["depth"] -= 1
+        if _held["depth"] == 0 and _held["pending"]:
+            _held["pending"] = False
+            raise KeyboardInterrupt
+
+
+def _whole_calls(cls: type) -> type:
+    """A subclass of the Optuna storage ``cls`` each of whose methods is one :func:`storage_call`
+    (reads too: every SQLite transaction takes the write lock here, :func:`_serialize_sqlite`)."""
+    import inspect
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def whole(*args: Any, **kwargs: Any) -> Any:
+            with storage_call():
+                return fn(*args, **kwargs)
+        return whole
+
+    methods = {name: wrap(getattr(cls, name)) for name in dir(cls)  # the private ones too: Optuna's
+               if not name.startswith("__") and inspect.isfunction(inspect.getattr_static(cls, name))}  # cache calls them
+    return type(cls.__name__, (cls,), {**methods, "__module__": __name__, "__doc__": cls.__doc__})
 
 
 def open_study(storage_url_: str, name: str, space: SearchSpace, num_layers: int, *, sampler=None,

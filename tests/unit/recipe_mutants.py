@@ -9,10 +9,16 @@ and :func:`judge` says what each mutant became:
 - ``refused``: :meth:`Recipe.from_document` (what loading a file runs) raised :class:`RecipeError`;
 - ``refused_for_model``: it loaded, and the tiny model refused it (``check_model``);
 - ``working``: it loaded, its memory accounting is finite and positive at two contexts,
-  ``inspect`` reports the same memory and serialises to JSON, and a cache built from it runs a
-  prompt and one decode step through the reference path (bf16 model: full-precision segments
-  take the 16 bits the accounting counts) with finite logits, holding exactly the bytes the
-  accounting counts at that length (the fitted tensors, amortised apart, aside).
+  ``inspect`` (at the context the provenance records, as ``kvcalib inspect`` runs it) reports the
+  same memory, a context and windows within the model's positions, its method lines and origin,
+  and serialises to JSON, and a cache built from it runs a prompt and one decode step through the
+  reference path (bf16 model: full-precision segments take the 16 bits the accounting counts)
+  with finite logits, holding exactly the bytes the accounting counts at that length (the fitted
+  tensors, amortised apart, aside).
+
+The provenance and its method records (a search's context and budget, Huffman's bits per symbol
+and stream layout) are mutated too: they are informational, not validated on load, and
+``inspect`` must show whatever shape they take.
 
 Anything else (another exception, a NaN, a disagreement) is a failure the fuzz reports.
 """
@@ -36,12 +42,17 @@ from kvcalib.recipe import Recipe
 PROMPT_LEN = 40  # > sinks + window + group of every base recipe: blocks flush, tiers are reached
 
 JSON_VALUES: tuple[Any, ...] = (None, True, False, 0, 1, -1, 2, 3, 4, 8, 16, 32, 64, 128, 2.0, 0.5, -3, 10**9, "",
-                                "x", "channel", "token", "llama", [], {}, [None], [None, None], [1, 2], [8, 8, 8])
+                                "x", "channel", "token", "llama", [], {}, [None], [None, None], [1, 2], [8, 8, 8],
+                                4_096_000, 2**31, 2**63, 1e-30, float("nan"), {"v": 3}, {"k": [1.5], "v": "x"})
 TENSOR_KINDS = ("clip", "perm", "center", "center_gain", "outlier_pool", "outlier_gain", "schedule", "huffman",
                 "huffman_hist", "equalize")
 DTYPES = (torch.float32, torch.float16, torch.float64, torch.bfloat16, torch.int64, torch.int32, torch.int8,
           torch.uint8, torch.bool)
-ELEMENT_VALUES = (0, -1, 1, 2, 3, 0.5, 0.999, 1.5, 255, 17, 1e30, -1e30, float("nan"), float("inf"))
+ELEMENT_VALUES = (0, -1, 1, 2, 3, 0.5, 0.999, 1.5, 255, 17, 1e30, -1e30, float("nan"), float("inf"), 1e-30, 1e-4)
+# what a search records (kvcalib.optimize.search_provenance), informational: mutated like the rest
+SEARCH_PROVENANCE = {"made_by": "fuzz", "kvcalib_version": "0", "data": "embedded", "samples": 6, "seq_len": 64,
+                     "seed": 0, "objective": "decode-faithful KL", "objective_value": 0.01, "effective_bits": 3.5,
+                     "trial": 3, "trials": 8, "budget_bits": 4.0, "context": 256, "schedule": "none"}
 
 
 def tiny_setup():
@@ -64,7 +75,7 @@ def base_recipes(info: ModelInfo, stats) -> dict[str, Recipe]:
 
     def fitted(name: str, configs: list[LayerConfig], methods: list) -> Recipe:
         tensors = fit_stats(stats, configs, methods=[m for m in methods if m != "huffman"], seed=0)
-        recipe = Recipe(name=name, layers=configs, model=info, tensors=tensors, provenance={"made_by": "fuzz"})
+        recipe = Recipe(name=name, layers=configs, model=info, tensors=tensors, provenance=dict(SEARCH_PROVENANCE))
         if "huffman" in methods:
             from kvcalib.methods.huffman import HuffmanMethod
 
@@ -83,7 +94,7 @@ def base_recipes(info: ModelInfo, stats) -> dict[str, Recipe]:
         "schedule": fitted("schedule", [tiered] * n, [ScheduleMethod(ages=(16, 32))]),
         "huffman": fitted("huffman", [coded] * n, ["clip", "huffman"]),
         "mixed": fitted("mixed", mixed, ["clip"]),
-        "preset": Recipe(name="preset", default_layer=kivi, provenance={"made_by": "fuzz"}).validate(),
+        "preset": Recipe(name="preset", default_layer=kivi, provenance=dict(SEARCH_PROVENANCE)).validate(),
     }
 
 
@@ -134,10 +145,14 @@ def _nudge(value: Any, rng: random.Random) -> Any:
 
 
 def _mutate_doc(doc: dict, rng: random.Random) -> str:
-    paths = [p for p in _paths(doc) if p[0] != "provenance" or len(p) == 1]
-    # half of the edits go to the fields that shape the cache (model geometry, layer entries)
+    paths = _paths(doc)
+    # 40% of the edits go to the fields that shape the cache (model geometry, layer entries), 30% to
+    # the provenance (informational: a search's context and budget, a method's record), the rest anywhere
     shaping = [p for p in paths if p[0] in ("model", "layers", "default_layer") and len(p) >= 2]
-    path = rng.choice(shaping if shaping and rng.random() < 0.5 else paths)
+    informational = [p for p in paths if p[0] == "provenance" and len(p) >= 2]
+    draw = rng.random()
+    pool = shaping if shaping and draw < 0.4 else informational if informational and draw < 0.7 else paths
+    path = rng.choice(pool)
     parent, key = _parent(doc, path), path[-1]
     op = rng.choice(("delete", "replace", "nudge", "nudge", "add_key", "layers"))
     if op == "delete":
@@ -148,9 +163,12 @@ def _mutate_doc(doc: dict, rng: random.Random) -> str:
         parent[key] = _nudge(parent[key], rng)
     elif op == "add_key":
         layers = doc.get("layers") if isinstance(doc.get("layers"), list) else []
-        target = rng.choice([d for d in [doc, doc.get("model"), doc.get("default_layer"), *layers]
+        prov = doc.get("provenance")
+        target = rng.choice([d for d in [doc, doc.get("model"), doc.get("default_layer"), *layers, prov,
+                                         *(prov.values() if isinstance(prov, dict) else ())]
                              if isinstance(d, dict)])
-        target[rng.choice(("extra", "window", "k_bits", "sliding_window", "layers", "sinks"))] = rng.choice(JSON_VALUES)
+        target[rng.choice(("extra", "window", "k_bits", "sliding_window", "layers", "sinks", "context", "huffman",
+                           "bits_per_symbol", "layout"))] = copy.deepcopy(rng.choice(JSON_VALUES))
     else:
         layers = doc.get("layers")
         if not isinstance(layers, list) or not layers:
@@ -276,7 +294,7 @@ def decode_step(model, recipe: Recipe, ids: torch.Tensor):
 def judge(mutant: Mutant, model, info: ModelInfo, ids: torch.Tensor) -> str:
     """``refused``, ``refused_for_model`` or ``working`` (module docstring); raises an
     AssertionError naming the mutant's edits for anything else."""
-    from kvcalib.inspect import inspect_recipe
+    from kvcalib.inspect import inspect_recipe, method_lines
 
     try:
         recipe = Recipe.from_document(mutant.doc, mutant.tensors, "mutant")
@@ -291,9 +309,14 @@ def judge(mutant: Mutant, model, info: ModelInfo, ids: torch.Tensor) -> str:
             mem = recipe.memory(info, context)
             assert math.isfinite(mem.effective_bits) and mem.effective_bits > 0, (context, mem)
             assert all(v >= 0 for v in mem.components.values()), mem.components
-        report = inspect_recipe(recipe, model=info, context=4096)
-        assert report["memory"]["effective_bits"] == mem.effective_bits
+        report = inspect_recipe(recipe, model=info)  # as `kvcalib inspect R`: the context the provenance records
+        context = report["context"]
+        assert 1 <= context <= info.max_positions, ("context beyond the model's positions", context)
+        assert all(r["sinks"] + r["window"] <= info.max_positions for r in report["layers"]), "window beyond positions"
+        assert report["memory"]["effective_bits"] == recipe.memory(info, context).effective_bits
         json.dumps(report)
+        method_lines(report)  # the lines `kvcalib inspect` prints from the methods' sections
+        assert all(isinstance(label, str) and isinstance(value, str) for label, value in report["origin"])
         logits, cache = decode_step(model, recipe, ids)
         assert bool(torch.isfinite(logits).all()), "non-finite logits"
         # the fixed window buffer's free slots are allocation slack, reported apart (runtime/cache.py)

@@ -3,13 +3,18 @@
 Each case must end with exit code 2, exactly one line on stderr (``kvcalib: error: ...``) that
 contains the case's words, no traceback, and no new file anywhere under the test's folder (the
 working directory included: default run folders land there). Every refusal happens before a
-model loads (the table runs in seconds). Grow the table with each new command and option.
+model loads: a probe of the loader (``kvcalib.models``' load_model, load_tokenizer and the
+one-time conversion of an embedded model) fails the case if any of them is called. The cases
+tagged ``geometry`` need the model's geometry (positions, layers, the budget's floor) and run a
+second time with no converted model on the machine (an empty ``KVCALIB_HOME``): kvcalib's pinned
+geometry of the embedded models answers then. Grow the table with each new command and option.
 
 ``KVCALIB_TABLE_FIGURES=PATH`` writes the count of cases to PATH as JSON (for docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -58,6 +63,10 @@ def make_files(root: Path) -> None:
     (root / "badspace.json").write_text(json.dumps({"bits": [5]}))
     (root / "text.csv").write_text("a,b\n1,2\n")
     (root / "prompt.txt").write_text("The capital of France is")
+    (root / "empty.txt").write_text("")
+    (root / "blank.txt").write_text("  \n\t\n   \n")
+    (root / "latin1.txt").write_bytes("caf\xe9 cr\xe8me, na\xefve".encode("latin-1"))
+    (root / "rows.jsonl").write_text(json.dumps({"content": "some text"}) + "\n")
     for name in ("stats-only", "with-study", "s-none", "s-notjson", "s-notrials", "s-nopoint", "s-context", "s-bits"):
         (root / name).mkdir()
         (root / name / "stats.safetensors").write_bytes(b"not statistics")
@@ -86,6 +95,15 @@ def make_files(root: Path) -> None:
     doc = Recipe(name="slid", layers=layers, model=SMOL).metadata()
     doc["model"]["sliding_window"] = [None] * 29
     (root / "badsliding.json").write_text(json.dumps(doc))
+    # SmolLM2's 30 layers under a header naming gemma3-270m (18 layers): refused before that model
+    # is fetched or converted
+    Recipe(name="mislabeled", layers=layers, model=dataclasses.replace(SMOL, name="gemma3-270m")).save(
+        root / "mislabeled.safetensors")
+    doc = load_preset("kivi-2").metadata()
+    doc["default_layer"]["sinks"] = 2**31  # a "compressed" preset that keeps every token in bf16
+    (root / "sinks.json").write_text(json.dumps(doc))
+    tiny = Recipe(name="tinyclip", layers=layers, model=SMOL, tensors={"layers.0.k.clip": torch.full((3, 1), 1e-30)})
+    save_file(dict(tiny.tensors), str(root / "tinyclip.safetensors"), metadata={METADATA_KEY: json.dumps(tiny.metadata())})
 
 
 NO_CUDA = "this machine has CUDA" if HAS_CUDA else None
@@ -110,6 +128,13 @@ CASES = [
     Case("collect-data-csv", ["collect", "--data", "{tmp}/text.csv", "--out", "{tmp}/o"], "Unsupported data file type"),
     Case("collect-text-field-embedded", ["collect", "--text-field", "x", "--out", "{tmp}/o"], "--text-field"),
     Case("collect-split-unknown", ["collect", "--split", "nope", "--out", "{tmp}/o"], "splits"),
+    Case("collect-data-empty", ["collect", "--data", "{tmp}/empty.txt", "--out", "{tmp}/o"], "No non-empty texts"),
+    Case("collect-data-whitespace", ["collect", "--data", "{tmp}/blank.txt", "--out", "{tmp}/o"], "No non-empty texts"),
+    Case("collect-data-not-utf8", ["collect", "--data", "{tmp}/latin1.txt", "--out", "{tmp}/o"], "is not UTF-8 text"),
+    Case("collect-jsonl-no-column", ["collect", "--data", "{tmp}/rows.jsonl", "--text-field", "text", "--out",
+                                     "{tmp}/o"], "has no column 'text'; its columns are: content"),
+    Case("collect-seq-len-over-positions", ["collect", "--seq-len", "1000000", "--out", "{tmp}/o"],
+         "--seq-len 1000000 is over smollm2-135m's maximum of 8192 positions", tags=("geometry",)),
     Case("collect-samples-not-int", ["collect", "--samples", "x"], "Invalid value for '--samples'"),
     Case("collect-unknown-option", ["collect", "--sampels", "3"], "No such option: --sampels"),
     # ------------------------------------------------------------------ search
@@ -150,9 +175,16 @@ CASES = [
     Case("search-device-tpu", ["search", "--device", "tpu", "--out", "{tmp}/o"], "not a device"),
     Case("search-device-cuda", ["search", "--device", "cuda:3", "--out", "{tmp}/o"], "no usable CUDA", NO_CUDA),
     Case("search-dtype-int4", ["search", "--dtype", "int4", "--out", "{tmp}/o"], "--dtype"),
+    Case("search-budget-below-floor", ["search", "--budget-bits", "0.5", "--out", "{tmp}/o"],
+         "below the floor of the search space", tags=("geometry",)),
+    Case("search-data-whitespace", ["search", "--data", "{tmp}/blank.txt", "--out", "{tmp}/o"], "No non-empty texts"),
+    Case("search-eval-seq-len-over-positions", ["search", "--eval-seq-len", "9000", "--out", "{tmp}/o"],
+         "--eval-seq-len 9000 is over smollm2-135m's maximum of 8192", tags=("geometry",)),
     # ------------------------------------------------------------------ export
     Case("export-missing-run", ["export", "{tmp}/missing", "-o", "{tmp}/r.safetensors"], "does not exist"),
     Case("export-run-without-stats", ["export", "{tmp}/nonempty", "-o", "{tmp}/r.safetensors"], "no stats.safetensors"),
+    Case("export-run-is-a-file", ["export", "{tmp}/rows.jsonl", "-o", "{tmp}/r.safetensors"],
+         "is a file, not a run folder"),
     Case("export-out-exists", ["export", "{tmp}/stats-only", "-o", "{tmp}/afile"], "already exists"),
     Case("export-out-is-a-folder", ["export", "{tmp}/stats-only", "-o", "{tmp}/nonempty"], "is a folder"),
     Case("export-out-under-a-file", ["export", "{tmp}/stats-only", "-o", "{tmp}/afile/r.safetensors"], "not a folder"),
@@ -211,6 +243,15 @@ CASES = [
     Case("run-recipe-key-missing", ["run", "--recipe", "{tmp}/missing-key.json", "--prompt", "hi"], "lacks ['window']"),
     Case("run-recipe-bad-clip", ["run", "--recipe", "{tmp}/badclip.safetensors", "--prompt", "hi"],
          "layers.0.k.clip must have shape (H, 1) = (3, 1)"),
+    Case("run-recipe-header-names-another-model", ["run", "--recipe", "{tmp}/mislabeled.safetensors", "--prompt", "hi"],
+         "was fitted for gemma3-270m and does not fit this model: model.num_layers is 18, the recipe expects 30",
+         tags=("geometry",)),
+    Case("run-max-new-tokens-over-positions", ["run", "--recipe", "kivi-2", "--prompt", "hi", "--max-new-tokens",
+                                               "100000"], "--max-new-tokens 100000 is over", tags=("geometry",)),
+    Case("run-preset-sinks-beyond-positions", ["run", "--recipe", "{tmp}/sinks.json", "--prompt", "hi"],
+         "sinks 2147483648 + window 128 are beyond smollm2-135m's 8192 positions", tags=("geometry",)),
+    Case("run-clip-zeroes-a-channel", ["run", "--recipe", "{tmp}/tinyclip.safetensors", "--prompt", "hi"],
+         "k.clip must lie in [0.000976562, 1]"),
     # ------------------------------------------------------------------ eval
     Case("eval-no-recipe", ["eval"], "no recipe to evaluate"),
     Case("eval-unknown-metric", ["eval", "--preset", "kivi-2", "--metrics", "nope"], "unknown metric"),
@@ -226,6 +267,14 @@ CASES = [
     Case("eval-foreign-recipe", ["eval", "--preset", "kivi-2", "--recipe", "{tmp}/foreign.safetensors"],
          "was fitted for org/other-model"),
     Case("eval-unknown-preset", ["eval", "--preset", "kivi-3"], "does not exist"),
+    Case("eval-data-empty", ["eval", "--preset", "kivi-2", "--data", "{tmp}/empty.txt"], "No non-empty texts"),
+    Case("eval-ppl-seq-len-over-positions", ["eval", "--preset", "kivi-2", "--ppl-seq-len", "9000"],
+         "--ppl-seq-len 9000 is over smollm2-135m's maximum of 8192", tags=("geometry",)),
+    Case("eval-passkey-over-positions", ["eval", "--preset", "kivi-2", "--metrics", "passkey", "--passkey-lengths",
+                                         "8190"], "--passkey-lengths 8190 (and 10 tokens beside it: 8200) is over",
+         tags=("geometry",)),
+    Case("eval-recipe-header-names-another-model", ["eval", "--recipe", "{tmp}/mislabeled.safetensors", "--model",
+                                                    "gemma3-270m"], "model.num_layers is 18", tags=("geometry",)),
     # ------------------------------------------------------------------ inspect
     Case("inspect-missing", ["inspect", "{tmp}/nope.safetensors"], "does not exist"),
     Case("inspect-garbage", ["inspect", "{tmp}/garbage.safetensors"], "corrupt or truncated"),
@@ -239,6 +288,9 @@ CASES = [
     Case("inspect-key-missing", ["inspect", "{tmp}/missing-key.json"], "no defaults are assumed"),
     Case("inspect-costlier-than-bf16", ["inspect", "{tmp}/costly.json"], "bf16 costs 16"),
     Case("inspect-sliding-window-length", ["inspect", "{tmp}/badsliding.json"], "sliding_window"),
+    Case("inspect-sinks-beyond-positions", ["inspect", "{tmp}/sinks.json"], "are beyond smollm2-135m's 8192 positions",
+         tags=("geometry",)),
+    Case("inspect-clip-zeroes-a-channel", ["inspect", "{tmp}/tinyclip.safetensors"], "k.clip must lie in"),
     # ------------------------------------------------------------------ bench, and no command at all
     Case("bench-without-cuda", ["bench", "grid", "--rows", "quick"], "needs a CUDA GPU", NO_CUDA),
     Case("unknown-command", ["nope"], "No such command 'nope'"),
@@ -249,8 +301,29 @@ def _tree(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*")}
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_input(case: Case, tmp_path, monkeypatch):
+LOADERS = ("load_model", "load_tokenizer", "ensure_embedded_folder")  # kvcalib.models: weights, tokenizer, conversion
+
+
+@pytest.fixture
+def loads(monkeypatch) -> list[str]:
+    """The loader probe: every call of a :data:`LOADERS` function is recorded and refused (the
+    commands import them from ``kvcalib.models`` when they run, so the patched ones are called)."""
+    import kvcalib.models
+
+    calls: list[str] = []
+
+    def probe(name: str):
+        def refused(*args, **kwargs):
+            calls.append(f"{name}{args}")
+            raise RuntimeError(f"the bad-input table loaded a model: {name}{args}")
+        return refused
+
+    for name in LOADERS:
+        monkeypatch.setattr(kvcalib.models, name, probe(name))
+    return calls
+
+
+def _check_case(case: Case, tmp_path: Path, monkeypatch, loads: list[str]) -> None:
     if case.skip:
         pytest.skip(case.skip)
     make_files(tmp_path)
@@ -259,6 +332,7 @@ def test_bad_input(case: Case, tmp_path, monkeypatch):
     monkeypatch.chdir(cwd)  # a default run folder (artifacts/runs/...) would appear here
     before = _tree(tmp_path)
     result = CliRunner().invoke(app, [a.replace("{tmp}", str(tmp_path)) for a in case.args])
+    assert loads == [], loads
     stderr = result.stderr
     assert result.exit_code == 2, (result.exit_code, stderr, result.stdout)
     lines = stderr.splitlines()
@@ -268,6 +342,22 @@ def test_bad_input(case: Case, tmp_path, monkeypatch):
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     assert _tree(tmp_path) == before, sorted(_tree(tmp_path) ^ before)
     assert (tmp_path / "nonempty" / "x").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, tmp_path, monkeypatch, loads):
+    _check_case(case, tmp_path, monkeypatch, loads)
+
+
+GEOMETRY = [c for c in CASES if "geometry" in c.tags]
+
+
+@pytest.mark.parametrize("case", GEOMETRY, ids=[c.id for c in GEOMETRY])
+def test_bad_input_before_any_model_was_converted(case: Case, tmp_path, tmp_path_factory, monkeypatch, loads):
+    """The geometry cases on a machine where no embedded model was ever converted: refused the
+    same way, from the geometry kvcalib pins (nothing is fetched, converted or loaded)."""
+    monkeypatch.setenv("KVCALIB_HOME", str(tmp_path_factory.mktemp("empty-home")))
+    _check_case(case, tmp_path, monkeypatch, loads)
 
 
 def test_table_covers_every_command():
@@ -386,3 +476,49 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch):
     result = CliRunner().invoke(app, ["inspect", "kivi-2"])
     assert result.exit_code == 130
     assert result.stderr.count("\n") == 1 and "interrupted" in result.stderr and "Traceback" not in result.stderr
+
+
+# ------------------------------------------------------------------ the probe, the pinned geometry, informational fields
+def test_the_loader_probe_sees_a_model_load(tmp_path, monkeypatch, loads):
+    """The probe can fail: with the preflight's length check taken out, `collect --seq-len 1000000`
+    reaches the loader (and the table would say so)."""
+    import kvcalib.preflight
+
+    monkeypatch.setattr(kvcalib.preflight, "collect_inputs", lambda *args, **kwargs: None)
+    CliRunner().invoke(app, ["collect", "--seq-len", "1000000", "--out", str(tmp_path / "o")])
+    assert loads and loads[0].startswith("load_model")
+
+
+def test_the_pinned_geometry_is_the_models_own():
+    """kvcalib's pinned geometry of each embedded model equals what its converted config says
+    (where it was converted on this machine) and what the recipes shipped for it record."""
+    from kvcalib.preflight import EMBEDDED_GEOMETRY, model_info_offline
+    from kvcalib.recipe import Recipe
+
+    root = Path(__file__).resolve().parents[2] / "recipes"
+    checked = 0
+    for alias, pinned in EMBEDDED_GEOMETRY.items():
+        sources = [r.model for r in (Recipe.load(p) for p in sorted(root.glob(f"{alias}/**/recipe.safetensors")))]
+        sources.append(model_info_offline(alias))
+        for info in filter(None, sources):
+            assert {k: getattr(info, k) for k in pinned} == pinned, alias
+            checked += 1
+    assert checked >= 2  # the recipes shipped for smollm2-135m and qwen2.5-coder-0.5b at least
+
+
+def test_inspect_shows_informational_fields_it_cannot_read_and_sets_aside_a_context_beyond_the_model(tmp_path):
+    """Provenance is informational: a method's record of another shape (a number where a list
+    was written) is shown as it is, never a TypeError; a recorded context beyond the model's
+    positions is not used (memory is counted at 4096, and a note says why)."""
+    doc = Recipe(name="odd", layers=[LayerConfig(k_bits=2, v_bits=2, window=128)] * 30, model=SMOL,
+                 provenance={"context": 4_096_000, "huffman": {"bits_per_symbol": {"v": 3.5, "k": "x"},
+                                                               "uncoded": 7}}).metadata()
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps(doc))
+    result = CliRunner().invoke(app, ["inspect", str(path)])
+    assert result.exit_code == 0, result.stderr
+    assert "(context 4096)" in result.stdout and "at 4096000" not in result.stdout
+    assert "the recorded context 4,096,000 is beyond smollm2-135m's 8,192 positions" in result.stdout
+    assert '"bits_per_symbol": {"k": "x", "v": 3.5}' in result.stdout
+    report = json.loads(CliRunner().invoke(app, ["inspect", str(path), "--json"]).stdout)
+    assert report["context"] == 4096 and report["context_note"]

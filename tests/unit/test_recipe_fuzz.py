@@ -1,6 +1,9 @@
 """Recipe fuzz (issue 36): at least 10,000 mutants of small fitted recipes per run, each either
 refused with a RecipeError or loaded into something that works (``recipe_mutants.judge``:
 memory accounting, inspect, and one decode step whose cache holds exactly the bytes counted).
+Provenance and the methods' records in it are mutated too (issue 54): ``inspect`` runs on every
+accepted mutant, never raises, and never reports a context or a window beyond the model's
+positions.
 
 Mutants are made in memory (document and tensors; ``Recipe.from_document`` is what loading a
 file runs after parsing it), and every ``ON_DISK_EVERY``-th one also goes through a real file
@@ -70,6 +73,7 @@ def test_mutants_are_refused_or_work(world, tmp_path):
     names = sorted(bases)
     counts: collections.Counter = collections.Counter()
     on_disk: collections.Counter = collections.Counter()
+    informational: collections.Counter = collections.Counter()  # verdicts of mutants with a provenance edit
 
     @settings(max_examples=MUTANTS, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
@@ -78,6 +82,8 @@ def test_mutants_are_refused_or_work(world, tmp_path):
         mutant = rm.mutate(bases[base], seed, n_ops, pool)
         verdict = rm.judge(mutant, model, info, ids)
         counts[verdict] += 1
+        if any(op.startswith("doc:") and ":provenance." in op for op in mutant.ops):
+            informational[verdict] += 1
         if sum(counts.values()) % ON_DISK_EVERY == 1:  # through a real file: the same verdict
             path = tmp_path / "mutant.safetensors"
             mutant.save(path)
@@ -99,8 +105,12 @@ def test_mutants_are_refused_or_work(world, tmp_path):
     # a fuzz whose mutants all die at the door, or all pass, tests little
     assert counts["refused"] > tried // 10 and counts["working"] > tried // 50, counts
     assert on_disk["refused"] and on_disk["loaded"], on_disk
+    # the provenance edits reach inspect: many mutants carry one, and many of those load and work
+    assert sum(informational.values()) > tried // 10 and informational["working"] > tried // 100, informational
     figures = {"mutants": tried, "refused_at_load": counts["refused"],
                "refused_for_the_model": counts["refused_for_model"], "loaded_and_working": counts["working"],
+               "with_a_provenance_edit": sum(informational.values()),
+               "with_a_provenance_edit_working": informational["working"],
                "failed": 0, "on_disk_sample": sum(on_disk.values()), "seconds": round(seconds, 1)}
     if os.environ.get("KVCALIB_FUZZ_FIGURES"):
         Path(os.environ["KVCALIB_FUZZ_FIGURES"]).write_text(json.dumps(figures, indent=2) + "\n")

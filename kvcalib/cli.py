@@ -717,7 +717,7 @@ def inspect(
     """Show a recipe's per-layer configuration, memory at a context length, and where it came from
     (model, data, samples, search budget, objective, held-out result: whatever it records)."""
     if diff is not None:
-        _inspect_diff(recipe, diff, model, 4096 if context is None else context, as_json)
+        _inspect_diff(recipe, diff, model, context, as_json)
         return
     from kvcalib.inspect import inspect_recipe
 
@@ -765,7 +765,7 @@ def inspect(
         print("made from: no provenance recorded (a preset or a hand-written recipe)")
 
 
-def _inspect_diff(a: str, b: str, model: Optional[str], context: int, as_json: bool) -> None:
+def _inspect_diff(a: str, b: str, model: Optional[str], context: Optional[int], as_json: bool) -> None:
     """``kvcalib inspect A --diff B``: differing layers as a table, then a summary."""
     from kvcalib.inspect import diff_recipes
 
@@ -790,7 +790,7 @@ def _inspect_diff(a: str, b: str, model: Optional[str], context: int, as_json: b
     else:
         print(f"{na} and {nb} have the same configuration and fitted tensors in all {report['num_layers']} layers.")
     s = report["summary"]
-    print(f"effective bits at {context}: {na} {report['a']['effective_bits']:.3f} "
+    print(f"effective bits at {report['context']}: {na} {report['a']['effective_bits']:.3f} "
           f"({report['a']['compression_ratio']:.2f}x vs bf16), {nb} {report['b']['effective_bits']:.3f} "
           f"({report['b']['compression_ratio']:.2f}x) (delta {s['effective_bits_delta']:+.3f}); "
           f"differing layers: {s['differing_layers']}, identical: {s['identical_layers']}")

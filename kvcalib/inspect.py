@@ -12,12 +12,16 @@ from kvcalib.layout import ACCOUNTING, held_elements, held_tokens, layer_bytes, 
 from kvcalib.recipe import Recipe, resolve_recipe
 
 
-def check_context(context: Any) -> int:
+def check_context(context: Any, info: ModelInfo | None = None) -> int:
     """``--context``: a positive number of tokens (0 would divide by zero, a negative one count
-    negative bytes)."""
+    negative bytes), and with ``info`` no more than the model's positions (a context the model
+    cannot hold means nothing, and one of 2**40 tokens would take the accounting hours)."""
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise KvcalibError(f"--context {context!r} is not a context length: pass a positive number of tokens "
                            "(e.g. 4096), the length at which bytes and effective bits are counted.")
+    if info is not None and info.max_positions and context > info.max_positions:
+        raise KvcalibError(f"--context {context:,} is beyond {info.name}'s {info.max_positions:,} positions: pass "
+                           f"--context {info.max_positions} or less.")
     return context
 
 
@@ -71,6 +75,8 @@ def inspect_recipe(spec: str | Recipe, model: str | ModelInfo | None = None, con
         check_context(context)
     info = _model_info_for(recipe, model)
     recipe.check_model(info)
+    if context is not None:
+        check_context(context, info)
     context_note = None
     if context is None:
         context, context_note = recorded_context(recipe.provenance, info)
@@ -228,7 +234,7 @@ def _layer_bits(recipe: Recipe, info: ModelInfo, context: int) -> list[float]:
 
 
 def diff_recipes(a: str | Recipe, b: str | Recipe, model: str | ModelInfo | None = None,
-                 context: int = 4096) -> dict[str, Any]:
+                 context: int | None = None) -> dict[str, Any]:
     """Compare two recipes layer by layer: only layers that differ, plus a summary.
 
     Per differing layer: each of bits/groups/axis/window/sinks that differ as ``[a, b]``, the
@@ -236,11 +242,15 @@ def diff_recipes(a: str | Recipe, b: str | Recipe, model: str | ModelInfo | None
     summary has both names, models, total effective bits, the count of differing layers per
     field, and the provenance keys whose values differ. Both recipes must fit one geometry.
     """
-    check_context(context)
+    if context is not None:
+        check_context(context)
     ra, rb = resolve_recipe(a), resolve_recipe(b)
     info = _model_info_for(ra if ra.model is not None or rb.model is None else rb, model)
     for r in (ra, rb):
         r.check_model(info)  # refuses a recipe fitted for another model, naming the field
+    if context is None:  # 4096, or the model's positions where they are fewer
+        context = min(DEFAULT_CONTEXT, info.max_positions) if info.max_positions else DEFAULT_CONTEXT
+    check_context(context, info)
     la, lb = ra.layer_configs(info.num_layers), rb.layer_configs(info.num_layers)
     bits_a, bits_b = _layer_bits(ra, info, context), _layer_bits(rb, info, context)
     layers: list[dict[str, Any]] = []

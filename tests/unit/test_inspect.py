@@ -147,3 +147,17 @@ def test_inspect_defaults_to_the_context_the_recipe_was_searched_for():
     assert inspect_recipe("kivi-2")["context"] == 4096  # a preset records no context
     res = CliRunner().invoke(app, ["inspect", path])
     assert res.exit_code == 0 and "(context 16384)" in res.stdout
+
+
+def test_a_context_beyond_the_models_positions_is_refused():
+    """An explicit --context the model cannot hold is one line naming the limit (the accounting of
+    2**40 tokens would not finish), for a report and for a diff."""
+    import pytest
+
+    from kvcalib.errors import KvcalibError
+
+    with pytest.raises(KvcalibError, match="beyond smollm2-135m's 8,192 positions: pass --context 8192 or less"):
+        inspect_recipe("kivi-2", context=2 ** 40)
+    with pytest.raises(KvcalibError, match="beyond smollm2-135m's 8,192 positions"):
+        diff_recipes("kivi-2", "kivi-4", context=10_000)
+    assert inspect_recipe("kivi-2", context=8192)["context"] == 8192

@@ -202,7 +202,7 @@ def test_presets_with_fewer_bits_are_not_comparable():
 
 
 def test_curve_marks_a_cheaper_preset_not_comparable(tmp_path):
-    from kvcalib.optimize import curve
+    from benchmarks import search_curve as curve
 
     run = tmp_path / "run"
     curve.write_plan(run, "tiny", [("kivi-2", 3.40625)], {"fp16": 16.0, "kivi-2": 3.40625}, {})

@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvcalib-installed
 export KVCALIB_HOME ?= $(HOME)/.cache/kvcalib
 
-.PHONY: demo test setup clean-venv
+.PHONY: demo test test-quick setup clean-venv
 
 setup: $(STAMP)
 
@@ -23,8 +23,17 @@ demo: $(STAMP)
 	@echo "make demo: a short-context search for the CPU (256-token scoring windows); kvcalib search alone targets 8192-token contexts (GPU)"
 	$(BIN)/kvcalib search --model smollm2-135m --data embedded --budget-bits 3.0 --trials 25 --context 4096 --score-seq-len 256 --eval-seq-len 512 --out artifacts/runs/demo-search-$$(date +%Y%m%d-%H%M%S)
 
+# `make test`: every test (CI: 2 cores), spread over TEST_WORKERS pytest-xdist workers, a test file
+# per worker at a time (module fixtures, such as a loaded model, built once); then the slowest 30.
+# `make test-quick`: the same without the tests marked slow (pyproject.toml says which).
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=30
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(PYTEST)
+
+test-quick: $(STAMP)
+	$(PYTEST) -m "not slow"
 
 clean-venv:
 	rm -rf $(VENV)

@@ -9,7 +9,10 @@ import torch
 
 os.environ.setdefault("KVCALIB_QUIET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# two threads at most (CI has 2 cores), shared among pytest-xdist's workers (`make test` runs 2):
+# a worker per core with one thread each, not 4 threads fighting over 2 cores
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "gemma3")
 

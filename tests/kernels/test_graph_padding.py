@@ -46,6 +46,7 @@ def _batch(lens, seed=4):
     return seqs, ids.to(DEVICE), mask.to(DEVICE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sliding", [False, True], ids=["llama", "gemma3-sliding"])
 def test_padded_rows_decode_as_each_prompt_alone_in_static_and_dynamic_mode(monkeypatch, sliding):
     """A left-padded batch (prompts of 41 and 19 tokens) decodes 24 steps in static mode (flushes

@@ -35,10 +35,12 @@ def _recipe(case: str) -> Recipe:
 
 def _inputs(case: str):
     g = torch.Generator().manual_seed(11)
-    ids = torch.randint(0, 128, (2, 21), generator=g).to(DEVICE)  # (B, T)
+    # 33 tokens: one short of the first flush (2 sinks + 16 window + a block of 16), so the decode
+    # steps flush at once and every 16 steps after (the padded row 2 steps later)
+    ids = torch.randint(0, 128, (2, 33), generator=g).to(DEVICE)  # (B, T)
     mask = torch.ones_like(ids)  # (B, T)
     if case.endswith("left-padding"):
-        mask[1, :6] = 0
+        mask[1, :2] = 0
     return ids, mask
 
 
@@ -51,6 +53,7 @@ def _generate(model, recipe, ids, mask, mode: str, new: int):
     return out, cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["plain", "left-padding", "fitted", "ott-left-padding", "pats-left-padding",
                                   "sliding-left-padding", "mixed-16bit"])
 def test_layer_static_steps_equal_plain_generate(monkeypatch, case):
@@ -62,7 +65,7 @@ def test_layer_static_steps_equal_plain_generate(monkeypatch, case):
     model = _model(sliding=case.startswith("sliding"))
     recipe = _recipe(case)
     ids, mask = _inputs(case)
-    new = 56 if case.startswith("pats") else 36
+    new = 44 if case.startswith("pats") else 22  # flushes at contexts 34 and 50 (and 66; tier moves at 58, 74)
     ref, ref_cache = _generate(model, recipe, ids, mask, "off", new)
     got, cache = _generate(model, recipe, ids, mask, "eager", new)
     assert ref_cache.layer_graphs.eager_steps == 0
@@ -85,35 +88,38 @@ def test_layer_static_steps_equal_plain_generate(monkeypatch, case):
     assert cache.nbytes() == ref_cache.nbytes()
 
 
+@pytest.mark.slow
 def test_a_prompt_after_static_steps_goes_back_to_dynamic(monkeypatch):
     """A multi-token chunk after static decode steps (a chat's next turn) leaves static mode and
     is taken in as a prompt; decode steps after it go static again. Same logits as all dynamic."""
     monkeypatch.setenv("KVCALIB_BACKEND", "triton")
     model = _model()
     g = torch.Generator().manual_seed(4)
-    prompt = torch.randint(0, 128, (1, 19), generator=g).to(DEVICE)  # (1, T)
+    # a flush in each static stretch: at context 34 (the first step) and 50 (after the 7-token turn)
+    prompt = torch.randint(0, 128, (1, 33), generator=g).to(DEVICE)  # (1, T)
     turn = torch.randint(0, 128, (1, 7), generator=g).to(DEVICE)  # (1, 7)
-    steps = torch.randint(0, 128, (1, 40), generator=g).to(DEVICE)  # (1, 40) teacher-forced tokens
+    steps = torch.randint(0, 128, (1, 14), generator=g).to(DEVICE)  # (1, 14) teacher-forced tokens
 
     def run(mode):
         cache = CompressedCache.from_recipe(model, RECIPE, layer_graphs=mode)
         logits = []
         with torch.no_grad():
             model(input_ids=prompt, past_key_values=cache)
-            for i in range(20):
+            for i in range(6):
                 logits.append(model(input_ids=steps[:, i:i + 1], past_key_values=cache).logits[:, -1])
             logits.append(model(input_ids=turn, past_key_values=cache).logits[:, -1])
             assert not any(layer.graph_owned for layer in cache.layers)
-            for i in range(20, 40):
+            for i in range(6, 14):
                 logits.append(model(input_ids=steps[:, i:i + 1], past_key_values=cache).logits[:, -1])
-        return torch.stack(logits), cache  # (41, 1, V)
+        return torch.stack(logits), cache  # (15, 1, V)
 
     ref, _ = run("off")
     got, cache = run("eager")
-    assert cache.layer_graphs.eager_steps == 2 * 40
+    assert cache.layer_graphs.eager_steps == 2 * 14
     assert torch.equal(got, ref)
 
 
+@pytest.mark.slow
 def test_static_mode_of_a_graph_decoder_takes_over_the_layers(monkeypatch):
     """GraphDecoder after plain generate on the same cache: its static mode takes every layer
     from the per-layer steps (no layer is run twice a step, nothing is written twice)."""
@@ -122,18 +128,20 @@ def test_static_mode_of_a_graph_decoder_takes_over_the_layers(monkeypatch):
     monkeypatch.setenv("KVCALIB_BACKEND", "triton")
     model = _model()
     ids, mask = _inputs("plain")
-    ref, _ = _generate(model, RECIPE, ids, mask, "off", 30)
-    _, cache = _generate(model, RECIPE, ids, mask, "eager", 30)
+    # plain generate of 22 tokens: its first 18 (two flushes) are those of an 18-token generate
+    # (greedy), its last 4 what the decoder must give after them (one reference generate, not two)
+    ref, _ = _generate(model, RECIPE, ids, mask, "off", 22)
+    _, cache = _generate(model, RECIPE, ids, mask, "eager", 18)
     assert any(layer.graph_owned for layer in cache.layers) or cache.layer_graphs.eager_steps
     cache.make_static(torch.tensor([cache.layers[0].n_seen], device=DEVICE))
     assert not any(layer.graph_owned for layer in cache.layers)
     assert all(layer.static is not None for layer in cache.layers)
     cache.make_dynamic()
     # and decoding goes on: the GraphDecoder's own steps give plain generate's next tokens
-    res = GraphDecoder(model, cache, capture=False).decode(ref.sequences[:, -1:], cache.layers[0].n_seen,
+    last = ids.shape[1] + 18  # the 18th generated token, the decoder's first input
+    res = GraphDecoder(model, cache, capture=False).decode(ref.sequences[:, last - 1:last], cache.layers[0].n_seen,
                                                            torch.full((2, 1), cache.layers[0].n_seen), 4)
-    cont, _ = _generate(model, RECIPE, ids, mask, "off", 34)
-    assert torch.equal(res.tokens, cont.sequences[:, -4:])
+    assert torch.equal(res.tokens, ref.sequences[:, -4:])
 
 
 def test_unknown_layer_graphs_mode_is_refused():

@@ -33,20 +33,60 @@ _WIDE_FRAME_SRC = (
     "    return call(*args, **kwargs)\n")
 
 
+# The interpreter patches the language modules a function sees (``tl`` and ``tl.core`` among its
+# globals: every builtin of them, of tl.tensor and tl.math wrapped for interpretation) at each grid
+# launch, restoring them when the launch ends -- and again at every call of a @triton.jit helper
+# from inside a kernel, where the launch has usually patched those modules already: the repeat
+# finds nothing left to wrap but still walks the modules with inspect.getmembers, 36% of the
+# kernel time of a graph-decode test (triton 3.6-3.9; profiled 2026-11-28: 15 s of 42 s, 8,080
+# walks for 280 launches). Inside a launch, a helper whose language modules the launch has patched
+# skips the walk; one that sees another (its module imports ``tl.core`` itself) patches as before.
+_LAUNCH: dict = {"depth": 0, "patched": set()}  # ids of the language modules patched in this launch
+
+
+def _patch_language_once_per_launch(interpreter) -> None:
+    """Wrap the interpreter's ``_patch_lang`` as said above (an empty patch scope for a repeat)."""
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if patch_lang is None or scope_type is None or getattr(patch_lang, "_kvcalib_once", False):
+        return
+    import triton.language as tl
+
+    def patch_once(fn):
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}  # what _patch_lang patches
+        if _LAUNCH["depth"] and langs and langs <= _LAUNCH["patched"]:
+            return scope_type()
+        scope = patch_lang(fn)
+        if _LAUNCH["depth"]:
+            _LAUNCH["patched"] |= langs
+        return scope
+
+    patch_once._kvcalib_once = True
+    interpreter._patch_lang = patch_once
+
+
 def _launch_grids_in_fresh_stack_chunks() -> None:
     """Wrap the interpreter's grid launch (``GridExecutor.__call__``) in a frame wider than a
-    data-stack chunk (see above); once per process, and not where triton lacks that class."""
+    data-stack chunk (see above), and mark the launch for :func:`_patch_language_once_per_launch`;
+    once per process, and not where triton lacks those names."""
     interpreter = importlib.import_module("triton.runtime.interpreter")
     executor = getattr(interpreter, "GridExecutor", None)
     if executor is None or getattr(executor.__call__, "_kvcalib_wide_frame", False):
         return
+    _patch_language_once_per_launch(interpreter)
     namespace: dict = {}
     exec(compile(_WIDE_FRAME_SRC, "<kvcalib wide frame>", "exec"), namespace)
     call_in_wide_frame = namespace["_call_in_wide_frame"]
     launch = executor.__call__
 
     def launch_in_wide_frame(self, *args, **kwargs):
-        return call_in_wide_frame(launch, (self, *args), kwargs)
+        _LAUNCH["depth"] += 1
+        _LAUNCH["patched"] = set()
+        try:
+            return call_in_wide_frame(launch, (self, *args), kwargs)
+        finally:
+            _LAUNCH["depth"] -= 1
+            _LAUNCH["patched"] = set()
 
     launch_in_wide_frame._kvcalib_wide_frame = True
     executor.__call__ = launch_in_wide_frame

@@ -23,12 +23,15 @@ def recipe(cfg: LayerConfig) -> Recipe:
     return Recipe(name="test", default_layer=cfg)
 
 
-def decode_logits(model, ids, rec, prompt_len):
-    """Prefill ``prompt_len`` tokens, then feed the rest one by one; logits (B, T, V)."""
+def decode_logits(model, ids, rec, prompt_len, prompt_logits: int = 0):
+    """Prefill ``prompt_len`` tokens, then feed the rest one by one; logits (B, T, V), or with
+    ``prompt_logits`` N > 0 only the prompt's last N positions' (B, N + T - prompt_len, V): a 4k
+    prompt's logits over the whole vocabulary are 1.6 GB in float64, and a test reads the last one."""
     cache = CompressedCache.from_recipe(model, rec)
     outs = []
     with torch.no_grad():
-        outs.append(model(input_ids=ids[:, :prompt_len], past_key_values=cache).logits.float())
+        outs.append(model(input_ids=ids[:, :prompt_len], past_key_values=cache,
+                          logits_to_keep=prompt_logits).logits.float())
         for i in range(prompt_len, ids.shape[1]):
             outs.append(model(input_ids=ids[:, i:i + 1], past_key_values=cache).logits.float())
     return torch.cat(outs, 1), cache

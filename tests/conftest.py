@@ -18,13 +18,14 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "gemma3")
 
 
 def tiny_config(arch: str, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
-                sliding_window: int = 8):
-    """A 2-layer config of a real architecture; gemma3 gets one sliding and one global layer."""
+                sliding_window: int = 8, positions: int = 512):
+    """A 2-layer config of a real architecture; gemma3 gets one sliding and one global layer.
+    ``positions``: max_position_embeddings (accounting at 4k tokens needs a model that holds them)."""
     from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(vocab_size=128, hidden_size=heads * head_dim, intermediate_size=64,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                  head_dim=head_dim, max_position_embeddings=512)
+                  head_dim=head_dim, max_position_embeddings=positions)
     if arch == "llama":
         return LlamaConfig(**common)
     if arch == "mistral":

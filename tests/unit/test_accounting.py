@@ -23,7 +23,8 @@ from kvcalib.recipe import METADATA_KEY, Recipe, load_preset, with_layers
 from tests.conftest import tiny_config, tiny_model
 
 LAYERS = 4
-SHAPE = dict(layers=LAYERS, heads=4, kv_heads=2, head_dim=16)
+# 8,192 positions: the accounting is read at 4,096 tokens, and kvcalib refuses a context beyond the model's
+SHAPE = dict(layers=LAYERS, heads=4, kv_heads=2, head_dim=16, positions=8192)
 # K and V at 4 bits, keys per channel over 16-token groups, values per token over 16 channels,
 # a 32-token full-precision window: the hand count below is for this layer
 UNIFORM_4BIT = LayerConfig(k_bits=4, v_bits=4, k_group=16, v_group=16, window=32)

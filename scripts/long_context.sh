@@ -10,11 +10,12 @@
 #    decode steps after a compressed prompt (--score-seq-len / --score-last), effective bits
 #    counted at CONTEXT; the chosen recipe, report and plots are copied to
 #    recipes/MODEL/long-CONTEXT-Bb/;
-# 3. benchmarks/long_context.py: held-out perplexity (the Britannica article, never calibrated on)
-#    and passkey at each EVAL CONTEXT, full precision beside KIVI-2, KIVI-4 and the searched
-#    recipes, into artifacts/results/long_context.{json,md} and a PNG per context.
+# 3. benchmarks/long_context.py: held-out perplexity with its 95% interval, copy and passkey at each
+#    EVAL CONTEXT on both held-out texts (the Britannica article and the plays, never calibrated on),
+#    full precision beside KIVI-2, KIVI-4 and the searched recipes, into
+#    artifacts/results/long_context.{json,md} and a PNG per context.
 # Env: TRIALS (30), SCORE_LAST (CONTEXT/8), SCORE_SAMPLES (2), COLLECT_LEN (2048), SAMPLES (8),
-# PPL_SAMPLES (2), PASSKEY_TRIALS (2), RUNS (artifacts/runs/long-MODEL-CONTEXT), KVCALIB (the command:
+# PPL_SAMPLES (8 windows a text: an interval needs them; 2 until issue 51), PASSKEY_TRIALS (4 a depth, 20 in all), RUNS (artifacts/runs/long-MODEL-CONTEXT), KVCALIB (the command:
 # default `kvcalib`, or `python3 -m kvcalib.cli` where it is not installed), SEARCH_ARGS (more options
 # for `kvcalib search`, e.g. "--timeout 300"), TAG (appended to the recipe folder's name, e.g. "-rot" for a
 # search with another --space, so the committed recipes stay until the new ones are proven). A GPU makes it minutes. Steps already done in RUNS are
@@ -22,8 +23,8 @@
 set -euo pipefail
 MODEL=$1; CTX=$2; EVAL_CTXS=$3; BUDGETS=${4:-"3.0 4.0"}
 TRIALS=${TRIALS:-30}; SCORE_LAST=${SCORE_LAST:-$((CTX / 8))}; SCORE_SAMPLES=${SCORE_SAMPLES:-2}
-COLLECT_LEN=${COLLECT_LEN:-2048}; SAMPLES=${SAMPLES:-8}; PPL_SAMPLES=${PPL_SAMPLES:-2}
-PASSKEY_TRIALS=${PASSKEY_TRIALS:-2}; RUNS=${RUNS:-artifacts/runs/long-$MODEL-$CTX}
+COLLECT_LEN=${COLLECT_LEN:-2048}; SAMPLES=${SAMPLES:-8}; PPL_SAMPLES=${PPL_SAMPLES:-8}
+PASSKEY_TRIALS=${PASSKEY_TRIALS:-4}; RUNS=${RUNS:-artifacts/runs/long-$MODEL-$CTX}
 KVCALIB=${KVCALIB:-kvcalib}; PY=${PY:-python3}
 mkdir -p "$RUNS"
 if [ ! -f "$RUNS/stats/stats.safetensors" ]; then

@@ -1,4 +1,4 @@
-"""Recipe mutants for the fuzz (``test_recipe_fuzz.py``) and ``scripts/reliability_figures.py``.
+"""Recipe mutants for the fuzz (``test_recipe_fuzz.py``) and ``scripts/fuzz_recipes.py``.
 
 Small fitted recipes of a tiny 2-layer llama (4 query heads, 2 kv heads, head_dim 16), one per
 method and layout, are mutated in memory -- their JSON document (a key deleted, a value replaced

@@ -90,13 +90,20 @@ def tokenizer_source(loaded: "LoadedModel") -> str:
     kind, _, _ = resolve_model_source(loaded.source)
     if kind != "gguf":
         return str(loaded.resolved)
+    return _saved_tokenizer(loaded.source, lambda: loaded.tokenizer)
+
+
+def _saved_tokenizer(source: str, tokenizer: Any) -> str:
+    """The folder under ``$KVCALIB_HOME/tokenizers/`` holding the tokenizer of the ``.gguf`` file
+    ``source`` (RULER loads its tokenizer by a name, and transformers reads a GGUF's tokenizer
+    only with ``gguf_file=``): ``tokenizer()`` is called to save it the first time."""
     from kvcalib.io import atomic_path
     from kvcalib.paths import home_subdir
 
-    folder = home_subdir("tokenizers") / Path(loaded.source).stem
+    folder = home_subdir("tokenizers") / Path(source).stem
     if not (folder / "tokenizer_config.json").is_file():
         with atomic_path(folder) as tmp:
-            loaded.tokenizer.save_pretrained(tmp)
+            tokenizer().save_pretrained(tmp)
     return str(folder)
 
 
@@ -166,6 +173,10 @@ def prepare_lm_eval_argv(argv: list[str]) -> list[str]:
             args[i] += f",tokenizer={ensure_embedded_folder(model)}"
         elif kind in ("folder", "hub"):
             args[i] += f",tokenizer={where}"
+        elif kind == "gguf":  # the GGUF's own tokenizer, saved once as a folder RULER can load by name
+            from kvcalib.models import load_tokenizer
+
+            args[i] += f",tokenizer={_saved_tokenizer(model, lambda: load_tokenizer(model))}"
     return args
 
 

@@ -206,6 +206,27 @@ def test_lm_eval_command_line_gets_the_tokenizer_folder(monkeypatch, tmp_path):
     assert tasks.prepare_lm_eval_argv(list(kept)) == kept
 
 
+def test_lm_eval_command_line_saves_a_gguf_tokenizer_once(monkeypatch, tmp_path, tiny_tokenizer):
+    """RULER loads its tokenizer by a name, and a .gguf's is read only with gguf_file=: the command
+    line gets a folder under KVCALIB_HOME holding the GGUF's tokenizer, saved the first time."""
+    pytest.importorskip("lm_eval")
+    import kvcalib.models
+    from kvcalib.eval import tasks
+
+    monkeypatch.setenv("KVCALIB_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(tasks, "prepare_nltk_data", lambda: tmp_path)
+    loads = []
+    monkeypatch.setattr(kvcalib.models, "load_tokenizer", lambda model: loads.append(model) or tiny_tokenizer)
+    gguf = tmp_path / "m-Q8_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    for _ in range(2):
+        argv = tasks.prepare_lm_eval_argv(["lm_eval", "--model", "kvcalib", "--model_args", f"pretrained={gguf}"])
+        folder = tmp_path / "home" / "tokenizers" / "m-Q8_0"
+        assert argv[-1] == f"pretrained={gguf},tokenizer={folder}"
+        assert (folder / "tokenizer_config.json").is_file()
+    assert loads == [str(gguf)]  # saved once, then reused
+
+
 # ------------------------------------------------------------------ benchmark files
 def test_benchmark_rows_merge_and_tables(tmp_path):
     from benchmarks import long_context, ruler

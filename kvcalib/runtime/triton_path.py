@@ -16,7 +16,9 @@ the caller (:func:`kvcalib.runtime.backend.decode_attention`) then runs the PyTo
   through the window on a sliding layer) -- so the two modes run one computation; otherwise
   what the query may see comes from ``visible`` (its last query row, over absolute positions).
   A padded batch runs one launch per row over the row's own layer
-  (:attr:`~kvcalib.runtime.cache.CompressedLayer.rows`). A sliding layer has already dropped
+  (:attr:`~kvcalib.runtime.cache.CompressedLayer.rows`), split by
+  :func:`kvcalib.runtime.backend.decode_attention`, the one place that splits rows: the
+  functions here take one unpadded layer. A sliding layer has already dropped
   its packed blocks older than the window at the last flush
   (:meth:`~kvcalib.runtime.cache.CompressedLayer.flush`), so the packed tokens the kernel reads
   span at most the window plus one flush block, the mask hiding
@@ -153,16 +155,10 @@ def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, s
     ``visible`` (B|1, 1, KV) bool over absolute positions ``0..n_seen-1`` (False = padding);
     ``all_visible``: it is True everywhere (and may be None), so no mask is passed to the kernel.
     Returns None (use the reference) when the step or the layer is not covered (module doc).
+    ``layer`` is one unpadded layer: a padded batch's rows come one by one, through
+    :func:`kvcalib.runtime.backend.decode_attention` (a ragged layer raises).
     """
-    if layer.rows is not None and query.shape[-2] == 1:  # padded batch: a launch per row, its own layer
-        def one_row(q, row, vis):
-            if vis is None and row.is_sliding:
-                from kvcalib.runtime.reference import visible_mask
-
-                vis = visible_mask(None, row, 1, q.device)  # (1, 1, n) the window's lower bound
-            return triton_decode_attention(q, row, vis, scaling, softcap, all_visible=vis is None)
-
-        return layer.attend_rows(query, visible, one_row, query.dtype)
+    layer.require_dense("the fused decode kernel")
     if _reason_unsupported(query, layer) is not None:
         return None
     if layer.pend_buffered:  # the very launch a static step makes (static_decode_attention): one computation
@@ -178,12 +174,11 @@ def static_decode_attention(query: torch.Tensor, layer, scaling: float,
     """The same over a layer in static mode (:mod:`kvcalib.runtime.static`): the whole pending
     buffer is passed and ``layer.static.visible`` hides its empty slots (and padding), so the
     launch is the same at every step between two flushes. Raises when the kernel does not cover
-    the layer (there is no reference fallback inside a CUDA graph)."""
+    the layer (there is no reference fallback inside a CUDA graph). One unpadded layer, as
+    :func:`triton_decode_attention` (a padded batch: ``backend.decode_attention(path="static")``)."""
     from kvcalib.errors import KvcalibError
 
-    if layer.rows is not None:  # padded batch: each row over its own layer and state (static.py)
-        return torch.cat([static_decode_attention(query[i:i + 1], row, scaling, softcap)
-                          for i, row in enumerate(layer.rows)])
+    layer.require_dense("the fused decode kernel")
     why = _reason_unsupported(query, layer)
     if why is not None:
         raise KvcalibError(f"layer {layer.layer_idx} cannot decode in static (CUDA-graph) mode: {why}; "

@@ -114,10 +114,10 @@ def kernel_reason(cfg, codec, head_dim: int, kv_heads: int, q_heads: int,
         return "layer is not packed on both K and V"
     d, h, hq = head_dim, kv_heads, q_heads
     for side in ("k", "v"):
-        args = codec.kernel_attend(side, torch.device(device))
-        if args is None:
+        attend = codec.kernel_attend(side, torch.device(device))  # a KernelAttend
+        if attend is None:
             return f"a method state of the {side} side has a transform the kernel does not apply"
-        perm = args.get(f"{side}_perm")
+        perm = attend.perm
         if perm is not None and tuple(perm.shape) != (h, d):
             return f"{side} permutation of shape {tuple(perm.shape)} for {h} kv heads of {d} channels"
     if hq % h:
@@ -252,11 +252,12 @@ def _store_part(store, cfg, codec, device, whole: bool = False) -> dict | None:
         packed = {}
     part = dict(packed, k_bits=store.bits["k"], v_bits=store.bits["v"], k_group=cfg.k_group,
                 v_group=cfg.v_group, k_axis=cfg.k_axis, packed_position=view.start, keep=view.keep,
-                keep_block=cfg.flush_block, k_perm=None, v_perm=None,
-                k_mean=view.k_mean, v_mean=view.v_mean)
+                keep_block=cfg.flush_block, k_mean=view.k_mean, v_mean=view.v_mean)  # means of an empty store are ignored
     if whole and packed:  # the whole allocation: its live tokens [0, n) on the device
         part["packed_start"], part["packed_end"] = store.device_range()
-    for side in ("k", "v"):  # the method states' kernel arguments (SKVQ permutations...)
-        part.update(codec.kernel_attend(side, device) or {})  # means of an empty store are ignored
+    for side in ("k", "v"):  # the method states' kernel arguments (SKVQ permutations, rotations)
+        attend = codec.kernel_attend(side, device)  # a KernelAttend (None: refused by kernel_reason before)
+        if attend is not None:
+            part.update(attend.kernel_args(side))  # the one place it becomes keyword arguments
     store.kernel_part = (view, device, part)
     return part

@@ -321,7 +321,7 @@ def test_triton_path_runs_rotated_layers(extra):
 @pytest.mark.skipif(not INTERPRET, reason="CPU tensors reach the kernels only under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("center", [0, 8], ids=["plain", "center8"])
 def test_rotated_flushes_store_the_reference_bytes(monkeypatch, center):
-    """The flush rotates the block (``kernel_encode``'s ``"x"``) and the quantize-and-pack kernels
+    """The flush rotates the block (``kernel_encode``'s ``x``) and the quantize-and-pack kernels
     store exactly the bytes of the reference codec, centering included."""
     from tests.unit.test_codec_triton import _Spy, _prompt_then_decode, _run, assert_same_storage
 

@@ -26,7 +26,8 @@ Encoding runs the fused Triton kernels (:mod:`kvcalib_kernels.quant_pack`: cente
 clip, padding and OTT range masks in one pass per side, no device sync) when the backend choice of
 :mod:`kvcalib.accel` picks Triton for the block's tensor (:func:`use_triton_encode`), the kernels
 cover the side's layout, and every active state gives its kernel arguments
-(``MethodState.kernel_encode``: a method the kernels do not know gives None); otherwise, and for
+(``MethodState.kernel_encode``, a :class:`~kvcalib.methods.base.KernelEncode` of its own fields:
+a method the kernels do not know gives None); otherwise, and for
 PATS requantization, the PyTorch reference, which is the specification: both give the same bytes.
 """
 
@@ -40,7 +41,7 @@ import torch
 from kvcalib.accel import interpreting, triton_chosen
 from kvcalib.errors import KvcalibError
 from kvcalib.layout import LayerConfig
-from kvcalib.methods import MethodState, registry
+from kvcalib.methods import KernelAttend, KernelEncode, MethodState, registry
 from kvcalib.quant.packing import SUPPORTED_BITS
 from kvcalib.quant.transforms import apply_perm
 from kvcalib.quant.uniform import QuantizedTensor, dequantize, dequantize_keys, dequantize_values, quantize_fixed, \
@@ -256,34 +257,36 @@ class LayerCodec:
                                per_channel=per_channel) is not None:
             return None
         stored = self._side_data(positions)
-        args: dict[str, Any] = {}
-        for state in self._encoders:
+        parts: dict[str, KernelEncode] = {}
+        for name, state in self.states.items():  # registry order
             got = state.kernel_encode(side, x, stored)
             if got is None:
                 return None
-            if "x" in got:  # a transform run at flush (a rotation): later states and the kernel see its block
-                got = dict(got)
-                x = got.pop("x")  # (B, H, N, D)
-            args.update(got)
-        perm = args.get("perm")
+            if got.x is not None:  # a transform run at flush (a rotation): later states and the kernel see its block
+                x = got.x  # (B, H, N, D)
+            parts[name] = got
+        args = KernelEncode.merge(parts)  # each field one method's
+        perm = args.perm
         if quant_pack.supports(shape=tuple(x.shape), dtype=x.dtype, bits=bits, group=group, per_channel=per_channel,
-                               center=args.get("center", 0),
+                               center=args.center or 0,
                                perm_heads=None if perm is None else perm.shape[0]) is not None:
             return None
         quantize = quant_pack.quantize_pack_keys if per_channel else quant_pack.quantize_pack_values
-        q = quantize(x, bits, group, args.get("clip", 1.0), m, perm=perm, mean=args.get("mean"), validate=False)
+        q = quantize(x, bits, group, valid=m, validate=False, **args.kernel_args())
         return PackedBlock(q, None, stored.get("mean"), stored.get("mean_q"))
 
-    def kernel_attend(self, side: str, device: torch.device) -> dict[str, Any] | None:
-        """Every state's decode-attention kernel arguments for ``side`` merged (``k_perm``...), or
-        None when some state's transform is unknown to the kernel (the reference then runs)."""
-        args: dict[str, Any] = {}
-        for state in self._encoders:
+    def kernel_attend(self, side: str, device: torch.device) -> KernelAttend | None:
+        """Every state's decode-attention kernel arguments for ``side`` merged into one
+        :class:`~kvcalib.methods.base.KernelAttend` (a field two methods set raises), or None when
+        some state's transform is unknown to the kernel (the reference then runs). Its
+        ``kernel_args(side)`` are the kernel's keyword arguments (``k_perm``...)."""
+        parts: dict[str, KernelAttend] = {}
+        for name, state in self.states.items():  # registry order
             got = state.kernel_attend(side, device)
             if got is None:
                 return None
-            args.update(got)
-        return args
+            parts[name] = got
+        return KernelAttend.merge(parts)
 
     def _decode(self, side: str, block: PackedBlock, dtype: torch.dtype,
                 positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,9 +15,10 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from kvcalib.methods.base import CalibrationError, Method, MethodState
+from kvcalib.methods.base import CalibrationError, KernelAttend, KernelEncode, Method, MethodState
 
-__all__ = ["CalibrationError", "Method", "MethodState", "registry", "get", "register", "unregister"]
+__all__ = ["CalibrationError", "KernelAttend", "KernelEncode", "Method", "MethodState", "registry", "get", "register",
+           "unregister"]
 
 _EXTRA: dict[str, type[Method]] = {}
 _FOUND: dict[str, type[Method]] | None = None

@@ -30,12 +30,12 @@ method refuses the same bad input the same way.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
 
-from kvcalib.errors import CalibrationError
+from kvcalib.errors import CalibrationError, KvcalibError
 from kvcalib.layout import LayerConfig
 # the reservoir helpers live one layer below, where the shared scoring uses them; the methods take
 # them from here with the rest of their contract
@@ -254,6 +254,113 @@ class FitContext:
     codec: Any = None
 
 
+def _merge_kernel_values(cls, parts: dict[str, Any], what: str, chained: tuple[str, ...] = ()):
+    """One ``cls`` value from the states' (``{method name: value}``, registry order): each field
+    set by at most one method (two: a KvcalibError naming both), except the ``chained`` fields,
+    which a later method's value replaces (a transform run on the earlier one's result)."""
+    if len(parts) <= 1:
+        return next(iter(parts.values()), None) or cls()
+    names = [f.name for f in fields(cls)]
+    merged: dict[str, Any] = {}
+    owner: dict[str, str] = {}
+    for method, value in parts.items():
+        for name in names:
+            got = getattr(value, name)
+            if got is None:
+                continue
+            if name in owner and name not in chained:
+                raise KvcalibError(f"methods {owner[name]!r} and {method!r} both set the {what} kernels' "
+                                   f"{name!r} for one side: a layer's states must not overlap")
+            merged[name], owner[name] = got, method
+    return cls(**merged)
+
+
+@dataclass(frozen=True)
+class KernelEncode:
+    """What one method state hands the quantize-and-pack kernels (:mod:`kvcalib_kernels.quant_pack`)
+    for one side's block (:meth:`MethodState.kernel_encode`). Every field is one method's (None:
+    not set); the codec merges a layer's states (:meth:`merge`) and :meth:`kernel_args` is the one
+    place they become the quantize kernels' keyword arguments (``LayerCodec._encode_triton``).
+
+    - ``perm``: (H, D) int32 on the block's device, SKVQ's channel permutation (stored channel
+      ``j`` of head ``h`` is input channel ``perm[h, j]``; reorder);
+    - ``mean``: (B, 1, N, D) float32, TaDA's stored per-token mean (dequantized) the kernel
+      subtracts before quantizing (center);
+    - ``center``: int, the bits that mean is stored at, 8 or 16 (center; the kernels' ``supports``);
+    - ``clip``: float in (0, 1], or float32 tensor broadcast over the block's groups ((1, H, 1, 1)
+      per kv head) on the block's device: the range's clip scale (clip);
+    - ``x``: (B, H, N, D), the block after a transform the kernels do not fuse, run at flush (a
+      rotation, pre-RoPE keys): the later states and the kernels see it. Not a kernel argument:
+      a later state's ``x`` (computed from this one) replaces it.
+    """
+
+    perm: torch.Tensor | None = None
+    mean: torch.Tensor | None = None
+    center: int | None = None
+    clip: float | torch.Tensor | None = None
+    x: torch.Tensor | None = None
+
+    @classmethod
+    def merge(cls, parts: dict[str, "KernelEncode"]) -> "KernelEncode":
+        """The states' values (``{method name: value}``) as one; a field two methods set raises."""
+        return _merge_kernel_values(cls, parts, "quantize-and-pack", chained=("x",))
+
+    def kernel_args(self) -> dict[str, Any]:
+        """The quantize functions' keyword arguments (``quantize_pack_keys`` / ``_values``), the
+        fields set only: ``clip``, ``perm``, ``mean`` (one absent: the kernel's default)."""
+        args = {}
+        if self.clip is not None:
+            args["clip"] = self.clip
+        if self.perm is not None:
+            args["perm"] = self.perm
+        if self.mean is not None:
+            args["mean"] = self.mean
+        return args
+
+
+@dataclass(frozen=True)
+class KernelAttend:
+    """What one method state hands the decode-attention kernel
+    (:func:`kvcalib_kernels.decode_attention.decode_attention`) for one side, K or V
+    (:meth:`MethodState.kernel_attend`). Every field is one method's (None: not set); the codec
+    merges a layer's states (:meth:`merge`) and :meth:`kernel_args` is the one place they become
+    the kernel's keyword arguments (``{side}_perm``...), at the launch
+    (``kvcalib.runtime.triton_path``: once per packed store, kept with it).
+
+    - ``perm``: (H, D) int32 on the device, the side's SKVQ channel permutation (the kernel reads
+      the query at each stored key channel's input channel, writes value channels back to their
+      input positions; reorder);
+    - ``rot``: ``(matrix, signs)`` on the device, the side's per-head rotation (stored tokens are
+      ``x R``): ``matrix`` float32 (D, D) -- the shared Walsh-Hadamard matrix, applied as a fast
+      transform -- or (H, D, D) fitted per kv head, ``signs`` float32 (H, D) random signs or None
+      (:mod:`kvcalib.quant.rotation`; rotate).
+
+    TaDA's means are not here: the kernel reads them from the packed store beside the codes.
+    """
+
+    perm: torch.Tensor | None = None
+    rot: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    @classmethod
+    def merge(cls, parts: dict[str, "KernelAttend"]) -> "KernelAttend":
+        """The states' values (``{method name: value}``) as one; a field two methods set raises."""
+        return _merge_kernel_values(cls, parts, "decode-attention")
+
+    def kernel_args(self, side: str) -> dict[str, Any]:
+        """The decode kernel's keyword arguments for ``side`` ("k" or "v"), the fields set only:
+        ``{side}_perm``, ``{side}_rot`` (one absent: the kernel's default, nothing to apply)."""
+        args = {}
+        if self.perm is not None:
+            args[f"{side}_perm"] = self.perm
+        if self.rot is not None:
+            args[f"{side}_rot"] = self.rot
+        return args
+
+
+NO_KERNEL_ENCODE = KernelEncode()  # a state with nothing to pass (no allocation per call)
+NO_KERNEL_ATTEND = KernelAttend()
+
+
 class MethodState:
     """A method's fitted state for one layer, and the hooks that apply it.
 
@@ -298,22 +405,26 @@ class MethodState:
         and dequantizer (:mod:`kvcalib.quant.uniform`), or None (the uniform grid)."""
         return None
 
-    # -- kernel seams: a dict of kernel arguments, or None when the kernels cannot apply this state
+    # -- kernel seams: a typed value of this state's kernel arguments, or None when the kernels
+    # cannot apply this state
     def _transforms(self) -> bool:
         cls = type(self)
         return cls.encode is not MethodState.encode or cls.decode is not MethodState.decode
 
-    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> dict[str, Any] | None:
-        """Arguments for the quantize-and-pack kernels (``perm``, ``mean``, ``clip``) of block ``x``;
-        may fill ``stored`` as :meth:`encode` does. A transform the kernels do not fuse may run here
-        and hand its result on as ``"x"``: the block (B, H, N, D) the later states and the kernels
-        then see (e.g. a rotation at flush). Default: nothing to pass for a state without a
-        transform, None (run the reference) for one with a transform the kernels do not know."""
-        return None if self._transforms() else {}
+    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> KernelEncode | None:
+        """This state's part of the quantize-and-pack kernels' arguments for block ``x`` (B, H, N, D)
+        (:class:`KernelEncode`: only its own fields); may fill ``stored`` as :meth:`encode` does. A
+        transform the kernels do not fuse may run here and hand its result on as ``x``: the block
+        the later states and the kernels then see (e.g. a rotation at flush). Default: nothing to
+        pass for a state without a transform, None (run the reference) for one with a transform
+        the kernels do not know."""
+        return None if self._transforms() else NO_KERNEL_ENCODE
 
-    def kernel_attend(self, side: str, device: torch.device) -> dict[str, Any] | None:
-        """Arguments for the decode-attention kernel (``k_perm``...). Default as :meth:`kernel_encode`."""
-        return None if self._transforms() else {}
+    def kernel_attend(self, side: str, device: torch.device) -> KernelAttend | None:
+        """This state's part of the decode-attention kernel's arguments for ``side``
+        (:class:`KernelAttend`: only its own fields, tensors on ``device``). Default as
+        :meth:`kernel_encode`."""
+        return None if self._transforms() else NO_KERNEL_ATTEND
 
     # -- memory accounting
     def bytes(self, cfg: LayerConfig, heads: int, head_dim: int, kept: int, packed: int) -> dict[str, float]:

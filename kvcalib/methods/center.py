@@ -49,9 +49,13 @@ from kvcalib.methods.base import (
     CalibrationError,
     FitContext,
     Flag,
+    KernelAttend,
+    KernelEncode,
     LayerGeometry,
     Method,
     MethodState,
+    NO_KERNEL_ATTEND,
+    NO_KERNEL_ENCODE,
     TensorSpec,
     check_quantized_side,
     check_side,
@@ -200,18 +204,18 @@ class CenterState(MethodState):
             return y + dequantize_values(stored["mean_q"])
         return y
 
-    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> dict[str, Any] | None:
+    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> KernelEncode | None:
         if side not in self.bits:
-            return {}
+            return NO_KERNEL_ENCODE
         from kvcalib_kernels import quant_pack
 
         if x.shape[1] > quant_pack.MAX_CENTER_HEADS:
             return None
         mean, stored["mean"], stored["mean_q"] = quant_pack.center_pack(x, self.bits[side], validate=False)
-        return {"mean": mean, "center": self.bits[side]}  # (B, 1, N, D): the kernel subtracts it
+        return KernelEncode(mean=mean, center=self.bits[side])  # (B, 1, N, D) float32: the kernel subtracts it
 
-    def kernel_attend(self, side: str, device: torch.device) -> dict[str, Any] | None:
-        return {}  # the kernel reads the stored means from the packed store's view
+    def kernel_attend(self, side: str, device: torch.device) -> KernelAttend | None:
+        return NO_KERNEL_ATTEND  # the kernel reads the stored means from the packed store's view
 
     def bytes(self, cfg: LayerConfig, heads: int, head_dim: int, kept: int, packed: int) -> dict[str, float]:
         # one stored mean per packed token (TaDA): 16-bit = 2D bytes, 8-bit = D codes + fp16 scale/zero

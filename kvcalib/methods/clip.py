@@ -48,9 +48,11 @@ from kvcalib.methods.base import (
     CalibrationError,
     FitContext,
     Flag,
+    KernelEncode,
     LayerGeometry,
     Method,
     MethodState,
+    NO_KERNEL_ENCODE,
     TensorSpec,
     check_quantized_side,
 )
@@ -115,21 +117,21 @@ class ClipState(MethodState):
     def clip(self, side: str) -> float | torch.Tensor | None:
         return self.alpha.get(side)
 
-    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> dict[str, Any] | None:
+    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> KernelEncode | None:
         """The side's alpha on the block's device as float32, checked and copied once per device
         (a host-to-device copy at every flush would stall it)."""
         alpha = self.alpha.get(side)
         if alpha is None:
-            return {}
+            return NO_KERNEL_ENCODE
         if not isinstance(alpha, torch.Tensor):
-            return {"clip": alpha}
+            return KernelEncode(clip=alpha)
         key = (side, x.device)
         if key not in self._device:
             a = alpha.detach().to(dtype=torch.float32)
             if not bool(((a > 0) & (a <= 1)).all()):  # once: the kernels run with validate=False
                 raise ValueError(f"{side} clip values must lie in (0, 1] (1 means no clipping)")
             self._device[key] = a.to(x.device)
-        return {"clip": self._device[key]}
+        return KernelEncode(clip=self._device[key])
 
 
 class ClipMethod(Method):

@@ -29,7 +29,8 @@ from typing import Any, ClassVar
 import torch
 
 from kvcalib.layout import LayerConfig
-from kvcalib.methods.base import FitContext, Flag, LayerGeometry, Method, MethodState, TensorSpec
+from kvcalib.methods.base import (FitContext, Flag, KernelAttend, KernelEncode, LayerGeometry, Method, MethodState,
+                                  NO_KERNEL_ATTEND, NO_KERNEL_ENCODE, TensorSpec)
 from kvcalib.quant.uniform import dequantize, quantize_fixed
 from kvcalib.reservoir import quantizer_input
 from kvcalib.stats import LayerStats
@@ -77,11 +78,11 @@ class ErrBoundState(MethodState):
     def fixed_grid(self, side: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.grids.get(side)
 
-    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> dict[str, Any] | None:
-        return None if side in self.grids else {}  # the quantize-and-pack kernels fit min/max grids only
+    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> KernelEncode | None:
+        return None if side in self.grids else NO_KERNEL_ENCODE  # the quantize-and-pack kernels fit min/max grids only
 
-    def kernel_attend(self, side: str, device: torch.device) -> dict[str, Any] | None:
-        return {}  # stored as any packed side: the decode kernel reads the per-group parameters
+    def kernel_attend(self, side: str, device: torch.device) -> KernelAttend | None:
+        return NO_KERNEL_ATTEND  # stored as any packed side: the decode kernel reads the per-group parameters
 
 
 class ErrBoundMethod(Method):

@@ -42,9 +42,13 @@ from kvcalib.layout import LayerConfig
 from kvcalib.methods.base import (
     FitContext,
     Flag,
+    KernelAttend,
+    KernelEncode,
     LayerGeometry,
     Method,
     MethodState,
+    NO_KERNEL_ATTEND,
+    NO_KERNEL_ENCODE,
     TensorSpec,
     reservoir_to_bhtd,
     switch_lines,
@@ -135,11 +139,11 @@ class LevelsState(MethodState):
     def levels(self, side: str) -> torch.Tensor | None:
         return self.lv.get(side)
 
-    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> dict[str, Any] | None:
-        return None if side in self.lv else {}  # the kernels quantize on the uniform grid only
+    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> KernelEncode | None:
+        return None if side in self.lv else NO_KERNEL_ENCODE  # the kernels quantize on the uniform grid only
 
-    def kernel_attend(self, side: str, device: torch.device) -> dict[str, Any] | None:
-        return None if side in self.lv else {}  # no lookup table in the decode kernel: reference path
+    def kernel_attend(self, side: str, device: torch.device) -> KernelAttend | None:
+        return None if side in self.lv else NO_KERNEL_ATTEND  # no lookup table in the decode kernel: reference path
 
 
 class LevelsMethod(Method):

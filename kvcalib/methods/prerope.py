@@ -39,9 +39,13 @@ from kvcalib.methods.base import (
     CalibrationError,
     FitContext,
     Flag,
+    KernelAttend,
+    KernelEncode,
     LayerGeometry,
     Method,
     MethodState,
+    NO_KERNEL_ATTEND,
+    NO_KERNEL_ENCODE,
     TensorSpec,
     fake_quantize,
     reservoir_moments,
@@ -98,11 +102,11 @@ class PreRopeState(MethodState):
     def decode(self, side: str, y: torch.Tensor, stored: dict[str, Any]) -> torch.Tensor:
         return apply_rope(y, self._positions(stored), self.rope) if side == "k" else y  # (B, H, N, D)
 
-    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> dict[str, Any] | None:
-        return {"x": self.encode(side, x, stored)} if side == "k" else {}  # un-RoPE'd at flush
+    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> KernelEncode | None:
+        return KernelEncode(x=self.encode(side, x, stored)) if side == "k" else NO_KERNEL_ENCODE  # un-RoPE'd at flush
 
-    def kernel_attend(self, side: str, device: torch.device) -> dict[str, Any] | None:
-        return None if side == "k" else {}  # RoPE per packed block is not in the decode kernel: reference path
+    def kernel_attend(self, side: str, device: torch.device) -> KernelAttend | None:
+        return None if side == "k" else NO_KERNEL_ATTEND  # RoPE per packed block is not in the decode kernel: reference path
 
 
 class PreRopeMethod(Method):

@@ -65,9 +65,13 @@ from kvcalib.methods.base import (
     CalibrationError,
     FitContext,
     Flag,
+    KernelAttend,
+    KernelEncode,
     LayerGeometry,
     Method,
     MethodState,
+    NO_KERNEL_ATTEND,
+    NO_KERNEL_ENCODE,
     TensorSpec,
     check_quantized_side,
     check_side,
@@ -226,17 +230,17 @@ class PermState(MethodState):
             self._device[key] = self.perm[side].to(device=device, dtype=torch.int32).contiguous()
         return self._device[key]
 
-    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> dict[str, Any] | None:
+    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> KernelEncode | None:
         perm = self.device_perm(side, x.device)
         if perm is None:
-            return {}
+            return NO_KERNEL_ENCODE
         if perm.shape[-1] != x.shape[-1]:
             return None  # the reference names the mismatch
-        return {"perm": perm}  # (H, D) int32: the kernel gathers the input channels
+        return KernelEncode(perm=perm)  # (H, D) int32: the kernel gathers the input channels
 
-    def kernel_attend(self, side: str, device: torch.device) -> dict[str, Any] | None:
+    def kernel_attend(self, side: str, device: torch.device) -> KernelAttend | None:
         perm = self.device_perm(side, device)
-        return {} if perm is None else {f"{side}_perm": perm}
+        return NO_KERNEL_ATTEND if perm is None else KernelAttend(perm=perm)
 
 
 class ReorderMethod(Method):

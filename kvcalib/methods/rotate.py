@@ -22,11 +22,12 @@ Runtime contract:
 - reference codec: encode ``x -> x R`` before every later step (centering, permutation, clip and
   quantizer then work in the rotated basis), decode ``y -> y R^T`` after them;
 - quantize-and-pack kernels: the state rotates the flushed block and hands it on
-  (``kernel_encode`` returns it as ``"x"``);
+  (``kernel_encode`` returns it as the ``x`` of its :class:`~kvcalib.methods.base.KernelEncode`);
 - decode kernel: the stored tokens are never rotated back one by one. Keys: the packed tokens
   are scored with the query rotated once per step (``q R . k R = q . k``); values: the packed
   tokens' part of the output is accumulated in the rotated basis and rotated back once per step
-  (``k_rot`` / ``v_rot`` of :func:`kvcalib_kernels.decode_attention.decode_attention`). The
+  (``kernel_attend``'s ``rot``, the kernel's ``k_rot`` / ``v_rot`` of
+  :func:`kvcalib_kernels.decode_attention.decode_attention`). The
   full-precision sinks, window and pools are stored unrotated and attended as they are.
 
 Memory: the recipe holds the seed (24 bytes with the geometry) or the fitted matrices; the runtime keeps per
@@ -46,9 +47,13 @@ from kvcalib.layout import LayerConfig
 from kvcalib.methods.base import (
     FitContext,
     Flag,
+    KernelAttend,
+    KernelEncode,
     LayerGeometry,
     Method,
     MethodState,
+    NO_KERNEL_ATTEND,
+    NO_KERNEL_ENCODE,
     TensorSpec,
     reservoir_moments,
     reservoir_to_bhtd,
@@ -135,13 +140,13 @@ class RotateState(MethodState):
     def decode(self, side: str, y: torch.Tensor, stored: dict[str, Any]) -> torch.Tensor:
         return unrotate(y, *self.device_rotation(side, y.device)) if side in self.rot else y  # (B, H, N, D)
 
-    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> dict[str, Any] | None:
+    def kernel_encode(self, side: str, x: torch.Tensor, stored: dict[str, Any]) -> KernelEncode | None:
         if side not in self.rot:
-            return {}
-        return {"x": rotate(x, *self.device_rotation(side, x.device))}  # (B, H, N, D) float32, rotated at flush
+            return NO_KERNEL_ENCODE
+        return KernelEncode(x=rotate(x, *self.device_rotation(side, x.device)))  # (B, H, N, D) float32, rotated at flush
 
-    def kernel_attend(self, side: str, device: torch.device) -> dict[str, Any] | None:
-        return {f"{side}_rot": self.device_rotation(side, device)} if side in self.rot else {}
+    def kernel_attend(self, side: str, device: torch.device) -> KernelAttend | None:
+        return KernelAttend(rot=self.device_rotation(side, device)) if side in self.rot else NO_KERNEL_ATTEND
 
     def bytes(self, cfg: LayerConfig, heads: int, head_dim: int, kept: int, packed: int) -> dict[str, float]:
         # the device tables of this layer: per-head signs, or fitted per-head matrices

@@ -30,6 +30,8 @@ def kvcalib_attention(module, query, key, value, attention_mask, scaling=None, d
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, softcap=softcap, **kwargs)
+    from kvcalib.runtime.backend import decode_attention
+
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     if layer.graph_owned:  # an eager decode step run as a per-layer static step (runtime/layer_graphs.py)
         out = layer.graphs.attend(layer, query, key, value, scale, softcap)
@@ -37,11 +39,7 @@ def kvcalib_attention(module, query, key, value, attention_mask, scaling=None, d
             return out, None  # (B, 1, Hq, D) in the query's dtype
         # the kernel does not cover the layer: it took the token in dynamically, go on below
     elif layer.static is not None:  # a static (CUDA-graph) step: the device state says what is visible
-        from kvcalib.runtime.triton_path import static_decode_attention
-
-        return static_decode_attention(query, layer, scale, softcap).to(query.dtype), None
-    from kvcalib.runtime.backend import decode_attention
-
+        return decode_attention(query, layer, None, scale, softcap, path="static").to(query.dtype), None
     tq = query.shape[-2]
     if attention_mask is None:  # nothing is padding (and no host sync per layer)
         visible = None
@@ -53,8 +51,9 @@ def kvcalib_attention(module, query, key, value, attention_mask, scaling=None, d
         # step's tokens are real, (B|1, Tq)
         layer.commit(visible[:, steps, visible.shape[-1] - tq + steps])
     # no mask and no padding: a decode step's query sees every cached token (the kernel then
-    # reads no mask at all, and none is built unless the reference path runs)
-    all_visible = visible is None and not layer.ragged and not layer.is_sliding and tq == 1
+    # reads no mask at all, and none is built unless the reference path runs); a padded batch's
+    # rows are decided one by one (decode_attention splits them)
+    all_visible = visible is None and not layer.is_sliding and tq == 1
     out = decode_attention(query, layer, visible, scale, softcap, all_visible=all_visible)
     layer.flush()
     return out.to(query.dtype), None

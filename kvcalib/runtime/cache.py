@@ -29,7 +29,10 @@ row's real tokens (a contiguous run of absolute positions ``[row_first[b], row_e
 sinks are the row's first real tokens and its window, flush blocks, OTT pools and PATS ages count
 that row's tokens only -- the same code, on the same tensors, as the prompt alone. Attention runs
 row by row over them (a query at a padding position gets zeros); the kernel is then launched once
-per row. A layer whose rows are all real stays dense (one batched layer, as before).
+per row. The rows are split in one place, :func:`kvcalib.runtime.backend.decode_attention`
+(through :meth:`CompressedLayer.attend_rows`; in static mode each row over its own device state):
+every attention path below it reads one unpadded layer (:meth:`CompressedLayer.require_dense`).
+A layer whose rows are all real stays dense (one batched layer, as before).
 
 Attention must go through :func:`kvcalib.runtime.attention.kvcalib_attention` (the model's
 ``attn_implementation="kvcalib"``); :meth:`CompressedCache.from_recipe` switches the model to it.
@@ -384,12 +387,21 @@ class CompressedLayer(CacheLayerMixin):
         first = self.row_first[i]
         return visible[i if visible.shape[0] > 1 else 0, a:c, first:self.row_end[i]][None]
 
+    def require_dense(self, reader: str) -> None:
+        """Raise unless this layer is one unpadded layer (not ragged): what ``reader`` (an attention
+        path over the layer's own tensors) can read. A ragged layer's own tensors hold nothing."""
+        if self.rows is not None:
+            raise KvcalibError(f"{reader} reads one unpadded layer, and layer {self.layer_idx} is a padded batch's "
+                               "(one layer per row): attend it through kvcalib.runtime.backend.decode_attention, "
+                               "which splits the rows, or read layer.rows[b]")
+
     def attend_rows(self, query: torch.Tensor, visible: torch.Tensor | None, attend,
                     out_dtype: torch.dtype) -> torch.Tensor | None:
         """Attention of a ragged layer, row by row: ``attend(query_i, row_layer, visible_i)`` on
         each row's real queries (``query`` (B, Hq, Tq, D); ``visible`` (B|1, Tq, n_seen) or None,
         sliced by :meth:`row_visible`) must return (1, Tq_i, Hq, D) or None (then None is
-        returned). Returns (B, Tq, Hq, D) in ``out_dtype``; queries at padding get zeros."""
+        returned). Returns (B, Tq, Hq, D) in ``out_dtype``; queries at padding get zeros. Called
+        by :func:`kvcalib.runtime.backend.decode_attention` only (the one place rows are split)."""
         b, hq, tq, d = query.shape
         out = query.new_zeros((b, tq, hq, d), dtype=out_dtype)  # (B, Tq, Hq, D)
         for i, row in enumerate(self.rows):
@@ -407,8 +419,7 @@ class CompressedLayer(CacheLayerMixin):
         """Yield :class:`Segment` s in ``dtype`` over everything cached: sinks, packed blocks in
         position order (dequantized a few at a time, never the whole cache; OTT slots masked by
         ``keep``), the outlier pools (``positions``), then the pending window."""
-        if self.rows is not None:
-            raise KvcalibError("a ragged (padded) layer keeps one layer per row: read layer.rows[b].segments()")
+        self.require_dense("the reference attention (segments)")
         if self.sink_k.shape[-2] and not self.sinks_dropped:
             yield Segment(0, self.sink_k.to(dtype), self.sink_v.to(dtype))
         step = max(self.cfg.flush_block, block_tokens // self.cfg.flush_block * self.cfg.flush_block)

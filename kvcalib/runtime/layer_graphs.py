@@ -217,13 +217,13 @@ class LayerGraphs:
                 self.release(layer)
                 layer.update(key, value)  # dynamic: counted and held for commit, as update does
                 return None
-            from kvcalib.runtime.triton_path import static_decode_attention
+            from kvcalib.runtime.backend import decode_attention
 
             t0 = time.perf_counter()
             self._drop(layer)
             self.eager_steps += 1
             layer._update_static(key, value)
-            out = static_decode_attention(query, layer, scaling, softcap)
+            out = decode_attention(query, layer, None, scaling, softcap, path="static")
             layer.graph_warm = True
             self.seconds["eager"] += time.perf_counter() - t0
             if self.capturing and (stable or not layer.flush_due(ahead=1)):
@@ -258,7 +258,7 @@ class LayerGraphs:
         """Capture ``layer``'s static step on a side stream (inputs copied from this step's);
         None when the capture fails (then this step runs eagerly; a layer that fails after its
         kernels ran once turns capture off for the cache, with a warning)."""
-        from kvcalib.runtime.triton_path import static_decode_attention
+        from kvcalib.runtime.backend import decode_attention
 
         t0 = time.perf_counter()
         dev = self.devices[layer.device]
@@ -281,7 +281,7 @@ class LayerGraphs:
                 graph.capture_begin(pool=dev.pool)
                 try:
                     layer._update_static(k_in, v_in)
-                    out = static_decode_attention(q_in, layer, scaling, softcap)
+                    out = decode_attention(q_in, layer, None, scaling, softcap, path="static")
                 finally:
                     graph.capture_end()
         except Exception as err:  # noqa: BLE001 -- any capture failure: decode on without graphs

@@ -68,13 +68,9 @@ def attend_compressed(query: torch.Tensor, layer, visible: torch.Tensor, scaling
 
     ``visible`` (B|1, Tq, KV) bool. Returns (B, Tq, Hq, D) in :func:`compute_dtype`. Online
     softmax over the segments: m (running max), l (running sum), acc (running weighted sum).
+    ``layer`` is one unpadded layer: a padded batch's rows come one by one, through
+    :func:`kvcalib.runtime.backend.decode_attention` (a ragged layer raises).
     """
-    if layer.rows is not None:  # padded batch: each row over its own layer (cache.py's docstring)
-        def one_row(q, row, vis):
-            vis = vis if vis is not None else visible_mask(None, row, q.shape[-2], q.device)
-            return attend_compressed(q, row, vis, scaling, softcap, block_tokens)
-
-        return layer.attend_rows(query, visible, one_row, compute_dtype(query.dtype))
     b, hq, tq, d = query.shape
     widest = max(layer.n_seen, 1)  # no segment holds more keys than the layer has seen
     chunk = max(1, SCORE_BUDGET // (b * hq * min(widest, max(block_tokens, layer.pend_k.shape[-2] if
@@ -118,12 +114,13 @@ def full_precision_prefill(query: torch.Tensor, layer, visible: torch.Tensor | N
     """A prompt's own attention while ``layer`` holds nothing compressed yet -- sinks and pending
     tokens only, positions ``[0, n_seen)`` -- through ``torch.nn.functional.scaled_dot_product_attention``
     (flash / memory-efficient kernels: no (T, T) score matrix) in :func:`compute_dtype`; (B, Tq, Hq, D),
-    or None when the layer holds anything else (packed blocks, pools, dropped sinks, padded rows).
+    or None when the layer holds anything else (packed blocks, pools, dropped sinks). One unpadded
+    layer (a padded batch's rows: :func:`kvcalib.runtime.backend.decode_attention`).
 
     The same function as :func:`attend_compressed` over full-precision K/V (exact attention either
     way; the online softmax and SDPA differ in rounding only: tests/unit/test_long_context.py).
     ``visible`` (B|1, Tq, KV) bool, or None: causal over the prompt (no padding)."""
-    if layer.rows is not None or layer.packed.n or layer.outliers.state is not None or layer.sinks_dropped:
+    if layer.packed.n or layer.outliers.state is not None or layer.sinks_dropped:
         return None
     s, u = layer.sink_k.shape[-2], layer.pend_k.shape[-2]
     if layer.pend_start != s or s + u != layer.n_seen:

@@ -16,7 +16,9 @@ the caller (:func:`kvcalib.runtime.backend.decode_attention`) then runs the PyTo
   through the window on a sliding layer) -- so the two modes run one computation; otherwise
   what the query may see comes from ``visible`` (its last query row, over absolute positions).
   A padded batch runs one launch per row over the row's own layer
-  (:attr:`~kvcalib.runtime.cache.CompressedLayer.rows`). A sliding layer has already dropped
+  (:attr:`~kvcalib.runtime.cache.CompressedLayer.rows`), split by
+  :func:`kvcalib.runtime.backend.decode_attention`, the one place that splits rows: the
+  functions here take one unpadded layer. A sliding layer has already dropped
   its packed blocks older than the window at the last flush
   (:meth:`~kvcalib.runtime.cache.CompressedLayer.flush`), so the packed tokens the kernel reads
   span at most the window plus one flush block, the mask hiding
@@ -112,10 +114,10 @@ def kernel_reason(cfg, codec, head_dim: int, kv_heads: int, q_heads: int,
         return "layer is not packed on both K and V"
     d, h, hq = head_dim, kv_heads, q_heads
     for side in ("k", "v"):
-        args = codec.kernel_attend(side, torch.device(device))
-        if args is None:
+        attend = codec.kernel_attend(side, torch.device(device))  # a KernelAttend
+        if attend is None:
             return f"a method state of the {side} side has a transform the kernel does not apply"
-        perm = args.get(f"{side}_perm")
+        perm = attend.perm
         if perm is not None and tuple(perm.shape) != (h, d):
             return f"{side} permutation of shape {tuple(perm.shape)} for {h} kv heads of {d} channels"
     if hq % h:
@@ -153,16 +155,10 @@ def triton_decode_attention(query: torch.Tensor, layer, visible: torch.Tensor, s
     ``visible`` (B|1, 1, KV) bool over absolute positions ``0..n_seen-1`` (False = padding);
     ``all_visible``: it is True everywhere (and may be None), so no mask is passed to the kernel.
     Returns None (use the reference) when the step or the layer is not covered (module doc).
+    ``layer`` is one unpadded layer: a padded batch's rows come one by one, through
+    :func:`kvcalib.runtime.backend.decode_attention` (a ragged layer raises).
     """
-    if layer.rows is not None and query.shape[-2] == 1:  # padded batch: a launch per row, its own layer
-        def one_row(q, row, vis):
-            if vis is None and row.is_sliding:
-                from kvcalib.runtime.reference import visible_mask
-
-                vis = visible_mask(None, row, 1, q.device)  # (1, 1, n) the window's lower bound
-            return triton_decode_attention(q, row, vis, scaling, softcap, all_visible=vis is None)
-
-        return layer.attend_rows(query, visible, one_row, query.dtype)
+    layer.require_dense("the fused decode kernel")
     if _reason_unsupported(query, layer) is not None:
         return None
     if layer.pend_buffered:  # the very launch a static step makes (static_decode_attention): one computation
@@ -178,12 +174,11 @@ def static_decode_attention(query: torch.Tensor, layer, scaling: float,
     """The same over a layer in static mode (:mod:`kvcalib.runtime.static`): the whole pending
     buffer is passed and ``layer.static.visible`` hides its empty slots (and padding), so the
     launch is the same at every step between two flushes. Raises when the kernel does not cover
-    the layer (there is no reference fallback inside a CUDA graph)."""
+    the layer (there is no reference fallback inside a CUDA graph). One unpadded layer, as
+    :func:`triton_decode_attention` (a padded batch: ``backend.decode_attention(path="static")``)."""
     from kvcalib.errors import KvcalibError
 
-    if layer.rows is not None:  # padded batch: each row over its own layer and state (static.py)
-        return torch.cat([static_decode_attention(query[i:i + 1], row, scaling, softcap)
-                          for i, row in enumerate(layer.rows)])
+    layer.require_dense("the fused decode kernel")
     why = _reason_unsupported(query, layer)
     if why is not None:
         raise KvcalibError(f"layer {layer.layer_idx} cannot decode in static (CUDA-graph) mode: {why}; "
@@ -257,11 +252,12 @@ def _store_part(store, cfg, codec, device, whole: bool = False) -> dict | None:
         packed = {}
     part = dict(packed, k_bits=store.bits["k"], v_bits=store.bits["v"], k_group=cfg.k_group,
                 v_group=cfg.v_group, k_axis=cfg.k_axis, packed_position=view.start, keep=view.keep,
-                keep_block=cfg.flush_block, k_perm=None, v_perm=None,
-                k_mean=view.k_mean, v_mean=view.v_mean)
+                keep_block=cfg.flush_block, k_mean=view.k_mean, v_mean=view.v_mean)  # means of an empty store are ignored
     if whole and packed:  # the whole allocation: its live tokens [0, n) on the device
         part["packed_start"], part["packed_end"] = store.device_range()
-    for side in ("k", "v"):  # the method states' kernel arguments (SKVQ permutations...)
-        part.update(codec.kernel_attend(side, device) or {})  # means of an empty store are ignored
+    for side in ("k", "v"):  # the method states' kernel arguments (SKVQ permutations, rotations)
+        attend = codec.kernel_attend(side, device)  # a KernelAttend (None: refused by kernel_reason before)
+        if attend is not None:
+            part.update(attend.kernel_args(side))  # the one place it becomes keyword arguments
     store.kernel_part = (view, device, part)
     return part

@@ -852,10 +852,9 @@ def test_perm_and_mean_shapes_are_checked():
 def test_reference_matches_attend_compressed_on_a_real_layer():
     """The kernel reference and the runtime reference agree (two specifications, one answer)."""
     from kvcalib.layout import LayerConfig
-    from kvcalib.runtime.reference import attend_compressed
 
     layer, q, vis = _filled_layer(LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2))
-    ref = attend_compressed(q, layer, vis, 64 ** -0.5)[:, 0]  # (B, Hq, D)
+    ref = _reference_path(q, layer, vis, 64 ** -0.5)[:, 0]  # (B, Hq, D)
     for i, row in enumerate(layer.rows):  # the padded batch holds one unpadded layer per row
         view = row.packed_view()
         kref = decode_attention_reference(
@@ -871,6 +870,21 @@ def test_reference_matches_attend_compressed_on_a_real_layer():
 def _row(layer, i: int = 1):
     """What a padded batch's row ``i`` holds (the layer itself when it holds no padding)."""
     return layer.rows[i] if layer.ragged else layer
+
+
+def _kernel_path(q, layer, vis, scaling):
+    """The fused kernel path over ``layer``, a padded batch's rows split where the runtime splits
+    them (``backend.decode_attention``): (B, 1, Hq, D), or None where the kernel does not cover it."""
+    from kvcalib.runtime.backend import decode_attention
+
+    return decode_attention(q, layer, vis, scaling, path="triton")
+
+
+def _reference_path(q, layer, vis, scaling):
+    """The runtime reference (``attend_compressed``) over ``layer``, its rows split as above."""
+    from kvcalib.runtime.backend import decode_attention
+
+    return decode_attention(q, layer, vis, scaling, path="reference")
 
 
 def _filled_layer(cfg, b=2, h=2, rep=3, d=64, prompt=75, steps=3, pad=(0, 9), dtype=torch.float32, seed=1,
@@ -907,13 +921,11 @@ def _filled_layer(cfg, b=2, h=2, rep=3, d=64, prompt=75, steps=3, pad=(0, 9), dt
 ], ids=["kivi2-sinks", "k4v8-nosinks", "token-keys", "k3v3"])
 def test_triton_path_matches_runtime_reference(cfg):
     from kvcalib.layout import LayerConfig
-    from kvcalib.runtime.reference import attend_compressed
-    from kvcalib.runtime.triton_path import triton_decode_attention
 
     layer, q, vis = _filled_layer(LayerConfig(**cfg))
     assert layer.n_packed > 0
-    out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
-    ref = attend_compressed(q, layer, vis, 64 ** -0.5)
+    out = _kernel_path(q, layer, vis, 64 ** -0.5)
+    ref = _reference_path(q, layer, vis, 64 ** -0.5)
     assert out is not None and out.shape == ref.shape == (2, 1, 6, 64)
     assert float((out - ref).abs().max()) < 1e-4
 
@@ -924,9 +936,8 @@ def test_triton_path_runs_centred_and_permuted_layers(k_center, v_center, perm):
     """TaDA means and SKVQ permutations go through the kernel (not the reference) and agree
     with the runtime reference on the same stored bytes."""
     from kvcalib.layout import LayerConfig
-    from kvcalib.runtime.reference import attend_compressed
     from kvcalib.codec import LayerCodec
-    from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
+    from kvcalib.runtime.triton_path import _reason_unsupported
 
     cfg = LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2)
     g = torch.Generator().manual_seed(7)
@@ -937,8 +948,8 @@ def test_triton_path_runs_centred_and_permuted_layers(k_center, v_center, perm):
     assert layer.n_packed > 0 and _reason_unsupported(q, _row(layer)) is None
     view = _row(layer).packed_view()
     assert (view.k_mean is not None) == bool(k_center) and (view.v_mean is not None) == bool(v_center)
-    out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
-    ref = attend_compressed(q, layer, vis, 64 ** -0.5)
+    out = _kernel_path(q, layer, vis, 64 ** -0.5)
+    ref = _reference_path(q, layer, vis, 64 ** -0.5)
     assert out is not None and float((out - ref).abs().max()) < 1e-4
 
 
@@ -950,9 +961,8 @@ def test_triton_path_runs_ott_layers(cfg):
     """OTT pools go through the kernel (quant masks + pool segment) and agree with the runtime
     reference on the same stored bytes, with left padding; the pools have filled slots."""
     from kvcalib.layout import LayerConfig
-    from kvcalib.runtime.reference import attend_compressed
     from kvcalib.codec import LayerCodec
-    from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
+    from kvcalib.runtime.triton_path import _reason_unsupported
 
     lc = LayerConfig(**cfg)
     layer, q, vis = _filled_layer(lc, codec=LayerCodec(lc, outlier_pool=4))
@@ -963,8 +973,8 @@ def test_triton_path_runs_ott_layers(cfg):
     pool_k, _, pool_pos = row.outliers.segment(q.dtype)
     assert int((pool_pos >= 0).sum()) > 0 and pool_pos.dtype == torch.int32
     assert pool_k.data_ptr() == row.outliers.state.pool_k.data_ptr()  # the joined storage: no copy per step
-    out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
-    ref = attend_compressed(q, layer, vis, 64 ** -0.5)
+    out = _kernel_path(q, layer, vis, 64 ** -0.5)
+    ref = _reference_path(q, layer, vis, 64 ** -0.5)
     assert out is not None and float((out - ref).abs().max()) < 1e-4
 
 
@@ -1129,14 +1139,13 @@ def _tiered_layer(tiers=(48,), bits=4, ott=0, **kw):
 def test_triton_path_runs_pats_tiers(tiers, bits, ott):
     """A PATS layer runs one kernel call per non-empty tier store (merged by log-sum-exp) and
     agrees with the runtime reference on the same stored bytes, with padding (and OTT pools)."""
-    from kvcalib.runtime.reference import attend_compressed
-    from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
+    from kvcalib.runtime.triton_path import _reason_unsupported
 
     layer, q, vis = _tiered_layer(tiers, bits, ott)
     assert _reason_unsupported(q, _row(layer)) is None
     assert sum(1 for st in _row(layer).packed.stores if st.n) == len(tiers) + 1  # every tier holds blocks
-    out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
-    ref = attend_compressed(q, layer, vis, 64 ** -0.5)
+    out = _kernel_path(q, layer, vis, 64 ** -0.5)
+    ref = _reference_path(q, layer, vis, 64 ** -0.5)
     assert out is not None and float((out - ref).abs().max()) < 1e-4
 
 
@@ -1145,17 +1154,16 @@ def test_triton_path_runs_tiered_layers_with_mixed_bits():
     in one store) goes through the kernel with the reference's answer."""
     from kvcalib.methods.schedule import Schedule
     from kvcalib.layout import LayerConfig
-    from kvcalib.runtime.reference import attend_compressed
     from kvcalib.codec import LayerCodec
-    from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
+    from kvcalib.runtime.triton_path import _reason_unsupported
 
     cfg = LayerConfig(k_bits=8, v_bits=4, k_group=16, v_group=16, window=16, sinks=2)
     sched = Schedule.from_tensor(torch.tensor([[0, 16, 16], [16, 8, 4], [40, 4, 4], [72, 2, 2]]), sinks=cfg.sinks)
     layer, q, vis = _filled_layer(cfg, codec=LayerCodec(cfg, schedule=sched), prompt=130)
     assert len({(s.bits["k"], s.bits["v"]) for s in _row(layer).packed.stores if s.n}) == 3
     assert _reason_unsupported(q, _row(layer)) is None
-    out = triton_decode_attention(q, layer, vis, 0.125)
-    ref = attend_compressed(q, layer, vis, 0.125)
+    out = _kernel_path(q, layer, vis, 0.125)
+    ref = _reference_path(q, layer, vis, 0.125)
     assert out is not None and float((out - ref).abs().max()) < 1e-4
 
 
@@ -1170,8 +1178,7 @@ def test_triton_path_runs_sliding_window_layers(window, cfg):
     pending full-precision one leaves no packed tokens) through the kernel gives the reference's
     answer, padding included."""
     from kvcalib.layout import LayerConfig
-    from kvcalib.runtime.reference import attend_compressed
-    from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
+    from kvcalib.runtime.triton_path import _reason_unsupported
 
     layer, q, vis = _filled_layer(LayerConfig(**cfg), sliding_window=window)
     row = _row(layer, 0)  # the unpadded row (the padded one holds the same, 9 positions later)
@@ -1183,8 +1190,8 @@ def test_triton_path_runs_sliding_window_layers(window, cfg):
     else:  # a window shorter than the pending full-precision one: the bound cuts into that
         assert window < row.pend_k.shape[2] and held_from < first_visible
     assert row.sinks_dropped == bool(cfg["sinks"])
-    out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
-    ref = attend_compressed(q, layer, vis, 64 ** -0.5)
+    out = _kernel_path(q, layer, vis, 64 ** -0.5)
+    ref = _reference_path(q, layer, vis, 64 ** -0.5)
     assert out is not None and float((out - ref).abs().max()) < 1e-4
     if held_from == first_visible:  # nothing stale (token keys flush one token at a time)
         return
@@ -1192,7 +1199,7 @@ def test_triton_path_runs_sliding_window_layers(window, cfg):
     unbounded = vis.clone()
     unbounded[:, :, :first_visible] = True
     unbounded[1, :, :9] = False  # the second row's padding (_filled_layer)
-    assert float((attend_compressed(q, layer, unbounded, 64 ** -0.5) - ref).abs().max()) > 1e-2
+    assert float((_reference_path(q, layer, unbounded, 64 ** -0.5) - ref).abs().max()) > 1e-2
 
 
 def test_triton_path_declines_what_it_does_not_cover():
@@ -1201,9 +1208,29 @@ def test_triton_path_declines_what_it_does_not_cover():
 
     layer, q, vis = _filled_layer(LayerConfig(k_bits=2, v_bits=2, k_group=16, v_group=32, window=16))
     q2 = torch.cat([q, q], dim=2)  # two query tokens: not a decode step
-    assert triton_decode_attention(q2, layer, vis.expand(-1, 2, -1), 0.1) is None
+    row = _row(layer)  # a padded batch's row: the one unpadded layer the kernel path reads
+    assert triton_decode_attention(q2[1:], row, vis[1:, :, -row.n_seen:].expand(-1, 2, -1), 0.1) is None
     raw, q, vis = _filled_layer(LayerConfig(k_bits=16, v_bits=2, k_group=16, v_group=32, window=16))
-    assert triton_decode_attention(q, raw, vis, 0.1) is None  # a 16-bit side
+    assert _kernel_path(q, raw, vis, 0.1) is None  # a 16-bit side
+
+
+def test_the_kernel_paths_read_one_unpadded_layer():
+    """A padded batch's rows are split in one place (``backend.decode_attention``): the kernel path
+    and the static kernel path refuse a padded batch's layer (its own tensors hold nothing) rather
+    than attend it, and through the split each row is its own launch, the row alone's output."""
+    from kvcalib.errors import KvcalibError
+    from kvcalib.layout import LayerConfig
+    from kvcalib.runtime.triton_path import static_decode_attention, triton_decode_attention
+
+    layer, q, vis = _filled_layer(LayerConfig(k_bits=2, v_bits=2, k_group=16, v_group=32, window=16, sinks=2))
+    assert layer.ragged
+    with pytest.raises(KvcalibError, match="backend.decode_attention"):
+        triton_decode_attention(q, layer, vis, 0.1)
+    with pytest.raises(KvcalibError, match="backend.decode_attention"):
+        static_decode_attention(q, layer, 0.1)
+    out = _kernel_path(q, layer, vis, 0.1)
+    for i, row in enumerate(layer.rows):
+        assert torch.equal(out[i:i + 1], triton_decode_attention(q[i:i + 1], row, vis[i:i + 1, :, -row.n_seen:], 0.1))
 
 
 @pytest.mark.parametrize("fitted", [False, True, "ott", "pats", "sliding"],

@@ -28,7 +28,8 @@ DEVICE, INTERPRET, (da, qp) = kernel_modules("kvcalib_kernels.decode_attention",
 from kvcalib.codec import LayerCodec  # noqa: E402
 from kvcalib.layout import LayerConfig  # noqa: E402
 from kvcalib.quant.rotation import hadamard, random_signs  # noqa: E402
-from tests.kernels.test_decode_attention import SMALL, _filled_layer, check, make_case, with_perm_mean  # noqa: E402
+from tests.kernels.test_decode_attention import SMALL, _filled_layer, _kernel_path, _reference_path, check, make_case, \
+    with_perm_mean  # noqa: E402
 
 
 def _orthogonal(h: int, d: int, seed: int) -> torch.Tensor:
@@ -304,8 +305,7 @@ def _rotated_codec(cfg: LayerConfig, h: int, d: int, **extra) -> LayerCodec:
 def test_triton_path_runs_rotated_layers(extra):
     """A rotated layer goes through the kernel (not the reference) and agrees with the runtime's
     reference attention, which rotates every stored block back."""
-    from kvcalib.runtime.reference import attend_compressed
-    from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
+    from kvcalib.runtime.triton_path import _reason_unsupported
 
     cfg = LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2)
     if extra == "perm":
@@ -313,15 +313,15 @@ def test_triton_path_runs_rotated_layers(extra):
         extra = {"v_perm": torch.stack([torch.randperm(64, generator=g) for _ in range(2)])}
     layer, q, vis = _filled_layer(cfg, codec=_rotated_codec(cfg, 2, 64, **extra))
     assert layer.n_packed > 0 and _reason_unsupported(q, layer) is None
-    out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
-    ref = attend_compressed(q, layer, vis, 64 ** -0.5)
+    out = _kernel_path(q, layer, vis, 64 ** -0.5)
+    ref = _reference_path(q, layer, vis, 64 ** -0.5)
     assert out is not None and float((out - ref).abs().max()) < 1e-4
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU tensors reach the kernels only under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("center", [0, 8], ids=["plain", "center8"])
 def test_rotated_flushes_store_the_reference_bytes(monkeypatch, center):
-    """The flush rotates the block (``kernel_encode``'s ``"x"``) and the quantize-and-pack kernels
+    """The flush rotates the block (``kernel_encode``'s ``x``) and the quantize-and-pack kernels
     store exactly the bytes of the reference codec, centering included."""
     from tests.unit.test_codec_triton import _Spy, _prompt_then_decode, _run, assert_same_storage
 
@@ -339,8 +339,7 @@ def test_rotated_flushes_store_the_reference_bytes(monkeypatch, center):
 def test_triton_path_reads_fixed_grids():
     """Error-bounded sides (a fixed step per column) are stored in the packed layout: the decode
     kernel attends them like min/max groups and agrees with the reference attention."""
-    from kvcalib.runtime.reference import attend_compressed
-    from kvcalib.runtime.triton_path import _reason_unsupported, triton_decode_attention
+    from kvcalib.runtime.triton_path import _reason_unsupported
 
     cfg = LayerConfig(k_bits=4, v_bits=2, k_group=16, v_group=32, window=16, sinks=2)
     g = torch.Generator().manual_seed(9)
@@ -348,6 +347,6 @@ def test_triton_path_reads_fixed_grids():
                        v_step=torch.rand(2, 2, generator=g) * 0.5 + 0.5)
     layer, q, vis = _filled_layer(cfg, codec=codec)
     assert layer.n_packed > 0 and _reason_unsupported(q, layer) is None
-    out = triton_decode_attention(q, layer, vis, 64 ** -0.5)
-    ref = attend_compressed(q, layer, vis, 64 ** -0.5)
+    out = _kernel_path(q, layer, vis, 64 ** -0.5)
+    ref = _reference_path(q, layer, vis, 64 ** -0.5)
     assert out is not None and float((out - ref).abs().max()) < 1e-4

@@ -12,6 +12,7 @@ from kvcalib.codec import LayerCodec
 from kvcalib.errors import KvcalibError
 from kvcalib.export import ExportConfig, export_recipe
 from kvcalib.layout import LayerConfig
+from kvcalib.methods.base import KernelAttend
 from kvcalib.methods.levels import LevelsMethod, grid_error, lloyd_max
 from kvcalib.methods.schedule import Schedule
 from kvcalib.quant.uniform import (check_levels, code_units, decode, dequantize_values, encode, quantize_keys,
@@ -104,7 +105,7 @@ def test_codec_applies_the_levels_and_refuses_kernels_and_tiers():
     x = torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(3))
     assert torch.equal(codec.roundtrip_values(x), dequantize_values(quantize_values(x, 2, 8, levels=levels), levels))
     assert not torch.equal(codec.roundtrip_values(x), LayerCodec(CFG).roundtrip_values(x))
-    assert codec.kernel_attend("v", torch.device("cpu")) is None and codec.kernel_attend("k", torch.device("cpu")) == {}
+    assert codec.kernel_attend("v", torch.device("cpu")) is None and codec.kernel_attend("k", torch.device("cpu")) == KernelAttend()
     cfg4 = LayerConfig(k_bits=4, v_bits=4, k_group=8, v_group=8, window=8)
     with pytest.raises(KvcalibError, match="schedule"):
         LayerCodec(cfg4, v_levels=torch.arange(16.0), schedule=Schedule.from_layer(cfg4, (64,)))

@@ -21,6 +21,7 @@ import torch
 from kvcalib.methods.schedule import Schedule
 from kvcalib.errors import KvcalibError
 from kvcalib.recipe import LayerConfig, Recipe, resolve_recipe
+from kvcalib.runtime.backend import decode_attention
 from kvcalib.runtime.reference import attend_compressed
 from kvcalib.runtime.cache import CompressedCache, CompressedLayer
 from kvcalib.codec import LayerCodec
@@ -77,7 +78,7 @@ def _run(feature: str, chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tens
         vis = _visible(layer.n_seen, k.shape[2], sliding, real)
         steps = torch.arange(k.shape[2])
         layer.commit(vis[:, steps, layer.n_seen - k.shape[2] + steps])  # a real token sees itself
-        outs.append(attend_compressed(q, layer, vis, D ** -0.5))
+        outs.append(decode_attention(q, layer, vis, D ** -0.5, path="reference"))  # rows split there, as in a model
         layer.flush()
     return layer, outs
 
@@ -261,3 +262,57 @@ def test_right_padded_teacher_forced_batch_scores_each_row_as_alone():
         for k, v in alone_cache.nbytes().items():
             total[k] = total.get(k, 0) + v
     assert cache.nbytes() == total
+
+
+# ---------------------------------------------------------------- one place splits the rows
+
+
+def _functions_reading(path, names: set[str]) -> set[str]:
+    """Functions (outermost ``def`` names) of the module at ``path`` that read an attribute in ``names``."""
+    import ast
+
+    found = set()
+    for top in ast.parse(path.read_text()).body:
+        if isinstance(top, (ast.FunctionDef, ast.ClassDef)):
+            for node in ast.walk(top):
+                if isinstance(node, ast.Attribute) and node.attr in names:
+                    found.add(top.name)
+    return found
+
+
+def test_padded_rows_are_split_for_attention_in_one_place():
+    """Issue 52 item 4: ``backend.decode_attention`` is the one function that splits a padded batch
+    into its rows for attention (dynamic and static steps, every path); the paths below it --
+    reference, kernel, static kernel -- and the attention entry never read a layer's rows, and
+    ``attend_rows`` has that one caller. ``layer_graphs`` reads them to decide whether a layer may
+    run static at all (not how it is attended)."""
+    from pathlib import Path
+
+    import kvcalib
+
+    root = Path(kvcalib.__file__).parent
+    runtime = root / "runtime"
+    readers = {name: _functions_reading(runtime / f"{name}.py", {"rows", "ragged"})
+               for name in ("backend", "triton_path", "reference", "attention", "static", "graphs")}
+    assert readers == {"backend": {"decode_attention"}, "triton_path": set(), "reference": set(),
+                       "attention": set(), "static": set(), "graphs": set()}
+    callers = {(path.relative_to(root).as_posix(), fn) for path in root.rglob("*.py")
+               for fn in _functions_reading(path, {"attend_rows"})}
+    assert callers == {("runtime/backend.py", "decode_attention")}
+
+
+def test_the_reference_refuses_a_padded_batch_layer():
+    """A padded batch's layer holds nothing in its own tensors (its rows do): the reference path
+    refuses it instead of attending an empty layer, and names where rows are split."""
+    layer = CompressedLayer(FITTED)
+    k = torch.randn(2, H, 40, D)
+    layer.update(k, k)
+    layer.commit(torch.tensor([[True] * 40, [False] * 8 + [True] * 32]))
+    layer.flush()
+    q, vis = torch.randn(2, H * REP, 1, D), _visible(40, 1, None, None)
+    with pytest.raises(KvcalibError, match="backend.decode_attention"):
+        attend_compressed(q, layer, vis, D ** -0.5)
+    out = decode_attention(q, layer, vis, D ** -0.5, path="reference")
+    for i, row in enumerate(layer.rows):
+        alone = attend_compressed(q[i:i + 1], row, _visible(row.n_seen, 1, None, None), D ** -0.5)
+        assert torch.equal(out[i:i + 1], alone)

@@ -13,7 +13,7 @@ from kvcalib.codec import LayerCodec
 from kvcalib.errors import KvcalibError
 from kvcalib.export import ExportConfig, export_recipe
 from kvcalib.layout import LayerConfig
-from kvcalib.methods.base import CalibrationError
+from kvcalib.methods.base import CalibrationError, KernelAttend
 from kvcalib.methods.prerope import PreRopeMethod, prerope_errors
 from kvcalib.models import rope_tables
 from kvcalib.quant.rotation import apply_rope
@@ -82,7 +82,7 @@ def test_codec_needs_the_positions():
     with pytest.raises(KvcalibError, match="RoPE positions"):
         codec.roundtrip_keys(x)
     assert codec.kernel_attend("k", torch.device("cpu")) is None  # the decode kernel refuses the layer
-    assert codec.kernel_attend("v", torch.device("cpu")) == {}
+    assert codec.kernel_attend("v", torch.device("cpu")) == KernelAttend()  # nothing to pass
 
 
 def test_fit_measures_the_key_error_after_rope():

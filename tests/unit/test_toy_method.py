@@ -153,3 +153,30 @@ def test_toy_flag_on_the_command_line(toy_run, tmp_path):
     help_text = subprocess.run([sys.executable, "-m", "kvcalib.cli", "export", "--help"], cwd=ROOT,
                                capture_output=True, text=True).stdout
     assert "--equalize" not in help_text  # an unregistered toy adds nothing
+
+
+def test_kernel_arguments_are_typed_and_each_field_is_one_methods():
+    """Method states hand the kernels a typed value (issue 52 item 4): a state fills its own fields,
+    the codec merges a layer's states, and two methods setting one field is an error naming both;
+    the decode kernel's keyword arguments come from one place, set fields only."""
+    from kvcalib.errors import KvcalibError
+    from kvcalib.methods.base import KernelAttend, KernelEncode
+
+    perm = torch.stack([torch.randperm(16) for _ in range(2)]).int()
+    rot = (torch.eye(16), None)
+    merged = KernelAttend.merge({"reorder": KernelAttend(perm=perm), "rotate": KernelAttend(rot=rot)})
+    assert merged.perm is perm and merged.rot is rot
+    assert merged.kernel_args("v") == {"v_perm": perm, "v_rot": rot} and KernelAttend().kernel_args("k") == {}
+    with pytest.raises(KvcalibError, match="'reorder' and 'toy'"):
+        KernelAttend.merge({"reorder": KernelAttend(perm=perm), "toy": KernelAttend(perm=perm)})
+    with pytest.raises(KvcalibError, match="'center' and 'toy'"):
+        KernelEncode.merge({"center": KernelEncode(mean=torch.zeros(1), center=8), "toy": KernelEncode(center=16)})
+    x1, x2 = torch.zeros(1), torch.ones(1)  # a transform run at flush: a later state's block replaces it
+    assert KernelEncode.merge({"prerope": KernelEncode(x=x1), "rotate": KernelEncode(x=x2)}).x is x2
+    # a layer's codec: SKVQ's permutation and a rotation, each its own field
+    cfg = LayerConfig(k_bits=2, v_bits=4, k_group=8, v_group=8, window=8)
+    from kvcalib.quant.rotation import hadamard
+
+    codec = LayerCodec(cfg, v_perm=perm, v_rotate=(hadamard(16), None))
+    attend = codec.kernel_attend("v", torch.device("cpu"))
+    assert isinstance(attend, KernelAttend) and torch.equal(attend.perm, perm) and attend.rot is not None

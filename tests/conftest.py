@@ -49,13 +49,24 @@ def _put_sigint_back(when: str) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
+def pytest_configure(config):
+    """Python's own SIGINT set-up from the start: a non-interactive shell starts its background jobs
+    with SIGINT ignored (POSIX), which the pytest-xdist workers of a `make test &` (or a CI runner
+    doing the same) inherit; the Ctrl-C tests need it handled. Silent: no test did it."""
+    import signal
+
+    if _sigint_state()[1] != (False, False):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @pytest.fixture(autouse=True)
 def _sigint_as_python_sets_it_up(request):
     """Each test starts with Ctrl-C as Python sets it up (its handler, not ignored, not blocked) and
     kvcalib's held-interrupt bookkeeping empty. Why: the Ctrl-C tests (test_faults.py) send SIGINT
     to the test process and to `kvcalib` subprocesses, which inherit an ignored or blocked SIGINT;
-    under pytest-xdist a worker runs many files, and in CI (2 workers) those tests found SIGINT
-    ignored in theirs. A test that leaves it changed is named in a warning."""
+    under pytest-xdist a worker runs many files, and a test that leaves it changed is named in a
+    warning (what the process inherited is put back in :func:`pytest_configure`)."""
     _put_sigint_back(f"before {request.node.nodeid}")
     yield
     _put_sigint_back(f"after {request.node.nodeid}")

@@ -34,9 +34,12 @@ Every row is merged into ``artifacts/results/long_context.json`` (a list of obje
 ``overlap``, ``tokens``, ``by_position``; copy rows ``nll``, ``nll_fp``, ``nll_decode``,
 ``nll_reference``, ``passages``, ``tail``; passkey rows ``accuracy``, ``accuracy_fp``, ``trials``,
 ``by_depth``; and ``machine`` and ``command``; rows written before ``text`` existed are Britannica
-rows; a rerun replaces the rows with the same model/context/recipe/metric/text), then
+rows; a rerun replaces the rows with the same model/context/recipe/metric/text) as each recipe
+finishes (a run stopped by a time limit keeps what finished), then
 ``long_context.md`` is rewritten from the JSON and a PNG of perplexity by position is written per
 (model, context, text).
+``--merge FILE`` (repeatable) merges the rows of another run's ``--out`` (e.g. a GPU machine's)
+instead of running.
 """
 
 from __future__ import annotations
@@ -79,7 +82,9 @@ def text_of(row: dict) -> str:
     return row.get("text", "longtext")  # rows written before --text existed are Britannica rows
 
 
-def run(args: argparse.Namespace) -> list[dict]:
+def run(args: argparse.Namespace, save=None) -> list[dict]:
+    """Every context and text of ``args``: the rows, also handed to ``save`` recipe by recipe (so a
+    run stopped by a time limit keeps what finished)."""
     from kvcalib.eval.harness import EvalConfig, evaluate
     from kvcalib.models import load_model
 
@@ -102,23 +107,34 @@ def run(args: argparse.Namespace) -> list[dict]:
                                 passkey_depths=tuple(args.passkey_depths), passkey_trials=args.passkey_trials,
                                 copy_len=args.copy_len, copy_tail=args.copy_tail, copy_samples=args.copy_samples,
                                 copy_decode=args.decode, batch_size=1, seed=args.seed)
-            results = evaluate(config, loaded)
-            for spec, r in zip(args.recipe, results):
-                base = {"model": args.model, "context": context, "recipe": recipe_label(spec), "text": text,
-                        "effective_bits": r.effective_bits, "machine": machine(), "command": command}
-                if r.ppl is not None:
-                    rows.append({**base, "metric": "ppl", "ppl": r.ppl, "ppl_fp": r.ppl_fp,
-                                 "delta_pct": r.ppl_delta_pct, "ci_low": r.ppl_ci_low, "ci_high": r.ppl_ci_high,
-                                 "windows": r.ppl_windows, "overlap": r.ppl_overlap, "tokens": r.ppl_tokens,
-                                 "by_position": r.ppl_by_position})
-                if r.copy_nll is not None:
-                    rows.append({**base, "metric": "copy", "nll": r.copy_nll, "nll_fp": r.copy_nll_fp,
-                                 "nll_decode": r.copy_nll_decode, "nll_reference": r.copy_nll_reference,
-                                 "passages": r.copy_passages, "tail": r.copy_tail, "copy_len": args.copy_len})
-                if r.passkey is not None:
-                    rows.append({**base, "metric": "passkey", "text": "longtext", "accuracy": r.passkey,
-                                 "accuracy_fp": r.passkey_fp,
-                                 "trials": len(args.passkey_depths) * args.passkey_trials, "by_depth": r.passkey_cells})
+            def on_result(r, context=context, text=text) -> None:
+                new = rows_of(r, args, context, text, command)
+                rows.extend(new)
+                if save is not None:
+                    save(new)
+
+            evaluate(config, loaded, on_result=on_result)
+    return rows
+
+
+def rows_of(r, args: argparse.Namespace, context: int, text: str, command: str) -> list[dict]:
+    """The JSON rows of one recipe's :class:`~kvcalib.eval.harness.EvalResult`."""
+    rows: list[dict] = []
+    base = {"model": args.model, "context": context, "recipe": recipe_label(r.recipe), "text": text,
+            "effective_bits": r.effective_bits, "machine": machine(), "command": command}
+    if r.ppl is not None:
+        rows.append({**base, "metric": "ppl", "ppl": r.ppl, "ppl_fp": r.ppl_fp,
+                     "delta_pct": r.ppl_delta_pct, "ci_low": r.ppl_ci_low, "ci_high": r.ppl_ci_high,
+                     "windows": r.ppl_windows, "overlap": r.ppl_overlap, "tokens": r.ppl_tokens,
+                     "by_position": r.ppl_by_position})
+    if r.copy_nll is not None:
+        rows.append({**base, "metric": "copy", "nll": r.copy_nll, "nll_fp": r.copy_nll_fp,
+                     "nll_decode": r.copy_nll_decode, "nll_reference": r.copy_nll_reference,
+                     "passages": r.copy_passages, "tail": r.copy_tail, "copy_len": args.copy_len})
+    if r.passkey is not None:
+        rows.append({**base, "metric": "passkey", "text": "longtext", "accuracy": r.passkey,
+                     "accuracy_fp": r.passkey_fp,
+                     "trials": len(args.passkey_depths) * args.passkey_trials, "by_depth": r.passkey_cells})
     return rows
 
 
@@ -207,8 +223,8 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--context", type=int, action="append", required=True)
-    parser.add_argument("--recipe", action="append", required=True, help="preset name or recipe file (repeatable)")
+    parser.add_argument("--context", type=int, action="append", default=[], help="required unless --merge")
+    parser.add_argument("--recipe", action="append", default=[], help="preset name or recipe file (repeatable; required unless --merge)")
     parser.add_argument("--text", action="append", choices=sorted(TEXTS), default=None,
                         help="held-out text (repeatable; default: longtext and plays)")
     parser.add_argument("--metrics", default="ppl,passkey,copy")
@@ -226,18 +242,34 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--out", type=Path, default=OUT / "long_context.json")
+    parser.add_argument("--merge", type=Path, action="append", default=[],
+                        help="merge the rows of these JSON files (another run's --out) instead of running")
     args = parser.parse_args()
+    if not args.merge and not (args.context and args.recipe):
+        parser.error("--context and --recipe are required (or --merge FILE)")
     args.text = args.text or ["longtext", "plays"]
     from kvcalib.errors import KvcalibError
 
+    def save(new: list[dict]) -> list[dict]:
+        """Merge ``new`` into --out, then its table and plots: after every recipe."""
+        from kvcalib.io import atomic_path
+
+        merged = merge(new, args.out)
+        with atomic_path(args.out.with_suffix(".md")) as tmp:
+            tmp.write_text(markdown(merged) + "\n")
+        plot(merged, args.out.parent)
+        return merged
+
     try:
-        rows = merge(run(args), args.out)
+        if args.merge:  # rows of runs made elsewhere (a GPU machine's --out), into this --out
+            new = [r for path in args.merge for r in json.loads(path.read_text())]
+        else:
+            new = run(args, save)
     except KvcalibError as err:
         print(f"long_context.py: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    args.out.with_suffix(".md").write_text(markdown(rows) + "\n")
-    plot(rows, args.out.parent)
-    for r in rows:
+    rows = save(new)
+    for r in new:
         head = f"{r['model']} {r['context']:>6} {text_of(r):<8} {r['recipe']:<50} {r['effective_bits']:6.3f} bits"
         if r["metric"] == "ppl":
             print(f"{head}  ppl {r['ppl']:.3f} (fp {r['ppl_fp']:.3f}, {r['delta_pct']:+.2f}% {_ci(r)})")

@@ -305,11 +305,14 @@ class _Steps:
         return lambda n: self.bar.advance(n / max(n_units, 1))
 
 
-def evaluate(config: EvalConfig, loaded: "LoadedModel | None" = None) -> list[EvalResult]:
+def evaluate(config: EvalConfig, loaded: "LoadedModel | None" = None,
+             on_result: "Callable[[EvalResult], None] | None" = None) -> list[EvalResult]:
     """Score every recipe of ``config`` on identical inputs; one :class:`EvalResult` per recipe,
     in the order given.
 
     ``loaded``: an already loaded model (``config.model``/``device``/``dtype`` are then unused).
+    ``on_result``: called with each recipe's result as soon as it is scored (a long run can save
+    what finished before a time limit stops it).
     Every recipe is checked against the model before any compute. The model's attention
     implementation is restored on return (building a CompressedCache switches it).
     Raises :class:`EvalConfigError` when an input is longer than the model supports.
@@ -355,6 +358,8 @@ def evaluate(config: EvalConfig, loaded: "LoadedModel | None" = None) -> list[Ev
                 _score_recipe(config, model, tok, inputs, fp, recipe, configs, codecs, res, steps, name)
                 res.seconds = time.perf_counter() - t0
                 results.append(res)
+                if on_result is not None:
+                    on_result(res)
     finally:
         if model.config._attn_implementation != previous_attn:
             model.set_attn_implementation(previous_attn)  # CompressedCache.from_recipe switched it

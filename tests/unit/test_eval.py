@@ -262,9 +262,11 @@ def test_evaluate_tiny_end_to_end(tiny_loaded, tmp_path):
                      agreement_tokens=8, passkey_lengths=(256,), passkey_depths=(0.2, 0.8), passkey_trials=1,
                      passkey_new_tokens=4, context_len=256, batch_size=2)
     tiny_loaded.model.set_attn_implementation("sdpa")  # other tests switch it to kvcalib's
-    results = evaluate(cfg, tiny_loaded)
+    handed = []  # on_result: each recipe's result as soon as it is scored (long runs save as they go)
+    results = evaluate(cfg, tiny_loaded, on_result=lambda r: handed.append((r.name, r.ppl is not None)))
     fp, lossy = results
     assert [r.name for r in results] == ["fp16", "tiny-2bit"]
+    assert handed == [("fp16", True), ("tiny-2bit", True)]
     assert fp.ppl_delta_pct == 0.0 and fp.ppl == fp.ppl_fp
     assert lossy.ppl_fp == fp.ppl_fp and lossy.ppl_tokens == fp.ppl_tokens == 3 * 47  # same inputs
     assert fp.agreement == 1.0 and fp.first_divergence == 8.0

@@ -17,11 +17,15 @@
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVCALIB_QUIET=1
 # (typer >= 0.25 imports pydantic: pydantic, pydantic-core, annotated-types and typing-inspection
 # travel too.) The stamp names the wheel set, so a warm machine installs a changed set again.
-WHL_STAMP=/tmp/site/.done-$(ls .whl 2>/dev/null | md5sum | cut -c1-12)
-if [ -d .whl ] && [ ! -e "$WHL_STAMP" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && touch "$WHL_STAMP"
-fi
+# .whl-eval (scripts/eval_wheels.sh: lm-eval and what it needs beyond the machine's image) is
+# installed the same way when a call carries it, into the same /tmp/site.
+for W in .whl .whl-eval; do
+  WHL_STAMP=/tmp/site/.done-$W-$(ls $W 2>/dev/null | md5sum | cut -c1-12)
+  if [ -d $W ] && [ ! -e "$WHL_STAMP" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $W/*.whl \
+      && touch "$WHL_STAMP"
+  fi
+done
 KK=/tmp/kvcalib_kernels_path
 mkdir -p "$KK" && ln -sfn "$(realpath "${KV_KERNELS:-kernels}")" "$KK/kvcalib_kernels"
 export PYTHONPATH="$PWD:$KK:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"

@@ -1258,12 +1258,17 @@ def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch, 
     length = 52 if fitted in ("pats", "sliding") else 44
     ids = torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     calls = []
-    real = triton_path.triton_decode_attention
+    real, real_static = triton_path.triton_decode_attention, triton_path.static_decode_attention
 
     def counted(*a, **k):
         out = real(*a, **k)
         if a[0].shape[2] == 1:  # decode steps (the prompt goes to the reference)
             calls.append(out is not None)
+        return out
+
+    def counted_static(*a, **k):  # on CUDA, layer graphs capture the kernel through the static launch
+        out = real_static(*a, **k)
+        calls.append(out is not None)
         return out
 
     def run(backend):
@@ -1303,8 +1308,9 @@ def test_generate_through_the_kernel_matches_the_reference_backend(monkeypatch, 
 
     ref = run("reference")
     monkeypatch.setattr(triton_path, "triton_decode_attention", counted)
+    monkeypatch.setattr(triton_path, "static_decode_attention", counted_static)
     fused = run("triton")
-    assert calls and all(calls)  # every decode step of every layer went through the kernel
+    assert calls and all(calls)  # every decode step of every layer went through the kernel (eager or captured)
     assert float((fused - ref).abs().max()) < 1e-3 * max(1.0, float(ref.abs().max()))
 
 

@@ -199,6 +199,7 @@ def search(
     score_samples: int = typer.Option(2, help="Held calibration windows the KL objective is computed on (after the collected ones)."),
     score_seq_len: Optional[int] = typer.Option(None, help="Tokens per scoring window [default: --context]. Given without --score-last, every position is scored (the short-context search of earlier versions: --score-seq-len 256)."),
     score_last: Optional[int] = typer.Option(None, help="Score only the last N positions of each scoring window, as decode steps after a compressed prompt of the rest [default: --context / 8 when the window is --context]."),
+    copy_weight: Optional[float] = typer.Option(None, help="Weight W in [0, 1) of copy windows in the objective, KL = KL^(1-W) x (KL of copy windows)^W (a weighted geometric mean: a relative change counts the same in either part): one copy window per scoring window, its last tokens a copy of its start, so the --score-last decode steps must read far back through the compressed cache (a recipe cannot trade copying for perplexity). 0: none. [default: 0.5 with --score-last (the default long-context scoring), when N is at most half the window; 0 for windows scored at every position (--score-seq-len without --score-last, e.g. `make demo`), which have no decode steps to copy into]. Each trial scores twice the windows."),
     space: Optional[Path] = typer.Option(None, help="Search space file (JSON/YAML: bits, groups, windows, sinks, layer_methods, schedules)."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage shared by workers on any machine: sqlite:///PATH (one machine), postgresql+psycopg://USER:PW@HOST/DB, or journal:PATH. Default: RUN_DIR/study.db (see docs/search-at-scale.md)."),
     study: str = typer.Option("kvcalib-search", help="Study name inside --storage."),
@@ -227,7 +228,7 @@ def search(
 
     config = SearchConfig(model=model, data=data, text_field=text_field, out=out, samples=samples, seq_len=seq_len,
                           score_samples=score_samples, score_seq_len=score_seq_len, score_last=score_last,
-                          trials=trials, budget_bits=budget_bits, context=context, score_at_context=True,
+                          copy_weight=copy_weight, trials=trials, budget_bits=budget_bits, context=context, score_at_context=True,
                           space=space, storage=storage, study=study, resume=resume, sweep=sweep, timeout=timeout,
                           seed=seed, eval=not no_eval, eval_samples=eval_samples, eval_seq_len=eval_seq_len,
                           device=device, dtype=dtype, command=command_line(), objective=objective,
@@ -274,7 +275,9 @@ def search(
     if result.table:
         print(result.table)
     if result.recipe_path is not None:
-        print(f"chosen: trial {result.chosen_trial}, KL {result.kl:.4g} at {result.effective_bits:.3f} effective bits, "
+        parts = (f" (ordinary {result.kl_ordinary:.4g}, copy {result.kl_copy:.4g})"
+                 if result.kl_copy is not None and result.kl_ordinary is not None else "")
+        print(f"chosen: trial {result.chosen_trial}, KL {result.kl:.4g}{parts} at {result.effective_bits:.3f} effective bits, "
               f"{16.0 / result.effective_bits:.2f}x smaller than bf16 (budget {budget_bits:g}, floor "
               f"{result.floor_bits:.3f}); {result.n_trials} trials, {result.seconds:.0f} s")
         print(f"recipe: {result.recipe_path}")

@@ -138,6 +138,21 @@ def tiny_model(arch: str, seed: int = 0, config=None, **kw):
     return model.eval()
 
 
+def tiny_search_inputs():
+    """A tiny llama, its geometry, statistics collected on 4 x 32 random tokens and 2 x 40 held
+    scoring tokens drawn after them: ``(model, info, stats, score_ids)`` for the search's tests."""
+    from kvcalib.collection import collect_stats
+    from kvcalib.models import model_info
+
+    model = tiny_model("llama")
+    info = model_info(model.config, "tiny-llama")
+    g = torch.Generator().manual_seed(0)
+    collect_ids = torch.randint(0, 128, (4, 32), generator=g)  # (N, T) statistics
+    score_ids = torch.randint(0, 128, (2, 40), generator=g)  # (M, T) held: disjoint draws
+    stats = collect_stats(model, collect_ids, reservoir_blocks=4, block_len=16, name="tiny-llama", progress=False)
+    return model, info, stats, score_ids
+
+
 _WORDS = ("the a river king castle old green stone walked over under quietly bright north town "
           "market people were said that with from into between seven hundred winter summer "
           "ship sailed harbour letter wrote poem play stage").split()

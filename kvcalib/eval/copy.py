@@ -23,6 +23,12 @@ steps reading the compressed cache, so the first copy is read as the cache store
 
 Passages are cut side by side from the held-out stream (:func:`kvcalib.eval.windows.eval_windows`,
 seeded), never overlapping.
+
+The search scores the same thing on calibration text (:func:`copy_windows`, issue 53): a scoring
+window of ``T`` tokens whose last ``span`` tokens are replaced by a copy of its own first ``span``
+(after the BOS), ``[BOS] A ... A``, so that its scored decode steps (the last ``tail``) can be
+predicted only by reading the start of the window back through the compressed cache. Both layouts
+are :class:`CopyInputs` made by :func:`repeat_span`.
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ COPY_TAIL = 256
 
 @dataclass(frozen=True)
 class CopyInputs:
-    """``ids`` (N, L): each row [BOS] P P; ``passage_len``; ``tail`` scored tokens; ``offset`` 1 with
-    a BOS, else 0 (the first copy starts there)."""
+    """``ids`` (N, L): each row [BOS] P ... P, its last ``passage_len`` tokens an exact copy of
+    ``[offset, offset + passage_len)`` (for the eval metric nothing lies between the copies);
+    ``tail`` scored tokens at the end of the second copy; ``offset`` 1 with a BOS, else 0 (the
+    first copy starts there)."""
 
     ids: torch.Tensor  # (N, L)
     passage_len: int
@@ -51,18 +59,48 @@ class CopyInputs:
         return self.ids.shape[1] - self.tail
 
 
+def repeat_span(prefix: torch.Tensor, start: int, span_len: int) -> torch.Tensor:
+    """``prefix`` (N, P) followed by an exact copy of its own tokens ``[start, start + span_len)``:
+    (N, P + span_len)."""
+    if not (0 <= start and span_len >= 1 and start + span_len <= prefix.shape[1]):
+        raise ValueError(f"the span [{start}, {start + span_len}) lies outside the {prefix.shape[1]}-token prefix")
+    return torch.cat([prefix, prefix[:, start:start + span_len]], dim=1)  # (N, P + span_len)
+
+
+def copy_windows(windows: torch.Tensor, tail: int, offset: int = 0) -> CopyInputs:
+    """The search objective's copy windows (module docstring): ``windows`` (N, T) with their last
+    ``span = min(2 * tail, (T - offset) // 2)`` tokens replaced by a copy of ``[offset, offset + span)``;
+    the scored ``tail`` is the copy's end. ``offset``: 1 where each window starts with a BOS (it is
+    not copied). Raises ValueError when ``tail > (T - offset) // 2``: the copy would overlap its source.
+
+    Why a span longer than the tail: a model starts copying only once it has seen a few tokens of
+    the repeat (the induction match); the first ``span - tail`` copied tokens sit in the prompt, so
+    every scored step is mid-copy, as the eval metric scores the end of a long second copy. Why the
+    source at the window's start: it is as far back as the window reaches, beyond any full-precision
+    window of the recent tokens, so the scored steps read it quantized.
+    """
+    n_tokens = windows.shape[1]
+    room = (n_tokens - offset) // 2  # the source and the copy may not overlap
+    if not 1 <= tail <= room:
+        raise ValueError(f"a copy window of {n_tokens} tokens holds a scored copy of at most {room} tokens, got {tail}")
+    span = min(2 * tail, room)
+    ids = repeat_span(windows[:, :n_tokens - span], offset, span)  # (N, T): [BOS] A ... A
+    return CopyInputs(ids, span, tail, offset)
+
+
 def build_copy_inputs(texts: Sequence[str], tokenizer: Any, passage_len: int = COPY_LEN, tail: int = COPY_TAIL,
                       n: int = 4, seed: int = 0, what: str = "the text",
-                      opts: dict[str, str] | None = None) -> CopyInputs:
-    """``n`` repeated passages (module docstring); :class:`KvcalibError` when the text is too short."""
+                      opts: dict[str, str] | None = None, allow_fewer: bool = False) -> CopyInputs:
+    """``n`` repeated passages (module docstring); :class:`KvcalibError` when the text is too short
+    (``allow_fewer``: the passages it holds, at least one, with a warning)."""
     from kvcalib.eval.windows import eval_windows, leading_bos
 
     if not 1 <= tail <= passage_len:
         raise ValueError(f"the copy tail must lie in [1, passage_len={passage_len}], got {tail}")
     offset = 1 if leading_bos(tokenizer) is not None else 0
-    passages = eval_windows(texts, tokenizer, passage_len + offset, n, seed, 0.0, what, opts).ids  # (N, [BOS] + P)
-    ids = torch.cat([passages, passages[:, offset:]], dim=1)  # (N, [BOS] + 2P)
-    return CopyInputs(ids, passage_len, tail, offset)
+    passages = eval_windows(texts, tokenizer, passage_len + offset, n, seed, 0.0, what, opts,
+                            allow_fewer=allow_fewer).ids  # (N, [BOS] + P)
+    return CopyInputs(repeat_span(passages, offset, passage_len), passage_len, tail, offset)  # ids (N, [BOS] + 2P)
 
 
 @torch.no_grad()
@@ -118,4 +156,4 @@ def copy_decoded(model, inputs: CopyInputs, recipe, batch_size: int = 1,
 
 
 __all__ = ["COPY_LEN", "COPY_TAIL", "CopyInputs", "build_copy_inputs", "copy_decoded", "copy_fp",
-           "copy_simulated"]
+           "copy_simulated", "copy_windows", "repeat_span"]

@@ -89,6 +89,7 @@ class EvalConfig:
     copy_len: int = 3000  # tokens per passage (the sequence holds it twice)
     copy_tail: int = 256  # scored tokens at the end of the second copy
     copy_samples: int = 4  # passages
+    copy_allow_fewer: bool = False  # a text short of copy_samples passages gives those it holds (else refused)
     copy_decode: bool = False  # also score the copy through a real token-by-token decode
     gsm8k_limit: int = 100
     gsm8k_shots: int = 4
@@ -278,7 +279,8 @@ def _build_inputs(config: EvalConfig, tokenizer) -> _Inputs:
 
             inputs.copy = build_copy_inputs(texts, tokenizer, config.copy_len, config.copy_tail, config.copy_samples,
                                             config.seed + 3, what, {"n": " (--copy-samples)", "seq_len": " (--copy-len)",
-                                                                    "text": " (--data)"})
+                                                                    "text": " (--data)"},
+                                            allow_fewer=config.copy_allow_fewer)
     if "passkey" in config.metrics:
         from kvcalib.eval.passkey import build_passkey_prompts
 

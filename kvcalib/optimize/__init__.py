@@ -5,7 +5,9 @@ Phases, all into one run folder (never overwritten; ``resume`` continues it):
 1. collect: statistics on the first ``samples`` calibration windows (skipped when the folder
    already holds ``stats.safetensors``, e.g. from ``kvcalib collect``);
 2. objective: the next ``score_samples`` windows of the same packing (disjoint from 1), cut to
-   ``seq_len`` tokens; full-precision log-probs cached (:mod:`.objective`);
+   ``seq_len`` tokens; with ``score_last`` and ``copy_weight`` > 0 also a copy window of each, its
+   tail a copy of its start (:func:`kvcalib.eval.copy.copy_windows`); full-precision log-probs
+   cached (:mod:`.objective`);
 3. warm start + study (:mod:`.study`): sensitivity sweep, greedy points, TPE with the budget as
    a constraint, Pareto pruning, SQLite/journal storage; ``resume`` first re-enqueues the
    points of trials an interrupted run left FAIL or RUNNING (:func:`.study.recover_interrupted`);
@@ -15,8 +17,9 @@ Phases, all into one run folder (never overwritten; ``resume`` continues it):
    ``search.json`` (version 2) names its memory accounting (``kvcalib.layout.ACCOUNTING``: bf16 is
    16 bits on every model, so a budget means the same compression, 16 / budget, everywhere);
    :func:`current_accounting` reads a version-1 file's numbers in today's accounting;
-5. held-out proof: :func:`kvcalib.eval.harness.evaluate` (ppl) of the chosen recipe and the
-   presets on the evaluation split.
+5. held-out proof: :func:`kvcalib.eval.harness.evaluate` of the chosen recipe and the presets on
+   the evaluation split: ppl, and the copy NLL on passages half a proof window long
+   (:func:`proof_copy_settings`).
 
 Import cost: this package imports neither optuna nor matplotlib until a search runs.
 """
@@ -43,6 +46,13 @@ SEARCH_VERSION = 2  # 2: the "accounting" field (issue 38); 1: every layer count
 PRESETS = ("kivi-2", "kivi-4", "pertoken-4")
 LONG_CONTEXT = 8192  # `kvcalib search`'s default --context: min(this, the model's maximum)
 DECODE_FRACTION = 8  # at long context the last context // 8 positions of a scoring window are decode steps
+COPY_WEIGHT = 0.5  # the copy windows' weight in the objective where they are scored (copy_weight unset)
+
+
+def copy_room(scoring_length: int) -> int:
+    """The most scored positions a copy window of ``scoring_length`` tokens can hold: its copy may
+    not overlap its source (:func:`kvcalib.eval.copy.copy_windows`), and a BOS may open the window."""
+    return (scoring_length - 1) // 2
 
 
 def long_context_default(max_positions: int | None) -> int:
@@ -66,6 +76,10 @@ class SearchConfig:
     # steps after a compressed prompt (None: seq_len, every position after the first)
     score_seq_len: int | None = None
     score_last: int | None = None
+    # the copy windows' weight w in the objective, KL ** (1 - w) * (KL of copy windows) ** w (objective.py):
+    # in [0, 1), 0 = none; None: COPY_WEIGHT where the scoring windows end in score_last decode steps
+    # that a copy fits (score_last <= copy_room), else 0 (resolved with the scoring window)
+    copy_weight: float | None = None
     trials: int = 30  # finished trials the study should hold
     budget_bits: float = 3.0
     # effective bits accounted at this context length; None: long_context_default(the model's maximum),
@@ -132,6 +146,12 @@ class SearchConfig:
             self.block_len = self.seq_len
         if self.score_seq_len is not None and (not isinstance(self.score_seq_len, int) or self.score_seq_len < 2):
             raise KvcalibError(f"--score-seq-len must be an integer >= 2, got {self.score_seq_len!r}.")
+        if self.copy_weight is not None and (isinstance(self.copy_weight, bool)
+                                             or not isinstance(self.copy_weight, (int, float))
+                                             or not 0.0 <= self.copy_weight < 1.0):
+            raise KvcalibError(f"--copy-weight must be a number in [0, 1), got {self.copy_weight!r}: the copy windows' "
+                               "weight in the objective (0 scores none; 1 would drop the ordinary KL). Pass e.g. "
+                               f"--copy-weight {COPY_WEIGHT:g} or --copy-weight 0.")
         if self.space is None:
             self.space = SearchSpace()
         elif isinstance(self.space, (str, Path)):
@@ -194,6 +214,7 @@ class SearchConfig:
                                             or not 1 <= self.score_last < self.scoring_length):
             raise KvcalibError(f"--score-last must be an integer in [1, {self.scoring_length}) (the scored decode steps "
                                f"at the end of each {self.scoring_length}-token scoring window), got {self.score_last!r}.")
+        self._resolve_copy_weight()
         if self.context is not None:
             from kvcalib.optimize.space import check_scored_schedules
 
@@ -202,6 +223,28 @@ class SearchConfig:
 
         check_quantized_scoring(self.space, self.scoring_length,
                                 "--score-seq-len" if self.score_seq_len or self.score_at_context else "--seq-len")
+
+    def _resolve_copy_weight(self) -> None:
+        """``copy_weight`` once the scoring window is known: None becomes :data:`COPY_WEIGHT` where a
+        copy fits the scored decode steps, else 0; a weight given for windows that cannot hold a copy
+        is refused, naming the fix."""
+        room = copy_room(self.scoring_length)
+        fits = self.score_last is not None and self.score_last <= room
+        if self.copy_weight is None:
+            self.copy_weight = COPY_WEIGHT if fits else 0.0
+            return
+        self.copy_weight = float(self.copy_weight)
+        if self.copy_weight == 0.0 or fits:
+            return
+        if self.score_last is None:
+            raise KvcalibError(f"--copy-weight {self.copy_weight:g} needs scoring windows that end in decode steps: a "
+                               "copy window's scored positions are its last --score-last N, a copy of the window's "
+                               f"start. Pass --score-last N (at most {room} for {self.scoring_length}-token windows), "
+                               "or --copy-weight 0.")
+        raise KvcalibError(f"--copy-weight {self.copy_weight:g}: a copy window of {self.scoring_length} tokens holds "
+                           f"at most {room} scored positions (the copy may not overlap its source), not --score-last "
+                           f"{self.score_last}. Pass --score-last {room} or less, a longer --score-seq-len, or "
+                           "--copy-weight 0.")
 
     def finishers(self) -> tuple[str, ...]:
         """The methods applied to the chosen recipe (:attr:`chosen_methods`, or every registered
@@ -240,6 +283,8 @@ class SearchResult:
     table: str = ""  # the held-out table (markdown)
     report_path: Path | None = None
     seconds: float = 0.0
+    kl_ordinary: float | None = None  # the chosen trial's KL on the ordinary scoring windows
+    kl_copy: float | None = None  # ... and on the copy windows (None: the search scored none)
 
 
 # ------------------------------------------------------------------ data
@@ -268,10 +313,22 @@ def scoring_sequences(run: dict[str, Any], tokenizer, n: int, seq_len: int):
 
 
 # ------------------------------------------------------------------ the search
+def search_copy_windows(config: SearchConfig, score_ids, window_offset: int = 0):
+    """The copy windows of ``score_ids`` (M, T) the search scores (:func:`kvcalib.eval.copy.copy_windows`,
+    one per scoring window, from the same calibration text), or None where ``config.copy_weight`` is 0.
+    ``window_offset``: 1 where each window starts with a BOS the tokenizer adds (it is not copied)."""
+    if not config.copy_weight:
+        return None
+    from kvcalib.eval.copy import copy_windows
+
+    return copy_windows(score_ids, int(config.score_last), window_offset)  # ids (M, T)
+
+
 def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Path, *, progress: bool = True,
-                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                extra: dict[str, Any] | None = None, window_offset: int = 0) -> dict[str, Any]:
     """The study over a loaded model, statistics and scoring ids (M, T); returns the ``search.json``
-    document (also written to ``run_dir``), with ``recipe.safetensors``, plots and ``report.md``."""
+    document (also written to ``run_dir``), with ``recipe.safetensors``, plots and ``report.md``.
+    ``window_offset``: 1 where each scoring window starts with a BOS (:func:`search_copy_windows`)."""
     from kvcalib import __version__
     from kvcalib.io import write_json_atomic
     from kvcalib.layout import ACCOUNTING, legacy_bits_factor
@@ -291,8 +348,10 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     check_scored_schedules(space, int(score_ids.shape[1]), config.context)
     guards.check_quantized_scoring(space, int(score_ids.shape[1]), "the scoring length")
     replayed = st.replay_points(config.points_from, space, n) if config.points_from else []  # before the study
+    copies = search_copy_windows(config, score_ids, window_offset)
     objective = SearchObjective(model, info, stats, score_ids, context=config.context, seed=config.seed,
-                                score_last=config.score_last)
+                                score_last=config.score_last, copy_ids=None if copies is None else copies.ids,
+                                copy_weight=config.copy_weight or 0.0)
     floor_bits = st.floor_bits(objective, space)
     check_budget(config, space, floor_bits, objective)
     url = st.storage_url(config.storage, run_dir)
@@ -366,8 +425,9 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     presets = []
     for name in config.presets:
         rec = load_preset(name)
+        parts = objective.parts_recipe(rec)
         presets.append({"name": name, "effective_bits": rec.memory(info, config.context).effective_bits,
-                        "kl": objective.kl_recipe(rec)})
+                        "kl": parts.value, "kl_ordinary": parts.ordinary, "kl_copy": parts.copy})
     front = st.pareto_front(records)
     chosen = None
     try:
@@ -382,8 +442,11 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
         "study": config.study, "storage": describe_storage(config.storage), "budget_bits": config.budget_bits,
         "objective": config.objective,
         "context": config.context,
-        "floor_bits": floor_bits, "score_sequences": objective.n_sequences, "score_seq_len": int(score_ids.shape[1]),
+        "floor_bits": floor_bits, "score_sequences": objective.n_ordinary, "score_seq_len": int(score_ids.shape[1]),
         "score_last": config.score_last,
+        # copy windows: how many, the copied span, and their weight in the objective (0: none scored)
+        "copy_sequences": objective.n_copy, "copy_span": copies.passage_len if copies is not None else None,
+        "copy_weight": objective.copy_weight,
         "stats_samples": (extra or {}).get("stats_samples"), "sensitivity": sensitivity, "presets": presets,
         "trials": records, "pareto": front, "chosen": chosen["number"] if chosen else None,
         "recovered": recovered, "recipe": None, "recipe_name": None, "seconds": round(time.perf_counter() - t0, 1),
@@ -555,8 +618,12 @@ def search_provenance(doc: dict[str, Any], chosen: dict[str, Any]) -> dict[str, 
         storage = describe_storage(storage)
     return {"made_by": "kvcalib search", "kvcalib_version": __version__, "data": cfg["data"],
             "samples": doc.get("stats_samples"), "score_samples": doc["score_sequences"],
-            "seq_len": doc["score_seq_len"], "seed": cfg["seed"], "objective": "decode-faithful KL",
+            "seq_len": doc["score_seq_len"], "seed": cfg["seed"],
+            "objective": "decode-faithful KL" + (" with copy windows" if doc.get("copy_weight") else ""),
             "objective_value": chosen["kl"], "effective_bits": chosen["effective_bits"], "trial": chosen["number"],
+            # the objective's two parts (a search that scored copy windows)
+            **({"copy_weight": doc["copy_weight"], "kl_ordinary": chosen.get("kl_ordinary"),
+                "kl_copy": chosen.get("kl_copy")} if doc.get("copy_weight") else {}),
             "trials": len(doc["trials"]), "budget_bits": doc["budget_bits"], "context": doc["context"],
             "searched_context": doc["score_seq_len"], "score_last": doc.get("score_last"),
             "study": doc["study"], "storage": storage, "run": doc.get("run_dir"), "command": doc.get("command"),
@@ -629,6 +696,9 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
         raise KvcalibError(f"the statistics in {run_dir} are from {stats.model.name}, not {info.name}: pass --model {stats.model.name} or another --out.")
     run = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
     score_ids = scoring_sequences(run, loaded.tokenizer, config.score_samples, config.scoring_length)
+    from kvcalib.eval.windows import leading_bos
+
+    window_offset = 1 if leading_bos(loaded.tokenizer) is not None else 0  # pack_samples opened each window with it
     stats_samples = int(run.get("samples_packed", run.get("config", {}).get("samples", 0)) or 0)
     from kvcalib.optimize.study import storage_errors, storage_url
 
@@ -636,28 +706,44 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
     # a start that fails before its first trial leaves no study.db; a storage that fails mid-search: one line
     with guards.no_empty_study(config), storage_errors(storage_url(config.storage, run_dir), again):
         doc = search_with(config, loaded.model, info, stats, score_ids, run_dir, progress=progress,
-                          extra={"stats_samples": stats_samples})
+                          extra={"stats_samples": stats_samples}, window_offset=window_offset)
     held: list[dict[str, Any]] = []
     if config.eval and doc.get("recipe"):
         from kvcalib.eval.harness import EvalConfig, evaluate
 
+        copy_len, copy_tail, copy_samples = proof_copy_settings(config.eval_seq_len, config.eval_samples)
         ecfg = EvalConfig(model=config.model, recipes=[str(run_dir / "recipe.safetensors"), *config.presets],
-                          data=config.data, text_field=config.text_field, metrics="ppl", context_len=config.context,
+                          data=config.data, text_field=config.text_field, metrics="ppl,copy", context_len=config.context,
                           ppl_samples=config.eval_samples, ppl_seq_len=config.eval_seq_len, seed=config.seed,
-                          ppl_allow_fewer=True)  # after the trials, a short text is no reason to fail
+                          copy_len=copy_len, copy_tail=copy_tail, copy_samples=copy_samples,
+                          # after the trials, a short text is no reason to fail
+                          ppl_allow_fewer=True, copy_allow_fewer=True)
         results = evaluate(ecfg, loaded)
         held = [r.to_dict() for r in results]
         for h in held:  # the searched recipe by its path relative to the run folder, not the machine's
             if h["recipe"] == str(run_dir / "recipe.safetensors"):
                 h["recipe"] = "recipe.safetensors"
         doc["held_out"] = held
-        doc["held_out_config"] = {"ppl_samples": config.eval_samples, "ppl_seq_len": config.eval_seq_len, "data": config.data}
+        doc["held_out_config"] = {"ppl_samples": config.eval_samples, "ppl_seq_len": config.eval_seq_len, "data": config.data,
+                                  "copy_len": copy_len, "copy_tail": copy_tail, "copy_samples": copy_samples}
     doc["seconds"] = round(time.perf_counter() - t0, 1)
     from kvcalib.io import write_json_atomic
 
     write_json_atomic(run_dir / "search.json", doc)
     report.write_report(doc, run_dir / "report.md")
     return result_from_doc(doc, run_dir)
+
+
+def proof_copy_settings(eval_seq_len: int, eval_samples: int) -> tuple[int, int, int]:
+    """The held-out proof's copy metric: (passage tokens, scored tail, passages). A passage is half a
+    proof window, so a repeated passage is as long as one perplexity window and its copy reaches as
+    far back as the proof's context; half as many passages as perplexity windows, each scoring its
+    last quarter (at most :data:`~kvcalib.eval.copy.COPY_TAIL` tokens) as decode steps after an
+    SDPA prompt, cost under half the perplexity proof (whose every row is a decode step)."""
+    from kvcalib.eval.copy import COPY_TAIL
+
+    passage = max(2, (eval_seq_len - 1) // 2)  # [BOS] P P fits a proof window (2: the metric's least)
+    return passage, max(1, min(COPY_TAIL, passage // 4)), max(1, eval_samples // 2)
 
 
 def result_from_doc(doc: dict[str, Any], run_dir: Path) -> SearchResult:
@@ -670,4 +756,6 @@ def result_from_doc(doc: dict[str, Any], run_dir: Path) -> SearchResult:
                         chosen_trial=doc["chosen"], kl=chosen["kl"] if chosen else None,
                         effective_bits=chosen["effective_bits"] if chosen else None, floor_bits=doc["floor_bits"],
                         n_trials=len(doc["trials"]), pareto=doc["pareto"], held_out=doc.get("held_out", []),
-                        table=table, report_path=run_dir / "report.md", seconds=doc["seconds"])
+                        table=table, report_path=run_dir / "report.md", seconds=doc["seconds"],
+                        kl_ordinary=chosen.get("kl_ordinary") if chosen else None,
+                        kl_copy=chosen.get("kl_copy") if chosen else None)

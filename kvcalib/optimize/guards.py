@@ -2,7 +2,7 @@
 
 - :func:`objective_record` / :func:`check_same_objective`: a study records the options that
   define its objective (what is scored and how: model, text, scoring length and count, seed,
-  statistics, context, budget); a resume, or a worker joining the study, with another value is
+  statistics, context, budget, copy weight); a resume, or a worker joining the study, with another value is
   refused naming the option, so trials scored at 128 and at 256 tokens never sit side by side.
 - :func:`check_study_before_work`: the same check, and "is there a study to resume", before any
   model loads (it reads the storage only).
@@ -41,8 +41,10 @@ ATTR_OBJECTIVE = "objective"  # study user attr: objective_record() of the run t
 OBJECTIVE_OPTIONS = {
     "model": "--model", "data": "--data", "text_field": "--text-field", "samples": "--samples",
     "seq_len": "--seq-len", "score_samples": "--score-samples", "seed": "--seed", "context": "--context",
-    "budget_bits": "--budget-bits",
+    "budget_bits": "--budget-bits", "copy_weight": "--copy-weight",
 }
+# a field a study recorded before it existed -> the value that study was scored with
+RECORDED_BEFORE = {"copy_weight": 0.0}  # no copy windows before issue 53
 
 
 def objective_record(config: "SearchConfig") -> dict[str, Any]:
@@ -57,10 +59,10 @@ def check_same_objective(recorded: Any, config: "SearchConfig", where: str) -> N
     if not isinstance(recorded, dict):
         return
     for name, option in OBJECTIVE_OPTIONS.items():
-        if name not in recorded:
+        if name not in recorded and name not in RECORDED_BEFORE:
             continue
-        was, now = recorded[name], getattr(config, name)
-        if name == "context" and now is None:  # resolved when the model loads; record_objective checks it then
+        was, now = recorded.get(name, RECORDED_BEFORE.get(name)), getattr(config, name)
+        if name in ("context", "copy_weight") and now is None:  # resolved when the model loads; record_objective checks it then
             continue
         if was != now and not (isinstance(was, (int, float)) and isinstance(now, (int, float))
                                and math.isclose(was, now, rel_tol=1e-12)):

@@ -18,6 +18,22 @@ the next-token distribution's divergence from full precision, exactly as token-b
 through the compressed cache would produce it (one teacher-forced forward). The full-precision
 log-probabilities are computed once per sequence and cached (float32 ``(T, V)`` each).
 
+Copy windows (issue 53): with ``score_last``, the search may also score one copy window per scoring
+window (:func:`kvcalib.eval.copy.copy_windows`: the window's tail replaced by a copy of its start,
+so its scored decode steps can be predicted only by reading far back through the compressed
+cache). The objective is then the weighted geometric mean of the two parts
+
+    KL = KL_ordinary ** (1 - w) * KL_copy ** w        (w = ``copy_weight``, 0.5 by default)
+
+each part the mean KL per scored decode step (nats) of its windows. Why geometric: the parts differ
+in scale (SmolLM2-135M, 2-bit keys behind a 32-token window: the copy part 5-25x the ordinary one),
+so an arithmetic mean would be the copy part alone, and a recipe could buy copying with perplexity;
+with the product a relative change counts the same in either part (at w = 0.5, doubling one part is
+paid only by halving the other), as users judge them: Δppl in %, copy NLL as a multiple of full
+precision's. It is 0 only for a recipe no scored step sees quantized (both parts 0), is in nats
+like either part, and a running value over the windows scored so far is comparable between trials
+at the same step (the pruner's need). :class:`KLParts` keeps the two parts apart for the report.
+
 The scoring sequences must be disjoint from the sequences the statistics were collected on
 (:func:`kvcalib.optimize.scoring_sequences` takes the calibration windows after the
 collected ones), so the search does not reward overfitting the fitted tensors.
@@ -28,6 +44,7 @@ the candidate recipe, fitted tensors included (DESIGN.md accounting; 4096 tokens
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -47,6 +64,26 @@ def kl_to_reference(ref_logp: torch.Tensor, logits: torch.Tensor, start: int = 1
     return float(kl.clamp_min(0.0).mean()) if kl.numel() else 0.0
 
 
+@dataclass(frozen=True)
+class KLParts:
+    """The objective of one recipe and its parts, each a mean KL per scored decode step (nats);
+    a part is None where none of its windows was scored."""
+
+    ordinary: float | None  # the ordinary scoring windows
+    copy: float | None  # the copy windows
+    copy_weight: float = 0.0  # the copy part's exponent in :attr:`value`
+
+    @property
+    def value(self) -> float:
+        """``ordinary ** (1 - w) * copy ** w`` (module docstring); one part alone where the other is
+        missing (a running value after the first window, or a search without copy windows)."""
+        if self.copy is None or self.copy_weight == 0.0:
+            return self.ordinary if self.ordinary is not None else (self.copy or 0.0)
+        if self.ordinary is None:
+            return self.copy
+        return self.ordinary ** (1.0 - self.copy_weight) * self.copy ** self.copy_weight
+
+
 class SearchObjective:
     """Scores points on fixed sequences against cached full-precision distributions.
 
@@ -55,18 +92,37 @@ class SearchObjective:
         stats: statistics collected on *other* sequences than ``ids`` (for the fitted tensors).
         ids: scoring sequences, LongTensor ``(M, T)``.
         context: context length (tokens) at which effective bits are accounted.
+        copy_ids: copy windows, LongTensor ``(C, T)`` (:func:`kvcalib.eval.copy.copy_windows`),
+            scored like ``ids`` on their last ``score_last`` positions (which they need); None: none.
+        copy_weight: the copy part's weight (exponent) in the objective (:class:`KLParts`).
+
+    Windows are numbered ``0..M-1`` (ordinary), then ``M..M+C-1`` (copy); ``sequences`` arguments
+    take these numbers.
     """
 
     def __init__(self, model, info: ModelInfo, stats: CollectedStats | None, ids: torch.Tensor, *,
-                 context: int = 4096, seed: int = 0, prompt_len: int = 1, score_last: int | None = None) -> None:
+                 context: int = 4096, seed: int = 0, prompt_len: int = 1, score_last: int | None = None,
+                 copy_ids: torch.Tensor | None = None, copy_weight: float = 0.5) -> None:
         if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 2:
             raise ValueError(f"ids must be (M >= 1, T >= 2) token ids, got {tuple(ids.shape)}")
         if score_last is not None:
             if not 1 <= score_last < ids.shape[1]:
                 raise ValueError(f"score_last must lie in [1, {ids.shape[1]}), got {score_last}")
             prompt_len = ids.shape[1] - score_last  # the rest is a long prompt, compressed after its attention
+        if copy_ids is not None:
+            if score_last is None:  # the copy is the window's tail: only its decode steps are scored
+                raise ValueError("copy windows need score_last (their scored tail is the copy)")
+            if copy_ids.dim() != 2 or copy_ids.shape[1] != ids.shape[1]:
+                raise ValueError(f"copy_ids must be (C, {ids.shape[1]}) token ids, got {tuple(copy_ids.shape)}")
+            if not 0.0 <= copy_weight < 1.0:
+                raise ValueError(f"copy_weight must lie in [0, 1), got {copy_weight}")
         self.model, self.info, self.stats = model, info, stats
         self.ids = ids  # (M, T)
+        self.n_ordinary = int(ids.shape[0])
+        self.n_copy = 0 if copy_ids is None else int(copy_ids.shape[0])
+        self.copy_weight = copy_weight if self.n_copy else 0.0
+        # every scored window, ordinary first: (M + C, T)
+        self.windows = ids if copy_ids is None else torch.cat([ids, copy_ids.to(ids.dtype)])
         self.context, self.seed, self.prompt_len = context, seed, prompt_len
         # logits kept per forward: only the scored positions of a long window (None: all)
         self.keep = score_last
@@ -76,7 +132,21 @@ class SearchObjective:
 
     @property
     def n_sequences(self) -> int:
-        return int(self.ids.shape[0])
+        """Windows scored per trial, ordinary and copy (the pruner's steps)."""
+        return self.n_ordinary + self.n_copy
+
+    def order(self) -> list[int]:
+        """Every window, an ordinary one and a copy one in turn (then the rest): a pruned trial's
+        running value has seen both kinds from its second step on."""
+        ordinary, copies = list(range(self.n_ordinary)), list(range(self.n_ordinary, self.n_sequences))
+        out = [m for pair in zip(ordinary, copies) for m in pair]
+        return out + ordinary[len(copies):] + copies[len(ordinary):]
+
+    @property
+    def sweep_sequences(self) -> list[int]:
+        """The windows of the per-layer sensitivity sweep: the first ordinary one, and the first copy
+        one where there are copy windows (a layer that carries the copying is then found sensitive)."""
+        return [0] + ([self.n_ordinary] if self.n_copy else [])
 
     # ------------------------------------------------------------------ recipes
     def fitted_tensors(self, point: Point, *, sides: bool = True, layers: bool = True) -> dict[str, torch.Tensor]:
@@ -167,7 +237,7 @@ class SearchObjective:
         if m not in self._ref:
             keep = {"logits_to_keep": self.keep} if self.keep else {}
             with torch.no_grad():
-                logits = self.model(input_ids=self.ids[m:m + 1].to(self._device), use_cache=False, **keep).logits[0]
+                logits = self.model(input_ids=self.windows[m:m + 1].to(self._device), use_cache=False, **keep).logits[0]
             logp = torch.log_softmax(logits.float(), dim=-1).cpu()  # (T, V)
             # held in host memory (every sequence's (T, V) would crowd the GPU), pinned there so
             # that each trial's copy back to the device is one fast DMA
@@ -181,36 +251,59 @@ class SearchObjective:
     def kl_configs(self, configs: Sequence[LayerConfig], tensors: dict[str, torch.Tensor] | None = None,
                    sequences: Sequence[int] | None = None,
                    report: Callable[[int, float], None] | None = None) -> float:
-        """Mean KL over ``sequences`` (default all) of the recipe given by ``configs`` + ``tensors``.
+        """The objective (:attr:`KLParts.value`) over ``sequences`` of the recipe given by ``configs`` +
+        ``tensors`` (:meth:`parts_configs`)."""
+        return self.parts_configs(configs, tensors, sequences, report).value
 
-        ``report(step, running_mean)`` is called after each sequence (Optuna pruning raises there).
+    def parts_configs(self, configs: Sequence[LayerConfig], tensors: dict[str, torch.Tensor] | None = None,
+                      sequences: Sequence[int] | None = None,
+                      report: Callable[[int, float], None] | None = None) -> KLParts:
+        """Mean KL over ``sequences`` (default all, in :meth:`order`) of the recipe given by ``configs``
+        + ``tensors``, the ordinary and the copy windows apart.
+
+        ``report(step, running_value)`` is called after each window (Optuna pruning raises there).
         """
         from kvcalib.simulate import simulated_logits
 
         configs = list(configs)
         rec = Recipe(name="candidate", layers=configs, model=self.info, tensors=dict(tensors or {}))
         codecs = rec.codecs(self.info)
-        seqs = list(range(self.n_sequences)) if sequences is None else list(sequences)
-        total = 0.0
+        seqs = self.order() if sequences is None else list(sequences)
+        totals, counts = [0.0, 0.0], [0, 0]  # [ordinary, copy]
         for step, m in enumerate(seqs):
+            part = int(m >= self.n_ordinary)
             ref = self.reference(m)
             if any(c.compressed for c in configs):
-                logits = simulated_logits(self.model, self.ids[m:m + 1].to(self._device), configs, codecs,
+                logits = simulated_logits(self.model, self.windows[m:m + 1].to(self._device), configs, codecs,
                                           self.prompt_len, self.keep or 0)[0]  # (T | keep, V)
                 self.simulations += 1
                 # the KL where the logits are: on a GPU, float64 over (512, V) on the host took most
                 # of a trial, and workers sharing the host's cores slowed each other 2-10x
-                total += kl_to_reference(ref.to(logits.device, non_blocking=True), logits,
-                                         0 if self.keep else self.prompt_len)
+                totals[part] += kl_to_reference(ref.to(logits.device, non_blocking=True), logits,
+                                                0 if self.keep else self.prompt_len)
+            counts[part] += 1
             if report is not None:
-                report(step, total / (step + 1))
-        return total / max(len(seqs), 1)
+                report(step, self._parts(totals, counts).value)
+        return self._parts(totals, counts)
+
+    def _parts(self, totals: list[float], counts: list[int]) -> KLParts:
+        ordinary, copy = (t / c if c else None for t, c in zip(totals, counts))
+        return KLParts(ordinary, copy, self.copy_weight)
 
     def kl(self, point: Point, sequences: Sequence[int] | None = None,
            report: Callable[[int, float], None] | None = None) -> float:
-        return self.kl_configs(point.layer_configs(), self.fitted_tensors(point), sequences, report)
+        return self.parts(point, sequences, report).value
+
+    def parts(self, point: Point, sequences: Sequence[int] | None = None,
+              report: Callable[[int, float], None] | None = None) -> KLParts:
+        """:meth:`parts_configs` of a point of the space."""
+        return self.parts_configs(point.layer_configs(), self.fitted_tensors(point), sequences, report)
 
     def kl_recipe(self, recipe: Recipe, sequences: Sequence[int] | None = None) -> float:
         """KL of any recipe (a preset included) on the same sequences."""
+        return self.parts_recipe(recipe, sequences).value
+
+    def parts_recipe(self, recipe: Recipe, sequences: Sequence[int] | None = None) -> KLParts:
+        """:meth:`parts_configs` of any recipe (a preset included)."""
         configs = recipe.layer_configs(self.info.num_layers)
-        return self.kl_configs(configs, recipe.tensors, sequences)
+        return self.parts_configs(configs, recipe.tensors, sequences)

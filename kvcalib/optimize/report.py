@@ -137,14 +137,32 @@ def at_equal_memory(recipe_bits: float, recipe_score: float | None, other_bits: 
     return f"{verdict} ({memory})"
 
 
+def _or_dash(v: Any) -> Any:
+    return "-" if v is None else v
+
+
+def copy_ratio(row: dict[str, Any]) -> float | None:
+    """A held-out row's copy NLL over full precision's on the same tokens (1.0: copies as well)."""
+    nll, fp = row.get("copy_nll"), row.get("copy_nll_fp")
+    return nll / fp if nll is not None and fp else None
+
+
 def held_out_rows(held_out: Sequence[dict[str, Any]], kl_by_name: dict[str, float],
                   chosen_name: str | None = None) -> tuple[list[str], list[list[Any]]]:
-    """The held-out table; with ``chosen_name`` (the searched recipe's row) a last column says how
-    each other row compares with it at equal memory (:func:`at_equal_memory`, on Δppl)."""
+    """The held-out table; copy columns where the proof scored the copy metric (NLL of the second
+    copy's tail, full precision's, and their ratio); with ``chosen_name`` (the searched recipe's row)
+    a last column says how each other row compares with it at equal memory (:func:`at_equal_memory`,
+    on Δppl)."""
     cols = ["recipe", "eff. bits", "search KL", "held-out ppl", "ppl fp", "Δppl %"]
     rows = [[h["name"], round(h["effective_bits"], 3), kl_by_name.get(h["name"], "-"),
-             h.get("ppl") if h.get("ppl") is not None else "-", h.get("ppl_fp") if h.get("ppl_fp") is not None else "-",
+             _or_dash(h.get("ppl")), _or_dash(h.get("ppl_fp")),
              round(h["ppl_delta_pct"], 3) if h.get("ppl_delta_pct") is not None else "-"] for h in held_out]
+    if any(h.get("copy_nll") is not None for h in held_out):
+        cols += ["copy NLL", "copy NLL fp", "copy × fp"]
+        for h, row in zip(held_out, rows):
+            ratio = copy_ratio(h)
+            row += [_or_dash(h.get("copy_nll")), _or_dash(h.get("copy_nll_fp")),
+                    "-" if ratio is None else round(ratio, 3)]
     ref = next((h for h in held_out if h["name"] == chosen_name), None)
     if ref is not None:
         cols.append("chosen vs it")
@@ -185,6 +203,24 @@ def decode_path_line(paths: Sequence[str | None]) -> str:
             + "; ".join(f"layer {i}: {why}" for i, why in slow.items()) + ".")
 
 
+def _copy_objective(doc: dict[str, Any]) -> str:
+    """The objective line's account of the copy windows ("" for a search without them)."""
+    weight = doc.get("copy_weight")
+    if not weight:
+        return ""
+    return (f"; plus {doc.get('copy_sequences')} copy window(s) of the same length whose last "
+            f"{doc.get('copy_span')} tokens repeat the window's first (the scored {doc.get('score_last')} decode steps "
+            f"can only be read back from far in the compressed cache): KL = KL ordinary^{1 - weight:g} x "
+            f"KL copy^{weight:g} (a weighted geometric mean: a relative change counts the same in either part)")
+
+
+def _parts_text(record: dict[str, Any], doc: dict[str, Any]) -> str:
+    """`` (ordinary A, copy B)`` for a record of a search that scored copy windows, else ""."""
+    if not doc.get("copy_weight") or record.get("kl_copy") is None or record.get("kl_ordinary") is None:
+        return ""
+    return f" (ordinary {record['kl_ordinary']:.4g}, copy {record['kl_copy']:.4g})"
+
+
 def write_report(doc: dict[str, Any], path: Path) -> str:
     """``report.md`` from the ``search.json`` document; returns the held-out table (markdown)."""
     from kvcalib.io import atomic_path
@@ -202,7 +238,7 @@ def write_report(doc: dict[str, Any], path: Path) -> str:
               f"layer counts the tokens it holds; floor of the space: {doc['floor_bits']:.3f})",
               f"- objective: decode-faithful KL(full || compressed) on {doc['score_sequences']} held calibration "
               f"sequence(s) of {doc['score_seq_len']} tokens, disjoint from the {doc['stats_samples']} "
-              f"collection sample(s); data `{cfg['data']}`, seed {cfg['seed']}",
+              f"collection sample(s); data `{cfg['data']}`, seed {cfg['seed']}" + _copy_objective(doc),
               f"- study `{doc['study']}` in {_storage_md(doc['storage'])}: {len(doc['trials'])} trials "
               f"({', '.join(f'{v} {k.lower()}' for k, v in sorted(states.items()))})"
               + (f"; {len(doc['recovered'])} interrupted trial(s) retried" if doc.get("recovered") else ""),
@@ -217,7 +253,7 @@ def write_report(doc: dict[str, Any], path: Path) -> str:
         lines += [f"- effective bits converted from the {conv['from']!r} accounting this run was searched with "
                   f"(x {conv['factor']:.4f}: same bytes, sliding layers counted over the tokens they hold)"]
     if c is not None:
-        lines += [f"**Chosen: trial {chosen}**, KL {c['kl']:.4g} at {c['effective_bits']:.3f} effective bits, "
+        lines += [f"**Chosen: trial {chosen}**, KL {c['kl']:.4g}{_parts_text(c, doc)} at {c['effective_bits']:.3f} effective bits, "
                   f"{16.0 / c['effective_bits']:.2f}x smaller than bf16 (group {c['point']['group']}, window {c['point']['window']}, sinks {c['point']['sinks']}"
                   + (f", schedule {c['point']['schedule']}" if c["point"].get("schedule", "none") != "none" else "")
                   + f") -> [`{doc.get('recipe')}`]({doc.get('recipe')})", ""]
@@ -226,23 +262,35 @@ def write_report(doc: dict[str, Any], path: Path) -> str:
     table = held_out_table(doc)
     if table:
         ho = doc.get("held_out_config", {})
+        copied = next((h for h in doc["held_out"] if h.get("copy_nll") is not None), None)
+        copy_line = (f" Copy: a passage of {ho.get('copy_len')} tokens repeated, NLL (nats/token) of the last "
+                     f"{copied.get('copy_tail')} tokens of the second copy on {copied.get('copy_passages')} passage(s), "
+                     "beside full precision's on the same tokens (copy × fp: 1 copies as well as full precision)."
+                     if copied is not None else "")
         lines += ["## Held-out proof", "",
                   f"Decode-faithful perplexity on {ho.get('ppl_samples')} sequence(s) of {ho.get('ppl_seq_len')} tokens "
-                  f"of the evaluation split (never seen by collection or search); effective bits at {doc['context']}. "
-                  f"The chosen recipe is compared only with presets at the same or more bits (win/loss on Δppl); "
-                  f"a preset with fewer bits is {NOT_COMPARABLE}.", "",
+                  f"of the evaluation split (never seen by collection or search); effective bits at {doc['context']}."
+                  f"{copy_line} The chosen recipe is compared only with presets at the same or more bits (win/loss on "
+                  f"Δppl); a preset with fewer bits is {NOT_COMPARABLE}.", "",
                   table, ""]
     lines += ["## Quality vs memory", "", "![pareto](pareto.png)", "", "## Bits per layer", "",
               "![bits per layer](bits_per_layer.png)", ""]
     front = [by_num[n] for n in doc.get("pareto", []) if n in by_num]
+    copies = bool(doc.get("copy_weight"))  # the KL's two parts get their columns
+    parts_cols = ["KL ordinary", "KL copy"] if copies else []
+
+    def parts(r: dict[str, Any]) -> list[Any]:
+        return [_or_dash(r.get("kl_ordinary")), _or_dash(r.get("kl_copy"))] if copies else []
+
     if front:
         lines += ["## Pareto front", "", "Pick any of these with `kvcalib export RUN_DIR --trial N -o recipe.safetensors`.", "",
-                  markdown_table(["trial", "eff. bits", "KL", "mean K bits", "mean V bits"],
-                                 [[r["number"], round(r["effective_bits"], 3), r["kl"],
+                  markdown_table(["trial", "eff. bits", "KL", *parts_cols, "mean K bits", "mean V bits"],
+                                 [[r["number"], round(r["effective_bits"], 3), r["kl"], *parts(r),
                                    round(sum(r["point"]["k_bits"]) / len(r["point"]["k_bits"]), 2),
                                    round(sum(r["point"]["v_bits"]) / len(r["point"]["v_bits"]), 2)] for r in front]), ""]
     if doc.get("presets"):
-        cols, rows = ["preset", "eff. bits", "KL"], [[p["name"], round(p["effective_bits"], 3), p["kl"]] for p in doc["presets"]]
+        cols = ["preset", "eff. bits", "KL", *parts_cols]
+        rows = [[p["name"], round(p["effective_bits"], 3), p["kl"], *parts(p)] for p in doc["presets"]]
         if c is not None:  # the chosen trial's KL against each preset's, at equal memory only
             cols.append(f"chosen (KL {c['kl']:.4g}) vs it")
             for p, row in zip(doc["presets"], rows):

@@ -72,7 +72,7 @@ from kvcalib.optimize.space import Point, SearchSpace, point_params
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
-    from kvcalib.optimize.objective import SearchObjective
+    from kvcalib.optimize.objective import KLParts, SearchObjective
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ ATTR_SPACE = "space_fingerprint"
 ATTR_ACCOUNTING = "accounting"  # kvcalib.layout.ACCOUNTING of the trials' effective bits
 ATTR_WARM_DONE = "warm_start_done"  # study user attr: the warm start's points are enqueued
 ATTR_WORKER = "worker"  # trial user attr: "host:pid" of the worker that ran it
+ATTR_KL_ORDINARY = "kl_ordinary"  # trial user attr: the KL of the ordinary scoring windows
+ATTR_KL_COPY = "kl_copy"  # trial user attr: the KL of the copy windows (searches that score them)
 DEFAULT_HEARTBEAT = 60  # seconds between a running trial's heartbeats
 GRACE_BEATS = 3  # a trial is stale after this many missed heartbeats (Optuna's default is 2)
 WARM_LOCK = ":warm-start"  # suffix of the study whose existence is the warm-start lock
@@ -634,7 +636,8 @@ def recover_interrupted(study: "optuna.Study", *, running: bool = True) -> list[
         if not params:  # failed before any parameter was fixed: nothing of it to keep
             continue
         attrs = {k: v for k, v in t.user_attrs.items()
-                 if k not in ("effective_bits", ATTR_INTERRUPTED, ATTR_ERROR, ATTR_RECOVERED, ATTR_WORKER)}
+                 if k not in ("effective_bits", ATTR_INTERRUPTED, ATTR_ERROR, ATTR_RECOVERED, ATTR_WORKER,
+                              ATTR_KL_ORDINARY, ATTR_KL_COPY)}  # what the retry measures again
         study.enqueue_trial(params, user_attrs={**attrs, ATTR_RECOVERED: t.number})
         out.append(t.number)
     if out and running:
@@ -745,7 +748,9 @@ def floor_bits(objective: "SearchObjective", space: SearchSpace) -> float:
 
 def sensitivity_sweep(objective: "SearchObjective", space: SearchSpace,
                       on_layer: Callable[[int], None] | None = None) -> list[float]:
-    """KL on sequence 0 with one layer at the fewest bits (K and V) and every other layer uncompressed."""
+    """The objective on the first scoring window (and the first copy window, where the search has
+    them: :attr:`SearchObjective.sweep_sequences`) with one layer at the fewest bits (K and V) and
+    every other layer uncompressed."""
     from kvcalib.layout import LayerConfig
 
     floor = space.floor_point(objective.info.num_layers)
@@ -754,7 +759,7 @@ def sensitivity_sweep(objective: "SearchObjective", space: SearchSpace,
     for i in range(objective.info.num_layers):
         configs = [LayerConfig(k_axis=space.k_axis)] * objective.info.num_layers
         configs[i] = low
-        out.append(objective.kl_configs(configs, None, sequences=[0]))
+        out.append(objective.kl_configs(configs, None, sequences=objective.sweep_sequences))
         if on_layer is not None:
             on_layer(i)
     return out
@@ -1067,16 +1072,25 @@ def make_objective_fn(objective: "SearchObjective", space: SearchSpace, budget: 
         set_bits(trial, bits, None if pareto else budget)
         trial.set_user_attr(ATTR_WORKER, worker_name())
         if pareto:  # Optuna cannot report or prune multi-objective trials
-            return objective.kl(point), float(bits)
+            return record_parts(trial, objective.parts(point)), float(bits)
 
         def report(step: int, value: float) -> None:
             trial.report(value, step)
             if trial.should_prune():
                 raise optuna.TrialPruned()
 
-        return objective.kl(point, report=report)
+        return record_parts(trial, objective.parts(point, report=report))
 
     return tag_failures(fn)
+
+
+def record_parts(trial, parts: "KLParts") -> float:
+    """The trial's objective value; its ordinary and copy KL kept apart in its user attrs
+    (``kl_ordinary``, ``kl_copy``: :func:`trial_records` reports them)."""
+    trial.set_user_attr(ATTR_KL_ORDINARY, parts.ordinary)
+    if parts.copy is not None:
+        trial.set_user_attr(ATTR_KL_COPY, parts.copy)
+    return parts.value
 
 
 def tag_failures(fn: Callable) -> Callable:
@@ -1150,7 +1164,9 @@ def trial_records(study: "optuna.Study", space: SearchSpace, num_layers: int, bu
             point = Point.from_params(t.params, space, num_layers).to_dict()
         except KeyError:
             point = None
-        out.append({"number": t.number, "state": t.state.name, "kl": kl, "effective_bits": bits,
+        out.append({"number": t.number, "state": t.state.name, "kl": kl,
+                    "kl_ordinary": t.user_attrs.get(ATTR_KL_ORDINARY), "kl_copy": t.user_attrs.get(ATTR_KL_COPY),
+                    "effective_bits": bits,
                     "feasible": bits is not None and bits <= budget + 1e-9,
                     "sequences": len(t.intermediate_values), "warm_start": bool(t.user_attrs.get("warm_start")),
                     "local_move_of": t.user_attrs.get("local_move"), "recovered_from": retry_of(t),

@@ -226,7 +226,7 @@ def test_sigint_at_every_phase_exits_130_and_the_printed_command_goes_on(world, 
         args = _printed_args(stderr)
         assert "--resume" in args
         with monkeypatch.context() as m:  # the 3rd trial
-            stderr = _interrupted_in_process(args, SigintAt(m, SearchObjective, "kl", 3))
+            stderr = _interrupted_in_process(args, SigintAt(m, SearchObjective, "parts", 3))
         kept = _complete(out / "study.db")
         assert len(kept) >= 2 and _printed_args(stderr) == args
         with monkeypatch.context() as m:  # the first recipe scored after the full-precision baseline

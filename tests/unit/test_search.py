@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvcalib.errors import KvcalibError
-from tests.conftest import tiny_model
+from tests.conftest import tiny_search_inputs
 
 TINY_SPACE = {"bits": [2, 4, 8], "groups": [8], "windows": [8, 16], "sinks": [0, 2], "layer_methods": ["clip"]}
 
@@ -72,16 +72,7 @@ def test_import_kvcalib_optimize_is_lean():
 # ------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def tiny():
-    from kvcalib.collection import collect_stats
-    from kvcalib.models import model_info
-
-    model = tiny_model("llama")
-    info = model_info(model.config, "tiny-llama")
-    g = torch.Generator().manual_seed(0)
-    collect_ids = torch.randint(0, 128, (4, 32), generator=g)  # (N, T) statistics
-    score_ids = torch.randint(0, 128, (2, 40), generator=g)  # (M, T) held: disjoint draws
-    stats = collect_stats(model, collect_ids, reservoir_blocks=4, block_len=16, name="tiny-llama", progress=False)
-    return model, info, stats, score_ids
+    return tiny_search_inputs()
 
 
 def _config(tmp_path, **kw):
@@ -400,19 +391,20 @@ def test_objective_fits_outlier_pool_and_schedule(tiny):
 
 
 def _interrupt_after(monkeypatch, n_calls: int):
-    """Make the n-th trial's KL computation raise KeyboardInterrupt (Ctrl-C in the middle of a trial)."""
+    """Make the n-th trial's KL computation (``SearchObjective.parts``, what a trial calls) raise
+    KeyboardInterrupt (Ctrl-C in the middle of a trial)."""
     from kvcalib.optimize.objective import SearchObjective
 
-    real = SearchObjective.kl
+    real = SearchObjective.parts
     calls = {"n": 0}
 
-    def kl(self, point, sequences=None, report=None):
+    def parts(self, point, sequences=None, report=None):
         calls["n"] += 1
         if calls["n"] == n_calls:
             raise KeyboardInterrupt
         return real(self, point, sequences, report)
 
-    monkeypatch.setattr(SearchObjective, "kl", kl)
+    monkeypatch.setattr(SearchObjective, "parts", parts)
     return calls
 
 

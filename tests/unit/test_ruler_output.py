@@ -86,3 +86,22 @@ def test_digest_is_lm_evals_task_hash():
     expected = h(h("doc 1") + h("prompt 1 é") + h("t1") + h("doc 0") + h("prompt 0 é") + h("t0"))
     assert _prompts_digest(samples) == expected
 
+
+def test_ruler_from_output_records_the_original_run(tmp_path, monkeypatch):
+    from benchmarks import ruler
+    from kvcalib import models
+
+    monkeypatch.setattr(models, "model_info_offline", lambda model: SMOL)
+    lm = tmp_path / "lm_a"
+    _results(lm, "full_precision", {"niah_single_1": 0.96, "ruler_vt": 0.5}, HASHES)
+    _results(lm, "kivi-2", {"niah_single_1": 0.34, "ruler_vt": 0.25}, HASHES)
+    out = tmp_path / "ruler.json"
+    ruler.main(["--from-output", str(lm), "--model", "smollm2-135m", "--context", "8192", "--tasks", ",".join(TASKS),
+                "--out", str(out), "--machine", "NVIDIA H200", "--command", "python3 benchmarks/ruler.py ..."])
+    rows = json.loads(out.read_text())
+    assert len(rows) == 4 and {r["recipe"] for r in rows} == {"full precision", "kivi-2"}  # kivi-4: no folder
+    assert {(r["machine"], r["command"], r["lm_eval"]) for r in rows} == {
+        ("NVIDIA H200", "python3 benchmarks/ruler.py ...", "0.4.13")}
+    assert "| kivi-2 |" in out.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit):  # --machine describes a run read back, not this one
+        ruler.main(["--context", "8192", "--machine", "NVIDIA H200", "--out", str(out)])

@@ -9,7 +9,7 @@ tokenizer to ``--context`` tokens including the answer budget), formats the prom
 answers and writes its own files (``--output-path``, default ``artifacts/runs/ruler/<model>-<context>``:
 results JSON and every sample with its generation). kvcalib runs generation through each recipe's
 ``CompressedCache`` (:mod:`kvcalib.eval.lm_eval_model`), full precision first, on the same samples
-(checked through lm-eval's prompt hashes). ``--baselines`` (``kivi-2,kivi-4``) run beside the recipes;
+(checked through lm-eval's task hashes). ``--baselines`` (``kivi-2,kivi-4``) run beside the recipes;
 full precision always runs, so a long list of recipes can be split over several commands with
 ``--baselines ''`` after the first (rows are merged). ``--batch-size 8`` batches generation (padded
 rows: the compressed cache anchors each row at its first real token) and ``--max-gen-toks 32`` caps
@@ -17,10 +17,21 @@ the answers (RULER's answers are a few numbers or words; its default budget is 1
 
 Rows are merged into ``artifacts/results/ruler.json`` (a list of objects with ``model``,
 ``context``, ``recipe``, ``effective_bits`` (at ``context``), ``task``, ``metric``, ``score``,
-``score_fp`` (full precision on the same samples), ``n`` (samples), ``prompts_sha256``,
-``machine``, ``command``, ``lm_eval``; the full-precision row has ``recipe`` "full precision" and
-16 bits; a rerun replaces the rows of the same model/context/recipe/task); ``ruler.md`` is
-rewritten from it.
+``score_fp`` (full precision on the same samples), ``n`` (samples), ``prompts_sha256`` (lm-eval's
+task hash, as in its results file), ``machine``, ``command``, ``lm_eval``, ``seconds``; the
+full-precision row has ``recipe`` "full precision" and 16 bits; a rerun replaces the rows of the
+same model/context/recipe/task) as soon as each recipe finishes, full precision first, and
+``ruler.md`` is rewritten from it: a run killed by a time limit keeps the recipes it finished.
+
+``--from-output DIR`` runs nothing: it reads the rows back from the results files lm-eval wrote
+under DIR (an earlier run's ``--output-path``, perhaps killed part-way; lm-eval need not be
+installed), with the same ``--model``/``--context``/``--recipe``/``--baselines``/``--tasks`` as that
+run; recipes without a results file are skipped, and a recipe scored on other samples than full
+precision (another task hash) is refused. ``--command`` and ``--machine`` record that run's command
+and machine (default: this command and this machine)::
+
+    python benchmarks/ruler.py --from-output /tmp/w/lm_a --model smollm2-135m --context 8192 \
+        --tasks niah_single_1,niah_multikey_2 --recipe ... --machine "NVIDIA H200" --command "python ..."
 """
 
 from __future__ import annotations
@@ -38,24 +49,53 @@ BASELINES = ("kivi-2", "kivi-4")
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from kvcalib.eval.tasks import TaskConfig, require_lm_eval, run_tasks
+    """Runs lm-eval (or with ``--from-output`` reads an earlier run's files), saving each recipe's
+    rows as soon as they exist; the rows of ``args.out`` afterwards."""
+    from kvcalib.eval.tasks import TaskConfig, require_lm_eval, results_from_output, run_tasks
 
-    version = require_lm_eval()
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
     recipes = list(dict.fromkeys([*baselines, *args.recipe]))
-    output = args.output_path or ROOT / "artifacts" / "runs" / "ruler" / f"{args.model}-{args.context}"
+    output = (args.from_output or args.output_path
+              or ROOT / "artifacts" / "runs" / "ruler" / f"{args.model}-{args.context}")
     config = TaskConfig(model=args.model, recipes=recipes, tasks=tuple(args.tasks.split(",")), context=args.context,
                         limit=args.limit, batch_size=args.batch_size, seed=args.seed, output_path=output,
                         max_gen_toks=args.max_gen_toks, device=args.device, dtype=args.dtype)
-    command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/ruler.py", *sys.argv[1:]])
+    command = args.command or " ".join(shlex.quote(a) for a in ["python", "benchmarks/ruler.py", *sys.argv[1:]])
     labels = {"full precision": "full precision", **{r: recipe_label(r) for r in recipes}}
-    rows = []
-    for r in run_tasks(config):
-        rows.append({"model": args.model, "context": args.context, "recipe": labels.get(r.recipe, r.recipe),
-                     "effective_bits": r.effective_bits, "task": r.task, "metric": r.metric, "score": r.score,
-                     "score_fp": r.score_fp, "n": r.n, "prompts_sha256": r.prompts_sha256, "machine": machine(),
-                     "command": command, "lm_eval": version, "seconds": r.seconds})
-    return rows
+    where = args.machine or machine()
+    version = require_lm_eval() if args.from_output is None else ""  # --from-output: each file's own
+    saved: list[dict] = []
+
+    def save(results: list) -> None:
+        rows = [{"model": args.model, "context": args.context, "recipe": labels.get(r.recipe, r.recipe),
+                 "effective_bits": r.effective_bits, "task": r.task, "metric": r.metric, "score": r.score,
+                 "score_fp": r.score_fp, "n": r.n, "prompts_sha256": r.prompts_sha256, "machine": where,
+                 "command": command, "lm_eval": r.lm_eval or version, "seconds": r.seconds} for r in results]
+        saved[:] = write(rows, args.out)
+
+    if args.from_output is None:
+        run_tasks(config, on_rows=save)
+        return saved
+    from kvcalib.models import load_model, model_info_offline
+
+    info = model_info_offline(args.model) or load_model(args.model, device="cpu").info
+    results, missing = results_from_output(config, info)
+    if missing:
+        print(f"ruler.py: no lm-eval results in {args.from_output} for {', '.join(missing)} (skipped: the run "
+              "did not reach them)", file=sys.stderr)
+    save(results)
+    return saved
+
+
+def write(rows: list[dict], path: Path) -> list[dict]:
+    """``rows`` merged into ``path`` (see :func:`merge`) and ``ruler.md`` beside it rewritten; the
+    merged rows."""
+    from kvcalib.io import atomic_path
+
+    merged = merge(rows, path)
+    with atomic_path(path.with_suffix(".md")) as tmp:
+        tmp.write_text(markdown(merged) + "\n")
+    return merged
 
 
 def merge(rows: list[dict], path: Path) -> list[dict]:
@@ -67,7 +107,9 @@ def merge(rows: list[dict], path: Path) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    """One table per model and context: a row per recipe, a column per task, and the mean."""
+    """One table per model and context: a row per recipe, a column per task, and the mean. Where
+    some recipe lacks a task (a run cut short), two means: over the tasks every recipe has (the
+    comparable one) and over all tasks (for the recipes that have them all)."""
     out = ["# RULER through lm-evaluation-harness", "",
            "Generated from `ruler.json` by `benchmarks/ruler.py` (each row's command, machine and lm-eval version",
            "are in the JSON). Scores are lm-eval's RULER metric at the context (string match, 0-1), on the same",
@@ -76,15 +118,25 @@ def markdown(rows: list[dict]) -> str:
         part = [r for r in rows if (r["model"], r["context"]) == (model, context)]
         tasks = sorted({r["task"] for r in part})
         recipes = sorted({(r["effective_bits"], r["recipe"]) for r in part}, reverse=True)
+        cells = {recipe: {r["task"]: r["score"] for r in part if r["recipe"] == recipe} for _, recipe in recipes}
+        common = [t for t in tasks if all(t in c for c in cells.values())]
+        means = [("mean", tasks)] if common == tasks else [(f"mean ({len(common)} common)", common),
+                                                             (f"mean (all {len(tasks)})", tasks)]
+        means = [(head, over) for head, over in means if over]
         n = sorted({r["n"] for r in part})
         out += [f"## {model}, {context} tokens ({'/'.join(map(str, n))} samples per task)", "",
-                "| recipe | eff. bits | " + " | ".join(tasks) + " | mean |",
-                "|---|---:|" + "---:|" * (len(tasks) + 1)]
+                "| recipe | eff. bits | " + " | ".join([*tasks, *(head for head, _ in means)]) + " |",
+                "|---|---:|" + "---:|" * (len(tasks) + len(means))]
         for bits, recipe in recipes:
-            cells = {r["task"]: r["score"] for r in part if r["recipe"] == recipe}
-            shown = [f"{cells[t]:.3f}" if t in cells else "" for t in tasks]
-            mean = sum(cells.values()) / len(cells) if cells else float("nan")
-            out.append(f"| {recipe} | {bits:.3f} | " + " | ".join(shown) + f" | {mean:.3f} |")
+            got = cells[recipe]
+            shown = [f"{got[t]:.3f}" if t in got else "" for t in tasks]
+            shown += [f"{sum(got[t] for t in over) / len(over):.3f}" if all(t in got for t in over) else ""
+                      for _, over in means]
+            out.append(f"| {recipe} | {bits:.3f} | " + " | ".join(shown) + " |")
+        if common != tasks:
+            note = f"{means[0][0]} averages {', '.join(common)}, the tasks every recipe ran; " if common else ""
+            out += ["", "An empty cell: that recipe's run did not reach the task. " + note
+                    + f"mean (all {len(tasks)}) averages every task, for the recipes that ran them all."]
         out.append("")
     return "\n".join(out)
 
@@ -107,18 +159,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--output-path", type=Path, default=None, help="lm-eval's own files")
     parser.add_argument("--out", type=Path, default=OUT / "ruler.json")
+    parser.add_argument("--from-output", type=Path, default=None, metavar="DIR",
+                        help="read the rows from lm-eval's results files of an earlier run (its --output-path) "
+                             "instead of running lm-eval")
+    parser.add_argument("--command", default=None, help="with --from-output: the command of the run that wrote DIR")
+    parser.add_argument("--machine", default=None,
+                        help="with --from-output: the machine that ran it (default: this one)")
     args = parser.parse_args(argv)
+    if args.from_output is None and (args.command or args.machine):
+        parser.error("--command and --machine describe the run whose files --from-output reads")
     from kvcalib.errors import KvcalibError
 
     try:
-        rows = merge(run(args), args.out)
+        rows = run(args)
     except KvcalibError as err:
         print(f"ruler.py: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    from kvcalib.io import atomic_path
-
-    with atomic_path(args.out.with_suffix(".md")) as tmp:
-        tmp.write_text(markdown(rows) + "\n")
     for r in rows:
         print(f"{r['model']} {r['context']:>6} {r['task']:<16} {r['recipe']:<50} {r['effective_bits']:6.3f} bits  "
               f"{r['score']:.3f} (fp {r['score_fp']:.3f}, n={r['n']})")

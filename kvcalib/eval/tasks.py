@@ -5,8 +5,10 @@ locally, sized with the model's tokenizer), formats the prompts, scores the answ
 own output files. kvcalib supplies the model (:class:`~kvcalib.eval.lm_eval_model.KvcalibLM`:
 lm-eval's HF model whose generation runs through ``CompressedCache``), and runs each recipe and
 full precision on the same samples: lm-eval seeds its generators the same way for every call, and
-:func:`run_tasks` checks that each recipe saw exactly full precision's prompts (lm-eval's
-``prompt_hash`` of every sample).
+:func:`run_tasks` checks that each recipe saw exactly full precision's samples (lm-eval's task
+hash: the doc, prompt and target hashes of every sample, as its results file records them).
+:func:`results_from_output` rebuilds the rows from those results files, after a run that was
+killed part-way.
 
 Each task is built once (lm-eval's ``Task``: RULER generates its samples then) and handed to
 every run, so the recipes are scored on the very samples full precision was.
@@ -32,12 +34,13 @@ import hashlib
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from kvcalib.errors import KvcalibError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvcalib.models import LoadedModel
+    from kvcalib.models import LoadedModel, ModelInfo
+    from kvcalib.recipe import Recipe
 
 LM_EVAL_REQUIREMENT = "lm_eval>=0.4,<0.5"
 INSTALL_FIX = 'pip install "kvcalib[eval]" (lm-eval 0.4.x, wonderwords, nltk)'
@@ -242,8 +245,11 @@ class TaskResult:
     score: float
     score_fp: float
     n: int  # samples scored
-    prompts_sha256: str  # over lm-eval's prompt hashes, in sample order: equal for every recipe
+    # lm-eval's task hash (the ``task_hashes`` entry of its results file): sha256 over every sample's
+    # doc, prompt and target hashes, in sample order; equal for every recipe
+    prompts_sha256: str
     seconds: float = 0.0
+    lm_eval: str = ""  # the lm-eval version that ran it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -262,42 +268,73 @@ def _score(task_results: dict[str, Any], context: int) -> tuple[str, float]:
 
 
 def _prompts_digest(samples: list[dict[str, Any]]) -> str:
-    ordered = sorted(samples, key=lambda s: s.get("doc_id", 0))
-    return hashlib.sha256("".join(str(s.get("prompt_hash", s.get("doc_hash", ""))) for s in ordered).encode()).hexdigest()
+    """lm-eval's task hash of ``samples`` (a task's logged samples, in lm-eval's order): what
+    ``EvaluationTracker.save_results_aggregated`` writes as ``task_hashes[task]``."""
+    joined = "".join(s["doc_hash"] + s["prompt_hash"] + s["target_hash"] for s in samples)
+    return hashlib.sha256(joined.encode("utf-8")).hexdigest()
 
 
-def run_tasks(config: TaskConfig, loaded: "LoadedModel | None" = None, progress: bool = True) -> list[TaskResult]:
+def _recipe_rows(config: TaskConfig, name: str, spec: str, recipe: "Recipe | None", info: "ModelInfo",
+                 scored: dict[str, tuple[str, float, int, str]], base: dict[str, tuple[float, str]],
+                 seconds: float, lm_eval: str, void: Callable[[str], Exception]) -> list[TaskResult]:
+    """One run's rows from ``scored`` (task -> metric, score, samples, task hash). Full precision's
+    run (``recipe`` None) fills ``base`` (task -> score, hash); a recipe's hash must equal it, else
+    ``void(task)`` is raised (other samples: the comparison would be void)."""
+    bits = 16.0 if recipe is None else recipe.memory(info, config.context).effective_bits
+    out = []
+    for task, (metric, score, n, digest) in scored.items():
+        if recipe is None:
+            base[task] = (score, digest)
+        elif base[task][1] != digest:
+            raise void(task)
+        out.append(TaskResult(task=task, recipe=spec, name=name, context=config.context, effective_bits=bits,
+                              metric=metric, score=score, score_fp=base[task][0], n=n, prompts_sha256=digest,
+                              seconds=round(seconds, 1), lm_eval=lm_eval))
+    return out
+
+
+def _runs(config: TaskConfig) -> list[tuple[str, str, "Recipe | None"]]:
+    """(name, spec, recipe) of full precision then each recipe of ``config``; the name (unique)
+    names lm-eval's folder: ``output_path/<model>/<name>/``."""
+    from kvcalib.eval.harness import _spec, _unique_names
+    from kvcalib.recipe import resolve_recipe
+
+    recipes = [resolve_recipe(r) for r in config.recipes]
+    names = _unique_names(["full precision"] + [r.name for r in recipes])
+    return [("full precision", "full precision", None)] + [
+        (name, _spec(spec), r) for name, spec, r in zip(names[1:], config.recipes, recipes)]
+
+
+def run_tasks(config: TaskConfig, loaded: "LoadedModel | None" = None, progress: bool = True,
+              on_rows: Callable[[list[TaskResult]], Any] | None = None) -> list[TaskResult]:
     """Full precision, then every recipe of ``config``, on every task (see the module docstring).
 
     With ``config.output_path``, lm-eval's own files (results JSON and per-sample JSONL) are written
-    under ``output_path/<recipe name>/``.
+    under ``output_path/<model>/<recipe name>/`` (:func:`results_from_output` reads them back).
+    ``on_rows`` is called with each run's rows as soon as it finishes (full precision first), so a
+    caller can keep them before a later recipe fails or the process is killed.
     """
     import time
 
     tasks = check_tasks(config.tasks)
     prepare_nltk_data()
-    from kvcalib.eval.harness import _spec, _unique_names
     from kvcalib.eval.lm_eval_model import KvcalibLM
     from kvcalib.models import load_model
-    from kvcalib.recipe import resolve_recipe
 
-    recipes = [resolve_recipe(r) for r in config.recipes]
+    runs = _runs(config)
     if loaded is None:
         loaded = load_model(config.model, device=config.device, dtype=config.dtype)
     info = loaded.info
     if info.max_positions and config.context > info.max_positions:
         raise KvcalibError(f"--context-len {config.context} is beyond {info.name}'s maximum of {info.max_positions} "
                            f"tokens. Fix: pass --context-len {info.max_positions} or less.")
-    for r in recipes:
+    for _, _, r in runs[1:]:
         r.check_model(info)
     lm = KvcalibLM(loaded=loaded, batch_size=config.batch_size, max_length=config.context)
     metadata = {"max_seq_lengths": [config.context], "tokenizer": tokenizer_source(loaded), "pretrained": config.model}
     manager = task_manager(tasks, metadata)
     built = manager.load(list(tasks))["tasks"]  # leaf tasks (a group expands), samples built once (RULER: ~10-50 s a task at 8k)
     leaves, task_objects = list(built), list(built.values())
-    names = _unique_names(["full precision"] + [r.name for r in recipes])
-    runs: list[tuple[str, str, Any]] = [("full precision", "full precision", None)]
-    runs += [(name, _spec(spec), r) for name, spec, r in zip(names[1:], config.recipes, recipes)]
     base: dict[str, tuple[float, str]] = {}
     out: list[TaskResult] = []
     previous_attn = loaded.model.config._attn_implementation
@@ -306,23 +343,75 @@ def run_tasks(config: TaskConfig, loaded: "LoadedModel | None" = None, progress:
             t0 = time.perf_counter()
             lm.set_recipe(recipe)
             results = _evaluate(lm, task_objects, config, manager, name)
-            bits = 16.0 if recipe is None else recipe.memory(info, config.context).effective_bits
-            seconds = time.perf_counter() - t0
-            for task in leaves:
-                metric, score = _score(results["results"][task], config.context)
-                samples = results["samples"][task]
-                digest = _prompts_digest(samples)
-                if recipe is None:
-                    base[task] = (score, digest)
-                elif base[task][1] != digest:  # lm-eval rebuilt other samples: the comparison would be void
-                    raise RuntimeError(f"kvcalib bug: lm-eval gave {name} other {task} prompts than full precision")
-                out.append(TaskResult(task=task, recipe=spec, name=name, context=config.context, effective_bits=bits,
-                                      metric=metric, score=score, score_fp=base[task][0], n=len(samples),
-                                      prompts_sha256=digest, seconds=round(seconds, 1)))
+            scored = {task: (*_score(results["results"][task], config.context), len(results["samples"][task]),
+                             _prompts_digest(results["samples"][task])) for task in leaves}
+            rows = _recipe_rows(config, name, spec, recipe, info, scored, base, time.perf_counter() - t0,
+                                str(results.get("lm_eval_version", "")),
+                                lambda task: RuntimeError(f"kvcalib bug: lm-eval gave {name} other {task} prompts "
+                                                          "than full precision"))
+            out += rows
+            if on_rows is not None:
+                on_rows(rows)
     finally:
         if loaded.model.config._attn_implementation != previous_attn:
             loaded.model.set_attn_implementation(previous_attn)  # CompressedCache.from_recipe switched it
     return out
+
+
+def results_from_output(config: TaskConfig, info: "ModelInfo") -> tuple[list[TaskResult], list[str]]:
+    """The rows :func:`run_tasks` gave, rebuilt from the results files lm-eval wrote under
+    ``config.output_path`` in an earlier run of ``config`` (perhaps killed part-way), and the names
+    of the recipes that left no results file there (skipped). Reads JSON only: lm-eval need not be
+    installed.
+
+    Each run's newest ``results_*.json`` in ``output_path/<model>/<name>/``: the score as
+    :func:`run_tasks` takes it, the samples lm-eval counted (``n-samples``), its task hash as the
+    digest and its evaluation time as the seconds. Full precision's folder is required, and a
+    recipe's task hash must equal full precision's (:class:`KvcalibError` otherwise).
+    """
+    import json
+
+    if config.output_path is None:
+        raise KvcalibError("no folder to read lm-eval's results from. Fix: pass the run's --output-path.")
+    root = Path(config.output_path) / _folder_name(config.model)
+    base: dict[str, tuple[float, str]] = {}
+    out: list[TaskResult] = []
+    missing: list[str] = []
+    for name, spec, recipe in _runs(config):
+        folder = root / _folder_name(name)
+        files = sorted(folder.glob("results_*.json"))  # lm-eval's names end in an ISO date: the last is newest
+        if not files:
+            if recipe is None:
+                raise KvcalibError(f"no lm-eval results file in {folder}: full precision's scores are the baseline "
+                                   "of every row. Fix: pass the --output-path of a run that finished full precision "
+                                   "(and the same --model).")
+            missing.append(name)
+            continue
+        if recipe is not None:
+            recipe.check_model(info)
+        doc = json.loads(files[-1].read_text())
+        scored = {task: (*_score(doc["results"][task], config.context), int(doc["n-samples"][task]["effective"]),
+                         doc["task_hashes"][task]) for task in _result_tasks(doc, config.tasks, files[-1])}
+        out += _recipe_rows(config, name, spec, recipe, info, scored, base,
+                            float(doc.get("total_evaluation_time_seconds", 0.0)), str(doc.get("lm_eval_version", "")),
+                            lambda task: KvcalibError(f"{files[-1]} scored other {task} samples than full precision "
+                                                      "(its task hash differs): the comparison would be void. Fix: "
+                                                      "rerun that recipe with full precision."))
+    return out, missing
+
+
+def _result_tasks(doc: dict[str, Any], names: Sequence[str], path: Path) -> list[str]:
+    """The leaf tasks of ``names`` in one lm-eval results file (a group expands to its tasks)."""
+    groups = doc.get("group_subtasks", {})
+    tasks: list[str] = []
+    for n in names:
+        hashed = doc.get("task_hashes", {})
+        found = [n] if n in hashed else groups.get(n, [])
+        if not found:
+            raise KvcalibError(f"{path} holds no results for the task {n!r} (it has {', '.join(hashed) or 'none'}). "
+                               "Fix: pass the --tasks of the run that wrote it.")
+        tasks += [t for t in found if t not in tasks]
+    return tasks
 
 
 def _evaluate(lm: Any, tasks: list[Any], config: TaskConfig, manager: Any, name: str) -> dict[str, Any]:
@@ -356,5 +445,5 @@ def _folder_name(name: str) -> str:
 
 
 __all__ = ["DEFAULT_LIMIT", "INSTALL_FIX", "LM_EVAL_REQUIREMENT", "RULER_TASKS", "TaskConfig", "TaskResult",
-           "check_tasks", "lm_eval_main", "prepare_lm_eval_argv", "prepare_nltk_data", "require_lm_eval", "run_tasks",
-           "tokenizer_source"]
+           "check_tasks", "lm_eval_main", "prepare_lm_eval_argv", "prepare_nltk_data", "require_lm_eval",
+           "results_from_output", "run_tasks", "tokenizer_source"]

@@ -1,6 +1,7 @@
 """A RULER task through lm-evaluation-harness on the real embedded SmolLM2-135M, on the CPU, small:
 lm-eval builds and scores the samples, generation runs through ``CompressedCache``, every recipe
-sees full precision's prompts, and lm-eval's own files are written."""
+sees full precision's prompts, each run's rows reach the caller as it finishes, and lm-eval's own
+files are written, with kvcalib's digest as their task hash and the rows readable back from them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ pytest.importorskip("lm_eval", reason="lm-eval is an optional extra (pip install
 
 
 def test_niah_single_1_through_a_compressed_cache(tmp_path, monkeypatch):
-    from kvcalib.eval.tasks import TaskConfig, run_tasks
+    from kvcalib.eval.tasks import TaskConfig, results_from_output, run_tasks
     from kvcalib.models import load_model
     from kvcalib.runtime import cache as cache_mod
 
@@ -30,7 +31,9 @@ def test_niah_single_1_through_a_compressed_cache(tmp_path, monkeypatch):
     # window, so the compressed cache holds packed blocks when the answer is generated
     config = TaskConfig(model="smollm2-135m", recipes=["kivi-2"], tasks=("niah_single_1",), context=384, limit=2,
                         max_gen_toks=10, output_path=tmp_path / "lm-eval")
-    rows = run_tasks(config, loaded)
+    calls = []
+    rows = run_tasks(config, loaded, on_rows=lambda rs: calls.append([r.name for r in rs]))
+    assert calls == [["full precision"], ["kivi-2"]]  # one call per run, full precision first
     assert [(r.task, r.name) for r in rows] == [("niah_single_1", "full precision"), ("niah_single_1", "kivi-2")]
     fp, kivi = rows
     assert fp.n == kivi.n == 2 and fp.metric == kivi.metric == "384,none"
@@ -43,3 +46,9 @@ def test_niah_single_1_through_a_compressed_cache(tmp_path, monkeypatch):
     assert len(results) == 2 and len(samples) == 2, sorted(p.name for p in (tmp_path / "lm-eval").rglob("*"))
     doc = json.loads(next(p for p in results if "kivi-2" in str(p)).read_text())
     assert doc["results"]["niah_single_1"]["384,none"] == pytest.approx(kivi.score)
+    assert doc["task_hashes"]["niah_single_1"] == kivi.prompts_sha256  # lm-eval's own hash of the samples
+    again, missing = results_from_output(config, loaded.info)
+    def fields(r):
+        return r.name, r.score, r.score_fp, r.n, r.prompts_sha256, r.effective_bits
+
+    assert missing == [] and [fields(r) for r in again] == [fields(r) for r in rows]

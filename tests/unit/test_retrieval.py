@@ -240,7 +240,11 @@ def test_benchmark_rows_merge_and_tables(tmp_path):
     merged = ruler.merge([{**rows[1], "score": 0.75}], path)  # a rerun replaces its row
     assert len(merged) == 3 and [r["score"] for r in merged if r["recipe"] == "kivi-2" and r["task"] == "niah_single_1"] == [0.75]
     table = ruler.markdown(merged)
-    assert "| kivi-2 | 3.200 | 0.750 | 0.250 | 0.500 |" in table and "| full precision | 16.000 | 1.000 |  | 1.000 |" in table
+    # full precision lacks ruler_vt: the mean over the task both have, then the mean over all for kivi-2 alone
+    assert "| recipe | eff. bits | niah_single_1 | ruler_vt | mean (1 common) | mean (all 2) |" in table
+    assert "| kivi-2 | 3.200 | 0.750 | 0.250 | 0.750 | 0.500 |" in table
+    assert "| full precision | 16.000 | 1.000 |  | 1.000 |  |" in table
+    assert "| recipe | eff. bits | niah_single_1 | mean |" in ruler.markdown([r for r in merged if r["task"] == "niah_single_1"])
     old = {**base, "recipe": "kivi-2", "effective_bits": 3.2, "metric": "ppl", "ppl": 23.0, "ppl_fp": 20.0,
            "delta_pct": 15.0}  # a row from before --text: a Britannica row without an interval
     new = [{**old, "text": "plays", "ci_low": 10.0, "ci_high": 20.0, "windows": 8, "overlap": 0.0},

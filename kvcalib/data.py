@@ -516,6 +516,29 @@ def _leading_bos(tokenizer: Any) -> int | None:
     return bos if ids and ids[0] == bos else None
 
 
+def token_stream(texts: Sequence[str], tokenizer: Any, seed: int = 0, need: int | None = None) -> list[int]:
+    """``texts`` shuffled with ``seed``, empty ones dropped, tokenized without special tokens and
+    joined with EOS (where the tokenizer has one) into one stream: :func:`pack_samples`' windows and
+    the evaluation's (:mod:`kvcalib.eval.windows`) are cut from it. ``need``: stop once the stream
+    holds that many tokens (whole tokenizer batches, so it may hold more)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    order = list(range(len(texts)))
+    random.Random(seed).shuffle(order)
+    docs = [texts[i] for i in order if texts[i].strip()]
+    stream: list[int] = []
+    for start in range(0, len(docs), 64):  # documents per tokenizer call: fast tokenizers batch in Rust
+        enc = tokenizer(docs[start:start + 64], add_special_tokens=False, verbose=False, return_attention_mask=False)
+        for ids in enc["input_ids"]:
+            if not ids:
+                continue
+            if stream and eos is not None:
+                stream.append(eos)
+            stream.extend(ids)
+        if need is not None and len(stream) >= need:
+            break
+    return stream
+
+
 def pack_samples(
     texts: Sequence[str], tokenizer: Any, seq_len: int, n_samples: int, seed: int = 0
 ) -> torch.Tensor:
@@ -538,27 +561,10 @@ def pack_samples(
     if n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
     bos = _leading_bos(tokenizer)
-    eos = getattr(tokenizer, "eos_token_id", None)
     body = seq_len - (1 if bos is not None else 0)  # stream tokens per window
     need = n_samples * body
 
-    order = list(range(len(texts)))
-    random.Random(seed).shuffle(order)
-    stream: list[int] = []
-    batch = 64  # documents per tokenizer call: fast tokenizers batch in Rust
-    for start in range(0, len(order), batch):
-        docs = [texts[i] for i in order[start : start + batch] if texts[i].strip()]
-        if not docs:
-            continue
-        enc = tokenizer(docs, add_special_tokens=False, verbose=False, return_attention_mask=False)
-        for ids in enc["input_ids"]:
-            if not ids:
-                continue
-            if stream and eos is not None:
-                stream.append(eos)
-            stream.extend(ids)
-        if len(stream) >= need:
-            break
+    stream = token_stream(texts, tokenizer, seed, need)
 
     n = min(n_samples, len(stream) // body)
     if n == 0:

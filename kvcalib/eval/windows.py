@@ -21,37 +21,18 @@ mean).
 from __future__ import annotations
 
 import logging
-import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
+from kvcalib.data import token_stream  # noqa: F401  (the evaluation cuts its windows from it; re-exported)
 from kvcalib.errors import KvcalibError
 
 log = logging.getLogger(__name__)
 
 BOOTSTRAP_ITERS = 2000
 CI_LEVEL = 0.95
-
-
-def token_stream(texts: Sequence[str], tokenizer: Any, seed: int = 0) -> list[int]:
-    """All of ``texts`` as one token stream, in :func:`kvcalib.data.pack_samples`' order."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    order = list(range(len(texts)))
-    random.Random(seed).shuffle(order)  # the same shuffle as pack_samples
-    docs = [texts[i] for i in order if texts[i].strip()]
-    stream: list[int] = []
-    for start in range(0, len(docs), 64):  # fast tokenizers batch in Rust
-        enc = tokenizer(docs[start:start + 64], add_special_tokens=False, verbose=False,
-                        return_attention_mask=False)
-        for ids in enc["input_ids"]:
-            if not ids:
-                continue
-            if stream and eos is not None:
-                stream.append(eos)
-            stream.extend(ids)
-    return stream
 
 
 @dataclass(frozen=True)

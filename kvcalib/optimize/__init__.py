@@ -472,7 +472,7 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
         doc["decode_paths"] = decode_paths(recipe, info)  # per layer: None = the fused kernel on a GPU
         report.plot_bits_per_layer(chosen["point"], sensitivity, run_dir / "bits_per_layer.png")
     report.plot_pareto(records, front, presets, config.budget_bits, doc["chosen"], run_dir / "pareto.png",
-                       context=config.context)
+                       context=config.context, copy_weight=doc.get("copy_weight") or 0.0)
     write_json_atomic(run_dir / "search.json", doc)
     report.write_report(doc, run_dir / "report.md")
     return doc

@@ -25,9 +25,10 @@ def _plt():
 
 
 def plot_pareto(records: Sequence[dict[str, Any]], front: Sequence[int], presets: Sequence[dict[str, Any]],
-                budget: float, chosen: int | None, path: Path, context: int = 4096) -> None:
+                budget: float, chosen: int | None, path: Path, context: int = 4096, copy_weight: float = 0.0) -> None:
     """Effective bits vs KL of every scored trial, the front, the budget and the presets (a preset
-    with fewer bits than the chosen trial is drawn hollow: it is not comparable with it)."""
+    with fewer bits than the chosen trial is drawn hollow: it is not comparable with it).
+    ``copy_weight``: the search's (with copy windows the axis is their combined objective)."""
     from kvcalib.io import atomic_path
 
     plt = _plt()
@@ -59,7 +60,8 @@ def plot_pareto(records: Sequence[dict[str, Any]], front: Sequence[int], presets
     ax.axvline(budget, ls="--", c="0.4", lw=1, label=f"budget {budget:g} bits")
     ax.set_yscale("log")
     ax.set_xlabel(f"effective bits per element (context {context}; bf16 = 16, compression = 16 / bits)")
-    ax.set_ylabel("KL(full || compressed), nats/token")
+    ax.set_ylabel("KL(full || compressed), nats/token" if not copy_weight else
+                  f"KL^{1 - copy_weight:g} x copy KL^{copy_weight:g}, nats/token")
     ax.set_title("search: quality vs memory")
     ax.legend(fontsize=8)
     fig.tight_layout()

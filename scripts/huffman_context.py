@@ -265,7 +265,7 @@ def capture(loaded, ids: torch.Tensor):
 def settings_for(model: str) -> dict[str, Recipe]:
     out = {"k2v2": Recipe.load("kivi-2"), "k4v4": Recipe.load("kivi-4")}
     if model == "smollm2-135m":
-        out["recipe"] = Recipe.load(str(ROOT / "recipes" / "smollm2-135m" / "recipe.safetensors"))
+        out["recipe"] = Recipe.load(str(ROOT / "recipes" / "smollm2-135m" / "short-256-3.0b" / "recipe.safetensors"))
     return out
 
 

@@ -29,7 +29,9 @@ pytestmark = pytest.mark.embedded
 # 30 layers, most of this file's time); the 4,096 tokens, the packed blocks and the flush at the
 # last step (KIVI-2: 3,936 packed after the prompt, 3,968 after step 8) are as they were
 PROMPT, STEPS = 4088, 8
-SEARCHED = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m" / "recipe.safetensors"
+SMOL_RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m"
+# the short-context search (256-token windows) that was the shipped default until 2026-11-28
+SEARCHED = SMOL_RECIPES / "short-256-3.0b" / "recipe.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,7 @@ def test_simulation_matches_decode_at_4k(smol_long, which, monkeypatch):
     assert float((sim - full).abs().max()) > 1e-2 * scale
 
 
-ROTATED = sorted(SEARCHED.parent.glob("long-*-rot/recipe.safetensors"))  # searched with rotation at 8k
+ROTATED = sorted(SMOL_RECIPES.glob("long-*-rot/recipe.safetensors"))  # searched with rotation at 8k
 
 
 def test_the_rotated_long_context_recipes_are_committed():

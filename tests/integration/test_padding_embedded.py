@@ -14,7 +14,7 @@ import torch
 from tests.unit.test_padded_batches import padded_vs_alone
 
 pytestmark = pytest.mark.embedded
-RECIPE = "recipes/smollm2-135m/recipe.safetensors"  # 4 sinks, window 64, groups 64, a 4-bit layer, clip
+RECIPE = "recipes/smollm2-135m/short-256-3.0b/recipe.safetensors"  # 4 sinks, window 64, groups 64, a 4-bit layer, clip
 
 
 def test_left_padded_rows_equal_each_prompt_alone_on_smollm2(monkeypatch):

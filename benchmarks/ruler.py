@@ -32,6 +32,9 @@ and machine (default: this command and this machine)::
 
     python benchmarks/ruler.py --from-output /tmp/w/lm_a --model smollm2-135m --context 8192 \
         --tasks niah_single_1,niah_multikey_2 --recipe ... --machine "NVIDIA H200" --command "python ..."
+
+``--merge FILE`` (repeatable) runs nothing either: it merges the rows of other runs' ``--out``
+files (e.g. the GPU machine's, ``scripts/gpu_quality.sh``) into ``--out``.
 """
 
 from __future__ import annotations
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--context", type=int, required=True, help="RULER sequence length (tokens)")
+    parser.add_argument("--context", type=int, default=None, help="RULER sequence length (tokens; required unless --merge)")
     parser.add_argument("--recipe", action="append", default=[], help="preset or recipe file (repeatable)")
     parser.add_argument("--baselines", default=",".join(BASELINES),
                         help="presets run beside the recipes (comma-separated; '' for none: full precision always runs)")
@@ -165,7 +168,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--command", default=None, help="with --from-output: the command of the run that wrote DIR")
     parser.add_argument("--machine", default=None,
                         help="with --from-output: the machine that ran it (default: this one)")
+    parser.add_argument("--merge", type=Path, action="append", default=[], metavar="FILE",
+                        help="merge the rows of these JSON files (another run's --out, e.g. a GPU machine's) "
+                             "into --out instead of running")
     args = parser.parse_args(argv)
+    if args.merge:
+        import json
+
+        merged = write([r for path in args.merge for r in json.loads(path.read_text())], args.out)
+        print(f"ruler.py: {len(merged)} rows in {args.out}")
+        return
+    if args.context is None:
+        parser.error("--context is required (or --merge FILE)")
     if args.from_output is None and (args.command or args.machine):
         parser.error("--command and --machine describe the run whose files --from-output reads")
     from kvcalib.errors import KvcalibError

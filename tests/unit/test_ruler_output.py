@@ -105,3 +105,12 @@ def test_ruler_from_output_records_the_original_run(tmp_path, monkeypatch):
     assert "| kivi-2 |" in out.with_suffix(".md").read_text()
     with pytest.raises(SystemExit):  # --machine describes a run read back, not this one
         ruler.main(["--context", "8192", "--machine", "NVIDIA H200", "--out", str(out)])
+    # --merge: another run's --out (a GPU machine's) joins this one, a row of the same recipe/task replaced
+    other = tmp_path / "gpu.json"
+    moved = [dict(r, score=0.5, machine="elsewhere") for r in rows if r["recipe"] == "kivi-2"]
+    other.write_text(json.dumps(moved))
+    ruler.main(["--merge", str(other), "--out", str(out)])
+    merged = json.loads(out.read_text())
+    assert len(merged) == 4 and {r["machine"] for r in merged if r["recipe"] == "kivi-2"} == {"elsewhere"}
+    with pytest.raises(SystemExit):  # neither --context nor --merge
+        ruler.main(["--out", str(out)])

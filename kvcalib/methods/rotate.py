@@ -30,9 +30,11 @@ Runtime contract:
   :func:`kvcalib_kernels.decode_attention.decode_attention`). The
   full-precision sinks, window and pools are stored unrotated and attended as they are.
 
-Memory: the recipe holds the seed (24 bytes with the geometry) or the fitted matrices; the runtime keeps per
-rotated side the signs (or matrices) on the device (``bytes``) and one Walsh-Hadamard matrix per
-head_dim for the whole model (``shared_bytes``).
+Memory, each thing once (:meth:`kvcalib.recipe.Recipe.memory`): the recipe's tensors are counted
+as ``recipe_state`` (the seed, 24 bytes with the geometry; a fitted ``rotation``, whose float32
+tensor is itself the matrix the runtime rotates by); ``bytes`` adds per layer only the device
+tables the runtime derives from them, beyond them: the float32 signs ``(H, D)`` a seed draws;
+``shared_bytes`` one Walsh-Hadamard matrix per head_dim for the whole model.
 """
 
 from __future__ import annotations
@@ -117,10 +119,14 @@ def rotation_errors(layer_stats: LayerStats, side: str, bits: int, group: int, k
 
 class RotateState(MethodState):
     """The rotation of each rotated side of one layer: ``side -> (matrix (D, D) | (H, D, D), signs
-    (H, D) | None)`` float32 (the module docstring's contract)."""
+    (H, D) | None)`` float32 (the module docstring's contract). ``stored``: the sides whose
+    ``(H, D, D)`` matrix is a recipe tensor itself (``{side}.rotation``), counted as the recipe's
+    state and not again as a device table (:meth:`bytes`)."""
 
-    def __init__(self, rotations: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    def __init__(self, rotations: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                 stored: frozenset[str] = frozenset()) -> None:
         self.rot = dict(rotations)
+        self.stored = frozenset(stored)
         self._device: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def device_rotation(self, side: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -149,14 +155,17 @@ class RotateState(MethodState):
         return KernelAttend(rot=self.device_rotation(side, device)) if side in self.rot else NO_KERNEL_ATTEND
 
     def bytes(self, cfg: LayerConfig, heads: int, head_dim: int, kept: int, packed: int) -> dict[str, float]:
-        # the device tables of this layer: per-head signs, or fitted per-head matrices
+        # the device tables of this layer beyond the recipe's tensors (which Recipe.memory counts as
+        # recipe_state): the signs a seed draws; a stored float32 matrix is the table itself (the
+        # device holds one copy), so it is not counted again here
         if not packed:
             return {}
         total = 0.0
         for side, (m, s) in self.rot.items():
             if cfg.bits(side) >= 16:
                 continue
-            total += (m.numel() if m.dim() == 3 else 0) * _FP32 + (0 if s is None else s.numel() * _FP32)
+            derived = m.dim() == 3 and side not in self.stored
+            total += (m.numel() * _FP32 if derived else 0) + (0 if s is None else s.numel() * _FP32)
         return {"rotate_tables": total} if total else {}
 
     def shared_bytes(self, head_dim: int) -> dict[str, float]:
@@ -249,6 +258,7 @@ class RotateMethod(Method):
     def load(cls, tensors: dict[str, torch.Tensor], cfg: LayerConfig, heads: int | None,
              head_dim: int | None) -> RotateState | None:
         rot: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        stored: set[str] = set()
         for side in ("k", "v"):
             seed_t, matrix = tensors.get(f"{side}.rotate"), tensors.get(f"{side}.rotation")
             if seed_t is not None and matrix is not None:
@@ -276,7 +286,8 @@ class RotateMethod(Method):
                 if float((matrix.double() @ matrix.double().transpose(1, 2) - eye).abs().max()) > 1e-4:
                     raise ValueError(f"{side}.rotation is not orthogonal (M M^T != I): re-export the recipe")
                 rot[side] = (matrix.float(), None)
-        return RotateState(rot) if rot else None
+                stored.add(side)
+        return RotateState(rot, frozenset(stored)) if rot else None
 
     @classmethod
     def from_arguments(cls, cfg: LayerConfig, arguments: dict[str, Any]) -> RotateState | None:

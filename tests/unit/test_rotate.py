@@ -163,6 +163,29 @@ def test_simulation_matches_token_by_token_decode(tiny, kind):
     assert_decode_faithful(model, stats, [RotateMethod(kind=kind, min_gain=-0.99)], CFG, "rotate")
 
 
+def test_each_rotation_is_counted_once(tiny):
+    """bytes = what the recipe stores + what the runtime holds beyond it, each once: a stored
+    float32 matrix (pca, learned) is recipe state only -- the device rotates by that very tensor --
+    a seed adds the signs it draws; one Walsh-Hadamard per head_dim for the model."""
+    _, _, stats = tiny
+    info = stats.model
+    h, d, n = info.num_kv_heads, info.head_dim, info.num_layers
+    fitted = torch.linalg.qr(torch.randn(h, d, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64))[0]
+    tensors = {"layers.0.k.rotation": fitted.float(), "layers.0.v.rotate": torch.tensor([2, h, d])}
+    configs = [CFG] * n
+    rec = Recipe(name="mixed", layers=configs, model=info, tensors=tensors)
+    base = Recipe(name="plain", layers=configs, model=info).memory(info, 256)
+    mem = rec.memory(info, 256)
+    stored = h * d * d * 4 + 24
+    assert mem.components["recipe_state"] == stored
+    assert mem.components["rotate_tables"] == h * d * 4  # the seed's signs only
+    assert mem.components[f"rotate_hadamard_d{d}"] == d * d * 4
+    assert mem.total_bytes == base.total_bytes + stored + h * d * 4 + d * d * 4
+    from kvcalib.inspect import inspect_recipe
+
+    assert inspect_recipe(rec, info, 256)["memory"]["components"] == mem.components  # kvcalib inspect's bytes
+
+
 def test_export_flag_inspect_and_search_switch(tiny, tmp_path):
     from kvcalib.inspect import inspect_recipe, method_lines
     from kvcalib.optimize.objective import SearchObjective

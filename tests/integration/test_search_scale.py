@@ -28,12 +28,13 @@ SPACE = {"bits": [2, 4, 8], "groups": [8], "windows": [8, 16], "sinks": [0, 2], 
 BUDGET = "7.5"  # the tiny model's floor at context 256 is ~6.3 bits (window and scales weigh much)
 FRESH = 0.5  # seconds: how recently the trial a kill is aimed at must have started (its KL still ahead)
 # every Python process of a test (the command, and the workers it spawns) imports this first: each
-# trial's KL takes KVTEST_TRIAL_SLEEP seconds longer, so workers overlap and a kill lands mid-trial
+# trial's KL (SearchObjective.parts, which a trial calls) takes KVTEST_TRIAL_SLEEP seconds longer, so
+# workers overlap and a kill lands mid-trial
 SLOW = ("import os, time\n"
         "if float(os.environ.get('KVTEST_TRIAL_SLEEP', '0')) > 0:\n"
         "    from kvcalib.optimize.objective import SearchObjective as S\n"
-        "    kl = S.kl\n"
-        "    S.kl = lambda self, *a, **k: (time.sleep(float(os.environ['KVTEST_TRIAL_SLEEP'])), kl(self, *a, **k))[1]\n")
+        "    parts = S.parts\n"  # what a trial calls (the KL with its ordinary and copy parts)
+        "    S.parts = lambda self, *a, **k: (time.sleep(float(os.environ['KVTEST_TRIAL_SLEEP'])), parts(self, *a, **k))[1]\n")
 
 
 @pytest.fixture(scope="module")

@@ -138,6 +138,22 @@ def rows_of(r, args: argparse.Namespace, context: int, text: str, command: str) 
     return rows
 
 
+def read_rows(paths: list[Path]) -> list[dict]:
+    """The rows of other runs' ``--out`` files, for ``--merge``; ValueError naming the file that is
+    missing or not a JSON list of rows."""
+    rows: list[dict] = []
+    for path in paths:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"--merge {path}: cannot read it as JSON ({err.__class__.__name__}); "
+                             "pass a results file another run wrote with --out") from None
+        if not isinstance(doc, list) or not all(isinstance(r, dict) for r in doc):
+            raise ValueError(f"--merge {path}: not a list of rows; pass a results file another run wrote with --out")
+        rows += doc
+    return rows
+
+
 def merge(rows: list[dict], path: Path, key=None, order=None) -> list[dict]:
     """The file's rows with ``rows`` replacing those of the same ``key`` (default: model, context,
     recipe, metric and text), sorted by ``order``; written atomically."""
@@ -220,7 +236,7 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--context", type=int, action="append", default=[], help="required unless --merge")
@@ -244,7 +260,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT / "long_context.json")
     parser.add_argument("--merge", type=Path, action="append", default=[],
                         help="merge the rows of these JSON files (another run's --out) instead of running")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not args.merge and not (args.context and args.recipe):
         parser.error("--context and --recipe are required (or --merge FILE)")
     args.text = args.text or ["longtext", "plays"]
@@ -262,7 +278,10 @@ def main() -> None:
 
     try:
         if args.merge:  # rows of runs made elsewhere (a GPU machine's --out), into this --out
-            new = [r for path in args.merge for r in json.loads(path.read_text())]
+            try:
+                new = read_rows(args.merge)
+            except ValueError as err:
+                parser.error(str(err))
         else:
             new = run(args, save)
     except KvcalibError as err:

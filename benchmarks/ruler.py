@@ -173,9 +173,13 @@ def main(argv: list[str] | None = None) -> None:
                              "into --out instead of running")
     args = parser.parse_args(argv)
     if args.merge:
-        import json
+        from benchmarks.long_context import read_rows
 
-        merged = write([r for path in args.merge for r in json.loads(path.read_text())], args.out)
+        try:
+            rows = read_rows(args.merge)
+        except ValueError as err:
+            parser.error(str(err))
+        merged = write(rows, args.out)
         print(f"ruler.py: {len(merged)} rows in {args.out}")
         return
     if args.context is None:

@@ -114,3 +114,16 @@ def test_ruler_from_output_records_the_original_run(tmp_path, monkeypatch):
     assert len(merged) == 4 and {r["machine"] for r in merged if r["recipe"] == "kivi-2"} == {"elsewhere"}
     with pytest.raises(SystemExit):  # neither --context nor --merge
         ruler.main(["--out", str(out)])
+
+
+def test_merge_refuses_a_missing_or_foreign_file_in_one_line(tmp_path, capsys):
+    from benchmarks import long_context, ruler
+
+    bad = tmp_path / "notes.json"
+    bad.write_text('{"not": "rows"}')
+    for main in (ruler.main, long_context.main):
+        for path in (tmp_path / "missing.json", bad):
+            with pytest.raises(SystemExit) as exit_info:
+                main(["--merge", str(path), "--out", str(tmp_path / "out.json")])
+            assert exit_info.value.code == 2 and str(path) in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()  # nothing written

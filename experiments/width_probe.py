@@ -22,11 +22,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--label", default="")
+    ap.add_argument("--three-bit-bytes", type=int, default=None,
+                    help="plan.THREE_BIT_BYTE_LANES for this run: 5 (PTX lanes) or 6 (Triton ops)")
     args = ap.parse_args()
     from benchmarks.common import WINDOW, _bench, _replay, bf16_variants, kernel_call, packed_inputs
     from kvcalib_kernels.decode import plan
     from kvcalib_kernels.decode_attention import DecodeConfig
 
+    if args.three_bit_bytes is not None:
+        plan.THREE_BIT_BYTE_LANES = args.three_bit_bytes
+        plan._plan.cache_clear()
     dev = torch.device("cuda")
     hq, h, d, g = 32, 8, 128, 128
     b, n = args.batch, args.context - WINDOW

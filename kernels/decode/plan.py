@@ -418,7 +418,7 @@ def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, d
     k_unpack = plain if (unpack in (5, 6) and not k_fold) else unpack
     v_unpack = plain if (unpack in (5, 6) and not v_fold) else unpack
     if k_unpack == 5 and k_bits == 3:
-        k_unpack = 6  # 3-bit byte tiles: the lanes in Triton ops (THREE_BIT_BYTE_LANES)
+        k_unpack = THREE_BIT_BYTE_LANES
     # the interpreter's tl.dot has no bfloat16 (stored as uint16 there): float32 products instead
     fp_t = tl.float32 if (fp_dtype == torch.float32 or interp) else _tl_dtype(fp_dtype)
     fp_ieee = fp_dtype == torch.float32 or interp
@@ -630,7 +630,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
         if v_units:
             vc = vc.view(torch.int16)
         elif v_unpack == 5 and v_bits == 3:
-            v_unpack = 6  # 3-bit byte tiles: the lanes in Triton ops (THREE_BIT_BYTE_LANES)
+            v_unpack = THREE_BIT_BYTE_LANES
         kcs, kss, vcs, vss = kc.stride()[:3], ks.stride()[:3], vc.stride()[:3], vs.stride()[:3]
     else:
         kc = vc = dummy8

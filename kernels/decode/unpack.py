@@ -230,11 +230,15 @@ def _code_planes(x, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexp
     (:func:`_lanes_all_asm`: values ``1024 + code * 2**shift``, element k of each 4 holding byte
     :func:`_perm4` (k)); other unpacks go plane by plane. HI (3-bit codes, BITS 2): xh the aligned
     high tile (:func:`_high_tile`), each plane ``low + 4 * high``."""
-    # (3-bit byte tiles take unpack 6: the PTX with a second operand of 4 bytes a register was
-    # wrong on an H200, kernels/decode/plan.py's THREE_BIT_BYTE_LANES)
-    tl.static_assert(not (HI and (UNPACK == 5)), "3-bit byte tiles: unpack 6, not the PTX lanes")
+    # (whether 3-bit byte tiles take this PTX or unpack 6 is kernels/decode/plan.py's
+    # THREE_BIT_BYTE_LANES: fed a joined high tile it was wrong on an H200)
     if UNPACK == 5:
-        if BITS == 2:
+        if HI:  # _LANES_ALL_3 on 4 bytes a register: $8 the low bytes, $9 their aligned high bytes
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                _LANES_ALL_3, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [x, xh],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+            return c0, c1, c2, c3
+        elif BITS == 2:
             c0, c1, c2, c3 = tl.inline_asm_elementwise(
                 _LANES_ALL_2, "=r,=r,=r,=r,=r,=r,=r,=r,r", [x],
                 dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)

@@ -408,6 +408,573 @@ def _before(offs, end, WHOLE: tl.constexpr):
 
 
 
+# ---------------------------------------------------------------- the packed split's steps
+# (each a @triton.jit helper the kernel calls, inlined by Triton: the kernel reads as its steps, a
+# new width or layout is a branch of one of these, not of the kernel)
+
+
+@triton.jit
+def _rotate_query(q_rows, r_ok, qp_rows, signs_row, R_PAD: tl.constexpr, D: tl.constexpr, SCALE: tl.constexpr):
+    """ROT_Q: keys stored rotated by a random-sign Walsh-Hadamard rotation: this program rotates the
+    query itself, (q * signs) @ H_D / sqrt(D) (SCALE = 1 / sqrt(D)), and writes it to qp_rows
+    (R_PAD,) pointers, which the packed loads read. Every packed split of (b, h) writes the same
+    values to the same rows (a benign race: no program reads a row another could leave different),
+    and the barrier makes this program's writes visible to all its threads. This replaces a launch
+    per call before this kernel (kernels/decode/rotation.py's rotate_query, still used for fitted
+    matrices): docs/results.md has the measurements. signs_row: the kv head's signs (D,) float32."""
+    offs_qd = tl.arange(0, D)
+    q_in = tl.load(q_rows[:, None] + offs_qd[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+    q_in = q_in * tl.load(signs_row + offs_qd)[None, :]  # (R_PAD, D)
+    q_rot = _walsh_hadamard_rows(q_in, R_PAD, D) * SCALE  # (R_PAD, D) float32
+    tl.store(qp_rows[:, None] + offs_qd[None, :], q_rot, mask=r_ok[:, None])
+    tl.debug_barrier()
+
+
+@triton.jit
+def _query_planes(q_rows_v, v_ok, offs_pk, perm_row, qk_scale, PK: tl.constexpr, PER_K: tl.constexpr,
+                  K_PERM: tl.constexpr):
+    """The query, one transposed slice (PK, VR) per key plane, pre-scaled, float32: the key products
+    run transposed, scores^T = codes (BLOCK_N, PK) @ q^T, so the block's tokens fill the MMA rows
+    (the R query rows are only its small N; as M they were padded to 16 rows and the kernel spent
+    more on moving fragments than on unpacking: 1.4x slower at batch 8 / 32k:
+    artifacts/bench/HISTORY.md, step 6). Per-token keys use the slices as is; per-channel keys fold
+    the scales in once per key group. Column j of plane s reads query channel ``s * PK + j``, or
+    with an SKVQ permutation (K_PERM) ``perm_row[s * PK + j]`` (stored channel j holds input
+    channel perm[h, j])."""
+    qc0, qc1, qc2, qc3 = _plane_channels(offs_pk, PK, PER_K, perm_row, K_PERM)
+    q0 = _q_plane_t(q_rows_v, v_ok, qc0, qk_scale)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if PER_K > 1:
+        q1 = _q_plane_t(q_rows_v, v_ok, qc1, qk_scale)
+    if PER_K > 2:
+        q2 = _q_plane_t(q_rows_v, v_ok, qc2, qk_scale)
+        q3 = _q_plane_t(q_rows_v, v_ok, qc3, qk_scale)
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def _value_channels(offs_pv, perm_row, PV: tl.constexpr, PER_V: tl.constexpr, V_PERM: tl.constexpr,
+                    V_NCH: tl.constexpr, V_UNITS: tl.constexpr, AW: tl.constexpr):
+    """Output channel of each column of value accumulators 0..3 (vc*) and, V_UNITS, 4..7 (vh*),
+    scattered back when V is permuted, and offs_av (AW,): the byte column of each accumulator
+    column within its chunk. Returns (offs_av, vc0, vc1, vc2, vc3, vh0, vh1, vh2, vh3)."""
+    offs_av = offs_pv
+    if V_NCH > 1:
+        offs_av = tl.arange(0, AW)
+    if V_UNITS:  # column u of acc g: the low byte of unit u of its chunk (byte column 2u); of acc 4 + g: 2u + 1
+        offs_av = 2 * tl.arange(0, AW)
+    vc0, vc1, vc2, vc3 = _plane_channels(offs_av, PV, PER_V, perm_row, V_PERM, V_NCH)
+    vh0 = vc0
+    vh1 = vc1
+    vh2 = vc2
+    vh3 = vc3
+    if V_UNITS:
+        vh0, vh1, vh2, vh3 = _plane_channels(offs_av + 1, PV, PER_V, perm_row, V_PERM, V_NCH)
+    return offs_av, vc0, vc1, vc2, vc3, vh0, vh1, vh2, vh3
+
+
+@triton.jit
+def _valid_tokens(offs_n, row_ok, lo, mask_row, keep_base, WHOLE: tl.constexpr, MASKED: tl.constexpr,
+                  HAS_KEEP: tl.constexpr, KEEP_BLOCK: tl.constexpr):
+    """(BLOCK_N,) the block's tokens that count: inside the split and the row's packed range (from
+    lo), visible (MASKED: mask_row + token, the visibility of packed token 0) and not an OTT pool
+    entrant (HAS_KEEP: this kv head's quant-mask bits at keep_base, blocks of KEEP_BLOCK tokens)."""
+    if WHOLE:  # (no range: lo = 0)
+        valid = row_ok
+    else:
+        valid = row_ok & (offs_n >= lo)
+    if MASKED:
+        vis = tl.load(mask_row + offs_n, mask=row_ok, other=0)
+        valid = valid & (vis != 0)
+    if HAS_KEEP:  # OTT: this kv head's slots of pool entrants are masked out
+        KEEP_BYTES: tl.constexpr = (KEEP_BLOCK + 7) // 8
+        in_blk = offs_n % KEEP_BLOCK
+        kbyte = tl.load(keep_base + (offs_n // KEEP_BLOCK) * KEEP_BYTES + in_blk // 8, mask=row_ok, other=0)
+        valid = valid & (((kbyte.to(tl.int32) >> (in_blk % 8)) & 1) != 0)
+    return valid
+
+
+@triton.jit
+def _key_scores(kc_base, ks_base, kz_base, stride_kcn, stride_ksn, n0, start, end, offs_n, row_ok, valid, offs_pk,
+                offs_v, q0, q1, q2, q3, qp0, qp1, qp2, qp3, kbias, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr,
+                K_BITS: tl.constexpr, PK: tl.constexpr, K_GROUP: tl.constexpr, K_FOLD: tl.constexpr,
+                K_SUB: tl.constexpr, K_HALVES: tl.constexpr, K_HI: tl.constexpr, K_UNPACK: tl.constexpr,
+                DOT_T: tl.constexpr, IEEE: tl.constexpr, WHOLE: tl.constexpr):
+    """The block's transposed scores (BLOCK_N, VR) from all key planes, by the key layout: per-channel
+    keys folded into the query once per key group (K_FOLD: one group per block; K_SUB groups as
+    virtual row sets; K_HALVES one group per half block), per-token keys dequantized per element.
+    q0..q3 (PK, VR) the query slices; qp0..qp3, kbias: the folded planes of the current key group
+    (one group per block: refreshed at each group, carried across blocks). Returns (scores, valid2
+    (BLOCK_N, 1 | VR): the tokens each virtual row sees, qp0, qp1, qp2, qp3, kbias)."""
+    PER_K: tl.constexpr = 8 // K_BITS
+    VR: tl.constexpr = R_PAD * K_SUB
+    K_LANES: tl.constexpr = (K_UNPACK == 5) | (K_UNPACK == 6)  # codes as 1024 + c * 2**shift
+    # ---- all key planes from one (BLOCK_N, PK) byte tile
+    if not K_HALVES:  # (halves load their own (BLOCK_N / 2, PK) tiles below)
+        kb, kh = _code_tile(kc_base + offs_n * stride_kcn, row_ok, PK, K_HI)  # (BLOCK_N, PK) x 2
+    scores = tl.zeros([BLOCK_N, VR], tl.float32)  # transposed: token rows
+    valid2 = valid[:, None]  # (BLOCK_N, 1 | VR) tokens each virtual row sees
+    if K_HALVES:
+        # two key groups per block, one per half: each half's codes times its own folded
+        # planes (every block starts a group), the two (HB, VR) score tiles stacked into
+        # the block's (a layout change of the small score tile, not of the codes)
+        HB: tl.constexpr = BLOCK_N // 2
+        offs_h = n0 + tl.arange(0, HB)
+        krow = (n0 // K_GROUP) * stride_ksn
+        krow_b = tl.minimum(n0 // K_GROUP + 1, (end - 1) // K_GROUP) * stride_ksn  # (past the end: masked)
+        qa0, qa1, qa2, qa3, kbias_a = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
+                                                     PK, K_BITS, DOT_T, K_LANES)
+        qb0, qb1, qb2, qb3, kbias_b = _k_fold_planes(q0, q1, q2, q3, ks_base + krow_b, kz_base + krow_b,
+                                                     offs_pk, PK, K_BITS, DOT_T, K_LANES)
+        ka, kha = _code_tile(kc_base + offs_h * stride_kcn, _before(offs_h, end, WHOLE), PK, K_HI)  # (HB, PK)
+        kbb, khb = _code_tile(kc_base + (offs_h + HB) * stride_kcn, _before(offs_h + HB, end, WHOLE), PK, K_HI)
+        sa = _k_fold_scores(tl.zeros([HB, VR], tl.float32), ka, kha, qa0, qa1, qa2, qa3, kbias_a, K_BITS,
+                            DOT_T, K_UNPACK, IEEE, K_HI)
+        sb = _k_fold_scores(tl.zeros([HB, VR], tl.float32), kbb, khb, qb0, qb1, qb2, qb3, kbias_b, K_BITS,
+                            DOT_T, K_UNPACK, IEEE, K_HI)
+        scores = tl.reshape(tl.permute(tl.join(sa, sb), (2, 0, 1)), (BLOCK_N, VR))
+    elif K_FOLD & (K_SUB == 1):
+        if ((n0 % K_GROUP) == 0) | (n0 == start):  # a new key group (blocks never straddle one)
+            krow = (n0 // K_GROUP) * stride_ksn
+            qp0, qp1, qp2, qp3, kbias = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
+                                                       PK, K_BITS, DOT_T, K_LANES)
+        scores = _k_fold_scores(scores, kb, kh, qp0, qp1, qp2, qp3, kbias, K_BITS, DOT_T, K_UNPACK, IEEE,
+                                K_HI)
+    elif K_FOLD:
+        # K_SUB key groups per block: virtual row v takes the scales of group g = v // R_PAD
+        offs_g = tl.arange(0, K_SUB)
+        krow = ((n0 // K_GROUP) + offs_g) * stride_ksn  # (K_SUB,) parameter row of each group
+        k_ok = _before(n0 + offs_g * K_GROUP, end, WHOLE)  # (K_SUB,) groups that hold tokens here
+        qp0, qp1, qp2, qp3, kbias = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
+                                                   PK, K_BITS, DOT_T, K_LANES, k_ok, K_SUB)
+        scores = _k_fold_scores(scores, kb, kh, qp0, qp1, qp2, qp3, kbias, K_BITS, DOT_T, K_UNPACK, IEEE,
+                                K_HI)
+        # a token counts only in the virtual rows of its key group
+        valid2 = valid2 & ((tl.arange(0, BLOCK_N) // K_GROUP)[:, None] == (offs_v // R_PAD)[None, :])
+    else:
+        ks_rows = ks_base + offs_n * stride_ksn
+        kz_rows = kz_base + offs_n * stride_ksn
+        scores = _k_deq_plane(scores, q0, kb, kh, ks_rows, kz_rows, 0, offs_pk, row_ok, K_GROUP,
+                              0, K_BITS, DOT_T, K_UNPACK, IEEE, K_HI)
+        if PER_K > 1:
+            scores = _k_deq_plane(scores, q1, kb, kh, ks_rows, kz_rows, PK, offs_pk, row_ok, K_GROUP,
+                                  K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE, K_HI)
+        if PER_K > 2:
+            scores = _k_deq_plane(scores, q2, kb, kh, ks_rows, kz_rows, 2 * PK, offs_pk, row_ok, K_GROUP,
+                                  2 * K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE, K_HI)
+            scores = _k_deq_plane(scores, q3, kb, kh, ks_rows, kz_rows, 3 * PK, offs_pk, row_ok, K_GROUP,
+                                  3 * K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE, K_HI)
+    return scores, valid2, qp0, qp1, qp2, qp3, kbias
+
+
+@triton.jit
+def _key_mean_scores(scores, km_rows, kms_base, kmz_base, stride_kmsn, offs_n, offs_d, row_ok, qm, qm_sum,
+                     K_MEAN: tl.constexpr, DOT_T: tl.constexpr, IEEE: tl.constexpr):
+    """TaDA key means: scores (BLOCK_N, VR) + q . mean_n, the mean rows (BLOCK_N, 1) pointers
+    km_rows (input channel order); qm (D, VR) the query as DOT_T, qm_sum (VR,) its column sums.
+    MEAN 16: float16 means; 8: codes with per-token scale/zero, ``q . (c * s + z) = s * (q . c) + z * sum(q)``."""
+    if K_MEAN == 16:
+        km = tl.load(km_rows + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(DOT_T)  # (BLOCK_N, D)
+        scores = _dot(km, qm, scores, IEEE)
+    elif K_MEAN == 8:
+        km = _codes(tl.load(km_rows + offs_d[None, :], mask=row_ok[:, None], other=0), 0, 8, DOT_T,
+                    1)  # (BLOCK_N, D) codes, exact in float16
+        kms = tl.load(kms_base + offs_n * stride_kmsn, mask=row_ok, other=0.0).to(tl.float32)
+        kmz = tl.load(kmz_base + offs_n * stride_kmsn, mask=row_ok, other=0.0).to(tl.float32)
+        sm = _dot(km, qm, tl.zeros(scores.shape, tl.float32), IEEE)
+        scores = scores + sm * kms[:, None] + qm_sum[None, :] * kmz[:, None]
+    return scores
+
+
+@triton.jit
+def _rescaled(alpha, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zacc, zsum0, zsum1, zsum2, zsum3, asum0, asum1,
+              asum2, asum3, mzacc, macc, NACC: tl.constexpr, V_UNITS: tl.constexpr, V_ZACC: tl.constexpr,
+              V_FOLD: tl.constexpr, V_LANES: tl.constexpr, V_MEAN: tl.constexpr, VM_APART: tl.constexpr,
+              V_T: tl.constexpr):
+    """The online softmax's running sums times alpha (VR,) per (virtual) query row: the value
+    accumulators in use and their per-group and per-plane sums. Returns them in the same order."""
+    acc0 = _row_scaled(acc0, alpha, V_T)
+    if NACC > 1:
+        acc1 = _row_scaled(acc1, alpha, V_T)
+    if NACC > 2:
+        acc2 = _row_scaled(acc2, alpha, V_T)
+        acc3 = _row_scaled(acc3, alpha, V_T)
+    if V_UNITS:
+        acc4 = _row_scaled(acc4, alpha, V_T)
+        if NACC > 1:
+            acc5 = _row_scaled(acc5, alpha, V_T)
+        if NACC > 2:
+            acc6 = _row_scaled(acc6, alpha, V_T)
+            acc7 = _row_scaled(acc7, alpha, V_T)
+    if V_ZACC:
+        zacc = _row_scaled(zacc, alpha, V_T)
+    if V_FOLD:
+        zsum0 = zsum0 * alpha
+        zsum1 = zsum1 * alpha
+        zsum2 = zsum2 * alpha
+        zsum3 = zsum3 * alpha
+    if V_LANES:
+        asum0 = asum0 * alpha
+        asum1 = asum1 * alpha
+        asum2 = asum2 * alpha
+        asum3 = asum3 * alpha
+    if V_MEAN != 0:
+        mzacc = mzacc * alpha
+    if VM_APART:
+        macc = macc * alpha[:, None]
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zacc, zsum0, zsum1, zsum2, zsum3, asum0, asum1, asum2, asum3, \
+        mzacc, macc
+
+
+@triton.jit
+def _values_chunks(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zacc, pt, zt, vsc0, vsc1, vsc2, vsc3, vc_base,
+                   stride_vcn, offs_n, offs_nv, row_ok, end, offs_av, offs_z, AW: tl.constexpr, V_BITS: tl.constexpr,
+                   V_NCH: tl.constexpr, V_UNPACK: tl.constexpr, V_UNITS: tl.constexpr, V_T: tl.constexpr,
+                   V_LANES: tl.constexpr, DOT_T: tl.constexpr, IEEE: tl.constexpr, WHOLE: tl.constexpr):
+    """The block's values where value groups are narrower than a plane (V_NCH > 1): chunk c of the
+    byte columns holds, in plane s, channels of group s * V_NCH + c only, so each (plane, chunk)
+    tile folds its group's (p * scale) like a whole plane does (4-bit: groups 0, 1 from the low
+    nibbles, 2, 3 from the high ones; 8-bit: one group per chunk); V_UNITS: a chunk is AW int16
+    units, its low and high bytes' tiles share the group's (p * scale). pt (BLOCK_N, VR) the
+    probabilities; zt every group's zero (:func:`_value_scales`); vsc g group g's scales.
+    Returns (acc0, .., acc7, zacc)."""
+    PER_V: tl.constexpr = 8 // V_BITS
+    if V_UNITS:
+        nv_ok = row_ok[:, None]
+        vrow_ptr = vc_base + offs_n[:, None] * stride_vcn + tl.arange(0, AW)[None, :]  # (BLOCK_N, AW)
+        if V_T:  # loaded transposed (AW, BLOCK_N): the planes are the products' M operand
+            nv_ok = row_ok[None, :]
+            vrow_ptr = vc_base + tl.arange(0, AW)[:, None] + offs_n[None, :] * stride_vcn
+        u00, w00, u01, w01, _, _, _, _ = _unit_planes(tl.load(vrow_ptr, mask=nv_ok, other=0), V_BITS,
+                                                      V_UNPACK)
+        u10, w10, u11, w11, _, _, _, _ = _unit_planes(tl.load(vrow_ptr + AW, mask=nv_ok, other=0),
+                                                      V_BITS, V_UNPACK)
+    else:
+        nv_ok = _before(offs_nv, end, WHOLE)[:, None]
+        vrow_ptr = vc_base + offs_nv[:, None] * stride_vcn + offs_av[None, :]  # (BLOCK_N, AW)
+        u00, u01, _, _ = _code_planes(tl.load(vrow_ptr, mask=nv_ok, other=0), V_BITS, DOT_T, V_UNPACK)
+        u10, u11, _, _ = _code_planes(tl.load(vrow_ptr + AW, mask=nv_ok, other=0), V_BITS, DOT_T,
+                                      V_UNPACK)
+        w00 = u00  # (high-byte tiles: value units only)
+        w01 = u01
+        w10 = u10
+        w11 = u11
+    # the probabilities, unscaled, as the products' operand (VR, BLOCK_N); the zero points
+    # of all groups in one product: column g of zacc += sum_n p * zero_g (asum stays 0)
+    if V_T:  # transposed: p stays (BLOCK_N, VR), zacc (ZW, VR) += zt^T @ p
+        p_t = pt.to(DOT_T)
+        zacc = _dot(zt.to(DOT_T), p_t, zacc, IEEE)  # zt (ZW, BLOCK_N): every group's zero
+    else:
+        p_t = tl.trans(pt.to(DOT_T))
+        zacc = _dot(p_t, zt.to(DOT_T), zacc, IEEE)  # zt (BLOCK_N, ZW): every group's zero
+    acc0, acc4, zacc = _v_group_product(acc0, acc4, zacc, p_t, u00, w00, vsc0, offs_z,
+                                        0, 0, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
+    acc1, acc5, zacc = _v_group_product(acc1, acc5, zacc, p_t, u10, w10, vsc1,
+                                        offs_z, 1, (1 // V_NCH) * V_BITS, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
+    if PER_V > 1:  # (then V_NCH == 2)
+        acc2, acc6, zacc = _v_group_product(acc2, acc6, zacc, p_t, u01, w01, vsc2,
+                                            offs_z, 2, V_BITS, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
+        acc3, acc7, zacc = _v_group_product(acc3, acc7, zacc, p_t, u11, w11, vsc3,
+                                            offs_z, 3, V_BITS, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
+    elif V_NCH > 2:
+        if V_UNITS:
+            u20, w20, _, _, _, _, _, _ = _unit_planes(tl.load(vrow_ptr + 2 * AW, mask=nv_ok, other=0),
+                                                      V_BITS, V_UNPACK)
+            u30, w30, _, _, _, _, _, _ = _unit_planes(tl.load(vrow_ptr + 3 * AW, mask=nv_ok, other=0),
+                                                      V_BITS, V_UNPACK)
+        else:
+            u20, _, _, _ = _code_planes(tl.load(vrow_ptr + 2 * AW, mask=nv_ok, other=0), V_BITS, DOT_T,
+                                        V_UNPACK)
+            u30, _, _, _ = _code_planes(tl.load(vrow_ptr + 3 * AW, mask=nv_ok, other=0), V_BITS, DOT_T,
+                                        V_UNPACK)
+            w20 = u20
+            w30 = u30
+        acc2, acc6, zacc = _v_group_product(acc2, acc6, zacc, p_t, u20, w20, vsc2,
+                                            offs_z, 2, 0, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
+        acc3, acc7, zacc = _v_group_product(acc3, acc7, zacc, p_t, u30, w30, vsc3,
+                                            offs_z, 3, 0, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zacc
+
+
+@triton.jit
+def _fold_by_products(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zacc, zsum0, zsum1, zsum2, zsum3, pt,
+                      vcode0, vcode1, vcode2, vcode3, vhi0, vhi1, vhi2, vhi3, vsc0, vsc1, vsc2, vsc3, vze0, vze1,
+                      vze2, vze3, offs_z, PV: tl.constexpr, V_GROUP: tl.constexpr, V_BITS: tl.constexpr,
+                      G1: tl.constexpr, G2: tl.constexpr, G3: tl.constexpr, V_UNITS: tl.constexpr,
+                      V_T: tl.constexpr, V_LANES: tl.constexpr, DOT_T: tl.constexpr, IEEE: tl.constexpr):
+    """Folded value planes, V_SUM_DOTS: plane s lies in value group Gs = (s * PV) // V_GROUP: the
+    probabilities change layout once and (p * scale) is built once per group, in the products'
+    operand; V_LANES: column 4 + s of zacc gets plane s's 1024 term from one product per group with
+    a constant tile (_lane_terms), not from a reduction of p * scale. Each group's sum_n p * zero
+    stays a reduction of p (one per group): as a product with a (BLOCK_N, 16) zero-point tile it
+    took as many instructions (Mistral shape, groups 128: 2-bit 1,231 vs 1,227, 4-bit 1,352 vs
+    1,339 per 64 tokens). V_T: transposed, acc s (AW, VR) += codes^T @ (p * scale) (BLOCK_N, VR),
+    p not transposed. Returns (acc0, .., acc7, zacc, zsum0, .., zsum3)."""
+    PER_V: tl.constexpr = 8 // V_BITS
+    p_t = pt.to(DOT_T) if V_T else tl.trans(pt.to(DOT_T))  # (BLOCK_N, VR) | (VR, BLOCK_N)
+    b0, zsum0, zacc = _group_operand(p_t, p_t, zsum0, zacc, pt, vsc0, vze0,
+                                     offs_z, 0, -1, PV, V_GROUP, V_BITS, PER_V, DOT_T, IEEE,
+                                     V_LANES, V_T)
+    acc0, acc4, zacc = _v_scaled_product(acc0, acc4, zacc, b0, vcode0, vhi0, offs_z, 4, 0, DOT_T, IEEE,
+                                         False, V_UNITS, V_T)
+    if PER_V > 1:
+        b1, zsum1, zacc = _group_operand(b0, p_t, zsum1, zacc, pt, vsc1,
+                                         vze1, offs_z, G1, 0, PV, V_GROUP,
+                                         V_BITS, PER_V, DOT_T, IEEE, V_LANES, V_T)
+        acc1, acc5, zacc = _v_scaled_product(acc1, acc5, zacc, b1, vcode1, vhi1, offs_z, 5, V_BITS,
+                                             DOT_T, IEEE, False, V_UNITS, V_T)
+    if PER_V > 2:
+        b2, zsum2, zacc = _group_operand(b1, p_t, zsum2, zacc, pt, vsc2,
+                                         vze2, offs_z, G2, G1, PV, V_GROUP,
+                                         V_BITS, PER_V, DOT_T, IEEE, V_LANES, V_T)
+        acc2, acc6, zacc = _v_scaled_product(acc2, acc6, zacc, b2, vcode2, vhi2, offs_z, 6, 2 * V_BITS,
+                                             DOT_T, IEEE, False, V_UNITS, V_T)
+        b3, zsum3, zacc = _group_operand(b2, p_t, zsum3, zacc, pt, vsc3,
+                                         vze3, offs_z, G3, G2, PV, V_GROUP,
+                                         V_BITS, PER_V, DOT_T, IEEE, V_LANES, V_T)
+        acc3, acc7, zacc = _v_scaled_product(acc3, acc7, zacc, b3, vcode3, vhi3, offs_z, 7, 3 * V_BITS,
+                                             DOT_T, IEEE, False, V_UNITS, V_T)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zacc, zsum0, zsum1, zsum2, zsum3
+
+
+@triton.jit
+def _fold_by_reductions(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zsum0, zsum1, zsum2, zsum3, asum0, asum1,
+                        asum2, asum3, pt, vcode0, vcode1, vcode2, vcode3, vhi0, vhi1, vhi2, vhi3, vsc0, vsc1, vsc2,
+                        vsc3, vze0, vze1, vze2, vze3, V_BITS: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr,
+                        G3: tl.constexpr, V_UNITS: tl.constexpr, V_T: tl.constexpr, V_LANES: tl.constexpr,
+                        DOT_T: tl.constexpr, IEEE: tl.constexpr):
+    """Folded value planes: plane s lies in value group (s * PV) // V_GROUP: (p * scale) is built
+    once per group, and so is sum_n p * zero (added to every channel of the plane at the end);
+    V_LANES: the plane's codes are 1024 + c * 2**shift, sum(p * scale) takes the 1024 out.
+    Returns (acc0, .., acc7, zsum0, .., zsum3, asum0, .., asum3)."""
+    PER_V: tl.constexpr = 8 // V_BITS
+    a0 = _scaled_pt(pt, vsc0, DOT_T)  # (BLOCK_N, VR)
+    zsum0 += tl.sum(pt * vze0.to(tl.float32)[:, None], axis=0)
+    acc0 = _v_fold_product(acc0, a0, vcode0, IEEE, V_T)
+    if V_UNITS:
+        acc4 = _v_fold_product(acc4, a0, vhi0, IEEE, V_T)
+    if V_LANES:
+        sa0 = tl.sum(a0.to(tl.float32), axis=0)
+        asum0 += sa0
+    if PER_V > 1:
+        a1 = a0
+        if G1 != 0:
+            a1 = _scaled_pt(pt, vsc1, DOT_T)
+            zsum1 += tl.sum(pt * vze1.to(tl.float32)[:, None], axis=0)
+        acc1 = _v_fold_product(acc1, a1, vcode1, IEEE, V_T)
+        if V_UNITS:
+            acc5 = _v_fold_product(acc5, a1, vhi1, IEEE, V_T)
+        if V_LANES:
+            sa1 = sa0
+            if G1 != 0:
+                sa1 = tl.sum(a1.to(tl.float32), axis=0)
+            asum1 += sa1
+    if PER_V > 2:
+        a2 = a1
+        if G2 != G1:
+            a2 = _scaled_pt(pt, vsc2, DOT_T)
+            zsum2 += tl.sum(pt * vze2.to(tl.float32)[:, None], axis=0)
+        acc2 = _v_fold_product(acc2, a2, vcode2, IEEE, V_T)
+        if V_UNITS:
+            acc6 = _v_fold_product(acc6, a2, vhi2, IEEE, V_T)
+        a3 = a2
+        if G3 != G2:
+            a3 = _scaled_pt(pt, vsc3, DOT_T)
+            zsum3 += tl.sum(pt * vze3.to(tl.float32)[:, None], axis=0)
+        acc3 = _v_fold_product(acc3, a3, vcode3, IEEE, V_T)
+        if V_UNITS:
+            acc7 = _v_fold_product(acc7, a3, vhi3, IEEE, V_T)
+        if V_LANES:
+            sa2 = sa1
+            if G2 != G1:
+                sa2 = tl.sum(a2.to(tl.float32), axis=0)
+            sa3 = sa2
+            if G3 != G2:
+                sa3 = tl.sum(a3.to(tl.float32), axis=0)
+            asum2 += sa2
+            asum3 += sa3
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zsum0, zsum1, zsum2, zsum3, asum0, asum1, asum2, asum3
+
+
+@triton.jit
+def _values_deq(acc0, acc1, acc2, acc3, pt, vb, vbh, vs_rows, vz_rows, offs_pv, row_ok, PV: tl.constexpr,
+                V_GROUP: tl.constexpr, V_BITS: tl.constexpr, V_UNPACK: tl.constexpr, V_HI: tl.constexpr,
+                DOT_T: tl.constexpr, IEEE: tl.constexpr):
+    """Value planes spanning several value groups: each plane's codes (vb (BLOCK_N, PV), HI: vbh the
+    high tile) dequantized per element (per-token scale/zero rows vs_rows/vz_rows), then
+    ``acc s + p @ v``. Returns (acc0, acc1, acc2, acc3)."""
+    PER_V: tl.constexpr = 8 // V_BITS
+    p_dot = tl.trans(pt.to(DOT_T))  # (VR, BLOCK_N)
+    acc0 = _v_deq_plane(acc0, p_dot, vb, vbh, vs_rows, vz_rows, 0, offs_pv, row_ok, V_GROUP,
+                        0, V_BITS, DOT_T, V_UNPACK, IEEE, V_HI)
+    if PER_V > 1:
+        acc1 = _v_deq_plane(acc1, p_dot, vb, vbh, vs_rows, vz_rows, PV, offs_pv, row_ok, V_GROUP,
+                            V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE, V_HI)
+    if PER_V > 2:
+        acc2 = _v_deq_plane(acc2, p_dot, vb, vbh, vs_rows, vz_rows, 2 * PV, offs_pv, row_ok, V_GROUP,
+                            2 * V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE, V_HI)
+        acc3 = _v_deq_plane(acc3, p_dot, vb, vbh, vs_rows, vz_rows, 3 * PV, offs_pv, row_ok, V_GROUP,
+                            3 * V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE, V_HI)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _value_mean(acc0, acc1, acc2, acc3, macc, mzacc, pt, vm_rows, vms_base, vmz_base, stride_vmsn, offs_n, offs_d,
+                row_ok, vc0, vc1, vc2, vc3, V_MEAN: tl.constexpr, VM_APART: tl.constexpr, V_LANES: tl.constexpr,
+                V_BITS: tl.constexpr, DOT_T: tl.constexpr, IEEE: tl.constexpr):
+    """TaDA value means: sum_n p_n mean_n, into macc (VM_APART: input channel order, added to the
+    stored output at the end) or into each value plane's accumulator, read at the plane's output
+    channels vc s; vm_rows (BLOCK_N, 1) pointers to the mean rows. MEAN 8 (codes with per-token
+    scale/zero): ``sum_n p_n (c_n * s_n + z_n) = (p * s) @ c + sum_n p_n z_n``, the zero sums into
+    mzacc. Returns (acc0, acc1, acc2, acc3, macc, mzacc)."""
+    PER_V: tl.constexpr = 8 // V_BITS
+    pm = pt  # (BLOCK_N, VR)
+    if V_MEAN == 8:  # sum_n p_n (c_n * s_n + z_n) = (p * s) @ c + sum_n p_n z_n
+        vms = tl.load(vms_base + offs_n * stride_vmsn, mask=row_ok, other=0.0).to(tl.float32)
+        vmz = tl.load(vmz_base + offs_n * stride_vmsn, mask=row_ok, other=0.0).to(tl.float32)
+        pm = pt * vms[:, None]
+        mzacc += tl.sum(pt * vmz[:, None], axis=0)
+    # plane s: p @ mean[:, vc_s]; a lane-folded plane is scaled by 2**-(s * V_BITS) at the
+    # end, so its mean term goes in times 2**(s * V_BITS) (exact)
+    if VM_APART:  # input channel order, added to the stored output at the end
+        macc = _dot(tl.trans(pm.to(DOT_T)), _mean_tile(vm_rows, offs_d, row_ok, V_MEAN, DOT_T), macc, IEEE)
+    else:
+        acc0 = _dot(tl.trans(pm.to(DOT_T)), _mean_tile(vm_rows, vc0, row_ok, V_MEAN, DOT_T), acc0, IEEE)
+    if (PER_V > 1) & (not VM_APART):
+        acc1 = _dot(tl.trans((pm * (1 << V_BITS) if V_LANES else pm).to(DOT_T)),
+                    _mean_tile(vm_rows, vc1, row_ok, V_MEAN, DOT_T), acc1, IEEE)
+    if (PER_V > 2) & (not VM_APART):
+        acc2 = _dot(tl.trans((pm * (1 << (2 * V_BITS)) if V_LANES else pm).to(DOT_T)),
+                    _mean_tile(vm_rows, vc2, row_ok, V_MEAN, DOT_T), acc2, IEEE)
+        acc3 = _dot(tl.trans((pm * (1 << (3 * V_BITS)) if V_LANES else pm).to(DOT_T)),
+                    _mean_tile(vm_rows, vc3, row_ok, V_MEAN, DOT_T), acc3, IEEE)
+    return acc0, acc1, acc2, acc3, macc, mzacc
+
+
+@triton.jit
+def _value_sums_in(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zacc, zsum0, zsum1, zsum2, zsum3, asum0, asum1,
+                   asum2, asum3, mzacc, macc, offs_z, V_BITS: tl.constexpr, V_NCH: tl.constexpr,
+                   V_UNITS: tl.constexpr, V_T: tl.constexpr, V_LANES: tl.constexpr, V_MEAN: tl.constexpr,
+                   VM_APART: tl.constexpr, V_FOLD: tl.constexpr, V_PLANE_LANES: tl.constexpr, G1: tl.constexpr,
+                   G2: tl.constexpr, G3: tl.constexpr):
+    """After the packed loop: the value accumulators (VR, AW) with every term the loop kept apart
+    added in -- transposed back (V_T), the lane codes' 1024 and plane scale taken out, the 8-bit
+    means' zero points and the value groups' zero sums added. Returns (acc0, .., acc7, macc)."""
+    PER_V: tl.constexpr = 8 // V_BITS
+    NACC: tl.constexpr = PER_V * V_NCH
+    if V_T:  # the transposed accumulators back to (VR, AW), (VR, ZW)
+        acc0 = tl.trans(acc0)
+        acc1 = tl.trans(acc1)
+        acc2 = tl.trans(acc2)
+        acc3 = tl.trans(acc3)
+        acc4 = tl.trans(acc4)
+        acc5 = tl.trans(acc5)
+        acc6 = tl.trans(acc6)
+        acc7 = tl.trans(acc7)
+        zacc = tl.trans(zacc)
+    if V_LANES:  # codes were 1024 + c * 2**(plane * V_BITS): remove both (exact scalings)
+        acc0 = acc0 - 1024.0 * asum0[:, None]
+        if NACC > 1:
+            acc1 = (acc1 - 1024.0 * asum1[:, None]) * (1.0 / (1 << ((1 // V_NCH) * V_BITS)))
+        if NACC > 2:
+            acc2 = (acc2 - 1024.0 * asum2[:, None]) * (1.0 / (1 << ((2 // V_NCH) * V_BITS)))
+            acc3 = (acc3 - 1024.0 * asum3[:, None]) * (1.0 / (1 << ((3 // V_NCH) * V_BITS)))
+        if V_UNITS:  # the high bytes' planes (groups), scaled as the low bytes' are
+            acc4 = acc4 - 1024.0 * asum0[:, None]
+            if NACC > 1:
+                acc5 = (acc5 - 1024.0 * asum1[:, None]) * (1.0 / (1 << ((1 // V_NCH) * V_BITS)))
+            if NACC > 2:
+                acc6 = (acc6 - 1024.0 * asum2[:, None]) * (1.0 / (1 << ((2 // V_NCH) * V_BITS)))
+                acc7 = (acc7 - 1024.0 * asum3[:, None]) * (1.0 / (1 << ((3 // V_NCH) * V_BITS)))
+    if VM_APART:
+        macc += mzacc[:, None]
+    elif V_MEAN == 8:  # the 8-bit means' zero points, one per token, on every channel
+        acc0 += mzacc[:, None]
+        if PER_V > 1:
+            acc1 += mzacc[:, None]
+        if PER_V > 2:
+            acc2 += mzacc[:, None]
+            acc3 += mzacc[:, None]
+    if V_FOLD:  # planes of one value group share its zero sum
+        if V_NCH > 1:
+            zsum0 = _column(zacc, offs_z, 0)
+            zsum1 = _column(zacc, offs_z, 1)
+            zsum2 = _column(zacc, offs_z, 2)
+            zsum3 = _column(zacc, offs_z, 3)
+        else:
+            if G1 == 0:
+                zsum1 = zsum0
+            if G2 == G1:
+                zsum2 = zsum1
+            if G3 == G2:
+                zsum3 = zsum2
+            if V_PLANE_LANES:  # plane s's 1024 term, column 4 + s (scaled by 2**-shift already)
+                zsum0 = zsum0 + _column(zacc, offs_z, 4)
+                zsum1 = zsum1 + _column(zacc, offs_z, 5)
+                zsum2 = zsum2 + _column(zacc, offs_z, 6)
+                zsum3 = zsum3 + _column(zacc, offs_z, 7)
+        acc0 += zsum0[:, None]
+        if NACC > 1:
+            acc1 += zsum1[:, None]
+        if NACC > 2:
+            acc2 += zsum2[:, None]
+            acc3 += zsum3[:, None]
+        if V_UNITS:
+            acc4 += zsum0[:, None]
+            if NACC > 1:
+                acc5 += zsum1[:, None]
+            if NACC > 2:
+                acc6 += zsum2[:, None]
+                acc7 += zsum3[:, None]
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, macc
+
+
+@triton.jit
+def _store_split(m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, macc, M_part, L_part, O_part, part_row,
+                 r_ok, offs_d, vc0, vc1, vc2, vc3, vh0, vh1, vh2, vh3, R_PAD: tl.constexpr, D: tl.constexpr,
+                 K_SUB: tl.constexpr, AW: tl.constexpr, NACC: tl.constexpr, V_UNITS: tl.constexpr,
+                 VM_APART: tl.constexpr):
+    """The split's partial (m, l, acc) stored at part_row (R_PAD,): with K_SUB virtual row sets, each
+    query row's K_SUB rows merged by log-sum-exp first (as splits are); accumulator s at its output
+    channels vc s (V_UNITS: 4 + s at vh s); VM_APART: the value mean (input channel order) added
+    onto the planes just stored."""
+    if K_SUB > 1:  # each query row's K_SUB virtual rows merged by log-sum-exp (as splits are)
+        m_sub = tl.reshape(m_i, (K_SUB, R_PAD))
+        m_i = tl.max(m_sub, axis=0)  # (R_PAD,)
+        w_sub = tl.exp2(m_sub - m_i[None, :])  # (K_SUB, R_PAD)
+        l_i = tl.sum(tl.reshape(l_i, (K_SUB, R_PAD)) * w_sub, axis=0)
+        acc0 = _merge_virtual_rows(acc0, w_sub, K_SUB, R_PAD, AW)
+        if NACC > 1:
+            acc1 = _merge_virtual_rows(acc1, w_sub, K_SUB, R_PAD, AW)
+        if NACC > 2:
+            acc2 = _merge_virtual_rows(acc2, w_sub, K_SUB, R_PAD, AW)
+            acc3 = _merge_virtual_rows(acc3, w_sub, K_SUB, R_PAD, AW)
+        if VM_APART:
+            macc = _merge_virtual_rows(macc, w_sub, K_SUB, R_PAD, D)
+    tl.store(M_part + part_row, m_i, mask=r_ok)
+    tl.store(L_part + part_row, l_i, mask=r_ok)
+    o_rows = O_part + part_row * D  # (R_PAD,) pointers
+    tl.store(o_rows[:, None] + vc0[None, :], acc0, mask=r_ok[:, None])
+    if NACC > 1:
+        tl.store(o_rows[:, None] + vc1[None, :], acc1, mask=r_ok[:, None])
+    if NACC > 2:
+        tl.store(o_rows[:, None] + vc2[None, :], acc2, mask=r_ok[:, None])
+        tl.store(o_rows[:, None] + vc3[None, :], acc3, mask=r_ok[:, None])
+    if V_UNITS:
+        tl.store(o_rows[:, None] + vh0[None, :], acc4, mask=r_ok[:, None])
+        if NACC > 1:
+            tl.store(o_rows[:, None] + vh1[None, :], acc5, mask=r_ok[:, None])
+        if NACC > 2:
+            tl.store(o_rows[:, None] + vh2[None, :], acc6, mask=r_ok[:, None])
+            tl.store(o_rows[:, None] + vh3[None, :], acc7, mask=r_ok[:, None])
+    if VM_APART:  # add the value mean (input channel order) onto the planes just stored
+        tl.debug_barrier()  # other threads of the program stored them
+        o_nat = o_rows[:, None] + offs_d[None, :]  # (R_PAD, D) pointers
+        tl.store(o_nat, tl.load(o_nat, mask=r_ok[:, None], other=0.0) + macc, mask=r_ok[:, None])
+
+
 @triton.jit(do_not_specialize=["S_TOT", "S_OFF", "N", "packed_pos", "F1_LEN", "f1_pos", "F2_LEN", "f2_pos", "F3_LEN",
                                "num_splits", "split_size", "n_f1_chunks", "n_f2_chunks"])
 def _decode_split_kernel(
@@ -496,23 +1063,10 @@ def _decode_split_kernel(
 
     if pid_s < num_splits:
         # ------------------------------------------------ packed split
-        if ROT_Q:
-            # keys stored rotated by a random-sign Walsh-Hadamard rotation: this program rotates the
-            # query itself, (q * signs) @ H_D / sqrt(D), and writes it to QP, which the loads below
-            # read. Every packed split of (b, h) writes the same values to the same rows (a benign
-            # race: no program reads a row another could leave different), and the barrier makes
-            # this program's writes visible to all its threads. This replaces a launch per call
-            # before this kernel (kernels/decode/rotation.py's rotate_query, still used for fitted
-            # matrices): docs/results.md has the measurements.
-            offs_qd = tl.arange(0, D)
-            q_in = tl.load(q_rows[:, None] + offs_qd[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
-            q_in = q_in * tl.load(QSIGNS + h * D + offs_qd)[None, :]  # (R_PAD, D)
-            q_rot = _walsh_hadamard_rows(q_in, R_PAD, D) * ROT_Q_SCALE  # (R_PAD, D) float32
-            qp_rows = QP + b.to(tl.int64) * stride_qpb + (h * R + offs_r) * stride_qph  # (R_PAD,) pointers
-            tl.store(qp_rows[:, None] + offs_qd[None, :], q_rot, mask=r_ok[:, None])
-            tl.debug_barrier()
-        K_LANES: tl.constexpr = (K_UNPACK == 5) | (K_UNPACK == 6)  # codes as 1024 + c * 2**shift
-        V_LANES: tl.constexpr = (V_UNPACK == 5) | (V_UNPACK == 6)
+        if ROT_Q:  # the query rotated like the stored keys, into QP (read below)
+            _rotate_query(q_rows, r_ok, QP + b.to(tl.int64) * stride_qpb + (h * R + offs_r) * stride_qph, QSIGNS + h * D,
+                          R_PAD, D, ROT_Q_SCALE)
+        V_LANES: tl.constexpr = (V_UNPACK == 5) | (V_UNPACK == 6)  # codes as 1024 + c * 2**shift
         offs_kcol = tl.arange(0, PK)  # byte column of each loaded key / value column
         offs_vcol = tl.arange(0, PV)
         offs_pk = offs_kcol  # stored channel (within a plane) of each column of an unpacked key plane
@@ -531,37 +1085,9 @@ def _decode_split_kernel(
         V_ZACC: tl.constexpr = (V_NCH > 1) | V_PLANE_LANES
         lo, hi, start, end = _split_range(P_LO, P_HI, b, N, pid_s, num_splits, split_size, BLOCK_N, HAS_RANGE,
                                           HAS_RANGE)
-        # query channel of each column of key plane s (stored channels [s*PK, (s+1)*PK)); with an
-        # SKVQ permutation, stored channel j holds input channel perm[h, j]
-        qc0, qc1, qc2, qc3 = _plane_channels(offs_pk, PK, PER_K, KP + h * D, K_PERM)
-        # the query, one transposed slice (PK, VR) per key plane, pre-scaled, float32: the key
-        # products run transposed, scores^T = codes (BLOCK_N, PK) @ q^T, so the block's tokens fill
-        # the MMA rows (the R query rows are only its small N; as M they were padded to 16 rows and
-        # the kernel spent more on moving fragments than on unpacking: 1.4x slower at batch 8 /
-        # 32k: artifacts/bench/HISTORY.md, step 6). Per-token keys use the slices as is; per-channel keys
-        # fold the scales in once per key group.
-        q0 = _q_plane_t(q_rows_v, v_ok, qc0, qk_scale)
-        q1 = q0
-        q2 = q0
-        q3 = q0
-        if PER_K > 1:
-            q1 = _q_plane_t(q_rows_v, v_ok, qc1, qk_scale)
-        if PER_K > 2:
-            q2 = _q_plane_t(q_rows_v, v_ok, qc2, qk_scale)
-            q3 = _q_plane_t(q_rows_v, v_ok, qc3, qk_scale)
-        # output channel of each column of value accumulator s (scattered back when V is permuted)
-        offs_av = offs_pv  # (AW,) byte column of each accumulator column within its chunk
-        if V_NCH > 1:
-            offs_av = tl.arange(0, AW)
-        if V_UNITS:  # column u of acc g: the low byte of unit u of its chunk (byte column 2u); of acc 4 + g: 2u + 1
-            offs_av = 2 * tl.arange(0, AW)
-        vc0, vc1, vc2, vc3 = _plane_channels(offs_av, PV, PER_V, VP + h * D, V_PERM, V_NCH)
-        vh0 = vc0
-        vh1 = vc1
-        vh2 = vc2
-        vh3 = vc3
-        if V_UNITS:
-            vh0, vh1, vh2, vh3 = _plane_channels(offs_av + 1, PV, PER_V, VP + h * D, V_PERM, V_NCH)
+        q0, q1, q2, q3 = _query_planes(q_rows_v, v_ok, offs_pk, KP + h * D, qk_scale, PK, PER_K, K_PERM)
+        offs_av, vc0, vc1, vc2, vc3, vh0, vh1, vh2, vh3 = _value_channels(offs_pv, VP + h * D, PV, PER_V, V_PERM, V_NCH,
+                                                                          V_UNITS, AW)
         # TaDA means (input channel order, one (N, D) mean per sequence shared by the kv heads):
         # the key mean adds q . mean_n to each score; the value mean adds sum_n p_n mean_n into
         # each value plane's accumulator, read at the plane's output channels (vc*)
@@ -632,88 +1158,20 @@ def _decode_split_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             row_ok = _before(offs_n, end, WHOLE)  # (BLOCK_N,)
-            if WHOLE:  # (no range: lo = 0)
-                valid = row_ok
-            else:
-                valid = row_ok & (offs_n >= lo)
-            if HAS_MASK and MASK_PACKED:
-                vis = tl.load(MASK + b * stride_mb + packed_pos + offs_n, mask=row_ok, other=0)
-                valid = valid & (vis != 0)
-            if HAS_KEEP:  # OTT: this kv head's slots of pool entrants are masked out
-                KEEP_BYTES: tl.constexpr = (KEEP_BLOCK + 7) // 8
-                in_blk = offs_n % KEEP_BLOCK
-                kbyte = tl.load(keep_base + (offs_n // KEEP_BLOCK) * KEEP_BYTES + in_blk // 8, mask=row_ok, other=0)
-                valid = valid & (((kbyte.to(tl.int32) >> (in_blk % 8)) & 1) != 0)
+            valid = _valid_tokens(offs_n, row_ok, lo, MASK + b * stride_mb + packed_pos, keep_base, WHOLE,
+                                  HAS_MASK & MASK_PACKED, HAS_KEEP, KEEP_BLOCK)
             vrows = offs_n * stride_vsn  # (BLOCK_N,) each token's row of value scales / zeros
             if V_SCALED & V_EARLY:  # issued before the key work, whose time hides their latency
                 vsc0, vze0, vsc1, vze1, vsc2, vze2, vsc3, vze3, zt = _value_scales(vs_base, vz_base, vrows, row_ok,
                                                                                     offs_z, G1, G2, G3, NACC, V_NCH, V_T)
-            # ---- scores: all key planes from one (BLOCK_N, PK) byte tile
-            if not K_HALVES:  # (halves load their own (BLOCK_N / 2, PK) tiles below)
-                kb, kh = _code_tile(kc_base + offs_n * stride_kcn, row_ok, PK, K_HI)  # (BLOCK_N, PK) x 2
-            scores = tl.zeros([BLOCK_N, VR], tl.float32)  # transposed: token rows
-            valid2 = valid[:, None]  # (BLOCK_N, 1 | VR) tokens each virtual row sees
-            if K_HALVES:
-                # two key groups per block, one per half: each half's codes times its own folded
-                # planes (every block starts a group), the two (HB, VR) score tiles stacked into
-                # the block's (a layout change of the small score tile, not of the codes)
-                HB: tl.constexpr = BLOCK_N // 2
-                offs_h = n0 + tl.arange(0, HB)
-                krow = (n0 // K_GROUP) * stride_ksn
-                krow_b = tl.minimum(n0 // K_GROUP + 1, (end - 1) // K_GROUP) * stride_ksn  # (past the end: masked)
-                qa0, qa1, qa2, qa3, kbias_a = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
-                                                             PK, K_BITS, DOT_T, K_LANES)
-                qb0, qb1, qb2, qb3, kbias_b = _k_fold_planes(q0, q1, q2, q3, ks_base + krow_b, kz_base + krow_b,
-                                                             offs_pk, PK, K_BITS, DOT_T, K_LANES)
-                ka, kha = _code_tile(kc_base + offs_h * stride_kcn, _before(offs_h, end, WHOLE), PK, K_HI)  # (HB, PK)
-                kbb, khb = _code_tile(kc_base + (offs_h + HB) * stride_kcn, _before(offs_h + HB, end, WHOLE), PK, K_HI)
-                sa = _k_fold_scores(tl.zeros([HB, VR], tl.float32), ka, kha, qa0, qa1, qa2, qa3, kbias_a, K_BITS,
-                                    DOT_T, K_UNPACK, IEEE, K_HI)
-                sb = _k_fold_scores(tl.zeros([HB, VR], tl.float32), kbb, khb, qb0, qb1, qb2, qb3, kbias_b, K_BITS,
-                                    DOT_T, K_UNPACK, IEEE, K_HI)
-                scores = tl.reshape(tl.permute(tl.join(sa, sb), (2, 0, 1)), (BLOCK_N, VR))
-            elif K_FOLD & (K_SUB == 1):
-                if ((n0 % K_GROUP) == 0) | (n0 == start):  # a new key group (blocks never straddle one)
-                    krow = (n0 // K_GROUP) * stride_ksn
-                    qp0, qp1, qp2, qp3, kbias = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
-                                                               PK, K_BITS, DOT_T, K_LANES)
-                scores = _k_fold_scores(scores, kb, kh, qp0, qp1, qp2, qp3, kbias, K_BITS, DOT_T, K_UNPACK, IEEE,
-                                        K_HI)
-            elif K_FOLD:
-                # K_SUB key groups per block: virtual row v takes the scales of group g = v // R_PAD
-                offs_g = tl.arange(0, K_SUB)
-                krow = ((n0 // K_GROUP) + offs_g) * stride_ksn  # (K_SUB,) parameter row of each group
-                k_ok = _before(n0 + offs_g * K_GROUP, end, WHOLE)  # (K_SUB,) groups that hold tokens here
-                qp0, qp1, qp2, qp3, kbias = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
-                                                           PK, K_BITS, DOT_T, K_LANES, k_ok, K_SUB)
-                scores = _k_fold_scores(scores, kb, kh, qp0, qp1, qp2, qp3, kbias, K_BITS, DOT_T, K_UNPACK, IEEE,
-                                        K_HI)
-                # a token counts only in the virtual rows of its key group
-                valid2 = valid2 & ((tl.arange(0, BLOCK_N) // K_GROUP)[:, None] == (offs_v // R_PAD)[None, :])
-            else:
-                ks_rows = ks_base + offs_n * stride_ksn
-                kz_rows = kz_base + offs_n * stride_ksn
-                scores = _k_deq_plane(scores, q0, kb, kh, ks_rows, kz_rows, 0, offs_pk, row_ok, K_GROUP,
-                                      0, K_BITS, DOT_T, K_UNPACK, IEEE, K_HI)
-                if PER_K > 1:
-                    scores = _k_deq_plane(scores, q1, kb, kh, ks_rows, kz_rows, PK, offs_pk, row_ok, K_GROUP,
-                                          K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE, K_HI)
-                if PER_K > 2:
-                    scores = _k_deq_plane(scores, q2, kb, kh, ks_rows, kz_rows, 2 * PK, offs_pk, row_ok, K_GROUP,
-                                          2 * K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE, K_HI)
-                    scores = _k_deq_plane(scores, q3, kb, kh, ks_rows, kz_rows, 3 * PK, offs_pk, row_ok, K_GROUP,
-                                          3 * K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE, K_HI)
-            if K_MEAN == 16:
-                km = tl.load(km_base + offs_n[:, None] * stride_kmn + offs_d[None, :], mask=row_ok[:, None],
-                             other=0.0).to(DOT_T)  # (BLOCK_N, D)
-                scores = _dot(km, qm, scores, IEEE)
-            elif K_MEAN == 8:  # q . (c * s + z) = s * (q . c) + z * sum(q)
-                km = _codes(tl.load(km_base + offs_n[:, None] * stride_kmn + offs_d[None, :], mask=row_ok[:, None],
-                                    other=0), 0, 8, DOT_T, 1)  # (BLOCK_N, D) codes, exact in float16
-                kms = tl.load(kms_base + offs_n * stride_kmsn, mask=row_ok, other=0.0).to(tl.float32)
-                kmz = tl.load(kmz_base + offs_n * stride_kmsn, mask=row_ok, other=0.0).to(tl.float32)
-                sm = _dot(km, qm, tl.zeros([BLOCK_N, VR], tl.float32), IEEE)
-                scores = scores + sm * kms[:, None] + qm_sum[None, :] * kmz[:, None]
+            # ---- scores (BLOCK_N, VR), transposed: all key planes from one (BLOCK_N, PK) byte tile
+            scores, valid2, qp0, qp1, qp2, qp3, kbias = _key_scores(
+                kc_base, ks_base, kz_base, stride_kcn, stride_ksn, n0, start, end, offs_n, row_ok, valid, offs_pk,
+                offs_v, q0, q1, q2, q3, qp0, qp1, qp2, qp3, kbias, BLOCK_N, R_PAD, K_BITS, PK, K_GROUP, K_FOLD, K_SUB,
+                K_HALVES, K_HI, K_UNPACK, DOT_T, IEEE, WHOLE)
+            if K_MEAN != 0:
+                scores = _key_mean_scores(scores, km_base + offs_n[:, None] * stride_kmn, kms_base, kmz_base,
+                                          stride_kmsn, offs_n, offs_d, row_ok, qm, qm_sum, K_MEAN, DOT_T, IEEE)
             if HAS_SOFTCAP:
                 scores = _softcap(scores, softcap) * 1.4426950408889634
             scores = tl.where(valid2, scores, float("-inf"))  # (BLOCK_N, VR)
@@ -724,35 +1182,10 @@ def _decode_split_kernel(
             if tl.max(m_new - m_i, axis=0) > 8.0:
                 alpha = tl.exp2(m_i - m_new)
                 l_i = l_i * alpha
-                acc0 = _row_scaled(acc0, alpha, V_T)
-                if NACC > 1:
-                    acc1 = _row_scaled(acc1, alpha, V_T)
-                if NACC > 2:
-                    acc2 = _row_scaled(acc2, alpha, V_T)
-                    acc3 = _row_scaled(acc3, alpha, V_T)
-                if V_UNITS:
-                    acc4 = _row_scaled(acc4, alpha, V_T)
-                    if NACC > 1:
-                        acc5 = _row_scaled(acc5, alpha, V_T)
-                    if NACC > 2:
-                        acc6 = _row_scaled(acc6, alpha, V_T)
-                        acc7 = _row_scaled(acc7, alpha, V_T)
-                if V_ZACC:
-                    zacc = _row_scaled(zacc, alpha, V_T)
-                if V_FOLD:
-                    zsum0 = zsum0 * alpha
-                    zsum1 = zsum1 * alpha
-                    zsum2 = zsum2 * alpha
-                    zsum3 = zsum3 * alpha
-                if V_LANES:
-                    asum0 = asum0 * alpha
-                    asum1 = asum1 * alpha
-                    asum2 = asum2 * alpha
-                    asum3 = asum3 * alpha
-                if V_MEAN != 0:
-                    mzacc = mzacc * alpha
-                if VM_APART:
-                    macc = macc * alpha[:, None]
+                (acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zacc, zsum0, zsum1, zsum2, zsum3, asum0, asum1, asum2,
+                 asum3, mzacc, macc) = _rescaled(alpha, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zacc, zsum0,
+                                                 zsum1, zsum2, zsum3, asum0, asum1, asum2, asum3, mzacc, macc, NACC,
+                                                 V_UNITS, V_ZACC, V_FOLD, V_LANES, V_MEAN, VM_APART, V_T)
                 m_i = m_new
             pt = tl.exp2(scores - m_i[None, :])  # (BLOCK_N, VR), transposed; masked -> 0
             l_i = l_i + tl.sum(pt, axis=0)
@@ -764,65 +1197,10 @@ def _decode_split_kernel(
                 vsc0, vze0, vsc1, vze1, vsc2, vze2, vsc3, vze3, zt = _value_scales(vs_base, vz_base, vrows, row_ok,
                                                                                     offs_z, G1, G2, G3, NACC, V_NCH, V_T)
             if V_NCH > 1:
-                # value groups narrower than a plane: chunk c of the byte columns holds, in plane s,
-                # channels of group s * V_NCH + c only, so each (plane, chunk) tile folds its
-                # group's (p * scale) like a whole plane does below (4-bit: groups 0, 1 from the
-                # low nibbles, 2, 3 from the high ones; 8-bit: one group per chunk); V_UNITS: a chunk
-                # is AW int16 units, its low and high bytes' tiles share the group's (p * scale)
-                if V_UNITS:
-                    nv_ok = row_ok[:, None]
-                    vrow_ptr = vc_base + offs_n[:, None] * stride_vcn + tl.arange(0, AW)[None, :]  # (BLOCK_N, AW)
-                    if V_T:  # loaded transposed (AW, BLOCK_N): the planes are the products' M operand
-                        nv_ok = row_ok[None, :]
-                        vrow_ptr = vc_base + tl.arange(0, AW)[:, None] + offs_n[None, :] * stride_vcn
-                    u00, w00, u01, w01, _, _, _, _ = _unit_planes(tl.load(vrow_ptr, mask=nv_ok, other=0), V_BITS,
-                                                                  V_UNPACK)
-                    u10, w10, u11, w11, _, _, _, _ = _unit_planes(tl.load(vrow_ptr + AW, mask=nv_ok, other=0),
-                                                                  V_BITS, V_UNPACK)
-                else:
-                    nv_ok = _before(offs_nv, end, WHOLE)[:, None]
-                    vrow_ptr = vc_base + offs_nv[:, None] * stride_vcn + offs_av[None, :]  # (BLOCK_N, AW)
-                    u00, u01, _, _ = _code_planes(tl.load(vrow_ptr, mask=nv_ok, other=0), V_BITS, DOT_T, V_UNPACK)
-                    u10, u11, _, _ = _code_planes(tl.load(vrow_ptr + AW, mask=nv_ok, other=0), V_BITS, DOT_T,
-                                                  V_UNPACK)
-                    w00 = u00  # (high-byte tiles: value units only)
-                    w01 = u01
-                    w10 = u10
-                    w11 = u11
-                # the probabilities, unscaled, as the products' operand (VR, BLOCK_N); the zero points
-                # of all groups in one product: column g of zacc += sum_n p * zero_g (asum stays 0)
-                if V_T:  # transposed: p stays (BLOCK_N, VR), zacc (ZW, VR) += zt^T @ p
-                    p_t = pt.to(DOT_T)
-                    zacc = _dot(zt.to(DOT_T), p_t, zacc, IEEE)  # zt (ZW, BLOCK_N): every group's zero
-                else:
-                    p_t = tl.trans(pt.to(DOT_T))
-                    zacc = _dot(p_t, zt.to(DOT_T), zacc, IEEE)  # zt (BLOCK_N, ZW): every group's zero
-                acc0, acc4, zacc = _v_group_product(acc0, acc4, zacc, p_t, u00, w00, vsc0, offs_z,
-                                                    0, 0, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
-                acc1, acc5, zacc = _v_group_product(acc1, acc5, zacc, p_t, u10, w10, vsc1,
-                                                    offs_z, 1, (1 // V_NCH) * V_BITS, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
-                if PER_V > 1:  # (then V_NCH == 2)
-                    acc2, acc6, zacc = _v_group_product(acc2, acc6, zacc, p_t, u01, w01, vsc2,
-                                                        offs_z, 2, V_BITS, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
-                    acc3, acc7, zacc = _v_group_product(acc3, acc7, zacc, p_t, u11, w11, vsc3,
-                                                        offs_z, 3, V_BITS, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
-                elif V_NCH > 2:
-                    if V_UNITS:
-                        u20, w20, _, _, _, _, _, _ = _unit_planes(tl.load(vrow_ptr + 2 * AW, mask=nv_ok, other=0),
-                                                                  V_BITS, V_UNPACK)
-                        u30, w30, _, _, _, _, _, _ = _unit_planes(tl.load(vrow_ptr + 3 * AW, mask=nv_ok, other=0),
-                                                                  V_BITS, V_UNPACK)
-                    else:
-                        u20, _, _, _ = _code_planes(tl.load(vrow_ptr + 2 * AW, mask=nv_ok, other=0), V_BITS, DOT_T,
-                                                    V_UNPACK)
-                        u30, _, _, _ = _code_planes(tl.load(vrow_ptr + 3 * AW, mask=nv_ok, other=0), V_BITS, DOT_T,
-                                                    V_UNPACK)
-                        w20 = u20
-                        w30 = u30
-                    acc2, acc6, zacc = _v_group_product(acc2, acc6, zacc, p_t, u20, w20, vsc2,
-                                                        offs_z, 2, 0, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
-                    acc3, acc7, zacc = _v_group_product(acc3, acc7, zacc, p_t, u30, w30, vsc3,
-                                                        offs_z, 3, 0, DOT_T, IEEE, V_LANES, V_UNITS, V_T)
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zacc = _values_chunks(
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zacc, pt, zt, vsc0, vsc1, vsc2, vsc3, vc_base,
+                    stride_vcn, offs_n, offs_nv, row_ok, end, offs_av, offs_z, AW, V_BITS, V_NCH, V_UNPACK, V_UNITS,
+                    V_T, V_LANES, DOT_T, IEEE, WHOLE)
             elif V_FOLD:
                 if V_UNITS:  # (BLOCK_N, PV / 2) int16 units (the launcher passes an int16 view), tokens in order
                     # (V_T: loaded transposed, (PV / 2, BLOCK_N): the planes are the products' M operand as is)
@@ -837,220 +1215,32 @@ def _decode_split_kernel(
                     vhi2 = vcode2
                     vhi3 = vcode3
                 if V_SUM_DOTS:
-                    # plane s lies in value group Gs = (s * PV) // V_GROUP: the probabilities change
-                    # layout once and (p * scale) is built once per group, in the products' operand;
-                    # V_LANES: column 4 + s of zacc gets plane s's 1024 term from one product per
-                    # group with a constant tile (_lane_terms), not from a reduction of p * scale.
-                    # Each group's sum_n p * zero stays a reduction of p (one per group): as a
-                    # product with a (BLOCK_N, 16) zero-point tile it took as many instructions
-                    # (Mistral shape, groups 128: 2-bit 1,231 vs 1,227, 4-bit 1,352 vs 1,339 per 64 tokens).
-                    # V_T: transposed, acc s (AW, VR) += codes^T @ (p * scale) (BLOCK_N, VR), p not transposed
-                    p_t = pt.to(DOT_T) if V_T else tl.trans(pt.to(DOT_T))  # (BLOCK_N, VR) | (VR, BLOCK_N)
-                    b0, zsum0, zacc = _group_operand(p_t, p_t, zsum0, zacc, pt, vsc0, vze0,
-                                                     offs_z, 0, -1, PV, V_GROUP, V_BITS, PER_V, DOT_T, IEEE,
-                                                     V_LANES, V_T)
-                    acc0, acc4, zacc = _v_scaled_product(acc0, acc4, zacc, b0, vcode0, vhi0, offs_z, 4, 0, DOT_T, IEEE,
-                                                         False, V_UNITS, V_T)
-                    if PER_V > 1:
-                        b1, zsum1, zacc = _group_operand(b0, p_t, zsum1, zacc, pt, vsc1,
-                                                         vze1, offs_z, G1, 0, PV, V_GROUP,
-                                                         V_BITS, PER_V, DOT_T, IEEE, V_LANES, V_T)
-                        acc1, acc5, zacc = _v_scaled_product(acc1, acc5, zacc, b1, vcode1, vhi1, offs_z, 5, V_BITS,
-                                                             DOT_T, IEEE, False, V_UNITS, V_T)
-                    if PER_V > 2:
-                        b2, zsum2, zacc = _group_operand(b1, p_t, zsum2, zacc, pt, vsc2,
-                                                         vze2, offs_z, G2, G1, PV, V_GROUP,
-                                                         V_BITS, PER_V, DOT_T, IEEE, V_LANES, V_T)
-                        acc2, acc6, zacc = _v_scaled_product(acc2, acc6, zacc, b2, vcode2, vhi2, offs_z, 6, 2 * V_BITS,
-                                                             DOT_T, IEEE, False, V_UNITS, V_T)
-                        b3, zsum3, zacc = _group_operand(b2, p_t, zsum3, zacc, pt, vsc3,
-                                                         vze3, offs_z, G3, G2, PV, V_GROUP,
-                                                         V_BITS, PER_V, DOT_T, IEEE, V_LANES, V_T)
-                        acc3, acc7, zacc = _v_scaled_product(acc3, acc7, zacc, b3, vcode3, vhi3, offs_z, 7, 3 * V_BITS,
-                                                             DOT_T, IEEE, False, V_UNITS, V_T)
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zacc, zsum0, zsum1, zsum2, zsum3 = _fold_by_products(
+                        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zacc, zsum0, zsum1, zsum2, zsum3, pt, vcode0,
+                        vcode1, vcode2, vcode3, vhi0, vhi1, vhi2, vhi3, vsc0, vsc1, vsc2, vsc3, vze0, vze1, vze2, vze3,
+                        offs_z, PV, V_GROUP, V_BITS, G1, G2, G3, V_UNITS, V_T, V_LANES, DOT_T, IEEE)
                 else:
-                    # plane s lies in value group (s * PV) // V_GROUP: (p * scale) is built once per group,
-                    # and so is sum_n p * zero (added to every channel of the plane at the end);
-                    # V_LANES: the plane's codes are 1024 + c * 2**shift, sum(p * scale) takes the 1024 out
-                    a0 = _scaled_pt(pt, vsc0, DOT_T)  # (BLOCK_N, VR)
-                    zsum0 += tl.sum(pt * vze0.to(tl.float32)[:, None], axis=0)
-                    acc0 = _v_fold_product(acc0, a0, vcode0, IEEE, V_T)
-                    if V_UNITS:
-                        acc4 = _v_fold_product(acc4, a0, vhi0, IEEE, V_T)
-                    if V_LANES:
-                        sa0 = tl.sum(a0.to(tl.float32), axis=0)
-                        asum0 += sa0
-                    if PER_V > 1:
-                        a1 = a0
-                        if G1 != 0:
-                            a1 = _scaled_pt(pt, vsc1, DOT_T)
-                            zsum1 += tl.sum(pt * vze1.to(tl.float32)[:, None], axis=0)
-                        acc1 = _v_fold_product(acc1, a1, vcode1, IEEE, V_T)
-                        if V_UNITS:
-                            acc5 = _v_fold_product(acc5, a1, vhi1, IEEE, V_T)
-                        if V_LANES:
-                            sa1 = sa0
-                            if G1 != 0:
-                                sa1 = tl.sum(a1.to(tl.float32), axis=0)
-                            asum1 += sa1
-                    if PER_V > 2:
-                        a2 = a1
-                        if G2 != G1:
-                            a2 = _scaled_pt(pt, vsc2, DOT_T)
-                            zsum2 += tl.sum(pt * vze2.to(tl.float32)[:, None], axis=0)
-                        acc2 = _v_fold_product(acc2, a2, vcode2, IEEE, V_T)
-                        if V_UNITS:
-                            acc6 = _v_fold_product(acc6, a2, vhi2, IEEE, V_T)
-                        a3 = a2
-                        if G3 != G2:
-                            a3 = _scaled_pt(pt, vsc3, DOT_T)
-                            zsum3 += tl.sum(pt * vze3.to(tl.float32)[:, None], axis=0)
-                        acc3 = _v_fold_product(acc3, a3, vcode3, IEEE, V_T)
-                        if V_UNITS:
-                            acc7 = _v_fold_product(acc7, a3, vhi3, IEEE, V_T)
-                        if V_LANES:
-                            sa2 = sa1
-                            if G2 != G1:
-                                sa2 = tl.sum(a2.to(tl.float32), axis=0)
-                            sa3 = sa2
-                            if G3 != G2:
-                                sa3 = tl.sum(a3.to(tl.float32), axis=0)
-                            asum2 += sa2
-                            asum3 += sa3
+                    (acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zsum0, zsum1, zsum2, zsum3, asum0, asum1, asum2,
+                     asum3) = _fold_by_reductions(
+                        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zsum0, zsum1, zsum2, zsum3, asum0, asum1, asum2,
+                        asum3, pt, vcode0, vcode1, vcode2, vcode3, vhi0, vhi1, vhi2, vhi3, vsc0, vsc1, vsc2, vsc3, vze0,
+                        vze1, vze2, vze3, V_BITS, G1, G2, G3, V_UNITS, V_T, V_LANES, DOT_T, IEEE)
             else:
                 vb, vbh = _code_tile(vc_base + offs_nv * stride_vcn, _before(offs_nv, end, WHOLE), PV, V_HI)
-                p_dot = tl.trans(pt.to(DOT_T))  # (VR, BLOCK_N)
-                vs_rows = vs_base + vrows
-                vz_rows = vz_base + vrows
-                acc0 = _v_deq_plane(acc0, p_dot, vb, vbh, vs_rows, vz_rows, 0, offs_pv, row_ok, V_GROUP,
-                                    0, V_BITS, DOT_T, V_UNPACK, IEEE, V_HI)
-                if PER_V > 1:
-                    acc1 = _v_deq_plane(acc1, p_dot, vb, vbh, vs_rows, vz_rows, PV, offs_pv, row_ok, V_GROUP,
-                                        V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE, V_HI)
-                if PER_V > 2:
-                    acc2 = _v_deq_plane(acc2, p_dot, vb, vbh, vs_rows, vz_rows, 2 * PV, offs_pv, row_ok, V_GROUP,
-                                        2 * V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE, V_HI)
-                    acc3 = _v_deq_plane(acc3, p_dot, vb, vbh, vs_rows, vz_rows, 3 * PV, offs_pv, row_ok, V_GROUP,
-                                        3 * V_BITS, V_BITS, DOT_T, V_UNPACK, IEEE, V_HI)
+                acc0, acc1, acc2, acc3 = _values_deq(acc0, acc1, acc2, acc3, pt, vb, vbh, vs_base + vrows,
+                                                     vz_base + vrows, offs_pv, row_ok, PV, V_GROUP, V_BITS, V_UNPACK,
+                                                     V_HI, DOT_T, IEEE)
             if V_MEAN != 0:
-                pm = pt  # (BLOCK_N, VR)
-                if V_MEAN == 8:  # sum_n p_n (c_n * s_n + z_n) = (p * s) @ c + sum_n p_n z_n
-                    vms = tl.load(vms_base + offs_n * stride_vmsn, mask=row_ok, other=0.0).to(tl.float32)
-                    vmz = tl.load(vmz_base + offs_n * stride_vmsn, mask=row_ok, other=0.0).to(tl.float32)
-                    pm = pt * vms[:, None]
-                    mzacc += tl.sum(pt * vmz[:, None], axis=0)
-                # plane s: p @ mean[:, vc_s]; a lane-folded plane is scaled by 2**-(s * V_BITS) at the
-                # end, so its mean term goes in times 2**(s * V_BITS) (exact)
-                vm_rows = vm_base + offs_n[:, None] * stride_vmn  # (BLOCK_N, 1)
-                if VM_APART:  # input channel order, added to the stored output at the end
-                    macc = _dot(tl.trans(pm.to(DOT_T)), _mean_tile(vm_rows, offs_d, row_ok, V_MEAN, DOT_T), macc, IEEE)
-                else:
-                    acc0 = _dot(tl.trans(pm.to(DOT_T)), _mean_tile(vm_rows, vc0, row_ok, V_MEAN, DOT_T), acc0, IEEE)
-                if (PER_V > 1) & (not VM_APART):
-                    acc1 = _dot(tl.trans((pm * (1 << V_BITS) if V_LANES else pm).to(DOT_T)),
-                                _mean_tile(vm_rows, vc1, row_ok, V_MEAN, DOT_T), acc1, IEEE)
-                if (PER_V > 2) & (not VM_APART):
-                    acc2 = _dot(tl.trans((pm * (1 << (2 * V_BITS)) if V_LANES else pm).to(DOT_T)),
-                                _mean_tile(vm_rows, vc2, row_ok, V_MEAN, DOT_T), acc2, IEEE)
-                    acc3 = _dot(tl.trans((pm * (1 << (3 * V_BITS)) if V_LANES else pm).to(DOT_T)),
-                                _mean_tile(vm_rows, vc3, row_ok, V_MEAN, DOT_T), acc3, IEEE)
-        if V_T:  # the transposed accumulators back to (VR, AW), (VR, ZW)
-            acc0 = tl.trans(acc0)
-            acc1 = tl.trans(acc1)
-            acc2 = tl.trans(acc2)
-            acc3 = tl.trans(acc3)
-            acc4 = tl.trans(acc4)
-            acc5 = tl.trans(acc5)
-            acc6 = tl.trans(acc6)
-            acc7 = tl.trans(acc7)
-            zacc = tl.trans(zacc)
-        if V_LANES:  # codes were 1024 + c * 2**(plane * V_BITS): remove both (exact scalings)
-            acc0 = acc0 - 1024.0 * asum0[:, None]
-            if NACC > 1:
-                acc1 = (acc1 - 1024.0 * asum1[:, None]) * (1.0 / (1 << ((1 // V_NCH) * V_BITS)))
-            if NACC > 2:
-                acc2 = (acc2 - 1024.0 * asum2[:, None]) * (1.0 / (1 << ((2 // V_NCH) * V_BITS)))
-                acc3 = (acc3 - 1024.0 * asum3[:, None]) * (1.0 / (1 << ((3 // V_NCH) * V_BITS)))
-            if V_UNITS:  # the high bytes' planes (groups), scaled as the low bytes' are
-                acc4 = acc4 - 1024.0 * asum0[:, None]
-                if NACC > 1:
-                    acc5 = (acc5 - 1024.0 * asum1[:, None]) * (1.0 / (1 << ((1 // V_NCH) * V_BITS)))
-                if NACC > 2:
-                    acc6 = (acc6 - 1024.0 * asum2[:, None]) * (1.0 / (1 << ((2 // V_NCH) * V_BITS)))
-                    acc7 = (acc7 - 1024.0 * asum3[:, None]) * (1.0 / (1 << ((3 // V_NCH) * V_BITS)))
-        if VM_APART:
-            macc += mzacc[:, None]
-        elif V_MEAN == 8:  # the 8-bit means' zero points, one per token, on every channel
-            acc0 += mzacc[:, None]
-            if PER_V > 1:
-                acc1 += mzacc[:, None]
-            if PER_V > 2:
-                acc2 += mzacc[:, None]
-                acc3 += mzacc[:, None]
-        if V_FOLD:  # planes of one value group share its zero sum
-            if V_NCH > 1:
-                zsum0 = _column(zacc, offs_z, 0)
-                zsum1 = _column(zacc, offs_z, 1)
-                zsum2 = _column(zacc, offs_z, 2)
-                zsum3 = _column(zacc, offs_z, 3)
-            else:
-                if G1 == 0:
-                    zsum1 = zsum0
-                if G2 == G1:
-                    zsum2 = zsum1
-                if G3 == G2:
-                    zsum3 = zsum2
-                if V_PLANE_LANES:  # plane s's 1024 term, column 4 + s (scaled by 2**-shift already)
-                    zsum0 = zsum0 + _column(zacc, offs_z, 4)
-                    zsum1 = zsum1 + _column(zacc, offs_z, 5)
-                    zsum2 = zsum2 + _column(zacc, offs_z, 6)
-                    zsum3 = zsum3 + _column(zacc, offs_z, 7)
-            acc0 += zsum0[:, None]
-            if NACC > 1:
-                acc1 += zsum1[:, None]
-            if NACC > 2:
-                acc2 += zsum2[:, None]
-                acc3 += zsum3[:, None]
-            if V_UNITS:
-                acc4 += zsum0[:, None]
-                if NACC > 1:
-                    acc5 += zsum1[:, None]
-                if NACC > 2:
-                    acc6 += zsum2[:, None]
-                    acc7 += zsum3[:, None]
-        if K_SUB > 1:  # each query row's K_SUB virtual rows merged by log-sum-exp (as splits are)
-            m_sub = tl.reshape(m_i, (K_SUB, R_PAD))
-            m_i = tl.max(m_sub, axis=0)  # (R_PAD,)
-            w_sub = tl.exp2(m_sub - m_i[None, :])  # (K_SUB, R_PAD)
-            l_i = tl.sum(tl.reshape(l_i, (K_SUB, R_PAD)) * w_sub, axis=0)
-            acc0 = _merge_virtual_rows(acc0, w_sub, K_SUB, R_PAD, AW)
-            if NACC > 1:
-                acc1 = _merge_virtual_rows(acc1, w_sub, K_SUB, R_PAD, AW)
-            if NACC > 2:
-                acc2 = _merge_virtual_rows(acc2, w_sub, K_SUB, R_PAD, AW)
-                acc3 = _merge_virtual_rows(acc3, w_sub, K_SUB, R_PAD, AW)
-            if VM_APART:
-                macc = _merge_virtual_rows(macc, w_sub, K_SUB, R_PAD, D)
-        tl.store(M_part + part_row, m_i, mask=r_ok)
-        tl.store(L_part + part_row, l_i, mask=r_ok)
-        o_rows = O_part + part_row * D  # (R_PAD,) pointers
-        tl.store(o_rows[:, None] + vc0[None, :], acc0, mask=r_ok[:, None])
-        if NACC > 1:
-            tl.store(o_rows[:, None] + vc1[None, :], acc1, mask=r_ok[:, None])
-        if NACC > 2:
-            tl.store(o_rows[:, None] + vc2[None, :], acc2, mask=r_ok[:, None])
-            tl.store(o_rows[:, None] + vc3[None, :], acc3, mask=r_ok[:, None])
-        if V_UNITS:
-            tl.store(o_rows[:, None] + vh0[None, :], acc4, mask=r_ok[:, None])
-            if NACC > 1:
-                tl.store(o_rows[:, None] + vh1[None, :], acc5, mask=r_ok[:, None])
-            if NACC > 2:
-                tl.store(o_rows[:, None] + vh2[None, :], acc6, mask=r_ok[:, None])
-                tl.store(o_rows[:, None] + vh3[None, :], acc7, mask=r_ok[:, None])
-        if VM_APART:  # add the value mean (input channel order) onto the planes just stored
-            tl.debug_barrier()  # other threads of the program stored them
-            o_nat = o_rows[:, None] + offs_d[None, :]  # (R_PAD, D) pointers
-            tl.store(o_nat, tl.load(o_nat, mask=r_ok[:, None], other=0.0) + macc, mask=r_ok[:, None])
+                acc0, acc1, acc2, acc3, macc, mzacc = _value_mean(
+                    acc0, acc1, acc2, acc3, macc, mzacc, pt, vm_base + offs_n[:, None] * stride_vmn, vms_base,
+                    vmz_base, stride_vmsn, offs_n, offs_d, row_ok, vc0, vc1, vc2, vc3, V_MEAN, VM_APART, V_LANES,
+                    V_BITS, DOT_T, IEEE)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, macc = _value_sums_in(
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zacc, zsum0, zsum1, zsum2, zsum3, asum0, asum1, asum2,
+            asum3, mzacc, macc, offs_z, V_BITS, V_NCH, V_UNITS, V_T, V_LANES, V_MEAN, VM_APART, V_FOLD, V_PLANE_LANES,
+            G1, G2, G3)
+        _store_split(m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, macc, M_part, L_part, O_part, part_row,
+                     r_ok, offs_d, vc0, vc1, vc2, vc3, vh0, vh1, vh2, vh3, R_PAD, D, K_SUB, AW, NACC, V_UNITS, VM_APART)
     else:
         # ------------------------------------------------ one chunk of a full-precision segment
         c = pid_s - num_splits

@@ -56,6 +56,7 @@ def main() -> None:
                                  scaling=d ** -0.5, softcap=None, packed_start=None, packed_end=None,
                                  packed_position=0, fp_segments=[window], fp_positions=[n], mask=None,
                                  config=cfg).meta
+            meta = plan.split_fields(meta) if hasattr(plan, "split_fields") else meta  # (older trees: named)
             row = {"label": args.label, "bits": bits, "unpack": unpack, "ms": round(ms, 5), "ms_bf16": round(bf16, 5),
                    "speedup": round(bf16 / ms, 3),
                    "regs": [getattr(kk, "n_regs", None) for kk in kern], "spills": [getattr(kk, "n_spills", None) for kk in kern],

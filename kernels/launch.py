@@ -2,7 +2,7 @@
 
 ``kernel[grid](*args, **meta)`` binds every argument again at each call: it specializes each of
 them (type, 16-byte alignment, ints equal to 1 or divisible by 16), builds a cache key from the
-list and looks the compiled kernel up. For the decode kernel (~90 arguments, ~35 constexprs) that
+list and looks the compiled kernel up. For the decode kernel (~90 arguments, 19 constexprs) that
 is most of a launch's host time (``benchmarks/host.py`` measures calls with and without
 this module), and a decode step's attention is host-bound whenever the GPU work is short: batch 1,
 short contexts, every eager ``model.generate`` step.

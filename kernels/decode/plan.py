@@ -702,24 +702,37 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     # the kernel's planes: a 3-bit side is read as its 2-bit part's planes plus the high part (HI)
     kpb, vpb = plane_bits(k_bits), plane_bits(v_bits)
     stages = _stages(config.num_stages, split_size // block_n if splits else 0, deep_layout)
-    meta = dict(R=rep, R_PAD=r_pad, D=d,
-                K_BITS=kpb, V_BITS=vpb, PK=d * kpb // 8, PV=d * vpb // 8, K_GROUP=k_group, V_GROUP=v_group,
-                K_FOLD=k_fold, V_FOLD=v_fold,
-                HAS_RANGE=has_range, HAS_MASK=has_mask, HAS_SOFTCAP=bool(softcap),
-                DOT_T=dot_t, IEEE=ieee, FP_T=fp_t, FP_IEEE=fp_ieee,
-                K_UNPACK=k_unpack, V_UNPACK=v_unpack, BLOCK_N=block_n, FP_BLOCK=fp_block,
-                K_PERM=kp is not dummy32, V_PERM=vp is not dummy32, K_MEAN=means[0][0], V_MEAN=means[1][0],
-                MASK_PACKED=bool(mask_packed), HAS_KEEP=has_keep, KEEP_BLOCK=max(1, int(keep_block)), V_NCH=v_chunks,
-                K_SUB=k_sub,
-                V_UNITS=v_units, K_HALVES=k_halves,
-                V_SUM_DOTS=_value_sum_products(vpb, k_sub), V_EARLY=_early_value_scales(v_bits),
-                V_T=_value_products_t(v_units, v_chunks, k_halves, vpb, means[1][0]),
-                WHOLE=bool(_whole_blocks(d, r_pad, kpb, vpb) and n and n % block_n == 0
-                           and split_size % block_n == 0 and not has_range and not (has_mask and mask_packed)
-                           and not has_keep),
-                ROT_Q=rot_q, ROT_Q_SCALE=d ** -0.5 if rot_q else 1.0, K_HI=k_bits == 3, V_HI=v_bits == 3,
-                num_warps=config.num_warps, num_stages=stages)
+    whole = bool(_whole_blocks(d, r_pad, kpb, vpb) and n and n % block_n == 0 and split_size % block_n == 0
+                 and not has_range and not (has_mask and mask_packed) and not has_keep)
+    v_t = _value_products_t(v_units, v_chunks, k_halves, vpb, means[1][0])
+    # the kernel's grouped code paths (its KEYS / VALUES / CALL fields: split_kernel.py decodes them,
+    # split_fields below reads them back)
+    keys = (bool(k_fold) + 2 * bool(k_halves) + 4 * (k_bits == 3) + 8 * (kp is not dummy32) + 16 * k_sub
+            + 4096 * means[0][0])
+    values = (bool(v_fold) + 2 * bool(v_units) + 4 * _value_sum_products(vpb, k_sub) + 8 * _early_value_scales(v_bits)
+              + 16 * bool(v_t) + 32 * (v_bits == 3) + 64 * (vp is not dummy32) + 256 * v_chunks + 65536 * means[1][0])
+    call = (bool(has_range) + 2 * bool(has_mask) + 4 * bool(softcap) + 8 * bool(mask_packed) + 16 * has_keep
+            + 32 * whole + 64 * rot_q + 256 * max(1, int(keep_block)))
+    meta = dict(R=rep, R_PAD=r_pad, D=d, K_BITS=kpb, V_BITS=vpb, K_GROUP=k_group, V_GROUP=v_group,
+                K_UNPACK=k_unpack, V_UNPACK=v_unpack, DOT_T=dot_t, IEEE=ieee, FP_T=fp_t, FP_IEEE=fp_ieee,
+                BLOCK_N=block_n, FP_BLOCK=fp_block, KEYS=keys, VALUES=values, CALL=call,
+                ROT_Q_SCALE=d ** -0.5 if rot_q else 1.0, num_warps=config.num_warps, num_stages=stages)
     return _SplitCall(bsz * h, s_tot, args, meta, splits, q_packed, rot_v)
+
+
+def split_fields(meta: dict) -> dict:
+    """A planned launch's constexprs with the grouped code paths (KEYS, VALUES, CALL) read back into
+    one entry per path, under the kernel's names (K_FOLD, V_T, WHOLE, ...): what the tests and
+    experiments inspect. The field layout is the kernel's (split_kernel.py, top of the kernel)."""
+    k, v, c = meta["KEYS"], meta["VALUES"], meta["CALL"]
+    bit = lambda x, i: (x >> i) & 1 == 1  # noqa: E731
+    return {**meta, "PK": meta["D"] * meta["K_BITS"] // 8, "PV": meta["D"] * meta["V_BITS"] // 8,
+            "K_FOLD": bit(k, 0), "K_HALVES": bit(k, 1), "K_HI": bit(k, 2), "K_PERM": bit(k, 3),
+            "K_SUB": (k >> 4) & 255, "K_MEAN": k >> 12,
+            "V_FOLD": bit(v, 0), "V_UNITS": bit(v, 1), "V_SUM_DOTS": bit(v, 2), "V_EARLY": bit(v, 3),
+            "V_T": bit(v, 4), "V_HI": bit(v, 5), "V_PERM": bit(v, 6), "V_NCH": (v >> 8) & 255, "V_MEAN": v >> 16,
+            "HAS_RANGE": bit(c, 0), "HAS_MASK": bit(c, 1), "HAS_SOFTCAP": bit(c, 2), "MASK_PACKED": bit(c, 3),
+            "HAS_KEEP": bit(c, 4), "WHOLE": bit(c, 5), "ROT_Q": bit(c, 6), "KEEP_BLOCK": c >> 8}
 
 
 def _combine_rotated_calls(calls: list[_SplitCall]) -> tuple[list[_SplitCall], int]:

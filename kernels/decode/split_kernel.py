@@ -1017,21 +1017,44 @@ def _decode_split_kernel(
     qk_scale, softcap,
     # shapes
     H, R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr,
-    # packed layout
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr, PK: tl.constexpr, PV: tl.constexpr,
-    K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, K_FOLD: tl.constexpr, V_FOLD: tl.constexpr,
-    # code paths
-    HAS_RANGE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    # packed layout: bits per code plane (a 3-bit side: its 2-bit part, the high part by KEYS/VALUES'
+    # HI), tokens per key group / channels per value group, unpack modes (:mod:`.unpack`)
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
+    K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr,
+    # products and blocks
     DOT_T: tl.constexpr, IEEE: tl.constexpr, FP_T: tl.constexpr, FP_IEEE: tl.constexpr,
-    K_UNPACK: tl.constexpr, V_UNPACK: tl.constexpr, BLOCK_N: tl.constexpr, FP_BLOCK: tl.constexpr,
-    K_PERM: tl.constexpr = False, V_PERM: tl.constexpr = False, K_MEAN: tl.constexpr = 0,
-    V_MEAN: tl.constexpr = 0, MASK_PACKED: tl.constexpr = True, HAS_KEEP: tl.constexpr = False,
-    KEEP_BLOCK: tl.constexpr = 8, V_NCH: tl.constexpr = 1, K_SUB: tl.constexpr = 1,
-    V_UNITS: tl.constexpr = False, K_HALVES: tl.constexpr = False,
-    V_SUM_DOTS: tl.constexpr = False, V_EARLY: tl.constexpr = False, V_T: tl.constexpr = False,
-    WHOLE: tl.constexpr = False, ROT_Q: tl.constexpr = False, ROT_Q_SCALE: tl.constexpr = 1.0,
-    K_HI: tl.constexpr = False, V_HI: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, FP_BLOCK: tl.constexpr,
+    # the code paths, grouped (decoded below; plan.py's _split_codes writes them, split_fields
+    # reads them back): KEYS the key path, VALUES the value path, CALL this call's inputs
+    KEYS: tl.constexpr, VALUES: tl.constexpr, CALL: tl.constexpr, ROT_Q_SCALE: tl.constexpr = 1.0,
 ):
+    # ---- the grouped code paths (one int each: a constexpr parameter per flag made the kernel's
+    # signature 41 constexprs wide; the values, and so the compiled code, are the same)
+    K_FOLD: tl.constexpr = KEYS % 2 != 0  # per-channel keys folded into the query per key group
+    K_HALVES: tl.constexpr = (KEYS // 2) % 2 != 0  # one key group per half block
+    K_HI: tl.constexpr = (KEYS // 4) % 2 != 0  # 3-bit keys: a high tile besides the 2-bit planes
+    K_PERM: tl.constexpr = (KEYS // 8) % 2 != 0  # SKVQ channel permutation
+    K_SUB: tl.constexpr = (KEYS // 16) % 256  # key groups per block as virtual row sets
+    K_MEAN: tl.constexpr = KEYS // 4096  # TaDA key means: 0, 8 (codes) or 16 (float16)
+    V_FOLD: tl.constexpr = VALUES % 2 != 0  # each value plane in one value group: scales folded into p
+    V_UNITS: tl.constexpr = (VALUES // 2) % 2 != 0  # value codes read as int16 units
+    V_SUM_DOTS: tl.constexpr = (VALUES // 4) % 2 != 0  # folded planes' sums by products
+    V_EARLY: tl.constexpr = (VALUES // 8) % 2 != 0  # value scales loaded before the key work
+    V_T: tl.constexpr = (VALUES // 16) % 2 != 0  # transposed value products
+    V_HI: tl.constexpr = (VALUES // 32) % 2 != 0  # 3-bit values: a high tile
+    V_PERM: tl.constexpr = (VALUES // 64) % 2 != 0  # SKVQ channel permutation
+    V_NCH: tl.constexpr = (VALUES // 256) % 256  # value-group chunks per plane
+    V_MEAN: tl.constexpr = VALUES // 65536  # TaDA value means: 0, 8 or 16
+    HAS_RANGE: tl.constexpr = CALL % 2 != 0  # a packed range per batch row on the device
+    HAS_MASK: tl.constexpr = (CALL // 2) % 2 != 0  # a visibility mask
+    HAS_SOFTCAP: tl.constexpr = (CALL // 4) % 2 != 0
+    MASK_PACKED: tl.constexpr = (CALL // 8) % 2 != 0  # the mask covers the packed tokens too
+    HAS_KEEP: tl.constexpr = (CALL // 16) % 2 != 0  # OTT quant masks
+    WHOLE: tl.constexpr = (CALL // 32) % 2 != 0  # every packed block whole and visible: no bounds masks
+    ROT_Q: tl.constexpr = (CALL // 64) % 2 != 0  # the query rotated by each packed split (Walsh-Hadamard)
+    KEEP_BLOCK: tl.constexpr = CALL // 256  # tokens per OTT quant-mask block
+    PK: tl.constexpr = D * K_BITS // 8  # bytes of a token's key / value code planes
+    PV: tl.constexpr = D * V_BITS // 8
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = pid_bh // H

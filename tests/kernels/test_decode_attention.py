@@ -151,9 +151,10 @@ def test_unpack_modes(unpack):
 
 
 def _meta(args, kw, config) -> dict:
-    """The launch options and constexprs the launcher picks for this case."""
+    """The launch options and constexprs the launcher picks for this case (the grouped code paths
+    read back one per path: plan.split_fields)."""
     part = {**da._PART_DEFAULTS, **dict(zip(da._PACKED_NAMES, args[1:])), **kw}
-    return plan._prepare(args[0], **part, config=config).meta
+    return plan.split_fields(plan._prepare(args[0], **part, config=config).meta)
 
 
 def _v_units_chosen(args, kw, config) -> bool:

@@ -23,14 +23,14 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--label", default="")
     ap.add_argument("--three-bit-bytes", type=int, default=None,
-                    help="plan.THREE_BIT_BYTE_LANES for this run: 5 (PTX lanes) or 6 (Triton ops)")
+                    help="the unpack of 3-bit byte tiles for this run: 5 (PTX lanes) or 6 (Triton ops)")
     args = ap.parse_args()
     from benchmarks.common import WINDOW, _bench, _replay, bf16_variants, kernel_call, packed_inputs
     from kvcalib_kernels.decode import plan
     from kvcalib_kernels.decode_attention import DecodeConfig
 
     if args.three_bit_bytes is not None:
-        plan.THREE_BIT_BYTE_LANES = args.three_bit_bytes
+        plan.THREE_BIT_BYTE_LANES_MIN_D = 0 if args.three_bit_bytes == 5 else 1 << 30
         plan._plan.cache_clear()
     dev = torch.device("cuda")
     hq, h, d, g = 32, 8, 128, 128

@@ -191,11 +191,20 @@ def _stages(num_stages: int, blocks_per_split: int, deep_layout: bool) -> int:
     return num_stages + (deep_layout and blocks_per_split >= DEEP_PIPELINE_BLOCKS)
 
 
-# 3-bit codes read as byte tiles (keys; values too narrow for int16 units) take the lane unpack in
-# Triton ops (6): the PTX block with the aligned high tile as a second operand packs 4 bytes a
-# register of each and computed wrong lanes on an H200 (triton 3.6; tests/kernels/test_unpack_tiles.py:
-# the same asm on int16 units, 2 a register, is right and is what 3-bit value units use).
-THREE_BIT_BYTE_LANES = 6
+# 3-bit codes read as byte tiles (keys; values too narrow for int16 units): the PTX lanes (5) with
+# the aligned high tile as a second operand (4 bytes of each a register) where a code plane is at
+# least THREE_BIT_BYTE_LANES_MIN_D / 4 bytes wide, else the lanes in Triton ops (6). H200, triton
+# 3.6 (artifacts/bench/HISTORY.md, "3-bit byte tiles on the PTX lanes"): head_dim 128 tiles are
+# exact with 1 and 4 warps and the Mistral-7B shape at batch 8 / 32k runs 1.12x bf16 against
+# 0.90x with 6; a head_dim 64 tile (16 x 16) with 4 warps came back wrong (two elements a thread,
+# fewer than the 4 the PTX packs). The kernel-level lane check (_lanes_verified) still compares
+# each layout against unpack 6 on the device before its first use.
+THREE_BIT_BYTE_LANES_MIN_D = 128
+
+
+def three_bit_byte_unpack(d: int) -> int:
+    """The unpack of a 3-bit byte tile at head_dim ``d`` (see THREE_BIT_BYTE_LANES_MIN_D)."""
+    return 5 if d >= THREE_BIT_BYTE_LANES_MIN_D else 6
 
 
 # ---------------------------------------------------------------- layouts
@@ -418,7 +427,7 @@ def _plan(d, rep, k_bits, v_bits, k_group, v_group, k_axis, q_dtype, fp_dtype, d
     k_unpack = plain if (unpack in (5, 6) and not k_fold) else unpack
     v_unpack = plain if (unpack in (5, 6) and not v_fold) else unpack
     if k_unpack == 5 and k_bits == 3:
-        k_unpack = THREE_BIT_BYTE_LANES
+        k_unpack = three_bit_byte_unpack(d)
     # the interpreter's tl.dot has no bfloat16 (stored as uint16 there): float32 products instead
     fp_t = tl.float32 if (fp_dtype == torch.float32 or interp) else _tl_dtype(fp_dtype)
     fp_ieee = fp_dtype == torch.float32 or interp
@@ -630,7 +639,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
         if v_units:
             vc = vc.view(torch.int16)
         elif v_unpack == 5 and v_bits == 3:
-            v_unpack = THREE_BIT_BYTE_LANES
+            v_unpack = three_bit_byte_unpack(d)
         kcs, kss, vcs, vss = kc.stride()[:3], ks.stride()[:3], vc.stride()[:3], vs.stride()[:3]
     else:
         kc = vc = dummy8

@@ -230,8 +230,7 @@ def _code_planes(x, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexp
     (:func:`_lanes_all_asm`: values ``1024 + code * 2**shift``, element k of each 4 holding byte
     :func:`_perm4` (k)); other unpacks go plane by plane. HI (3-bit codes, BITS 2): xh the aligned
     high tile (:func:`_high_tile`), each plane ``low + 4 * high``."""
-    # (whether 3-bit byte tiles take this PTX or unpack 6 is kernels/decode/plan.py's
-    # THREE_BIT_BYTE_LANES: fed a joined high tile it was wrong on an H200)
+    # (which 3-bit byte tiles take this PTX: kernels/decode/plan.py's three_bit_byte_unpack)
     if UNPACK == 5:
         if HI:  # _LANES_ALL_3 on 4 bytes a register: $8 the low bytes, $9 their aligned high bytes
             c0, c1, c2, c3 = tl.inline_asm_elementwise(

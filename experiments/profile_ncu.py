@@ -30,6 +30,12 @@ RAW_METRICS = {  # json key: ncu raw metric
     "warp_cycles_per_issue": "smsp__average_warp_latency_per_inst_issued.ratio",
     "dram_throughput_pct": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
     "instructions": "smsp__inst_executed.sum",
+    # what bounds the programs an SM holds (one warp a program): shared memory or registers
+    "smem_dynamic_per_program": "launch__shared_mem_per_block_dynamic",
+    "smem_static_per_program": "launch__shared_mem_per_block_static",
+    "programs_per_sm_limit_smem": "launch__occupancy_limit_shared_mem",
+    "programs_per_sm_limit_registers": "launch__occupancy_limit_registers",
+    "l1_hit_pct": "l1tex__t_sector_hit_rate.pct",
 }
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 STALL_SUFFIX = "_per_issue_active.ratio"

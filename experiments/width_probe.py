@@ -5,6 +5,10 @@ time against bf16 SDPA's. Run with the kernels tree to probe first on the import
 (scripts/device_env.sh, ``KV_KERNELS``):
 
     python -m experiments.width_probe [--bits 2,3,4] [--unpacks default,6] [--batch 8] [--context 32768]
+        [--configs "num_stages=1;block_n=32/num_stages=2"]
+
+``--configs``: DecodeConfig fields per row (``;`` between rows, ``/`` between fields), in place of
+``--unpacks`` (e.g. whether a width is bound by shared memory per program: fewer pipeline stages).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--label", default="")
+    ap.add_argument("--configs", default=None, help="DecodeConfig fields per row: 'num_stages=1;block_n=32/num_stages=2'")
     ap.add_argument("--three-bit-bytes", type=int, default=None,
                     help="the unpack of 3-bit byte tiles for this run: 5 (PTX lanes) or 6 (Triton ops)")
     args = ap.parse_args()
@@ -44,8 +49,13 @@ def main() -> None:
     rows = []
     for bits in (int(x) for x in args.bits.split(",")):
         packed = packed_inputs(b, h, n, d, bits, g, g, dev)
-        for unpack in args.unpacks.split(","):
-            cfg = DecodeConfig() if unpack == "default" else DecodeConfig(unpack=int(unpack))
+        variants = args.configs.split(";") if args.configs else args.unpacks.split(",")
+        for unpack in variants:
+            if args.configs:  # "field=value/field=value"
+                cfg = DecodeConfig(**{kk: (float(vv) if "." in vv else int(vv))
+                                      for kk, vv in (f.split("=") for f in unpack.split("/") if f)})
+            else:
+                cfg = DecodeConfig() if unpack == "default" else DecodeConfig(unpack=int(unpack))
             plan._SPLIT.compiled.clear()
             fn = kernel_call(q, packed, window, bits, g, g, n, d ** -0.5, cfg)
             fn()
@@ -60,6 +70,7 @@ def main() -> None:
             row = {"label": args.label, "bits": bits, "unpack": unpack, "ms": round(ms, 5), "ms_bf16": round(bf16, 5),
                    "speedup": round(bf16 / ms, 3),
                    "regs": [getattr(kk, "n_regs", None) for kk in kern], "spills": [getattr(kk, "n_spills", None) for kk in kern],
+                   "shared": [getattr(getattr(kk, "metadata", None), "shared", None) for kk in kern],
                    "k_unpack": meta["K_UNPACK"], "v_unpack": meta["V_UNPACK"], "v_units": meta["V_UNITS"],
                    "v_t": meta["V_T"], "block_n": meta["BLOCK_N"], "stages": meta["num_stages"],
                    "refused": {str(kk): vv[:300] for kk, vv in plan.LANES_REFUSED.items()}}

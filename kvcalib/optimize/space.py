@@ -58,9 +58,13 @@ NO_SCHEDULE = _SCHEDULES.search_off
 
 # the default space's widths: each decodes in the fused kernel faster than bf16 attention
 # (tests/unit/test_default_space_kernel.py samples the space and checks each layer's kernel path).
-# 3-bit codes decode in the kernel too (a 2-bit tile plus its high-bit tile), but measured 0.93x bf16
-# SDPA at batch 8 / 32k (H200, Mistral-7B shape; artifacts/bench/HISTORY.md), so a space opts in
-# to them (scripts/spaces/rotate-3bit.json) until the kernel reads them faster than bf16
+# 3-bit codes decode in the kernel too (a 2-bit tile plus its high-bit tile), but one attention call
+# of the Mistral-7B shape (H200, CUDA-graph time against bf16 SDPA's; artifacts/bench/HISTORY.md)
+# runs 1.12x at batch 8 / 32k and 0.86-0.94x at batch 1 and at 4k, against 3.4x for 2-bit: a 7B
+# model at long context would decode its 3-bit layers at about bf16's speed. So a space opts in to
+# them (scripts/spaces/rotate-3bit.json) until the kernel reads them faster than bf16 everywhere
+# (on SmolLM2, where attention is a small part of a step, they decode at 4.2-6.7x bf16 `generate` in
+# the CUDA-graph modes: artifacts/bench/real_model.md, runs f and g)
 SEARCH_BITS = (2, 4, 8)
 ALLOWED_SEARCH_BITS = (2, 3, 4, 8)  # widths a space may name
 

@@ -308,7 +308,8 @@ def test_replayed_sampling_draws_what_eager_steps_draw(sampling):
         runs.append(GraphDecoder(model, cache, capture=capture, keep_logits=True, sampling=s).generate(
             ids, mask, max_new_tokens=70))
     eager, graph, other = runs
-    assert graph.captures >= 4 and graph.replays >= 60
+    # every decode step after the prompt's token ran in a graph: captured (one per flush period) or replayed
+    assert graph.captures >= 4 and graph.captures + graph.replays == 69
     assert torch.equal(eager.tokens, graph.tokens)
     assert float((torch.stack(eager.logits) - torch.stack(graph.logits)).abs().max()) < 1e-2
     assert not torch.equal(graph.tokens, other.tokens)

@@ -5,6 +5,7 @@ is spread evenly, per-layer widths (what the recipes have) already capture it.
 
     python -m experiments.head_sensitivity --model smollm2-135m --context 8192 --windows 8 --out DIR
         [--device cuda] [--bits 2] [--layers all|0,5,10-12] [--copy-windows N] [--score-last 1024]
+    python -m experiments.head_sensitivity --replot DIR      (the PNG and table again from DIR's JSON)
 
 What one row measures. A target is (layer, kv heads, sides): only those heads' K (or V) are
 quantized, with the shipped recipes' layout (keys per channel over groups of ``--group`` tokens,
@@ -433,14 +434,31 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--out", type=Path, help="a new folder for the outputs (required unless --replot)")
+    ap.add_argument("--replot", type=Path, default=None,
+                    help="draw DIR/head_sensitivity.png (and the table) again from DIR's JSON, run nothing "
+                         "(where the run's machine had no matplotlib)")
     return ap
+
+
+def replot(folder: Path) -> None:
+    data = json.loads((folder / "head_sensitivity.json").read_text())
+    meta, rows = data["meta"], data["rows"]
+    (folder / "head_sensitivity.md").write_text(markdown(meta, rows, data["summary"]))
+    heatmap(rows, meta["sides"], 1 + max(r["head"] for r in rows if r["kind"] == "head"),
+            folder / "head_sensitivity.png")
 
 
 def main(argv: Sequence[str] | None = None, loaded=None, texts: Sequence[str] | None = None) -> dict:
     """Run and write the outputs; ``loaded`` (a LoadedModel) and ``texts`` replace ``--model`` and
     ``--data`` (tests). Returns ``{"meta", "rows", "summary"}``."""
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.replot is not None:
+        replot(args.replot)
+        return json.loads((args.replot / "head_sensitivity.json").read_text())
+    if args.out is None:
+        ap.error("--out is required")
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
     from benchmarks.long_context import machine
@@ -489,7 +507,11 @@ def main(argv: Sequence[str] | None = None, loaded=None, texts: Sequence[str] | 
     result = {"meta": meta, "summary": summary, "rows": rows}
     (args.out / "head_sensitivity.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "head_sensitivity.md").write_text(markdown(meta, rows, summary))
-    heatmap(rows, sides, info.num_kv_heads, args.out / "head_sensitivity.png")
+    try:
+        heatmap(rows, sides, info.num_kv_heads, args.out / "head_sensitivity.png")
+    except ImportError as err:  # the GPU machine's image may lack matplotlib: the JSON holds everything
+        print(f"no heatmap ({err}); draw it elsewhere: python -m experiments.head_sensitivity --replot {args.out}",
+              file=sys.stderr)
     return result
 
 

@@ -86,6 +86,9 @@ def test_rows_cover_every_head_and_side(loaded, tmp_path, tiny_tokenizer):
     assert saved["meta"]["commit"] and saved["meta"]["command"].startswith("python -m experiments.head_sensitivity")
     assert "Top 10 heads, K" in (out / "head_sensitivity.md").read_text()
     assert (out / "head_sensitivity.png").stat().st_size > 1000
+    (out / "head_sensitivity.png").unlink()
+    hs.main(["--replot", str(out)])  # the figure again from the JSON alone
+    assert (out / "head_sensitivity.png").stat().st_size > 1000
 
 
 def test_gini_and_layer_parsing():

@@ -10,7 +10,9 @@ today: half the scale bytes), the first thing a 2.5- or 2.0-bit budget would nee
 
     python scripts/bits_floor.py [--out docs/bits_floor.md]
 
-CPU only, seconds. Exact: counts, not measurements.
+CPU only, seconds. Exact: counts, not measurements, at exactly ``context`` tokens (so sinks move
+where the pending tokens' last partial block falls: with a context that is a multiple of the group,
+4 sinks leave ``group - 4`` more tokens in full precision than none).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ SHAPES = (("SmolLM2-135M", 3, 64, 8192), ("Qwen2.5-Coder-0.5B", 2, 64, 16384),
 # (key group, value group (None: the head), window, sinks): the default space's cheapest corners,
 # then the larger groups and smaller windows a sub-3-bit space could add (a window is 0 or >= the
 # key group: kvcalib.layout.LayerConfig)
-LAYOUTS = ((64, 64, 128, 4), (64, 64, 64, 4), (32, 32, 64, 4), (128, None, 128, 4), (64, 64, 0, 0), (128, None, 0, 0))
+LAYOUTS = ((64, 64, 128, 4), (64, 64, 64, 4), (64, 64, 64, 0), (32, 32, 64, 4), (128, None, 128, 4), (128, None, 128, 0),
+           (64, 64, 0, 0), (128, None, 0, 0))
 
 
 def rows() -> list[str]:

@@ -74,8 +74,8 @@ does not depend on the context), and the attention is over 2k keys instead of 8k
 
 CPU, one thread: about 2 minutes a window on the 2-core machine shared with another job (one
 forward of 2052 tokens, then 30 layers x 2 rotations x 3 widths x 7 formats of small tensors), plus
-the calibration forward. Deterministic. Writes ``DIR/scale8.json`` (every per-layer, per-window value,
-the command, machine, git commit) and ``DIR/scale8.md`` (the table).
+the calibration forward. Deterministic. Writes ``DIR/scale8.json`` (the rows, every metric per layer
+(mean over windows) and per window (sum over layers), the command, machine, git commit) and ``DIR/scale8.md`` (the table).
 """
 
 from __future__ import annotations
@@ -448,6 +448,22 @@ def summarise(per_window: list[dict], args, rot_names) -> list[dict]:
     return rows
 
 
+def _compact(per_window: list[dict], by: str) -> dict:
+    """``"rotation/bits/format" -> [[metric for METRICS] per layer]`` (mean over windows), or per
+    window (sum over layers), at 4 significant digits."""
+    out: dict = {}
+    keys = sorted({k[:3] for k in per_window[0]}, key=lambda k: (k[0], k[1], FORMATS.index(k[2])))
+    layers = sorted({k[3] for k in per_window[0]})
+    for rot, bits, fmt in keys:
+        if by == "layer":
+            vals = [[sum(w[(rot, bits, fmt, lay)][m] for w in per_window) / len(per_window) for m in METRICS]
+                    for lay in layers]
+        else:
+            vals = [[sum(w[(rot, bits, fmt, lay)][m] for lay in layers) for m in METRICS] for w in per_window]
+        out[f"{rot}/{bits}/{fmt}"] = [[float(f"{v:.4g}") for v in row] for row in vals]
+    return out
+
+
 def table(rows: list[dict]) -> str:
     def r(row, m):
         return f"{row[f'{m}_ratio']:.3f} ({row[f'{m}_ratio_min']:.3f}-{row[f'{m}_ratio_max']:.3f})"
@@ -529,15 +545,21 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"name": args.model, "layers": info.num_layers, "kv_heads": heads, "head_dim": d},
         "windows": {"data": "longtext eval (Britannica)", "starts": held.starts, "overlap": held.overlap,
                     "calibration": "longtext calib (Milton), 1 window"},
-        "formats": {"fp16": "shipped float16 scale/zero", "fp32": "unrounded float32 scale/zero",
-                    "e4m3": "zero floor-e4m3, scale ceil-e4m3",
-                    "log8": "scale base*2^(e/16) uint8 e (float32 base per layer/head/side), zero int8 * scale/8",
-                    "log8c": "as log8, zero = centre + int8 * scale/16 (float32 centre per layer/head/column)"},
+        "formats": {"fp16": "shipped float16 scale/zero (nearest)", "fp32": "unrounded float32 scale/zero",
+                    "e4m3": "float8_e4m3fn zero floored, scale ceiled (covering)",
+                    "e4m3-n": "float8_e4m3fn zero and scale nearest, covering where a code would leave 0..qmax",
+                    "log8": "scale base*2^(e/16), uint8 e, float32 base per layer/head/side; zero int8 * scale/8; covering",
+                    "log8c-cover": "scale base*2^(e/32), float32 base per layer/head/column; zero = centre + int8 * "
+                                   "scale*(qmax+1)/128, float32 centre per column; covering",
+                    "log8c": "as log8c-cover, e and the int8 nearest (codes kept in 0..qmax)"},
+        "calibration_headroom": HEADROOM,
         "rows": rows,
-        "per_layer": [{"window": i, "rotation": k[0], "bits": k[1], "format": k[2], "layer": k[3], **v}
-                      for i, w in enumerate(per_window) for k, v in w.items()],
+        # per layer: the mean over windows; per window: the sum over layers (4 significant digits; the
+        # windows' per-layer values would make the file ~2 MB)
+        "per_layer_fields": list(METRICS), "per_layer": _compact(per_window, "layer"),
+        "per_window": _compact(per_window, "window"),
     }
-    (args.out / "scale8.json").write_text(json.dumps(record, indent=1, allow_nan=True) + "\n")
+    (args.out / "scale8.json").write_text(json.dumps(record, indent=None, allow_nan=True) + "\n")
     md = (f"`{record['command']}` ({record['machine']}, commit {record['git_commit'][:7]}, {record['wall_s']} s).\n\n"
           f"Proxy at {args.context} tokens ({args.windows} held-out windows, the last {args.queries} queries), "
           f"group {args.group}, window {args.window}, sinks {args.sinks}. fp16 rows: the absolute errors summed over "

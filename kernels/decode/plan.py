@@ -718,8 +718,14 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     # split_fields below reads them back)
     keys = (bool(k_fold) + 2 * bool(k_halves) + 4 * (k_bits == 3) + 8 * (kp is not dummy32) + 16 * k_sub
             + 4096 * means[0][0])
+    # value rows at multiples of 8 int16 units that triton cannot see (it specializes strides by 16
+    # only): a 3-bit head_dim 128 row is 24 units; told so, the unit tiles load 16 bytes at a time
+    # and by cp.async instead of one LDG.U16 per unit (sm_90 loop 2660 -> 1979 SASS instructions; shared
+    # 26.8 -> 34.9 KB a program, 6 one-warp programs an SM instead of 8: awaiting a GPU A/B)
+    v_row8 = bool(v_units and v_fold and v_chunks == 1 and vcs[2] % 16 != 0 and vcs[2] % 8 == 0)
     values = (bool(v_fold) + 2 * bool(v_units) + 4 * _value_sum_products(vpb, k_sub) + 8 * _early_value_scales(v_bits)
-              + 16 * bool(v_t) + 32 * (v_bits == 3) + 64 * (vp is not dummy32) + 256 * v_chunks + 65536 * means[1][0])
+              + 16 * bool(v_t) + 32 * (v_bits == 3) + 64 * (vp is not dummy32) + 128 * v_row8 + 256 * v_chunks
+              + 65536 * means[1][0])
     call = (bool(has_range) + 2 * bool(has_mask) + 4 * bool(softcap) + 8 * bool(mask_packed) + 16 * has_keep
             + 32 * whole + 64 * rot_q + 256 * max(1, int(keep_block)))
     meta = dict(R=rep, R_PAD=r_pad, D=d, K_BITS=kpb, V_BITS=vpb, K_GROUP=k_group, V_GROUP=v_group,
@@ -739,7 +745,7 @@ def split_fields(meta: dict) -> dict:
             "K_FOLD": bit(k, 0), "K_HALVES": bit(k, 1), "K_HI": bit(k, 2), "K_PERM": bit(k, 3),
             "K_SUB": (k >> 4) & 255, "K_MEAN": k >> 12,
             "V_FOLD": bit(v, 0), "V_UNITS": bit(v, 1), "V_SUM_DOTS": bit(v, 2), "V_EARLY": bit(v, 3),
-            "V_T": bit(v, 4), "V_HI": bit(v, 5), "V_PERM": bit(v, 6), "V_NCH": (v >> 8) & 255, "V_MEAN": v >> 16,
+            "V_T": bit(v, 4), "V_HI": bit(v, 5), "V_PERM": bit(v, 6), "V_ROW8": bit(v, 7), "V_NCH": (v >> 8) & 255, "V_MEAN": v >> 16,
             "HAS_RANGE": bit(c, 0), "HAS_MASK": bit(c, 1), "HAS_SOFTCAP": bit(c, 2), "MASK_PACKED": bit(c, 3),
             "HAS_KEEP": bit(c, 4), "WHOLE": bit(c, 5), "ROT_Q": bit(c, 6), "KEEP_BLOCK": c >> 8}
 

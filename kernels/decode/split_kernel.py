@@ -1043,6 +1043,7 @@ def _decode_split_kernel(
     V_T: tl.constexpr = (VALUES // 16) % 2 != 0  # transposed value products
     V_HI: tl.constexpr = (VALUES // 32) % 2 != 0  # 3-bit values: a high tile
     V_PERM: tl.constexpr = (VALUES // 64) % 2 != 0  # SKVQ channel permutation
+    V_ROW8: tl.constexpr = (VALUES // 128) % 2 != 0  # value code rows every 8k units (stride_vcn % 8 == 0)
     V_NCH: tl.constexpr = (VALUES // 256) % 256  # value-group chunks per plane
     V_MEAN: tl.constexpr = VALUES // 65536  # TaDA value means: 0, 8 or 16
     HAS_RANGE: tl.constexpr = CALL % 2 != 0  # a packed range per batch row on the device
@@ -1227,7 +1228,10 @@ def _decode_split_kernel(
             elif V_FOLD:
                 if V_UNITS:  # (BLOCK_N, PV / 2) int16 units (the launcher passes an int16 view), tokens in order
                     # (V_T: loaded transposed, (PV / 2, BLOCK_N): the planes are the products' M operand as is)
-                    vu, vuh = _code_tile(vc_base + offs_n * stride_vcn, row_ok, PV // 2, V_HI, V_T)
+                    vrow = offs_n * stride_vcn
+                    if V_ROW8:  # (triton only sees strides divisible by 16: else one 16-bit load a unit)
+                        vrow = tl.multiple_of(vrow, 8)
+                    vu, vuh = _code_tile(vc_base + vrow, row_ok, PV // 2, V_HI, V_T)
                     vcode0, vhi0, vcode1, vhi1, vcode2, vhi2, vcode3, vhi3 = _unit_planes(vu, V_BITS, V_UNPACK, vuh,
                                                                                           V_HI)
                 else:

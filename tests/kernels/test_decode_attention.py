@@ -127,6 +127,10 @@ def test_three_bit_paths_are_the_ones_named():
     assert meta(k_bits=3, v_bits=3, d=64, rep=4, v_group=64, n=64, config=dict(block_n=32))["K_SUB"] == 2
     units = meta(k_bits=3, v_bits=3, d=128, rep=1, b=1, k_group=32, v_group=128, n=32)
     assert units["V_UNITS"] and units["V_T"]
+    # its rows are 24 int16 units: the kernel is told they start at multiples of 8 (V_ROW8), which
+    # triton cannot see; 2-bit rows (16 units) need no telling, so their kernel stays as it was
+    assert units["V_ROW8"]
+    assert not meta(k_bits=3, v_bits=2, d=128, rep=1, b=1, k_group=32, v_group=128, n=32)["V_ROW8"]
     assert not meta(k_bits=2, v_bits=3, v_group=8, n=32, f=(0, 3))["V_FOLD"]
     assert meta(k_bits=3, v_bits=8, d=128, rep=2, b=1, h=1, k_group=16, v_group=128, n=48,
                 config=dict(block_n=32, num_splits=1))["K_HALVES"]

@@ -207,6 +207,22 @@ def three_bit_byte_unpack(d: int) -> int:
     return 5 if d >= THREE_BIT_BYTE_LANES_MIN_D else 6
 
 
+# 3-bit folded keys read in two halves of a row (the kernel's K_HSPLIT): low bytes [0, P/2) and
+# [P/2, P) and the P/2 high bytes, each one contiguous tile, the halves' planes times the matching
+# halves of the folded query planes (8 products of K = P/2 instead of 4 of K = P). The aligned
+# high tile this replaces needs a column-dependent select, which keeps Triton from carrying the MMA
+# operand layout through the unpack: the four key plane tiles went through shared memory (sm_90,
+# offline: artifacts/bench/three_bit_sass.md). tl.dot needs K >= 16, so from head_dim 128
+# (P/2 = D/8 columns); head_dim 64 keeps the aligned tile. Off: the aligned tile everywhere (the
+# GPU A/B's other side).
+THREE_BIT_KEY_HALVES = True
+
+
+def three_bit_key_halves(d: int, k_bits: int, k_fold: bool) -> bool:
+    """Whether 3-bit keys at head_dim ``d`` are read in row halves (THREE_BIT_KEY_HALVES)."""
+    return THREE_BIT_KEY_HALVES and k_fold and k_bits == 3 and d // 8 >= 16
+
+
 # ---------------------------------------------------------------- layouts
 
 
@@ -717,7 +733,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     # the kernel's grouped code paths (its KEYS / VALUES / CALL fields: split_kernel.py decodes them,
     # split_fields below reads them back)
     keys = (bool(k_fold) + 2 * bool(k_halves) + 4 * (k_bits == 3) + 8 * (kp is not dummy32) + 16 * k_sub
-            + 4096 * means[0][0])
+            + 2048 * three_bit_key_halves(d, k_bits, k_fold) + 4096 * means[0][0])
     # value rows at multiples of 8 int16 units that triton cannot see (it specializes strides by 16
     # only): a 3-bit head_dim 128 row is 24 units; told so, the unit tiles load 16 bytes at a time
     # and by cp.async instead of one LDG.U16 per unit (sm_90 loop 2660 -> 1979 SASS instructions; shared
@@ -743,7 +759,7 @@ def split_fields(meta: dict) -> dict:
     bit = lambda x, i: (x >> i) & 1 == 1  # noqa: E731
     return {**meta, "PK": meta["D"] * meta["K_BITS"] // 8, "PV": meta["D"] * meta["V_BITS"] // 8,
             "K_FOLD": bit(k, 0), "K_HALVES": bit(k, 1), "K_HI": bit(k, 2), "K_PERM": bit(k, 3),
-            "K_SUB": (k >> 4) & 255, "K_MEAN": k >> 12,
+            "K_SUB": (k >> 4) & 127, "K_HSPLIT": bit(k, 11), "K_MEAN": k >> 12,
             "V_FOLD": bit(v, 0), "V_UNITS": bit(v, 1), "V_SUM_DOTS": bit(v, 2), "V_EARLY": bit(v, 3),
             "V_T": bit(v, 4), "V_HI": bit(v, 5), "V_PERM": bit(v, 6), "V_ROW8": bit(v, 7), "V_NCH": (v >> 8) & 255, "V_MEAN": v >> 16,
             "HAS_RANGE": bit(c, 0), "HAS_MASK": bit(c, 1), "HAS_SOFTCAP": bit(c, 2), "MASK_PACKED": bit(c, 3),

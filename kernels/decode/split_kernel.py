@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from kvcalib_kernels.decode.common import _column, _dot, _fp_chunk, _softcap, _split_range
-from kvcalib_kernels.decode.unpack import _code_planes, _code_tile, _codes, _perm4, _unit_planes
+from kvcalib_kernels.decode.unpack import _code_planes, _code_tile, _codes, _key_tiles, _perm4, _unit_planes
 
 @triton.jit
 def _walsh_hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr):
@@ -113,12 +113,32 @@ def _k_group_fold(q_t, ks_ptr, kz_ptr, offs_p, DOT_T: tl.constexpr, SHIFT: tl.co
 
 
 @triton.jit
-def _k_fold_planes(q0, q1, q2, q3, ks_ptr, kz_ptr, offs_p, PK: tl.constexpr, BITS: tl.constexpr, DOT_T: tl.constexpr,
-                   LANES: tl.constexpr, col_ok=None, SUB: tl.constexpr = 1):
+def _k_fold_planes(q0, q1, q2, q3, q4, q5, q6, q7, ks_ptr, kz_ptr, offs_p, PK: tl.constexpr, BITS: tl.constexpr,
+                   DOT_T: tl.constexpr, LANES: tl.constexpr, col_ok=None, SUB: tl.constexpr = 1,
+                   HSPLIT: tl.constexpr = False):
     """Every key plane of one key group folded (:func:`_k_group_fold`): ((q * s) per plane as DOT_T
-    (PK, R_PAD) x 4 (planes past 8 // BITS repeat plane 0), the bias (R_PAD,) of all planes in one
-    reduction). q0..q3 (PK, R_PAD) float32 query slices; ks_ptr/kz_ptr: the group's parameter row
-    (SUB > 1: one per key group, see :func:`_k_group_fold`)."""
+    (PK, R_PAD) x 4 (planes past 8 // BITS repeat plane 0), then 4 more, the bias (R_PAD,) of all
+    planes in one reduction). q0..q3 (PK, R_PAD) float32 query slices; ks_ptr/kz_ptr: the group's
+    parameter row (SUB > 1: one per key group, see :func:`_k_group_fold`). HSPLIT (3-bit keys read
+    in halves, :func:`.unpack._key_tiles`): q0..q3 the planes' first halves (channels offs_p of
+    each plane, (PK / 2, R_PAD)), q4..q7 their second halves (offs_p + PK / 2), each folded at its
+    own channels into the 8 returned planes; otherwise q4..q7 are unused and the last 4 planes
+    repeat the first 4."""
+    qp0, qp1, qp2, qp3, bt = _k_fold_terms(q0, q1, q2, q3, ks_ptr, kz_ptr, offs_p, PK, BITS, DOT_T, LANES, col_ok,
+                                           SUB)
+    qp4, qp5, qp6, qp7 = qp0, qp1, qp2, qp3
+    if HSPLIT:
+        qp4, qp5, qp6, qp7, bt_b = _k_fold_terms(q4, q5, q6, q7, ks_ptr, kz_ptr, offs_p + PK // 2, PK, BITS, DOT_T,
+                                                 LANES, col_ok, SUB)
+        bt += bt_b
+    return qp0, qp1, qp2, qp3, qp4, qp5, qp6, qp7, tl.sum(bt, axis=0)
+
+
+@triton.jit
+def _k_fold_terms(q0, q1, q2, q3, ks_ptr, kz_ptr, offs_p, PK: tl.constexpr, BITS: tl.constexpr, DOT_T: tl.constexpr,
+                  LANES: tl.constexpr, col_ok=None, SUB: tl.constexpr = 1):
+    """:func:`_k_fold_planes` of 4 query slices at channels offs_p of each plane: (4 folded planes,
+    the bias terms (P, R_PAD) of all of them, not yet reduced)."""
     PER: tl.constexpr = 8 // BITS
     qp0, bt = _k_group_fold(q0, ks_ptr, kz_ptr, offs_p, DOT_T, 0, LANES, col_ok, SUB)
     qp1 = qp0
@@ -131,14 +151,18 @@ def _k_fold_planes(q0, q1, q2, q3, ks_ptr, kz_ptr, offs_p, PK: tl.constexpr, BIT
         qp2, b2 = _k_group_fold(q2, ks_ptr + 2 * PK, kz_ptr + 2 * PK, offs_p, DOT_T, 2 * BITS, LANES, col_ok, SUB)
         qp3, b3 = _k_group_fold(q3, ks_ptr + 3 * PK, kz_ptr + 3 * PK, offs_p, DOT_T, 3 * BITS, LANES, col_ok, SUB)
         bt += b2 + b3
-    return qp0, qp1, qp2, qp3, tl.sum(bt, axis=0)
+    return qp0, qp1, qp2, qp3, bt
 
 
 @triton.jit
-def _k_fold_scores(scores_t, kb, kh, qp0, qp1, qp2, qp3, kbias, BITS: tl.constexpr, DOT_T: tl.constexpr,
-                   UNPACK: tl.constexpr, IEEE: tl.constexpr, HI: tl.constexpr):
+def _k_fold_scores(scores_t, kb, kb2, kh, qp0, qp1, qp2, qp3, qp4, qp5, qp6, qp7, kbias, BITS: tl.constexpr,
+                   DOT_T: tl.constexpr, UNPACK: tl.constexpr, IEEE: tl.constexpr, HI: tl.constexpr,
+                   HSPLIT: tl.constexpr = False):
     """Transposed scores (rows, R_PAD) + the folded key planes' products: the codes of byte tile
-    kb (rows, PK) @ each (q * s) plane, plus the bias; HI (3-bit codes): kh the aligned high tile."""
+    kb (rows, PK) @ each (q * s) plane, plus the bias; HI (3-bit codes): kh the aligned high tile.
+    HSPLIT (:func:`.unpack._key_tiles`' halves): kb, kb2 the (rows, PK / 2) halves of the low
+    bytes and kh their common high tile (bit 2s for kb's planes, 2s + 1 for kb2's), kb's planes @
+    qp0..qp3 and kb2's @ qp4..qp7 (8 products of K = PK / 2; :func:`_k_fold_planes` with HSPLIT)."""
     PER: tl.constexpr = 8 // BITS
     c0, c1, c2, c3 = _code_planes(kb, BITS, DOT_T, UNPACK, kh, HI)  # (rows, PK) each
     scores_t = _dot(c0, qp0, scores_t, IEEE)
@@ -147,6 +171,12 @@ def _k_fold_scores(scores_t, kb, kh, qp0, qp1, qp2, qp3, kbias, BITS: tl.constex
     if PER > 2:
         scores_t = _dot(c2, qp2, scores_t, IEEE)
         scores_t = _dot(c3, qp3, scores_t, IEEE)
+    if HSPLIT:  # (3-bit: BITS 2, four planes)
+        d0, d1, d2, d3 = _code_planes(kb2, BITS, DOT_T, UNPACK, kh, HI, True)  # (rows, PK / 2) each
+        scores_t = _dot(d0, qp4, scores_t, IEEE)
+        scores_t = _dot(d1, qp5, scores_t, IEEE)
+        scores_t = _dot(d2, qp6, scores_t, IEEE)
+        scores_t = _dot(d3, qp7, scores_t, IEEE)
     return scores_t + kbias[None, :]
 
 
@@ -498,22 +528,28 @@ def _valid_tokens(offs_n, row_ok, lo, mask_row, keep_base, WHOLE: tl.constexpr, 
 
 @triton.jit
 def _key_scores(kc_base, ks_base, kz_base, stride_kcn, stride_ksn, n0, start, end, offs_n, row_ok, valid, offs_pk,
-                offs_v, q0, q1, q2, q3, qp0, qp1, qp2, qp3, kbias, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr,
+                offs_v, q0, q1, q2, q3, q4, q5, q6, q7, qp0, qp1, qp2, qp3, qp4, qp5, qp6, qp7, kbias,
+                BLOCK_N: tl.constexpr, R_PAD: tl.constexpr,
                 K_BITS: tl.constexpr, PK: tl.constexpr, K_GROUP: tl.constexpr, K_FOLD: tl.constexpr,
                 K_SUB: tl.constexpr, K_HALVES: tl.constexpr, K_HI: tl.constexpr, K_UNPACK: tl.constexpr,
-                DOT_T: tl.constexpr, IEEE: tl.constexpr, WHOLE: tl.constexpr):
+                DOT_T: tl.constexpr, IEEE: tl.constexpr, WHOLE: tl.constexpr, K_HSPLIT: tl.constexpr):
     """The block's transposed scores (BLOCK_N, VR) from all key planes, by the key layout: per-channel
     keys folded into the query once per key group (K_FOLD: one group per block; K_SUB groups as
     virtual row sets; K_HALVES one group per half block), per-token keys dequantized per element.
     q0..q3 (PK, VR) the query slices; qp0..qp3, kbias: the folded planes of the current key group
-    (one group per block: refreshed at each group, carried across blocks). Returns (scores, valid2
-    (BLOCK_N, 1 | VR): the tokens each virtual row sees, qp0, qp1, qp2, qp3, kbias)."""
+    (one group per block: refreshed at each group, carried across blocks). K_HSPLIT (3-bit folded
+    keys, PK / 2 >= 16: each key row read in two halves of PK / 2 columns, :func:`.unpack._key_tiles`):
+    q0..q3 / qp0..qp3 are the planes' first halves (channels offs_pk), q4..q7 / qp4..qp7 their
+    second halves (PK / 2 + offs_pk); otherwise q4..q7 are unused and qp4..qp7 returned as they
+    came (so the loop carries no copies). Returns (scores, valid2 (BLOCK_N, 1 | VR): the tokens each
+    virtual row sees, qp0, ..., qp7, kbias)."""
     PER_K: tl.constexpr = 8 // K_BITS
     VR: tl.constexpr = R_PAD * K_SUB
     K_LANES: tl.constexpr = (K_UNPACK == 5) | (K_UNPACK == 6)  # codes as 1024 + c * 2**shift
-    # ---- all key planes from one (BLOCK_N, PK) byte tile
+    tl.static_assert(K_FOLD or not K_HSPLIT, "key rows in halves: folded keys only")
+    # ---- all key planes from one (BLOCK_N, PK) byte tile (K_HSPLIT: two (BLOCK_N, PK / 2) halves)
     if not K_HALVES:  # (halves load their own (BLOCK_N / 2, PK) tiles below)
-        kb, kh = _code_tile(kc_base + offs_n * stride_kcn, row_ok, PK, K_HI)  # (BLOCK_N, PK) x 2
+        kb, kb2, kh = _key_tiles(kc_base + offs_n * stride_kcn, row_ok, PK, K_HI, K_HSPLIT)
     scores = tl.zeros([BLOCK_N, VR], tl.float32)  # transposed: token rows
     valid2 = valid[:, None]  # (BLOCK_N, 1 | VR) tokens each virtual row sees
     if K_HALVES:
@@ -524,33 +560,44 @@ def _key_scores(kc_base, ks_base, kz_base, stride_kcn, stride_ksn, n0, start, en
         offs_h = n0 + tl.arange(0, HB)
         krow = (n0 // K_GROUP) * stride_ksn
         krow_b = tl.minimum(n0 // K_GROUP + 1, (end - 1) // K_GROUP) * stride_ksn  # (past the end: masked)
-        qa0, qa1, qa2, qa3, kbias_a = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
-                                                     PK, K_BITS, DOT_T, K_LANES)
-        qb0, qb1, qb2, qb3, kbias_b = _k_fold_planes(q0, q1, q2, q3, ks_base + krow_b, kz_base + krow_b,
-                                                     offs_pk, PK, K_BITS, DOT_T, K_LANES)
-        ka, kha = _code_tile(kc_base + offs_h * stride_kcn, _before(offs_h, end, WHOLE), PK, K_HI)  # (HB, PK)
-        kbb, khb = _code_tile(kc_base + (offs_h + HB) * stride_kcn, _before(offs_h + HB, end, WHOLE), PK, K_HI)
-        sa = _k_fold_scores(tl.zeros([HB, VR], tl.float32), ka, kha, qa0, qa1, qa2, qa3, kbias_a, K_BITS,
-                            DOT_T, K_UNPACK, IEEE, K_HI)
-        sb = _k_fold_scores(tl.zeros([HB, VR], tl.float32), kbb, khb, qb0, qb1, qb2, qb3, kbias_b, K_BITS,
-                            DOT_T, K_UNPACK, IEEE, K_HI)
+        qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7, kbias_a = _k_fold_planes(
+            q0, q1, q2, q3, q4, q5, q6, q7, ks_base + krow, kz_base + krow, offs_pk, PK, K_BITS, DOT_T, K_LANES,
+            HSPLIT=K_HSPLIT)
+        qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, kbias_b = _k_fold_planes(
+            q0, q1, q2, q3, q4, q5, q6, q7, ks_base + krow_b, kz_base + krow_b, offs_pk, PK, K_BITS, DOT_T, K_LANES,
+            HSPLIT=K_HSPLIT)
+        ka, ka2, kha = _key_tiles(kc_base + offs_h * stride_kcn, _before(offs_h, end, WHOLE), PK, K_HI, K_HSPLIT)
+        kbb, kbb2, khb = _key_tiles(kc_base + (offs_h + HB) * stride_kcn, _before(offs_h + HB, end, WHOLE), PK,
+                                    K_HI, K_HSPLIT)  # (HB, PK) (K_HSPLIT: (HB, PK / 2))
+        sa = _k_fold_scores(tl.zeros([HB, VR], tl.float32), ka, ka2, kha, qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7,
+                            kbias_a, K_BITS, DOT_T, K_UNPACK, IEEE, K_HI, K_HSPLIT)
+        sb = _k_fold_scores(tl.zeros([HB, VR], tl.float32), kbb, kbb2, khb, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7,
+                            kbias_b, K_BITS, DOT_T, K_UNPACK, IEEE, K_HI, K_HSPLIT)
         scores = tl.reshape(tl.permute(tl.join(sa, sb), (2, 0, 1)), (BLOCK_N, VR))
     elif K_FOLD & (K_SUB == 1):
         if ((n0 % K_GROUP) == 0) | (n0 == start):  # a new key group (blocks never straddle one)
             krow = (n0 // K_GROUP) * stride_ksn
-            qp0, qp1, qp2, qp3, kbias = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
-                                                       PK, K_BITS, DOT_T, K_LANES)
-        scores = _k_fold_scores(scores, kb, kh, qp0, qp1, qp2, qp3, kbias, K_BITS, DOT_T, K_UNPACK, IEEE,
-                                K_HI)
+            qn0, qn1, qn2, qn3, qn4, qn5, qn6, qn7, kbias = _k_fold_planes(
+                q0, q1, q2, q3, q4, q5, q6, q7, ks_base + krow, kz_base + krow, offs_pk, PK, K_BITS, DOT_T, K_LANES,
+                HSPLIT=K_HSPLIT)
+            qp0, qp1, qp2, qp3 = qn0, qn1, qn2, qn3
+            if K_HSPLIT:  # (otherwise qp4..qp7 stay as they came: no loop-carried copies)
+                qp4, qp5, qp6, qp7 = qn4, qn5, qn6, qn7
+        scores = _k_fold_scores(scores, kb, kb2, kh, qp0, qp1, qp2, qp3, qp4, qp5, qp6, qp7, kbias, K_BITS, DOT_T,
+                                K_UNPACK, IEEE, K_HI, K_HSPLIT)
     elif K_FOLD:
         # K_SUB key groups per block: virtual row v takes the scales of group g = v // R_PAD
         offs_g = tl.arange(0, K_SUB)
         krow = ((n0 // K_GROUP) + offs_g) * stride_ksn  # (K_SUB,) parameter row of each group
         k_ok = _before(n0 + offs_g * K_GROUP, end, WHOLE)  # (K_SUB,) groups that hold tokens here
-        qp0, qp1, qp2, qp3, kbias = _k_fold_planes(q0, q1, q2, q3, ks_base + krow, kz_base + krow, offs_pk,
-                                                   PK, K_BITS, DOT_T, K_LANES, k_ok, K_SUB)
-        scores = _k_fold_scores(scores, kb, kh, qp0, qp1, qp2, qp3, kbias, K_BITS, DOT_T, K_UNPACK, IEEE,
-                                K_HI)
+        qn0, qn1, qn2, qn3, qn4, qn5, qn6, qn7, kbias = _k_fold_planes(
+            q0, q1, q2, q3, q4, q5, q6, q7, ks_base + krow, kz_base + krow, offs_pk, PK, K_BITS, DOT_T, K_LANES,
+            k_ok, K_SUB, K_HSPLIT)
+        qp0, qp1, qp2, qp3 = qn0, qn1, qn2, qn3
+        if K_HSPLIT:
+            qp4, qp5, qp6, qp7 = qn4, qn5, qn6, qn7
+        scores = _k_fold_scores(scores, kb, kb2, kh, qp0, qp1, qp2, qp3, qp4, qp5, qp6, qp7, kbias, K_BITS, DOT_T,
+                                K_UNPACK, IEEE, K_HI, K_HSPLIT)
         # a token counts only in the virtual rows of its key group
         valid2 = valid2 & ((tl.arange(0, BLOCK_N) // K_GROUP)[:, None] == (offs_v // R_PAD)[None, :])
     else:
@@ -566,7 +613,7 @@ def _key_scores(kc_base, ks_base, kz_base, stride_kcn, stride_ksn, n0, start, en
                                   2 * K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE, K_HI)
             scores = _k_deq_plane(scores, q3, kb, kh, ks_rows, kz_rows, 3 * PK, offs_pk, row_ok, K_GROUP,
                                   3 * K_BITS, K_BITS, DOT_T, K_UNPACK, IEEE, K_HI)
-    return scores, valid2, qp0, qp1, qp2, qp3, kbias
+    return scores, valid2, qp0, qp1, qp2, qp3, qp4, qp5, qp6, qp7, kbias
 
 
 @triton.jit
@@ -1034,7 +1081,8 @@ def _decode_split_kernel(
     K_HALVES: tl.constexpr = (KEYS // 2) % 2 != 0  # one key group per half block
     K_HI: tl.constexpr = (KEYS // 4) % 2 != 0  # 3-bit keys: a high tile besides the 2-bit planes
     K_PERM: tl.constexpr = (KEYS // 8) % 2 != 0  # SKVQ channel permutation
-    K_SUB: tl.constexpr = (KEYS // 16) % 256  # key groups per block as virtual row sets
+    K_SUB: tl.constexpr = (KEYS // 16) % 128  # key groups per block as virtual row sets
+    K_HSPLIT: tl.constexpr = (KEYS // 2048) % 2 != 0  # 3-bit folded keys: rows read in halves of PK / 2
     K_MEAN: tl.constexpr = KEYS // 4096  # TaDA key means: 0, 8 (codes) or 16 (float16)
     V_FOLD: tl.constexpr = VALUES % 2 != 0  # each value plane in one value group: scales folded into p
     V_UNITS: tl.constexpr = (VALUES // 2) % 2 != 0  # value codes read as int16 units
@@ -1091,9 +1139,9 @@ def _decode_split_kernel(
             _rotate_query(q_rows, r_ok, QP + b.to(tl.int64) * stride_qpb + (h * R + offs_r) * stride_qph, QSIGNS + h * D,
                           R_PAD, D, ROT_Q_SCALE)
         V_LANES: tl.constexpr = (V_UNPACK == 5) | (V_UNPACK == 6)  # codes as 1024 + c * 2**shift
-        offs_kcol = tl.arange(0, PK)  # byte column of each loaded key / value column
+        PKQ: tl.constexpr = PK // 2 if K_HSPLIT else PK  # columns of a key plane's tile (K_HSPLIT: a half's)
         offs_vcol = tl.arange(0, PV)
-        offs_pk = offs_kcol  # stored channel (within a plane) of each column of an unpacked key plane
+        offs_pk = tl.arange(0, PKQ)  # stored channel (within a plane) of each column of an unpacked key plane
         offs_pv = offs_vcol
         offs_bn = tl.arange(0, BLOCK_N)  # row of each loaded value token in the block
         if K_UNPACK == 5:  # the PTX lane unpack returns bytes (0, 2, 1, 3) of each 4 columns
@@ -1110,6 +1158,9 @@ def _decode_split_kernel(
         lo, hi, start, end = _split_range(P_LO, P_HI, b, N, pid_s, num_splits, split_size, BLOCK_N, HAS_RANGE,
                                           HAS_RANGE)
         q0, q1, q2, q3 = _query_planes(q_rows_v, v_ok, offs_pk, KP + h * D, qk_scale, PK, PER_K, K_PERM)
+        q4, q5, q6, q7 = q0, q1, q2, q3  # K_HSPLIT: the planes' second halves (channels PKQ + offs_pk)
+        if K_HSPLIT:
+            q4, q5, q6, q7 = _query_planes(q_rows_v, v_ok, offs_pk + PKQ, KP + h * D, qk_scale, PK, PER_K, K_PERM)
         offs_av, vc0, vc1, vc2, vc3, vh0, vh1, vh2, vh3 = _value_channels(offs_pv, VP + h * D, PV, PER_V, V_PERM, V_NCH,
                                                                           V_UNITS, AW)
         # TaDA means (input channel order, one (N, D) mean per sequence shared by the kv heads):
@@ -1173,10 +1224,11 @@ def _decode_split_kernel(
         asum2 = asum0
         asum3 = asum0
         # per-channel keys: (q * scale) per plane and q . zero, refreshed at each key group
-        qp0 = tl.zeros([PK, VR], DOT_T)
+        qp0 = tl.zeros([PKQ, VR], DOT_T)
         qp1 = qp0
         qp2 = qp0
         qp3 = qp0
+        qp4, qp5, qp6, qp7 = qp0, qp0, qp0, qp0  # K_HSPLIT: the second halves
         kbias = tl.zeros([VR], tl.float32)
         V_SCALED: tl.constexpr = (V_NCH > 1) | V_FOLD  # paths that take the scales from _value_scales
         for n0 in range(start, end, BLOCK_N):
@@ -1189,10 +1241,10 @@ def _decode_split_kernel(
                 vsc0, vze0, vsc1, vze1, vsc2, vze2, vsc3, vze3, zt = _value_scales(vs_base, vz_base, vrows, row_ok,
                                                                                     offs_z, G1, G2, G3, NACC, V_NCH, V_T)
             # ---- scores (BLOCK_N, VR), transposed: all key planes from one (BLOCK_N, PK) byte tile
-            scores, valid2, qp0, qp1, qp2, qp3, kbias = _key_scores(
+            scores, valid2, qp0, qp1, qp2, qp3, qp4, qp5, qp6, qp7, kbias = _key_scores(
                 kc_base, ks_base, kz_base, stride_kcn, stride_ksn, n0, start, end, offs_n, row_ok, valid, offs_pk,
-                offs_v, q0, q1, q2, q3, qp0, qp1, qp2, qp3, kbias, BLOCK_N, R_PAD, K_BITS, PK, K_GROUP, K_FOLD, K_SUB,
-                K_HALVES, K_HI, K_UNPACK, DOT_T, IEEE, WHOLE)
+                offs_v, q0, q1, q2, q3, q4, q5, q6, q7, qp0, qp1, qp2, qp3, qp4, qp5, qp6, qp7, kbias, BLOCK_N, R_PAD,
+                K_BITS, PK, K_GROUP, K_FOLD, K_SUB, K_HALVES, K_HI, K_UNPACK, DOT_T, IEEE, WHOLE, K_HSPLIT)
             if K_MEAN != 0:
                 scores = _key_mean_scores(scores, km_base + offs_n[:, None] * stride_kmn, kms_base, kmz_base,
                                           stride_kmsn, offs_n, offs_d, row_ok, qm, qm_sum, K_MEAN, DOT_T, IEEE)

@@ -100,17 +100,20 @@ _LANES_ALL_4 = tl.constexpr(_lanes_all_asm(4))
 _LANES_ALL_8 = tl.constexpr(_lanes_all_asm(8))
 
 
-def _lanes_all3_asm() -> str:
+def _lanes_all3_asm(shift: int = 2) -> str:
     """PTX of :func:`_lanes_all_asm` (2-bit planes) for 3-bit codes, on int16 units (2 a register,
     :func:`_unit_planes`): inputs ``$8`` the 4 low bytes and ``$9`` the 4 aligned high bytes (:func:`_high_tile`: bit 2s of high byte k is the high bit of
     plane s of low byte k). Each plane's lanes are the 2-bit lanes with the high bit ORed in two
     places up, ``(high & 1 << 2s) << 2``: one ``shl`` of each of the even and the odd high bytes
     (moved down by the same ``prmt`` as the low ones; the exponent bytes it writes land above the
     plane masks) and one ``lop3`` per lane register: 4 + 4 * 4 instructions per 4 bytes
-    (2-bit: 1 + 4 * 2)."""
+    (2-bit: 1 + 4 * 2). ``shift`` 1: the high bit of plane s is bit 2s + 1 of high byte k (the
+    second half of a key row read in halves, :func:`_key_tiles`), moved one place up to the same
+    bit 2s + 2 (the bit below it lands on 2s + 1, outside the mask; so do the exponent bits a
+    shift carries across lanes, into bits 0..1 of the next lane)."""
     body = ("{ .reg .b32 r_h, r_c, r_e, r_g, r_t; mov.b32 r_c, 0x64006400; "
-            "prmt.b32 r_h, $8, r_c, 0x7351; shl.b32 r_e, $9, 2; prmt.b32 r_g, $9, r_c, 0x7351; "
-            "shl.b32 r_g, r_g, 2; ")
+            f"prmt.b32 r_h, $8, r_c, 0x7351; shl.b32 r_e, $9, {shift}; prmt.b32 r_g, $9, r_c, 0x7351; "
+            f"shl.b32 r_g, r_g, {shift}; ")
     for s in range(4):
         m = 3 << (2 * s)  # the plane's low bits in each 16-bit lane
         hb = 1 << (2 * s + 2)  # its high bit, two places above them
@@ -122,6 +125,7 @@ def _lanes_all3_asm() -> str:
 
 
 _LANES_ALL_3 = tl.constexpr(_lanes_all3_asm())
+_LANES_ALL_3_ODD = tl.constexpr(_lanes_all3_asm(1))  # high bit 2s + 1 (a key row's second half)
 
 
 @triton.jit
@@ -164,6 +168,29 @@ def _code_tile(rows, row_ok, P: tl.constexpr, HI: tl.constexpr, T: tl.constexpr 
     if HI:
         hi = _high_tile(rows, row_ok, P, T)
     return lo, hi
+
+
+@triton.jit
+def _key_tiles(rows, row_ok, P: tl.constexpr, HI: tl.constexpr, HSPLIT: tl.constexpr):
+    """A block's key code tiles: (lo, lo, hi) of :func:`_code_tile` (N, P), or HSPLIT (3-bit codes
+    read in halves, P / 2 >= 16): (lo_a, lo_b, h) (N, P / 2) each -- low units [0, P / 2) and
+    [P / 2, P) and the P / 2 high units [P, 3 P / 2), each loaded once and contiguous (no
+    :func:`_high_tile` gather and select): bit 2s of high unit j is the high bit of plane s's
+    column j (half a), bit 2s + 1 that of column j + P / 2 (half b; :func:`_code_planes` with
+    ODD). The halves multiply their own halves of the folded query planes (K = P / 2 products),
+    and with no column-dependent op between the loads and the products Triton keeps the MMA
+    operand layout through the unpack (the select sent all four key plane tiles through shared
+    memory: artifacts/bench/three_bit_sass.md)."""
+    if HSPLIT:
+        HALF: tl.constexpr = P // 2
+        offs = tl.arange(0, HALF)
+        lo = tl.load(rows[:, None] + offs[None, :], mask=row_ok[:, None], other=0)
+        lo_b = tl.load(rows[:, None] + (HALF + offs)[None, :], mask=row_ok[:, None], other=0)
+        hi = tl.load(rows[:, None] + (P + offs)[None, :], mask=row_ok[:, None], other=0)
+    else:
+        lo, hi = _code_tile(rows, row_ok, P, HI)
+        lo_b = lo
+    return lo, lo_b, hi
 
 
 @triton.jit
@@ -224,15 +251,21 @@ def _unit_planes(x, BITS: tl.constexpr, UNPACK: tl.constexpr, xh=None, HI: tl.co
 
 @triton.jit
 def _code_planes(x, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexpr, xh=None,
-                 HI: tl.constexpr = False):
+                 HI: tl.constexpr = False, ODD: tl.constexpr = False):
     """All planes of a uint8 byte tile (N, P): 4 tiles, plane s = :func:`_codes` (x, s * BITS)
     (tiles past 8 // BITS repeat plane 0). UNPACK 5 takes one PTX block for every plane
     (:func:`_lanes_all_asm`: values ``1024 + code * 2**shift``, element k of each 4 holding byte
     :func:`_perm4` (k)); other unpacks go plane by plane. HI (3-bit codes, BITS 2): xh the aligned
-    high tile (:func:`_high_tile`), each plane ``low + 4 * high``."""
+    high tile (:func:`_high_tile`), each plane ``low + 4 * high``; ODD: plane s's high bit is bit
+    2s + 1 of xh instead of 2s (the second half of :func:`_key_tiles`' HSPLIT tiles)."""
     # (which 3-bit byte tiles take this PTX: kernels/decode/plan.py's three_bit_byte_unpack)
     if UNPACK == 5:
-        if HI:  # _LANES_ALL_3 on 4 bytes a register: $8 the low bytes, $9 their aligned high bytes
+        if HI and ODD:  # bit 2s + 1 of the high bytes: the same block with the high shift 1
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                _LANES_ALL_3_ODD, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [x, xh],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+            return c0, c1, c2, c3
+        elif HI:  # _LANES_ALL_3 on 4 bytes a register: $8 the low bytes, $9 their aligned high bytes
             c0, c1, c2, c3 = tl.inline_asm_elementwise(
                 _LANES_ALL_3, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [x, xh],
                 dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
@@ -250,6 +283,8 @@ def _code_planes(x, BITS: tl.constexpr, OUT_T: tl.constexpr, UNPACK: tl.constexp
             c0 = tl.inline_asm_elementwise(_LANES_ALL_8, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
             return c0, c0, c0, c0
     else:
+        if HI and ODD:  # a uniform shift of the whole tile (no column-dependent op)
+            xh = xh >> 1
         c0 = _codes(x, 0, BITS, OUT_T, UNPACK, xh, HI)
         c1 = c0
         c2 = c0

@@ -105,14 +105,22 @@ def test_bits(k_bits, v_bits):
     dict(k_bits=3, v_bits=3, d=128, rep=1, b=1, k_group=32, v_group=128, n=32),  # value units, transposed
     dict(k_bits=3, v_bits=8, d=128, rep=2, b=1, h=1, k_group=16, v_group=128, n=48,
          config=dict(block_n=32, num_splits=1)),
-], ids=["k3v3", "k3-token-v2-f32", "v3-per-element", "k3v3-group-pairs", "k3v3-units", "k3v8-halves"])
+    # key rows in halves (K_HSPLIT) with a key group over several blocks (folded planes carried),
+    # a permutation (the halves' query channels) and float32 queries (IEEE products, unpack 0)
+    dict(k_bits=3, v_bits=2, d=128, rep=2, b=1, h=1, k_group=64, v_group=128, n=64, dtype=torch.float32,
+         config=dict(block_n=32, num_splits=1), k_perm=True),
+], ids=["k3v3", "k3-token-v2-f32", "v3-per-element", "k3v3-group-pairs", "k3v3-units", "k3v8-halves",
+        "k3-hsplit-carried-perm-f32"])
 def test_three_bit_codes(case):
     """3-bit codes (a 2-bit planar part, then a 1-bit planar part: kvcalib.quant.packing) on each
     path that reads a code tile: the high tile joins the low one in the unpack, so the folds see
     2-bit planes of codes 0..7. (unpack 6 here; on a GPU 3-bit value units take the PTX block (5).)"""
     case = dict(case)
     config = replace(SMALL, **case.pop("config", {}))
+    k_perm = case.pop("k_perm", False)
     args, kw = make_case(**case)
+    if k_perm:
+        args, kw = with_perm_mean(args, kw, k_perm=True)
     meta = _meta(args, kw, config)
     assert (meta["K_HI"], meta["V_HI"]) == (kw["k_bits"] == 3, kw["v_bits"] == 3)
     check(args, kw, config)
@@ -132,8 +140,17 @@ def test_three_bit_paths_are_the_ones_named():
     assert units["V_ROW8"]
     assert not meta(k_bits=3, v_bits=2, d=128, rep=1, b=1, k_group=32, v_group=128, n=32)["V_ROW8"]
     assert not meta(k_bits=2, v_bits=3, v_group=8, n=32, f=(0, 3))["V_FOLD"]
-    assert meta(k_bits=3, v_bits=8, d=128, rep=2, b=1, h=1, k_group=16, v_group=128, n=48,
-                config=dict(block_n=32, num_splits=1))["K_HALVES"]
+    halves = meta(k_bits=3, v_bits=8, d=128, rep=2, b=1, h=1, k_group=16, v_group=128, n=48,
+                  config=dict(block_n=32, num_splits=1))
+    assert halves["K_HALVES"] and halves["K_HSPLIT"]
+    # 3-bit folded keys from head_dim 128 read their rows in halves (K = P / 2 >= 16 for tl.dot);
+    # head_dim 64, per-token keys and 2-bit keys keep one (N, P) tile
+    assert units["K_HSPLIT"]
+    assert meta(k_bits=3, v_bits=2, d=128, rep=2, b=1, h=1, k_group=64, v_group=128, n=64, dtype=torch.float32,
+                config=dict(block_n=32, num_splits=1))["K_HSPLIT"]
+    assert not meta(k_bits=3, v_bits=3)["K_HSPLIT"]  # head_dim 64
+    assert not meta(k_bits=3, v_bits=2, k_axis="token", v_group=16, dtype=torch.float32)["K_HSPLIT"]
+    assert not meta(k_bits=2, v_bits=3, d=128, rep=1, b=1, k_group=32, v_group=128, n=32)["K_HSPLIT"]
 
 
 @pytest.mark.parametrize("rep", [1, 3, 4, 7], ids=lambda r: f"gqa{r}")

@@ -75,18 +75,22 @@ def test_all_plane_ptx_matches_lanes(bits):
             assert got == want, (bits, s, data, [hex(g) for g in got], [hex(w) for w in want])
 
 
-def test_three_bit_ptx_matches_lanes():
+@pytest.mark.parametrize("shift", [2, 1], ids=["aligned", "odd"])
+def test_three_bit_ptx_matches_lanes(shift):
     """3-bit codes: low bytes (2-bit planes) and their aligned high bytes (bit 2s: plane s's high
     bit, :func:`unpack._high_tile`) give, per plane, ``1024 + (low + 4 * high) * 2**(2 s)``, the
-    Triton-ops lanes of ``unpack._codes`` with HI, for bytes (0, 2, 1, 3) of each 4."""
-    src = unpack._lanes_all3_asm()
-    rng = random.Random(3)
+    Triton-ops lanes of ``unpack._codes`` with HI, for bytes (0, 2, 1, 3) of each 4. ``odd`` (the
+    second half of a key row read in halves, :func:`unpack._key_tiles`): plane s's high bit is bit
+    2s + 1 of the high byte."""
+    src = unpack._lanes_all3_asm(shift)
+    rng = random.Random(3 + shift)
     for _ in range(500):
         low = [rng.randrange(256) for _ in range(4)]
         high = [rng.randrange(256) for _ in range(4)]  # every bit set at random: the others must be ignored
         outs = _run_ptx(src, sum(x << (8 * i) for i, x in enumerate(low)), 8,
                         sum(x << (8 * i) for i, x in enumerate(high)))
         for s in range(4):
-            want = [0x6400 | (low[i] & (3 << 2 * s)) | ((high[i] & (1 << 2 * s)) << 2) for i in (0, 2, 1, 3)]
+            hb = 2 * s + 2 - shift  # the high bit's place in the high byte
+            want = [0x6400 | (low[i] & (3 << 2 * s)) | (((high[i] >> hb) & 1) << (2 * s + 2)) for i in (0, 2, 1, 3)]
             got = [outs[2 * s] & 0xFFFF, outs[2 * s] >> 16, outs[2 * s + 1] & 0xFFFF, outs[2 * s + 1] >> 16]
             assert got == want, (s, low, high, [hex(g) for g in got], [hex(w) for w in want])

@@ -37,6 +37,25 @@ def _planes_kernel(C, OUT, stride_n, N: tl.constexpr, P: tl.constexpr, UNPACK: t
 
 
 @triton.jit
+def _halves_kernel(C, OUT, stride_n, N: tl.constexpr, P: tl.constexpr, UNPACK: tl.constexpr):
+    """OUT (4, N, P) float32: the 4 planes of the rows read in halves (``_key_tiles`` with HSPLIT:
+    two (N, P / 2) low tiles and one high tile), half a into columns [0, P / 2), half b after."""
+    offs_n = tl.arange(0, N)
+    lo, lo_b, hi = unpack._key_tiles(C + offs_n * stride_n, offs_n < N, P, True, True)
+    a0, a1, a2, a3 = unpack._code_planes(lo, 2, tl.float32, UNPACK, hi, True)
+    b0, b1, b2, b3 = unpack._code_planes(lo_b, 2, tl.float32, UNPACK, hi, True, True)
+    o = OUT + offs_n[:, None] * P + tl.arange(0, P // 2)[None, :]
+    tl.store(o, a0.to(tl.float32))
+    tl.store(o + N * P, a1.to(tl.float32))
+    tl.store(o + 2 * N * P, a2.to(tl.float32))
+    tl.store(o + 3 * N * P, a3.to(tl.float32))
+    tl.store(o + P // 2, b0.to(tl.float32))
+    tl.store(o + N * P + P // 2, b1.to(tl.float32))
+    tl.store(o + 2 * N * P + P // 2, b2.to(tl.float32))
+    tl.store(o + 3 * N * P + P // 2, b3.to(tl.float32))
+
+
+@triton.jit
 def _units_kernel(C, OUT, stride_n, N: tl.constexpr, U: tl.constexpr, UNPACK: tl.constexpr, T: tl.constexpr):
     """OUT (8, N, U) float32: (low byte, high byte) lanes of planes 0..3 of the (N, U) int16 unit
     tile (loaded transposed when T, then transposed back here)."""
@@ -83,6 +102,26 @@ def test_byte_tiles(d, unpack_mode, warps):
     _planes_kernel[(1,)](spare.to(DEVICE), out, spare.shape[1], 16, d // 4, unpack_mode, num_warps=warps)
     got = out.cpu().double()
     if unpack_mode == 5:  # the PTX lanes return bytes (0, 2, 1, 3) of each 4 columns: put them back
+        cols = torch.arange(d // 4)
+        got = got[:, :, (cols & ~3) | ((cols & 1) << 1) | ((cols >> 1) & 1)]
+    for s in range(4):
+        assert torch.equal(got[s], _want(codes, s, unpack_mode in (5, 6))), s
+
+
+@pytest.mark.parametrize("warps", [1, 4], ids=lambda w: f"warps{w}")
+@pytest.mark.parametrize("unpack_mode", UNPACKS, ids=lambda u: f"unpack{u}")
+@pytest.mark.parametrize("d", [128, 256])
+def test_byte_tile_halves(d, unpack_mode, warps):
+    """Key rows read in halves (the split kernel's K_HSPLIT, from head_dim 128: P / 2 >= 16 columns
+    for tl.dot): the low bytes' halves with the one contiguous high tile, the second half taking
+    bit 2s + 1 of each high byte, give the same planes as the aligned tiles."""
+    codes, packed = _codes(16, d, d + 1)
+    spare = torch.zeros(16, packed.shape[1] + 16, dtype=torch.uint8)  # rows in a wider buffer (a cache's stride)
+    spare[:, :packed.shape[1]] = packed
+    out = torch.full((4, 16, d // 4), -1.0, device=DEVICE)  # (4, N, D/4): poisoned
+    _halves_kernel[(1,)](spare.to(DEVICE), out, spare.shape[1], 16, d // 4, unpack_mode, num_warps=warps)
+    got = out.cpu().double()
+    if unpack_mode == 5:  # bytes (0, 2, 1, 3) of each 4 columns (the halves are multiples of 4)
         cols = torch.arange(d // 4)
         got = got[:, :, (cols & ~3) | ((cols & 1) << 1) | ((cols >> 1) & 1)]
     for s in range(4):

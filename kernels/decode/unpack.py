@@ -12,7 +12,8 @@ default and the fallback). 3-bit codes (:mod:`kvcalib.quant.packing`: a 2-bit pl
 bits) arrive as a 2-bit tile plus its high tile (:func:`_high_tile`, aligned column for column), and
 every helper here takes that pair with ``HI``: plane s reads ``low + 4 * high`` (``1024 + (low + 4 *
 high) * 2**(2 s)`` in the lanes: at most ``1024 + 7 * 64``, still exact), so the kernel folds and
-multiplies them exactly as 2-bit planes. Sides that dequantize per element (per-token keys, value groups
+multiplies them exactly as 2-bit planes. (3-bit folded keys from head_dim 128 read their rows in
+halves instead, :func:`_key_tiles`: no column-dependent select between the loads and the products.) Sides that dequantize per element (per-token keys, value groups
 narrower than a quarter of the head) take the plain codes: ``unpack=2`` (a few PTX instructions
 per 4 codes) on GPU, ``1`` (the magic-number trick in Triton ops) elsewhere; float32 queries
 take ``0`` (``.to``: exact float32 codes for IEEE products).

@@ -214,13 +214,15 @@ def three_bit_byte_unpack(d: int) -> int:
 # operand layout through the unpack: the four key plane tiles went through shared memory (sm_90,
 # offline: artifacts/bench/three_bit_sass.md). tl.dot needs K >= 16, so from head_dim 128
 # (P/2 = D/8 columns); head_dim 64 keeps the aligned tile. Off: the aligned tile everywhere (the
-# GPU A/B's other side).
+# GPU A/B's other side). Not with two key groups per block (K_HALVES: the kernel takes it, but
+# its (BLOCK_N / 2, P / 2) half-block tiles were not pipelined and their planes still went through
+# shared memory: sm_90 offline, key group 32 / block 64, loop 2417 -> 3049 SASS instructions).
 THREE_BIT_KEY_HALVES = True
 
 
-def three_bit_key_halves(d: int, k_bits: int, k_fold: bool) -> bool:
+def three_bit_key_halves(d: int, k_bits: int, k_fold: bool, k_halves: bool) -> bool:
     """Whether 3-bit keys at head_dim ``d`` are read in row halves (THREE_BIT_KEY_HALVES)."""
-    return THREE_BIT_KEY_HALVES and k_fold and k_bits == 3 and d // 8 >= 16
+    return THREE_BIT_KEY_HALVES and k_fold and not k_halves and k_bits == 3 and d // 8 >= 16
 
 
 # ---------------------------------------------------------------- layouts
@@ -733,7 +735,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     # the kernel's grouped code paths (its KEYS / VALUES / CALL fields: split_kernel.py decodes them,
     # split_fields below reads them back)
     keys = (bool(k_fold) + 2 * bool(k_halves) + 4 * (k_bits == 3) + 8 * (kp is not dummy32) + 16 * k_sub
-            + 2048 * three_bit_key_halves(d, k_bits, k_fold) + 4096 * means[0][0])
+            + 2048 * three_bit_key_halves(d, k_bits, k_fold, k_halves) + 4096 * means[0][0])
     # value rows at multiples of 8 int16 units that triton cannot see (it specializes strides by 16
     # only): a 3-bit head_dim 128 row is 24 units; told so, the unit tiles load 16 bytes at a time
     # and by cp.async instead of one LDG.U16 per unit (sm_90 loop 2660 -> 1979 SASS instructions; shared

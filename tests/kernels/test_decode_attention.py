@@ -142,7 +142,7 @@ def test_three_bit_paths_are_the_ones_named():
     assert not meta(k_bits=2, v_bits=3, v_group=8, n=32, f=(0, 3))["V_FOLD"]
     halves = meta(k_bits=3, v_bits=8, d=128, rep=2, b=1, h=1, k_group=16, v_group=128, n=48,
                   config=dict(block_n=32, num_splits=1))
-    assert halves["K_HALVES"] and halves["K_HSPLIT"]
+    assert halves["K_HALVES"] and not halves["K_HSPLIT"]  # (plan.THREE_BIT_KEY_HALVES: slower there offline)
     # 3-bit folded keys from head_dim 128 read their rows in halves (K = P / 2 >= 16 for tl.dot);
     # head_dim 64, per-token keys and 2-bit keys keep one (N, P) tile
     assert units["K_HSPLIT"]

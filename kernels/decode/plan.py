@@ -225,6 +225,20 @@ def three_bit_key_halves(d: int, k_bits: int, k_fold: bool, k_halves: bool) -> b
     return THREE_BIT_KEY_HALVES and k_fold and not k_halves and k_bits == 3 and d // 8 >= 16
 
 
+# 3-bit value units of a head_dim 128 row (the kernel's V_HPAIR, where V_ROW8 holds): the high tile
+# aligned with the (PV / 2)-unit low tile in two loads masked by column (the first half's columns,
+# whose high bit is bit 2s, and the second half's, bit 2s + 1; the unpack ORs them, the second
+# shifted down one), instead of one load and a column-dependent select, which kept Triton from
+# carrying the MMA operand layout through the unpack (the 8 value plane tiles went through shared
+# memory: artifacts/bench/three_bit_sass.md). Off: the select (the GPU A/B's other side).
+THREE_BIT_VALUE_PAIR = True
+
+
+def three_bit_value_pair(v_bits: int, v_row8: bool) -> bool:
+    """Whether 3-bit value units load their high tile as two masked tiles (THREE_BIT_VALUE_PAIR)."""
+    return THREE_BIT_VALUE_PAIR and v_bits == 3 and v_row8
+
+
 # ---------------------------------------------------------------- layouts
 
 
@@ -743,7 +757,7 @@ def _prepare(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_bits, v
     v_row8 = bool(v_units and v_fold and v_chunks == 1 and vcs[2] % 16 != 0 and vcs[2] % 8 == 0)
     values = (bool(v_fold) + 2 * bool(v_units) + 4 * _value_sum_products(vpb, k_sub) + 8 * _early_value_scales(v_bits)
               + 16 * bool(v_t) + 32 * (v_bits == 3) + 64 * (vp is not dummy32) + 128 * v_row8 + 256 * v_chunks
-              + 65536 * means[1][0])
+              + 32768 * three_bit_value_pair(v_bits, v_row8) + 65536 * means[1][0])
     call = (bool(has_range) + 2 * bool(has_mask) + 4 * bool(softcap) + 8 * bool(mask_packed) + 16 * has_keep
             + 32 * whole + 64 * rot_q + 256 * max(1, int(keep_block)))
     meta = dict(R=rep, R_PAD=r_pad, D=d, K_BITS=kpb, V_BITS=vpb, K_GROUP=k_group, V_GROUP=v_group,
@@ -763,7 +777,8 @@ def split_fields(meta: dict) -> dict:
             "K_FOLD": bit(k, 0), "K_HALVES": bit(k, 1), "K_HI": bit(k, 2), "K_PERM": bit(k, 3),
             "K_SUB": (k >> 4) & 127, "K_HSPLIT": bit(k, 11), "K_MEAN": k >> 12,
             "V_FOLD": bit(v, 0), "V_UNITS": bit(v, 1), "V_SUM_DOTS": bit(v, 2), "V_EARLY": bit(v, 3),
-            "V_T": bit(v, 4), "V_HI": bit(v, 5), "V_PERM": bit(v, 6), "V_ROW8": bit(v, 7), "V_NCH": (v >> 8) & 255, "V_MEAN": v >> 16,
+            "V_T": bit(v, 4), "V_HI": bit(v, 5), "V_PERM": bit(v, 6), "V_ROW8": bit(v, 7), "V_NCH": (v >> 8) & 127,
+            "V_HPAIR": bit(v, 15), "V_MEAN": v >> 16,
             "HAS_RANGE": bit(c, 0), "HAS_MASK": bit(c, 1), "HAS_SOFTCAP": bit(c, 2), "MASK_PACKED": bit(c, 3),
             "HAS_KEEP": bit(c, 4), "WHOLE": bit(c, 5), "ROT_Q": bit(c, 6), "KEEP_BLOCK": c >> 8}
 

@@ -56,7 +56,8 @@ import triton
 import triton.language as tl
 
 from kvcalib_kernels.decode.common import _column, _dot, _fp_chunk, _softcap, _split_range
-from kvcalib_kernels.decode.unpack import _code_planes, _code_tile, _codes, _key_tiles, _perm4, _unit_planes
+from kvcalib_kernels.decode.unpack import (_code_planes, _code_tile, _codes, _key_tiles, _perm4, _unit_planes,
+                                           _unit_tiles)
 
 @triton.jit
 def _walsh_hadamard_rows(x, ROWS: tl.constexpr, D: tl.constexpr):
@@ -1092,7 +1093,8 @@ def _decode_split_kernel(
     V_HI: tl.constexpr = (VALUES // 32) % 2 != 0  # 3-bit values: a high tile
     V_PERM: tl.constexpr = (VALUES // 64) % 2 != 0  # SKVQ channel permutation
     V_ROW8: tl.constexpr = (VALUES // 128) % 2 != 0  # value code rows every 8k units (stride_vcn % 8 == 0)
-    V_NCH: tl.constexpr = (VALUES // 256) % 256  # value-group chunks per plane
+    V_NCH: tl.constexpr = (VALUES // 256) % 128  # value-group chunks per plane
+    V_HPAIR: tl.constexpr = (VALUES // 32768) % 2 != 0  # 3-bit value units: the high tile in two masked loads
     V_MEAN: tl.constexpr = VALUES // 65536  # TaDA value means: 0, 8 or 16
     HAS_RANGE: tl.constexpr = CALL % 2 != 0  # a packed range per batch row on the device
     HAS_MASK: tl.constexpr = (CALL // 2) % 2 != 0  # a visibility mask
@@ -1283,9 +1285,9 @@ def _decode_split_kernel(
                     vrow = offs_n * stride_vcn
                     if V_ROW8:  # (triton only sees strides divisible by 16: else one 16-bit load a unit)
                         vrow = tl.multiple_of(vrow, 8)
-                    vu, vuh = _code_tile(vc_base + vrow, row_ok, PV // 2, V_HI, V_T)
+                    vu, vuh, vuh2 = _unit_tiles(vc_base + vrow, row_ok, PV // 2, V_HI, V_T, V_HPAIR)
                     vcode0, vhi0, vcode1, vhi1, vcode2, vhi2, vcode3, vhi3 = _unit_planes(vu, V_BITS, V_UNPACK, vuh,
-                                                                                          V_HI)
+                                                                                          V_HI, vuh2, V_HPAIR)
                 else:
                     vb, vbh = _code_tile(vc_base + offs_nv * stride_vcn, _before(offs_nv, end, WHOLE), PV, V_HI)
                     vcode0, vcode1, vcode2, vcode3 = _code_planes(vb, V_BITS, DOT_T, V_UNPACK, vbh, V_HI)  # (BLOCK_N, PV)

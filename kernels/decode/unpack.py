@@ -13,7 +13,8 @@ bits) arrive as a 2-bit tile plus its high tile (:func:`_high_tile`, aligned col
 every helper here takes that pair with ``HI``: plane s reads ``low + 4 * high`` (``1024 + (low + 4 *
 high) * 2**(2 s)`` in the lanes: at most ``1024 + 7 * 64``, still exact), so the kernel folds and
 multiplies them exactly as 2-bit planes. (3-bit folded keys from head_dim 128 read their rows in
-halves instead, :func:`_key_tiles`: no column-dependent select between the loads and the products.) Sides that dequantize per element (per-token keys, value groups
+halves instead, :func:`_key_tiles`, and 3-bit value units of head_dim 128 take the high tile in two
+loads masked by column, :func:`_unit_tiles`: no column-dependent select between the loads and the products.) Sides that dequantize per element (per-token keys, value groups
 narrower than a quarter of the head) take the plain codes: ``unpack=2`` (a few PTX instructions
 per 4 codes) on GPU, ``1`` (the magic-number trick in Triton ops) elsewhere; float32 queries
 take ``0`` (``.to``: exact float32 codes for IEEE products).
@@ -101,7 +102,7 @@ _LANES_ALL_4 = tl.constexpr(_lanes_all_asm(4))
 _LANES_ALL_8 = tl.constexpr(_lanes_all_asm(8))
 
 
-def _lanes_all3_asm(shift: int = 2) -> str:
+def _lanes_all3_asm(shift: int = 2, pair: bool = False) -> str:
     """PTX of :func:`_lanes_all_asm` (2-bit planes) for 3-bit codes, on int16 units (2 a register,
     :func:`_unit_planes`): inputs ``$8`` the 4 low bytes and ``$9`` the 4 aligned high bytes (:func:`_high_tile`: bit 2s of high byte k is the high bit of
     plane s of low byte k). Each plane's lanes are the 2-bit lanes with the high bit ORed in two
@@ -111,9 +112,15 @@ def _lanes_all3_asm(shift: int = 2) -> str:
     (2-bit: 1 + 4 * 2). ``shift`` 1: the high bit of plane s is bit 2s + 1 of high byte k (the
     second half of a key row read in halves, :func:`_key_tiles`), moved one place up to the same
     bit 2s + 2 (the bit below it lands on 2s + 1, outside the mask; so do the exponent bits a
-    shift carries across lanes, into bits 0..1 of the next lane)."""
-    body = ("{ .reg .b32 r_h, r_c, r_e, r_g, r_t; mov.b32 r_c, 0x64006400; "
-            f"prmt.b32 r_h, $8, r_c, 0x7351; shl.b32 r_e, $9, {shift}; prmt.b32 r_g, $9, r_c, 0x7351; "
+    shift carries across lanes, into bits 0..1 of the next lane). ``pair`` (value units read with
+    :func:`_unit_tiles` PAIR): ``$9`` holds the high units of the rows whose high bit is bit 2s and
+    ``$10`` those of the rows whose high bit is bit 2s + 1 (each zero where the other is loaded):
+    ``$9 | $10 >> 1`` is the aligned high word (the bits a shift moves across bytes land on bit 7,
+    which no plane reads), 2 more instructions per 4 bytes."""
+    hw = "r_x" if pair else "$9"
+    body = ("{ .reg .b32 r_h, r_c, r_e, r_g, r_t" + (", r_x" if pair else "") + "; mov.b32 r_c, 0x64006400; "
+            + ("shr.b32 r_x, $10, 1; or.b32 r_x, r_x, $9; " if pair else "")
+            + f"prmt.b32 r_h, $8, r_c, 0x7351; shl.b32 r_e, {hw}, {shift}; prmt.b32 r_g, {hw}, r_c, 0x7351; "
             f"shl.b32 r_g, r_g, {shift}; ")
     for s in range(4):
         m = 3 << (2 * s)  # the plane's low bits in each 16-bit lane
@@ -127,6 +134,7 @@ def _lanes_all3_asm(shift: int = 2) -> str:
 
 _LANES_ALL_3 = tl.constexpr(_lanes_all3_asm())
 _LANES_ALL_3_ODD = tl.constexpr(_lanes_all3_asm(1))  # high bit 2s + 1 (a key row's second half)
+_LANES_ALL_3_PAIR = tl.constexpr(_lanes_all3_asm(2, True))  # value units' high tile in two masked loads
 
 
 @triton.jit
@@ -172,6 +180,33 @@ def _code_tile(rows, row_ok, P: tl.constexpr, HI: tl.constexpr, T: tl.constexpr 
 
 
 @triton.jit
+def _unit_tiles(rows, row_ok, P: tl.constexpr, HI: tl.constexpr, T: tl.constexpr, PAIR: tl.constexpr):
+    """Value unit tiles (lo, hi, hi_b): :func:`_code_tile` (lo, hi, hi), or PAIR (3-bit codes) the
+    high units in two loads at the same offsets as :func:`_high_tile`'s, masked by column: hi the
+    columns j < P / 2 (whose high bit is bit 2s of high unit j), hi_b the others (bit 2s + 1 of
+    unit j - P / 2), each 0 where the other is loaded; ``hi | hi_b >> 1`` is the aligned tile
+    (:func:`_unit_planes` with PAIR). The column-dependent part is the loads' masks, not an op
+    between the loads and the products: the select sent the 8 value plane tiles through shared
+    memory, the masks keep the MMA operand layout (artifacts/bench/three_bit_sass.md)."""
+    if PAIR:
+        HALF: tl.constexpr = P // 2
+        offs = tl.arange(0, P)
+        high = P + offs % HALF
+        if T:
+            lo = tl.load(rows[None, :] + offs[:, None], mask=row_ok[None, :], other=0)  # (P, N)
+            hi = tl.load(rows[None, :] + high[:, None], mask=row_ok[None, :] & (offs < HALF)[:, None], other=0)
+            hi_b = tl.load(rows[None, :] + high[:, None], mask=row_ok[None, :] & (offs >= HALF)[:, None], other=0)
+        else:
+            lo = tl.load(rows[:, None] + offs[None, :], mask=row_ok[:, None], other=0)  # (N, P)
+            hi = tl.load(rows[:, None] + high[None, :], mask=row_ok[:, None] & (offs < HALF)[None, :], other=0)
+            hi_b = tl.load(rows[:, None] + high[None, :], mask=row_ok[:, None] & (offs >= HALF)[None, :], other=0)
+    else:
+        lo, hi = _code_tile(rows, row_ok, P, HI, T)
+        hi_b = hi
+    return lo, hi, hi_b
+
+
+@triton.jit
 def _key_tiles(rows, row_ok, P: tl.constexpr, HI: tl.constexpr, HSPLIT: tl.constexpr):
     """A block's key code tiles: (lo, lo, hi) of :func:`_code_tile` (N, P), or HSPLIT (3-bit codes
     read in halves, P / 2 >= 16): (lo_a, lo_b, h) (N, P / 2) each -- low units [0, P / 2) and
@@ -209,7 +244,8 @@ def _unit_lanes(u, SHIFT: tl.constexpr, BITS: tl.constexpr, h=None, HI: tl.const
 
 
 @triton.jit
-def _unit_planes(x, BITS: tl.constexpr, UNPACK: tl.constexpr, xh=None, HI: tl.constexpr = False):
+def _unit_planes(x, BITS: tl.constexpr, UNPACK: tl.constexpr, xh=None, HI: tl.constexpr = False, xh2=None,
+                 PAIR: tl.constexpr = False):
     """All planes of an int16 tile of code units (N, P / 2), unit u = bytes 2u (low) and 2u + 1
     (high) of a token's code row, as float16 lanes ``1024 + (byte & (mask << s * BITS))``: 8 tiles
     (lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3), plane s of the low and of the high byte (tiles past
@@ -218,9 +254,14 @@ def _unit_planes(x, BITS: tl.constexpr, UNPACK: tl.constexpr, xh=None, HI: tl.co
     reaches the MMA through ``ldmatrix.trans`` of 16-bit units instead of byte loads and permutes.
     UNPACK 5: the PTX block of :func:`_lanes_all_asm` on 2 units per 32-bit register (its byte
     pairs (0, 2) and (1, 3) are then the low and the high bytes of the two units); 6: Triton ops.
-    HI (3-bit codes, BITS 2): xh the aligned high units (:func:`_high_tile`), planes of 3 bits."""
+    HI (3-bit codes, BITS 2): xh the aligned high units (:func:`_high_tile`), planes of 3 bits;
+    PAIR: xh, xh2 the two masked high tiles of :func:`_unit_tiles` (aligned: ``xh | xh2 >> 1``)."""
     if UNPACK == 5:
-        if HI:
+        if HI and PAIR:
+            l0, h0, l1, h1, l2, h2, l3, h3 = tl.inline_asm_elementwise(
+                _LANES_ALL_3_PAIR, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [x, xh, xh2], dtype=(tl.float16,) * 8,
+                is_pure=True, pack=2)
+        elif HI:
             l0, h0, l1, h1, l2, h2, l3, h3 = tl.inline_asm_elementwise(
                 _LANES_ALL_3, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [x, xh], dtype=(tl.float16,) * 8, is_pure=True,
                 pack=2)
@@ -240,6 +281,8 @@ def _unit_planes(x, BITS: tl.constexpr, UNPACK: tl.constexpr, xh=None, HI: tl.co
         uh = u
         if HI:
             uh = xh.to(tl.uint16, bitcast=True)
+            if PAIR:
+                uh = uh | (xh2.to(tl.uint16, bitcast=True) >> 1)
         l0, h0 = _unit_lanes(u, 0, BITS, uh, HI)
         l1, h1, l2, h2, l3, h3 = l0, h0, l0, h0, l0, h0
         if BITS < 8:

@@ -139,6 +139,10 @@ def test_three_bit_paths_are_the_ones_named():
     # triton cannot see; 2-bit rows (16 units) need no telling, so their kernel stays as it was
     assert units["V_ROW8"]
     assert not meta(k_bits=3, v_bits=2, d=128, rep=1, b=1, k_group=32, v_group=128, n=32)["V_ROW8"]
+    # and their high tile comes in two loads masked by column (V_HPAIR: no column-dependent select
+    # between the loads and the products); 2-bit values have no high tile
+    assert units["V_HPAIR"]
+    assert not meta(k_bits=3, v_bits=2, d=128, rep=1, b=1, k_group=32, v_group=128, n=32)["V_HPAIR"]
     assert not meta(k_bits=2, v_bits=3, v_group=8, n=32, f=(0, 3))["V_FOLD"]
     halves = meta(k_bits=3, v_bits=8, d=128, rep=2, b=1, h=1, k_group=16, v_group=128, n=48,
                   config=dict(block_n=32, num_splits=1))

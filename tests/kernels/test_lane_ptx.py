@@ -43,7 +43,7 @@ def _run_ptx(src: str, word: int, n_out: int, *more: int) -> list[int]:
         tok = tok.strip()
         return int(tok, 0) if tok[0].isdigit() else regs[tok]
 
-    for ins in re.findall(r"(mov|prmt|lop3|and|shl)\.b32 ([^;]+);", src):
+    for ins in re.findall(r"(mov|prmt|lop3|and|or|shl|shr)\.b32 ([^;]+);", src):
         op, args = ins[0], [t.strip() for t in ins[1].split(",")]
         if op == "mov":
             regs[args[0]] = val(args[1])
@@ -53,6 +53,10 @@ def _run_ptx(src: str, word: int, n_out: int, *more: int) -> list[int]:
             regs[args[0]] = _lop3(val(args[1]), val(args[2]), val(args[3]), val(args[4]))
         elif op == "shl":
             regs[args[0]] = (val(args[1]) << val(args[2])) & 0xFFFFFFFF
+        elif op == "shr":
+            regs[args[0]] = val(args[1]) >> val(args[2])
+        elif op == "or":
+            regs[args[0]] = val(args[1]) | val(args[2])
         else:
             regs[args[0]] = val(args[1]) & val(args[2])
     return [regs[f"${i}"] for i in range(n_out)]
@@ -94,3 +98,23 @@ def test_three_bit_ptx_matches_lanes(shift):
             want = [0x6400 | (low[i] & (3 << 2 * s)) | (((high[i] >> hb) & 1) << (2 * s + 2)) for i in (0, 2, 1, 3)]
             got = [outs[2 * s] & 0xFFFF, outs[2 * s] >> 16, outs[2 * s + 1] & 0xFFFF, outs[2 * s + 1] >> 16]
             assert got == want, (s, low, high, [hex(g) for g in got], [hex(w) for w in want])
+
+
+def test_three_bit_pair_ptx_matches_lanes():
+    """3-bit value units with the high tile in two masked loads (:func:`unpack._unit_tiles` PAIR):
+    ``$9`` the high bytes of the columns whose high bit is bit 2s (zero in the others), ``$10``
+    those whose high bit is bit 2s + 1 (zero where ``$9`` is loaded): per plane the lanes of the
+    aligned tile, whichever of the two a register's columns read."""
+    src = unpack._lanes_all3_asm(2, True)
+    rng = random.Random(7)
+    for _ in range(1000):
+        low = [rng.randrange(256) for _ in range(4)]
+        high = [rng.randrange(256) for _ in range(4)]
+        odd = rng.random() < 0.5  # the register's columns are in the second half (a register holds one row's)
+        hw = sum(x << (8 * i) for i, x in enumerate(high))
+        outs = _run_ptx(src, sum(x << (8 * i) for i, x in enumerate(low)), 8, 0 if odd else hw, hw if odd else 0)
+        for s in range(4):
+            hb = 2 * s + odd  # the high bit's place in the high byte
+            want = [0x6400 | (low[i] & (3 << 2 * s)) | (((high[i] >> hb) & 1) << (2 * s + 2)) for i in (0, 2, 1, 3)]
+            got = [outs[2 * s] & 0xFFFF, outs[2 * s] >> 16, outs[2 * s + 1] & 0xFFFF, outs[2 * s + 1] >> 16]
+            assert got == want, (s, odd, low, high, [hex(g) for g in got], [hex(w) for w in want])

@@ -56,12 +56,14 @@ def _halves_kernel(C, OUT, stride_n, N: tl.constexpr, P: tl.constexpr, UNPACK: t
 
 
 @triton.jit
-def _units_kernel(C, OUT, stride_n, N: tl.constexpr, U: tl.constexpr, UNPACK: tl.constexpr, T: tl.constexpr):
+def _units_kernel(C, OUT, stride_n, N: tl.constexpr, U: tl.constexpr, UNPACK: tl.constexpr, T: tl.constexpr,
+                  PAIR: tl.constexpr):
     """OUT (8, N, U) float32: (low byte, high byte) lanes of planes 0..3 of the (N, U) int16 unit
-    tile (loaded transposed when T, then transposed back here)."""
+    tile (loaded transposed when T, then transposed back here; PAIR: the high tile in two masked
+    loads, the split kernel's V_HPAIR)."""
     offs_n = tl.arange(0, N)
-    lo, hi = unpack._code_tile(C + offs_n * stride_n, offs_n < N, U, True, T)
-    l0, h0, l1, h1, l2, h2, l3, h3 = unpack._unit_planes(lo, 2, UNPACK, hi, True)
+    lo, hi, hi_b = unpack._unit_tiles(C + offs_n * stride_n, offs_n < N, U, True, T, PAIR)
+    l0, h0, l1, h1, l2, h2, l3, h3 = unpack._unit_planes(lo, 2, UNPACK, hi, True, hi_b, PAIR)
     o = OUT + offs_n[:, None] * U + tl.arange(0, U)[None, :]
     if T:
         l0, h0, l1, h1 = tl.trans(l0), tl.trans(h0), tl.trans(l1), tl.trans(h1)
@@ -129,13 +131,14 @@ def test_byte_tile_halves(d, unpack_mode, warps):
 
 
 @pytest.mark.parametrize("unpack_mode", [m for m in UNPACKS if m in (5, 6)], ids=lambda u: f"unpack{u}")
+@pytest.mark.parametrize("pair", [False, True], ids=["select", "pair"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
-def test_unit_tiles(transposed, unpack_mode):
+def test_unit_tiles(transposed, unpack_mode, pair):
     d = 128
     codes, packed = _codes(16, d, 7)
     units = packed.view(torch.int16)  # (N, 3 D / 16): two bytes a unit
     out = torch.full((8, 16, d // 8), -1.0, device=DEVICE)  # (8, N, U): poisoned
-    _units_kernel[(1,)](units.to(DEVICE), out, units.shape[1], 16, d // 8, unpack_mode, transposed)
+    _units_kernel[(1,)](units.to(DEVICE), out, units.shape[1], 16, d // 8, unpack_mode, transposed, pair)
     got = out.cpu().double()
     for s in range(4):
         want = _want(codes, s, True)  # (N, D/4): unit u holds columns 2u (low byte) and 2u + 1 (high)

@@ -97,7 +97,7 @@ __all__ = [
     "schedule_ages",
 ]
 
-TIER_BITS = (2, 4, 8, 16)  # 16 = full precision
+TIER_BITS = (2, 3, 4, 8, 16)  # 16 = full precision; a 3-bit layer's tokens halve to 2 bits
 PRESETS = ("old-heavy", "middle-heavy", "new-heavy")
 SCALE_BYTES = 2  # float16 scale and zero
 
@@ -259,7 +259,7 @@ class Schedule:
     def from_layer(cls, cfg: LayerConfig, ages: Sequence[int] = (1024, 4096)) -> "Schedule":
         """The layer's config (sinks, window, bits) followed by halving the bits at each age in ``ages``.
 
-        8 -> 4 -> 2 (a side at 2 bits stays, a side at 16 stays 16); steps that change nothing are
+        8 -> 4 -> 2 and 3 -> 2 (a side at 2 bits stays, a side at 16 stays 16); steps that change nothing are
         dropped. ``ages`` must be increasing and beyond the window.
         """
         tiers = []

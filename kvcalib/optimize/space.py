@@ -1,6 +1,6 @@
 """The search space: what the search may choose, per layer and globally.
 
-Per layer ``i``: ``k{i}``/``v{i}`` key and value bits in ``bits`` (a subset of {2, 3, 4, 8}; default {2, 4, 8}), and one
+Per layer ``i``: ``k{i}``/``v{i}`` key and value bits in ``bits`` (a subset of {2, 3, 4, 8}; default all four), and one
 on/off switch ``{method}{i}`` per method in ``layer_methods`` (a subset of the registry's
 per-layer switches, :func:`layer_switches`: today ``center``, ``reorder``, ``clip``, which fit K
 and V apart, and ``outliers``, OTT's pool, fitted on the whole layer). Global: ``group`` (tokens per key group,
@@ -12,7 +12,7 @@ the window; see :class:`~kvcalib.layout.LayerConfig`), so any sampled pair is va
 
 A space file is JSON or YAML with any subset of the keys of :class:`SearchSpace`::
 
-    {"bits": [2, 4, 8], "groups": [32, 64], "windows": [64, 128], "sinks": [0, 4],
+    {"bits": [2, 3, 4, 8], "groups": [32, 64], "windows": [64, 128], "sinks": [0, 4],
      "layer_methods": ["rotate", "clip"], "schedules": ["none"]}
 
 Unknown keys, an empty file and values outside the allowed sets are refused with a
@@ -58,14 +58,13 @@ NO_SCHEDULE = _SCHEDULES.search_off
 
 # the default space's widths: each decodes in the fused kernel faster than bf16 attention
 # (tests/unit/test_default_space_kernel.py samples the space and checks each layer's kernel path).
-# 3-bit codes decode in the kernel too (a 2-bit tile plus its high-bit tile), but one attention call
-# of the Mistral-7B shape (H200, CUDA-graph time against bf16 SDPA's; artifacts/bench/HISTORY.md)
-# runs 1.12x at batch 8 / 32k and 0.86-0.94x at batch 1 and at 4k, against 3.4x for 2-bit: a 7B
-# model at long context would decode its 3-bit layers at about bf16's speed. So a space opts in to
-# them (scripts/spaces/rotate-3bit.json) until the kernel reads them faster than bf16 everywhere
-# (on SmolLM2, where attention is a small part of a step, they decode at 4.2-6.7x bf16 `generate` in
-# the CUDA-graph modes: artifacts/bench/real_model.md, runs f and g)
-SEARCH_BITS = (2, 4, 8)
+# 3-bit codes (a 2-bit tile plus its high-bit tile) joined once the kernel read them faster than bf16
+# everywhere it was measured: one attention call of the Mistral-7B shape (H200, CUDA-graph time
+# against bf16 SDPA's, artifacts/bench/HISTORY.md, "3-bit loop without the selects") runs 1.24x /
+# 1.62x at batch 1 and 4k / 32k, 1.53x / 2.02x at batch 8 (2-bit: 1.41-3.60x); on SmolLM2 (head_dim
+# 64) the 3-bit-code recipes decode at 4.6-6.7x bf16 `generate` in the CUDA-graph modes
+# (artifacts/bench/real_model.md, runs f-h). Before that change 3 bits were opt-in (1.05-1.09x).
+SEARCH_BITS = (2, 3, 4, 8)
 ALLOWED_SEARCH_BITS = (2, 3, 4, 8)  # widths a space may name
 
 

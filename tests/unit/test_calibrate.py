@@ -744,9 +744,10 @@ def test_schedule_validation():
     for tiers, msg in bad:
         with pytest.raises(ValueError, match=msg):
             Schedule(tiers)
-    for args in ((0, 3, 4), (0, 4, 32), (-1, 4, 4), (0, True, 4)):
+    for args in ((0, 5, 4), (0, 4, 32), (-1, 4, 4), (0, True, 4)):
         with pytest.raises(ValueError):
             Tier(*args)
+    assert Tier(0, 3, 2).k_bits == 3  # 3-bit tiers: a 3-bit layer (default space) halves to 2
     with pytest.raises(ValueError):
         Schedule((Tier(0, 4, 4),), sinks=-1)
     with pytest.raises(ValueError, match="unknown keys"):

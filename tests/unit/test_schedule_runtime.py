@@ -25,6 +25,9 @@ CFG = LayerConfig(k_bits=8, v_bits=4, k_group=8, v_group=8, window=8, sinks=2)
 TIERS = [[0, 16, 16], [8, 8, 4], [24, 4, 4], [48, 2, 2]]
 TOKEN_K = LayerConfig(k_bits=8, v_bits=8, k_axis="token", k_group=8, v_group=8, window=8)
 TOKEN_TIERS = [[0, 16, 16], [8, 8, 8], [20, 4, 2]]
+# a 3-bit layer (3 bits joined the default search space, and from_layer halves 3 to 2)
+THREE = LayerConfig(k_bits=3, v_bits=3, k_group=8, v_group=8, window=8, sinks=2)
+THREE_TIERS = [[0, 16, 16], [8, 3, 3], [24, 2, 3], [48, 2, 2]]
 
 
 def tier_recipe(cfg: LayerConfig, tiers, pools=None) -> Recipe:
@@ -35,10 +38,10 @@ def tier_recipe(cfg: LayerConfig, tiers, pools=None) -> Recipe:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("case", ["schedule", "schedule+outliers", "token-keys"])
+@pytest.mark.parametrize("case", ["schedule", "schedule+outliers", "token-keys", "three-bit"])
 @pytest.mark.parametrize("prompt_len", [1, 70])  # 70: a fresh block jumps straight to the last tier
 def test_simulation_matches_decode_with_tiers(arch, case, prompt_len):
-    cfg, tiers = (TOKEN_K, TOKEN_TIERS) if case == "token-keys" else (CFG, TIERS)
+    cfg, tiers = {"token-keys": (TOKEN_K, TOKEN_TIERS), "three-bit": (THREE, THREE_TIERS)}.get(case, (CFG, TIERS))
     model = tiny_model(arch).double()
     ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(1))
     rec = tier_recipe(cfg, tiers, pools=3 if case == "schedule+outliers" else None)

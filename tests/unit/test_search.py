@@ -22,7 +22,7 @@ def test_default_space_and_files(tmp_path):
     from kvcalib.optimize.space import SearchSpace
 
     s = SearchSpace()
-    assert s.bits == (2, 4, 8) and "clip" in s.layer_methods
+    assert s.bits == (2, 3, 4, 8) and "clip" in s.layer_methods
     f = tmp_path / "space.yaml"
     f.write_text("bits: [2, 4]\ngroups: [32]\nwindows: [32, 64]\n")
     s2 = SearchSpace.from_file(f)

@@ -100,10 +100,22 @@ class Target:
         return {"kind": self.kind, "layer": self.layer, "head": head, "side": side}
 
 
+@dataclass(frozen=True)
+class Allocation:
+    """A whole cache's per-head widths (``experiments/head_bits.py``): ``groups[layer]`` lists
+    ``(kv heads, sides, codec)``, each codec quantizing those heads' sides at its own bits; heads
+    not listed stay in full precision. ``kind`` names the row."""
+
+    kind: str
+    groups: dict  # layer -> list[tuple[tuple[int, ...], tuple[str, ...], LayerCodec]]
+
+    def row_key(self) -> dict:
+        return {"kind": self.kind, "layer": None, "head": None, "side": None}
+
+
 @dataclass
 class _State:
-    target: Target
-    codec: object  # kvcalib.codec.LayerCodec of the measured layout
+    groups: dict  # layer -> list[(heads, sides, codec)]: what the hooked attention quantizes there
     prompt_len: int
 
 
@@ -168,17 +180,19 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)  # (B, C, Hq, D)
     state = _STATE
-    if state is None or int(module.layer_idx) != state.target.layer or query.shape[2] == key.shape[2]:
+    groups = None if state is None else state.groups.get(int(module.layer_idx))
+    if not groups or query.shape[2] == key.shape[2]:
         return out, weights
     if kwargs.get("softcap") or getattr(module, "sliding_window", None):
         raise ValueError("head_sensitivity covers full-attention layers without softcapping")
     rep = query.shape[1] // key.shape[1]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    got = quantized_heads_attention(query, key, value, state.codec, state.target.heads, state.target.sides,
-                                    state.prompt_len, scale)  # (B, n * rep, C, D)
-    qheads = [h * rep + r for h in state.target.heads for r in range(rep)]
     out = out.clone()
-    out[:, :, qheads] = got.transpose(1, 2).to(out.dtype)
+    for heads, sides, codec in groups:
+        got = quantized_heads_attention(query, key, value, codec, heads, sides, state.prompt_len,
+                                        scale)  # (B, n * rep, C, D)
+        qheads = [h * rep + r for h in heads for r in range(rep)]
+        out[:, :, qheads] = got.transpose(1, 2).to(out.dtype)
     return out, weights
 
 
@@ -199,9 +213,14 @@ def hooked(model) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def target(t: Target | None, codec, prompt_len: int) -> Iterator[None]:
+def target(t: Target | Allocation | None, codec, prompt_len: int) -> Iterator[None]:
+    """Within the block the hooked attention quantizes ``t``'s heads (an :class:`Allocation`: its
+    own codecs; a :class:`Target`: ``codec``)."""
     global _STATE
-    _STATE = None if t is None or t.layer is None else _State(t, codec, prompt_len)
+    if isinstance(t, Allocation):
+        _STATE = _State(t.groups, prompt_len)
+    else:
+        _STATE = None if t is None or t.layer is None else _State({t.layer: [(t.heads, t.sides, codec)]}, prompt_len)
     try:
         yield
     finally:
@@ -281,7 +300,7 @@ def measure(model, sets: dict[str, torch.Tensor], targets: Sequence[Target], cod
                     row[f"{name}_kl"] += [kl_to_reference(torch.log_softmax(ref[i].double(), -1), logits[i], 0)
                                           for i in range(ids.shape[0])]
                     if bar is not None:
-                        bar.advance(1, info=f"{name} {tgt.kind} L{tgt.layer} h{row['head']} {row['side']}")
+                        bar.advance(1, info=f"{name} {tgt.kind} L{row['layer']} h{row['head']} {row['side']}")
                 del prefix, ref
     return rows
 
@@ -415,6 +434,23 @@ def git_commit() -> str:
         return os.environ.get("GIT_COMMIT", "unknown")
 
 
+def window_sets(args, tok, texts: Sequence[str] | None):
+    """The evaluation windows of ``args.data`` (or ``texts``) and the window sets to score: ``ppl``
+    (B, context) and, from the first ``--copy-windows``, ``copy``. Returns (windows, sets, copies)."""
+    from kvcalib.eval.copy import copy_windows
+    from kvcalib.eval.harness import eval_texts
+    from kvcalib.eval.windows import eval_windows, leading_bos
+
+    win = eval_windows(list(texts) if texts is not None else eval_texts(args.data), tok, args.context, args.windows,
+                       args.seed, what=f"the evaluation split of {args.data}")
+    n_copy = args.windows if args.copy_windows is None else min(args.copy_windows, args.windows)
+    sets = {"ppl": win.ids}
+    if n_copy:
+        offset = 1 if leading_bos(tok) is not None else 0
+        sets["copy"] = copy_windows(win.ids[:n_copy], args.score_last, offset).ids
+    return win, sets, n_copy
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m experiments.head_sensitivity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -463,9 +499,6 @@ def main(argv: Sequence[str] | None = None, loaded=None, texts: Sequence[str] | 
     torch.manual_seed(args.seed)
     from benchmarks.long_context import machine
     from kvcalib.codec import LayerCodec
-    from kvcalib.eval.copy import copy_windows
-    from kvcalib.eval.harness import eval_texts
-    from kvcalib.eval.windows import eval_windows, leading_bos
     from kvcalib.layout import LayerConfig
     from kvcalib.models import load_model
     from kvcalib.progress import ProgressBar
@@ -481,13 +514,7 @@ def main(argv: Sequence[str] | None = None, loaded=None, texts: Sequence[str] | 
     cfg.check_head_dim(info.head_dim)
     codec = LayerCodec(cfg)
     prompt_len = args.context - args.score_last
-    win = eval_windows(list(texts) if texts is not None else eval_texts(args.data), tok, args.context, args.windows,
-                       args.seed, what=f"the evaluation split of {args.data}")
-    n_copy = args.windows if args.copy_windows is None else min(args.copy_windows, args.windows)
-    sets = {"ppl": win.ids}
-    if n_copy:
-        offset = 1 if leading_bos(tok) is not None else 0
-        sets["copy"] = copy_windows(win.ids[:n_copy], args.score_last, offset).ids
+    win, sets, n_copy = window_sets(args, tok, texts)
     layers = parse_layers(args.layers, info.num_layers)
     sides = tuple(s for s in args.sides.split(",") if s)
     targets = targets_for(layers, info.num_kv_heads, sides)

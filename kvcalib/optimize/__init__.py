@@ -1,4 +1,4 @@
-"""``kvcalib search``: Optuna per-layer {2,4,8}-bit search for the best recipe under a memory budget.
+"""``kvcalib search``: Optuna per-layer {2,3,4,8}-bit search for the best recipe under a memory budget.
 
 Phases, all into one run folder (never overwritten; ``resume`` continues it):
 

@@ -99,25 +99,9 @@ open(f"{OUT_DIR}/k{bits}_b{block_n}_w{warps}_u{unpack}.sass", "w").write(sass)
 import collections
 c = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.M))
 print("SASS total", sum(c.values()))
-ins=[]; addr_of_label={}; cur=None
-for l in sass.splitlines():
-    m=re.match(r"\.L_x_(\d+):",l.strip())
-    if m: cur=m.group(1); continue
-    m2=re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);",l)
-    if m2:
-        a=int(m2.group(1),16); ins.append((a,m2.group(2)))
-        if cur is not None: addr_of_label[cur]=a; cur=None
-loops=[]
-for a,t in ins:
-    m=re.search(r"BRA.*?\.L_x_(\d+)",t)
-    if m and m.group(1) in addr_of_label and addr_of_label[m.group(1)]<a:
-        body=[x for x in ins if addr_of_label[m.group(1)]<=x[0]<=a]
-        cc=collections.Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)",x[1]).group(1) for x in body)
-        loops.append((len(body),cc.most_common()))
-# the packed loop: the largest backward branch whose body has no bfloat16 MMA (those are the
-# full-precision chunk's; regions spanning both branches of the kernel are not the loop)
-packed = [L for L in loops if not any(op.endswith(".BF16") for op, _ in L[1])]
-for L in sorted(packed or loops, reverse=True)[:1]: print("main loop", (L[0], L[1][:16]))
+from experiments.sass_loopdiff import main_loop  # the packed loop: experiments/sass_loopdiff.py's rule
+n_loop, loop_ops = main_loop(sass)
+print("main loop", (n_loop, loop_ops.most_common(16)))
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 usage = subprocess.run([cuobjdump, "--dump-resource-usage", f"{OUT_DIR}/k{bits}_b{block_n}_w{warps}_u{unpack}.cubin"],
                        capture_output=True, text=True).stdout

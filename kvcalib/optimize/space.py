@@ -62,7 +62,7 @@ NO_SCHEDULE = _SCHEDULES.search_off
 # everywhere it was measured: one attention call of the Mistral-7B shape (H200, CUDA-graph time
 # against bf16 SDPA's, artifacts/bench/HISTORY.md, "3-bit loop without the selects") runs 1.24x /
 # 1.62x at batch 1 and 4k / 32k, 1.53x / 2.02x at batch 8 (2-bit: 1.41-3.60x); on SmolLM2 (head_dim
-# 64) the 3-bit-code recipes decode at 4.6-6.7x bf16 `generate` in the CUDA-graph modes
+# 64) the 3-bit-code recipes decode at 4.2-6.7x bf16 `generate` in the CUDA-graph modes
 # (artifacts/bench/real_model.md, runs f-h). Before that change 3 bits were opt-in (1.05-1.09x).
 SEARCH_BITS = (2, 3, 4, 8)
 ALLOWED_SEARCH_BITS = (2, 3, 4, 8)  # widths a space may name

@@ -654,9 +654,10 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
     if config.resume and not has_stats:
         raise KvcalibError(f"nothing to resume in {run_dir}: it holds no stats.safetensors / study.")
     if config.storage:  # an unreachable shared storage fails before any model loading or collection
-        from kvcalib.optimize.study import open_storage
+        from kvcalib.optimize.study import probed_storage
 
-        open_storage(config.storage)
+        with probed_storage(config.storage):
+            pass
     from kvcalib.optimize import guards
 
     if config.context is None:  # the model's maximum from its config on this machine, where it is (else after loading)

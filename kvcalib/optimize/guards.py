@@ -105,10 +105,10 @@ def check_study_before_work(config: "SearchConfig") -> None:
         url = f"sqlite:///{db.resolve()}"
     else:
         url = config.storage
-    from kvcalib.optimize.study import open_storage
+    from kvcalib.optimize.study import probed_storage
 
-    storage = open_storage(url)
-    studies = {s.study_name: s for s in storage.get_all_studies()}
+    with probed_storage(url) as storage:
+        studies = {s.study_name: s for s in storage.get_all_studies()}
     if config.study not in studies:
         if config.resume:
             raise KvcalibError(f"no study {config.study!r} in {url} to resume: drop --resume to start it, or pass "
@@ -171,9 +171,10 @@ def _finished_trials(db: Path, name: str) -> bool:
     try:
         import optuna
 
-        from kvcalib.optimize.study import finished_count, open_storage
+        from kvcalib.optimize.study import finished_count, probed_storage
 
-        return finished_count(optuna.load_study(study_name=name, storage=open_storage(f"sqlite:///{db.resolve()}"))) > 0
+        with probed_storage(f"sqlite:///{db.resolve()}") as storage:
+            return finished_count(optuna.load_study(study_name=name, storage=storage)) > 0
     except Exception:  # noqa: BLE001
         return True
 
@@ -216,7 +217,7 @@ def storage_lost(config: "SearchConfig") -> str | None:
     """After a search failed with an error nobody named: one line when its study storage no longer
     holds the study (moved, deleted or rewritten while the search ran: Optuna then fails with
     errors such as "Cannot tell a WAITING trial"), else None (the storage is intact: a bug)."""
-    from kvcalib.optimize.study import open_storage, storage_url
+    from kvcalib.optimize.study import probed_storage, storage_url
 
     url = storage_url(config.storage, Path(config.out))
     path = None
@@ -227,7 +228,8 @@ def storage_lost(config: "SearchConfig") -> str | None:
     if path is not None and not path.is_file():
         return f"the study storage {path} disappeared while the search ran: restore it"
     try:
-        names = {s.study_name for s in open_storage(url).get_all_studies()}
+        with probed_storage(url) as storage:
+            names = {s.study_name for s in storage.get_all_studies()}
     except Exception as err:  # noqa: BLE001  (whatever the backend raises: it cannot be read)
         return f"the study storage {url} cannot be read any more ({type(err).__name__}): restore it"
     if config.study not in names:

@@ -203,6 +203,28 @@ def open_storage(url: str, heartbeat: int | None = None):
                               if isinstance(err, ImportError) else "") + ".") from None
 
 
+@contextlib.contextmanager
+def probed_storage(url: str) -> Iterator[Any]:
+    """``open_storage(url)`` for one look (does the study exist, is the server up), its connections
+    closed on the way out. Why: Optuna's RDBStorage has no ``__del__``, so an engine opened for a
+    probe keeps its pooled connection until the garbage collector finds it; a process that probes
+    often (the storage check after an error, a test polling a study) then runs a PostgreSQL server
+    out of its ``max_connections`` ("sorry, too many clients already", CI stop 58)."""
+    storage = open_storage(url)
+    try:
+        yield storage
+    finally:
+        close_storage(storage)
+
+
+def close_storage(storage: Any) -> None:
+    """Close the pooled connections of an RDB storage (a journal storage holds none). The storage
+    stays usable: SQLAlchemy opens a fresh pool on its next call."""
+    engine = getattr(storage, "engine", None)
+    if engine is not None:
+        engine.dispose()
+
+
 def _retry_callback() -> dict[str, Any]:
     """RDBStorage's stale-trial callback argument: Optuna's retry of a trial whose worker stopped
     beating, each point retried at most twice. Optuna 4.9 renamed both

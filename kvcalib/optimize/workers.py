@@ -138,9 +138,10 @@ def search_workers(config, *, progress: bool = True):
         raise KvcalibError(f"nothing to resume in {run}: it holds no {worker_dir(run, 0).name}/stats.safetensors.")
     run.mkdir(parents=True, exist_ok=True)
     storage = config.storage or f"sqlite:///{run.resolve() / 'study.db'}"
-    from kvcalib.optimize.study import open_storage
+    from kvcalib.optimize.study import probed_storage
 
-    open_storage(storage)  # an unreachable storage fails here, before any worker starts
+    with probed_storage(storage):  # an unreachable storage fails here, before any worker starts
+        pass
     spec = {"config": config_to_json(config), "storage": storage, "workers": n, "gpus": list(gpus)}
     from kvcalib.io import write_json_atomic
 

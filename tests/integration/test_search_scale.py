@@ -67,14 +67,21 @@ def start(cmd: list[str], cwd: Path, sleep: float, log: str, inputs: Path) -> su
                             stderr=open(cwd / f"{log}.err", "w"))
 
 
+_STORAGES: dict = {}  # url -> one storage for every look this process takes
+
+
 def load(url: str, name: str, missing_ok: bool = False):
-    """The study ``name`` (None when ``missing_ok`` and no worker has made it yet)."""
+    """The study ``name`` (None when ``missing_ok`` and no worker has made it yet). One storage per
+    URL: a test polls every 0.2 s for minutes, and a storage opened per poll kept its pooled
+    connection until garbage collection, which ran the server out of connections (CI stop 58)."""
     import optuna
 
     from kvcalib.optimize.study import open_storage
 
+    if url not in _STORAGES:
+        _STORAGES[url] = open_storage(url)
     try:
-        return optuna.load_study(study_name=name, storage=open_storage(url))
+        return optuna.load_study(study_name=name, storage=_STORAGES[url])
     except KeyError:
         if missing_ok:
             return None
@@ -98,7 +105,36 @@ def pg():
     server = postgres.PostgresServer()
     server.start()
     yield server
+    from kvcalib.optimize.study import close_storage
+
+    if server.url in _STORAGES:
+        close_storage(_STORAGES.pop(server.url))
     server.close()
+
+
+# ------------------------------------------------------------------ probes close their connections
+def test_probes_close_their_connections(pg):
+    """More probes than the server takes connections (max_connections=100), the garbage collector
+    off: each probe (``probed_storage``, and ``storage_lost``, which the CLI calls after an error)
+    closes its pooled connection, so none is refused. Optuna's RDBStorage has no ``__del__``: a
+    probe that only dropped its storage kept its connection open (CI stop 58, "too many clients")."""
+    import gc
+
+    from kvcalib.optimize.guards import storage_lost
+    from kvcalib.optimize import SearchConfig
+    from kvcalib.optimize.study import probed_storage
+
+    config = SearchConfig(model="m", data="d", out=Path("unused"), storage=pg.url, study="probe")
+    gc.disable()
+    try:
+        for i in range(120):
+            if i % 2:
+                with probed_storage(pg.url) as storage:
+                    storage.get_all_studies()
+            else:  # no study "probe": the storage is intact but does not hold it
+                assert "no longer holds study 'probe'" in storage_lost(config)
+    finally:
+        gc.enable()
 
 
 # ------------------------------------------------------------------ two workers, one study

@@ -89,10 +89,15 @@ def code_bits(bits: dict) -> int:
     return sum(bits.values())
 
 
-def allocation(kind: str, bits: dict, layout: dict):
-    """A :class:`head_sensitivity.Allocation`: each layer's heads grouped by their (K, V) widths."""
+def allocation(kind: str, bits: dict, layout: dict, make_codec=None):
+    """A :class:`head_sensitivity.Allocation`: each layer's heads grouped by their (K, V) widths.
+    ``make_codec(layer, heads, config)``: the codec quantizing a group (default: the plain
+    :class:`kvcalib.codec.LayerCodec` of ``config``; ``experiments/scale8_e2e.py`` swaps the
+    scale/zero format)."""
     from kvcalib.codec import LayerCodec
     from kvcalib.layout import LayerConfig
+
+    make_codec = make_codec or (lambda layer, heads, cfg: LayerCodec(cfg))
 
     layers = sorted({m[0] for m in bits})
     groups = {}
@@ -101,7 +106,7 @@ def allocation(kind: str, bits: dict, layout: dict):
         by_pair: dict[tuple[int, int], list[int]] = {}
         for h in heads:
             by_pair.setdefault((bits[(layer, h, "k")], bits[(layer, h, "v")]), []).append(h)
-        groups[layer] = [(tuple(hs_), SIDES, LayerCodec(LayerConfig(k_bits=kb, v_bits=vb, k_axis="channel", **layout)))
+        groups[layer] = [(tuple(hs_), SIDES, make_codec(layer, tuple(hs_), LayerConfig(k_bits=kb, v_bits=vb, k_axis="channel", **layout)))
                          for (kb, vb), hs_ in sorted(by_pair.items())]
     return hs.Allocation(kind, groups)
 
@@ -183,34 +188,49 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Sequence[str] | None = None, loaded=None, texts: Sequence[str] | None = None) -> dict:
-    """Run and write the outputs; ``loaded`` and ``texts`` replace ``--model`` and ``--data`` (tests)."""
-    import math
-
-    args = parser().parse_args(argv)
-    t0 = time.perf_counter()
-    torch.manual_seed(args.seed)
-    from benchmarks.long_context import machine
+def load_inputs(args, loaded, result: str):
+    """What a run reads: (sensitivity rows, the recipe's per-layer (K, V) widths, the loaded model,
+    the layout); refuses an ``--out`` that holds ``result`` already and a recipe of another depth."""
     from kvcalib.models import load_model
-    from kvcalib.progress import ProgressBar
     from kvcalib.recipe import Recipe
 
-    if (args.out / "head_bits.json").exists():
+    if (args.out / result).exists():
         raise SystemExit(f"{args.out} holds a run already: pass a new --out")
     sens = json.loads(args.sensitivity.read_text())
     recipe = Recipe.load(args.recipe)
     loaded = loaded or load_model(args.model, device=args.device, dtype="fp32")
-    model, tok, info = loaded.model, loaded.tokenizer, loaded.info
-    if len(recipe.layers) != info.num_layers:
-        raise SystemExit(f"{args.recipe} has {len(recipe.layers)} layers, {info.name} {info.num_layers}")
-    allocs = allocations(sens, [(c.k_bits, c.v_bits) for c in recipe.layers], info.num_kv_heads)
+    if len(recipe.layers) != loaded.info.num_layers:
+        raise SystemExit(f"{args.recipe} has {len(recipe.layers)} layers, {loaded.info.name} {loaded.info.num_layers}")
     layout = dict(k_group=args.group, v_group=args.group, sinks=args.sinks, window=args.window)
-    targets = [hs.Target("fp"), *(allocation(name, bits, layout) for name, bits in allocs.items())]
+    return sens, [(c.k_bits, c.v_bits) for c in recipe.layers], loaded, layout
+
+
+def score(model, tok, targets: list, args, texts: Sequence[str] | None, label: str):
+    """Every target over ``args``' windows (and their copy windows): (rows, windows, copy windows)."""
+    import math
+
+    from kvcalib.progress import ProgressBar
+
     prompt_len = args.context - args.score_last
     win, sets, n_copy = hs.window_sets(args, tok, texts)
     batches = sum(math.ceil(ids.shape[0] / args.batch) for ids in sets.values())
-    with ProgressBar(batches * len(targets), "head bits", "forwards") as bar:
+    with ProgressBar(batches * len(targets), label, "forwards") as bar:
         rows = hs.finish_rows(hs.measure(model, sets, targets, None, prompt_len, args.batch, bar))
+    return rows, win, n_copy
+
+
+def main(argv: Sequence[str] | None = None, loaded=None, texts: Sequence[str] | None = None) -> dict:
+    """Run and write the outputs; ``loaded`` and ``texts`` replace ``--model`` and ``--data`` (tests)."""
+    args = parser().parse_args(argv)
+    t0 = time.perf_counter()
+    torch.manual_seed(args.seed)
+    from benchmarks.long_context import machine
+
+    sens, widths, loaded, layout = load_inputs(args, loaded, "head_bits.json")
+    model, tok, info = loaded.model, loaded.tokenizer, loaded.info
+    allocs = allocations(sens, widths, info.num_kv_heads)
+    targets = [hs.Target("fp"), *(allocation(name, bits, layout) for name, bits in allocs.items())]
+    rows, win, n_copy = score(model, tok, targets, args, texts, "head bits")
     meta = {"command": " ".join(shlex.quote(a) for a in ["python", "-m", "experiments.head_bits",
                                                           *(sys.argv[1:] if argv is None else argv)]),
             "machine": machine(), "commit": hs.git_commit(), "torch": torch.__version__, "model": info.name,

@@ -16,6 +16,14 @@ Rotations (:mod:`kvcalib.quant.rotation`): ``R_h = diag(signs_h) M_h``, ``x' = x
 - ``kind="pca"``: fitted per layer from the reservoir: each head's eigenbasis of its channel
   covariance (decorrelates the channels), then the random-sign Walsh-Hadamard (evens their
   variances out): ``{k|v}.rotation`` float32 ``(H, D, D)``.
+- ``kind="learned"`` (issue 53 item 1; SpinQuant / OSCAR): per layer and side, the random-sign
+  Walsh-Hadamard times an orthogonal matrix optimised on the reservoir, ``R = diag(s) H Q(A)`` with
+  the Cayley map ``Q(A) = (I - A)^-1 (I + A)`` of a skew-symmetric ``A`` (so every step stays
+  orthogonal), from ``A = 0`` (the Hadamard rotation itself), by Adam on the error the fit scores
+  (the attention output error of each reservoir block, or the side's squared error without
+  queries) with the rounding passed straight through (:func:`fit_learned_rotation`). Kept where
+  its reservoir error is below the Hadamard rotation's, as ``{k|v}.rotation`` ``(H, D, D)``
+  (decoded as a pca matrix is, in the kernel); else the side gets the Hadamard seed.
 
 Runtime contract:
 
@@ -63,14 +71,18 @@ from kvcalib.methods.base import (
     switch_section,
 )
 from kvcalib.quant.rotation import check_rotation, hadamard, is_hadamard, is_power_of_two, random_signs, rotate, unrotate
-from kvcalib.reservoir import quantization_errors
+from kvcalib.reservoir import causal_probs, quantization_errors, usable_tokens
 from kvcalib.stats import LayerStats
 
 __all__ = ["KINDS", "side_seed", "fit_pca_rotation", "rotate_reservoir", "rotation_errors", "RotateState",
            "RotateMethod"]
 
-KINDS = ("hadamard", "pca")
+KINDS = ("hadamard", "pca", "learned")
 _FP32 = 4  # bytes of the float32 tables the runtime keeps on the device
+# the learned rotation's optimiser: Adam steps and learning rate on the Cayley generator. Measured on
+# SmolLM2-135M's 8k reservoirs (docs/results.md, "A learned rotation"): the loss flattens by ~60 steps
+LEARN_STEPS = 80
+LEARN_LR = 5e-3
 
 
 def side_seed(seed: int, side: str) -> int:
@@ -89,6 +101,73 @@ def fit_pca_rotation(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     had = hadamard(d).double()  # (D, D)
     # x U diag(s) Hn: decorrelate, then spread every principal direction over all channels
     return (vecs.flip(-1) @ (signs.double()[:, :, None] * had)).float()  # (H, D, D)
+
+
+def _ste_fake_quantize(x: torch.Tensor, side: str, bits: int, group: int, k_axis: str) -> torch.Tensor:
+    """:func:`kvcalib.reservoir.fake_quantize`'s min/max grid on ``x (NB, H, T, D)`` with the
+    rounding passed straight through (its gradient taken as 1), so the error reaches the rotation
+    through each group's range: float32 ``(NB, H, T, D)``."""
+    nb, h, t, d = x.shape
+    qmax = (1 << bits) - 1
+    if side == "k" and k_axis == "channel":
+        g = x.reshape(nb, h, t // group, group, d)  # per channel over groups of tokens
+        lo, hi = g.amin(3, keepdim=True), g.amax(3, keepdim=True)
+    else:
+        g = x.reshape(nb, h, t, d // group, group)  # per token over groups of channels
+        lo, hi = g.amin(4, keepdim=True), g.amax(4, keepdim=True)
+    scale = ((hi - lo) / qmax).clamp_min(1e-8)
+    code = (g - lo) / scale
+    code = code + (code.round().clamp(0, qmax) - code).detach()
+    return (code * scale + lo).reshape(nb, h, t, d)
+
+
+def fit_learned_rotation(layer_stats: LayerStats, side: str, bits: int, group: int, k_axis: str,
+                         signs: torch.Tensor, steps: int = LEARN_STEPS, lr: float = LEARN_LR) -> torch.Tensor:
+    """The ``kind="learned"`` rotation of one side (module docstring): float32 ``(H, D, D)``
+    orthogonal, ``x' = x @ M_h``, from ``diag(signs_h) H`` optimised on the reservoir."""
+    rk, rv, rq = layer_stats.reservoir_k, layer_stats.reservoir_v, layer_stats.reservoir_q
+    _, bl, h, d = rk.shape
+    t = usable_tokens(bl, side, group, k_axis)
+    k = reservoir_to_bhtd(rk)[:, :, :t].float()  # (NB, H, T, D)
+    v = reservoir_to_bhtd(rv)[:, :, :t].float()  # (NB, H, T, D)
+    x = k if side == "k" else v
+    with_queries = rq.shape[2] > 0
+    if with_queries:
+        q = reservoir_to_bhtd(rq)[:, :, :t].float()  # (NB, Hq, T, D)
+        rep = q.shape[1] // h
+        v_rep = v.repeat_interleave(rep, dim=1)  # (NB, Hq, T, D)
+        probs = causal_probs(q, k.repeat_interleave(rep, dim=1), layer_stats.scaling)  # (NB, Hq, T, T)
+        o_ref = probs @ v_rep  # (NB, Hq, T, D)
+    start = signs.float()[:, :, None] * hadamard(d)  # (H, D, D): diag(s_h) H
+    gen = torch.zeros(h, d, d, requires_grad=True)  # the Cayley generator's free part
+    opt = torch.optim.Adam([gen], lr=lr)
+    eye = torch.eye(d)
+
+    def rotation() -> torch.Tensor:
+        skew = gen - gen.transpose(1, 2)  # (H, D, D)
+        return start @ torch.linalg.solve(eye - skew, eye + skew)  # (H, D, D) orthogonal
+
+    with torch.enable_grad():
+        for _ in range(steps):
+            m = rotation()
+            xr = x @ m  # (NB, H, T, D) in the rotated basis
+            err = _ste_fake_quantize(xr, side, bits, group, k_axis) - xr  # (NB, H, T, D)
+            if not with_queries:
+                loss = err.pow(2).sum()
+            elif side == "k":  # scores q . k = (q M)(k M)^T: the output error of the quantized keys
+                qr = q @ m.repeat_interleave(rep, dim=0)  # (NB, Hq, T, D)
+                kh = (xr + err).repeat_interleave(rep, dim=1)  # (NB, Hq, T, D)
+                loss = (causal_probs(qr, kh, layer_stats.scaling) @ v_rep - o_ref).pow(2).sum()
+            else:  # the output error P (V_hat - V), in the rotated basis (the same norm)
+                loss = (probs @ err.repeat_interleave(rep, dim=1)).pow(2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        m = rotation().double()
+        # re-orthogonalise in float64: the float32 solve leaves ~1e-6 that RotateMethod.load checks
+        u, _, vh = torch.linalg.svd(m)
+        return (u @ vh).float()  # (H, D, D)
 
 
 def rotate_reservoir(reservoir: torch.Tensor, matrix: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
@@ -199,7 +278,9 @@ class RotateMethod(Method):
     letter: ClassVar[str] = "R"
     flags: ClassVar[tuple[Flag, ...]] = (
         Flag("rotate", str, "Rotate K/V per head before quantizing where it lowers the error: hadamard (random "
-             "signs, only a seed stored) or pca (a fitted matrix per layer).", tag="rot-{}"),
+             "signs, only a seed stored), pca (a fitted matrix per layer) or learned (the Hadamard rotation "
+             "optimised on the reservoir's attention error, a matrix per layer where it beats Hadamard).",
+             tag="rot-{}"),
     )
 
     def __init__(self, kind: str = "hadamard", min_gain: float = 0.0) -> None:
@@ -222,17 +303,23 @@ class RotateMethod(Method):
                 continue
             s = side_seed(seed, side)
             signs = random_signs(geom.heads, geom.head_dim, s)  # (H, D)
+            group, k_axis = layer_cfg.group(side), layer_cfg.k_axis
             if self.kind == "pca":
                 res = reservoir_to_bhtd(getattr(layer_stats, f"reservoir_{side}"))  # (NB, H, BL, D)
                 matrix, rot_signs = fit_pca_rotation(res, signs), None  # (H, D, D)
             else:
                 matrix, rot_signs = hadamard(geom.head_dim), signs
-            plain, rotated = rotation_errors(layer_stats, side, bits, layer_cfg.group(side), layer_cfg.k_axis,
-                                             matrix, rot_signs)
+            plain, rotated = rotation_errors(layer_stats, side, bits, group, k_axis, matrix, rot_signs)
+            fitted_matrix = self.kind == "pca"
+            if self.kind == "learned":  # kept only where it beats the Hadamard rotation it starts from
+                learned = fit_learned_rotation(layer_stats, side, bits, group, k_axis, signs)  # (H, D, D)
+                _, learned_err = rotation_errors(layer_stats, side, bits, group, k_axis, learned, None)
+                if learned_err < rotated:
+                    matrix, rotated, fitted_matrix = learned, learned_err, True
             gain = 0.0 if plain <= 0 else 1.0 - rotated / plain
             out[f"{side}.rotate_gain"] = torch.tensor(gain, dtype=torch.float32)
             if gain > self.min_gain:
-                if self.kind == "pca":
+                if fitted_matrix:
                     out[f"{side}.rotation"] = matrix
                 else:
                     out[f"{side}.rotate"] = torch.tensor([s, geom.heads, geom.head_dim], dtype=torch.int64)

@@ -107,6 +107,43 @@ def test_fit_rotates_where_the_error_falls():
         RotateMethod(kind="givens")
 
 
+def test_learned_rotation_beats_the_hadamard_it_starts_from():
+    """kind="learned": on a reservoir with one huge value channel per head, the rotation optimised
+    from the Hadamard one lowers the reservoir error well below it (at 2 bits), is stored as an
+    orthogonal (H, D, D) matrix the recipe validation accepts, and decodes as a pca matrix does
+    (the kernel's general matrix path: kernel_attend hands it over without signs)."""
+    from kvcalib.methods.rotate import fit_learned_rotation, rotation_errors
+
+    stats = _outlier_stats()
+    cfg = LayerConfig(k_bits=2, v_bits=2, k_group=8, v_group=16, window=8)
+    had = RotateMethod().fit(stats, cfg, seed=3)
+    learned = RotateMethod(kind="learned").fit(stats, cfg, seed=3)
+    assert float(learned["v.rotate_gain"]) > float(had["v.rotate_gain"]) + 0.2
+    m = learned["v.rotation"]  # (H, D, D)
+    assert m.shape == (2, 16, 16) and "v.rotate" not in learned
+    state = RotateMethod.load(learned, cfg, 2, 16)  # orthogonality is checked on load
+    assert state.rot["v"][1] is None and torch.equal(state.rot["v"][0], m)
+    # the fit starts at diag(signs) H: zero steps give back the Hadamard rotation itself
+    signs = random_signs(2, 16, side_seed(3, "v"))
+    start = fit_learned_rotation(stats, "v", 2, 16, "channel", signs, steps=0)
+    torch.testing.assert_close(start, signs[:, :, None] * hadamard(16), rtol=0, atol=1e-6)
+    _, err_start = rotation_errors(stats, "v", 2, 16, "channel", start, None)
+    _, err_had = rotation_errors(stats, "v", 2, 16, "channel", hadamard(16), signs)
+    assert err_start == pytest.approx(err_had, rel=1e-5)
+
+
+def test_learned_rotation_falls_back_to_the_seed_where_it_does_not_win(monkeypatch):
+    """A learned matrix that does not beat the Hadamard rotation is not stored: the side gets the
+    seed (24 bytes, not H x D x D floats)."""
+    from kvcalib.methods import rotate as rot_mod
+
+    stats = _outlier_stats()
+    cfg = LayerConfig(k_bits=2, v_bits=2, k_group=8, v_group=16, window=8)
+    monkeypatch.setattr(rot_mod, "fit_learned_rotation", lambda *a, **k: torch.eye(16).expand(2, 16, 16).clone())
+    out = RotateMethod(kind="learned").fit(stats, cfg, seed=3)
+    assert out["v.rotate"].tolist() == [side_seed(3, "v"), 2, 16] and "v.rotation" not in out
+
+
 def test_later_methods_fit_on_the_rotated_reservoir():
     stats = _outlier_stats()
     cfg = LayerConfig(k_bits=16, v_bits=2, v_group=16, window=8)
@@ -157,7 +194,7 @@ def test_rotation_is_accounted(tiny):
     assert "rotate_tables" not in rot.memory(info, 4).components  # nothing packed yet
 
 
-@pytest.mark.parametrize("kind", ["hadamard", "pca"])
+@pytest.mark.parametrize("kind", ["hadamard", "pca", "learned"])
 def test_simulation_matches_token_by_token_decode(tiny, kind):
     _, model, stats = tiny
     assert_decode_faithful(model, stats, [RotateMethod(kind=kind, min_gain=-0.99)], CFG, "rotate")

@@ -115,26 +115,35 @@ def markdown(rows: list[dict]) -> str:
     comparable one) and over all tasks (for the recipes that have them all)."""
     out = ["# RULER through lm-evaluation-harness", "",
            "Generated from `ruler.json` by `benchmarks/ruler.py` (each row's command, machine and lm-eval version",
-           "are in the JSON). Scores are lm-eval's RULER metric at the context (string match, 0-1), on the same",
-           "samples for every recipe; effective bits are counted at that context (bf16 = 16).", ""]
+           "are in the JSON). Scores are lm-eval's RULER metric at the context (string match, 0-1); effective bits",
+           "are counted at that context (bf16 = 16). Every row is paired with a full-precision run on its own",
+           "samples (`score_fp`, same `prompts_sha256`); vs fp is the mean of score - score_fp over the mean's",
+           "tasks. The full-precision row shown is one such run: rows made by other processes before",
+           "2026-11-29 were scored on other samples (RULER's generation was not seeded per task then), so",
+           "compare a recipe with full precision through vs fp, not across rows.", ""]
     for model, context in sorted({(r["model"], r["context"]) for r in rows}):
         part = [r for r in rows if (r["model"], r["context"]) == (model, context)]
         tasks = sorted({r["task"] for r in part})
         recipes = sorted({(r["effective_bits"], r["recipe"]) for r in part}, reverse=True)
         cells = {recipe: {r["task"]: r["score"] for r in part if r["recipe"] == recipe} for _, recipe in recipes}
+        gaps = {recipe: {r["task"]: r["score"] - r["score_fp"] for r in part if r["recipe"] == recipe}
+                for _, recipe in recipes}
         common = [t for t in tasks if all(t in c for c in cells.values())]
         means = [("mean", tasks)] if common == tasks else [(f"mean ({len(common)} common)", common),
                                                              (f"mean (all {len(tasks)})", tasks)]
         means = [(head, over) for head, over in means if over]
         n = sorted({r["n"] for r in part})
         out += [f"## {model}, {context} tokens ({'/'.join(map(str, n))} samples per task)", "",
-                "| recipe | eff. bits | " + " | ".join([*tasks, *(head for head, _ in means)]) + " |",
-                "|---|---:|" + "---:|" * (len(tasks) + len(means))]
+                "| recipe | eff. bits | " + " | ".join([*tasks, *(head for head, _ in means)]) + " | vs fp |",
+                "|---|---:|" + "---:|" * (len(tasks) + len(means) + 1)]
         for bits, recipe in recipes:
             got = cells[recipe]
             shown = [f"{got[t]:.3f}" if t in got else "" for t in tasks]
             shown += [f"{sum(got[t] for t in over) / len(over):.3f}" if all(t in got for t in over) else ""
                       for _, over in means]
+            over = means[0][1] if means else []  # the comparable mean's tasks
+            shown.append(f"{sum(gaps[recipe][t] for t in over) / len(over):+.3f}" if over and all(t in got for t in over)
+                         else "")
             out.append(f"| {recipe} | {bits:.3f} | " + " | ".join(shown) + " |")
         if common != tasks:
             note = f"{means[0][0]} averages {', '.join(common)}, the tasks every recipe ran; " if common else ""

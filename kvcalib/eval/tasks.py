@@ -333,7 +333,7 @@ def run_tasks(config: TaskConfig, loaded: "LoadedModel | None" = None, progress:
     lm = KvcalibLM(loaded=loaded, batch_size=config.batch_size, max_length=config.context)
     metadata = {"max_seq_lengths": [config.context], "tokenizer": tokenizer_source(loaded), "pretrained": config.model}
     manager = task_manager(tasks, metadata)
-    built = manager.load(list(tasks))["tasks"]  # leaf tasks (a group expands), samples built once (RULER: ~10-50 s a task at 8k)
+    built = build_tasks(manager, tasks, config.seed)
     leaves, task_objects = list(built), list(built.values())
     base: dict[str, tuple[float, str]] = {}
     out: list[TaskResult] = []
@@ -412,6 +412,28 @@ def _result_tasks(doc: dict[str, Any], names: Sequence[str], path: Path) -> list
                                "Fix: pass the --tasks of the run that wrote it.")
         tasks += [t for t in found if t not in tasks]
     return tasks
+
+
+def build_tasks(manager: Any, names: Sequence[str], seed: int) -> dict[str, Any]:
+    """lm-eval's leaf tasks (a group expands) by name, each one's samples built once (RULER: ~10-50 s
+    a task at 8k), the same samples for the same ``seed`` in every process.
+
+    Why the seeding: RULER draws its haystacks, needles and variables from the global ``random`` and
+    ``numpy.random`` generators while the task loads, before ``simple_evaluate`` seeds anything, so
+    unseeded every process scored other samples (six processes on one GPU, 2026-11-29: six task
+    hashes for niah_single_1). Each task is seeded on its own, so its samples do not depend on which
+    tasks were loaded before it in the same call.
+    """
+    import random
+
+    import numpy as np
+
+    built: dict[str, Any] = {}
+    for name in names:
+        random.seed(seed)
+        np.random.seed(seed)
+        built.update(manager.load([name])["tasks"])
+    return built
 
 
 def _evaluate(lm: Any, tasks: list[Any], config: TaskConfig, manager: Any, name: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """A RULER task through lm-evaluation-harness on the real embedded SmolLM2-135M, on the CPU, small:
 lm-eval builds and scores the samples, generation runs through ``CompressedCache``, every recipe
 sees full precision's prompts, each run's rows reach the caller as it finishes, and lm-eval's own
-files are written, with kvcalib's digest as their task hash and the rows readable back from them."""
+files are written, with kvcalib's digest as their task hash and the rows readable back from them; and
+the samples depend on the seed alone, not on the process that built them."""
 
 from __future__ import annotations
 
@@ -52,3 +53,21 @@ def test_niah_single_1_through_a_compressed_cache(tmp_path, monkeypatch):
         return r.name, r.score, r.score_fp, r.n, r.prompts_sha256, r.effective_bits
 
     assert missing == [] and [fields(r) for r in again] == [fields(r) for r in rows]
+
+    # The samples are a function of the seed, not of the process: RULER draws its haystacks from the
+    # global generators while the task loads, so two loads after different global states must agree
+    # (unseeded, they differed per process and the GPU runs' rows paired with other samples).
+    import random
+
+    import numpy as np
+
+    from kvcalib.eval.tasks import build_tasks, task_manager, tokenizer_source
+
+    metadata = {"max_seq_lengths": [384], "tokenizer": tokenizer_source(loaded), "pretrained": "smollm2-135m"}
+    inputs = []
+    for state in (1, 2):
+        random.seed(state)
+        np.random.seed(state)
+        task = build_tasks(task_manager(["niah_single_1"], metadata), ["niah_single_1"], seed=0)["niah_single_1"]
+        inputs.append([doc["input"] for doc in list(task.eval_docs)[:3]])
+    assert inputs[0] == inputs[1]

@@ -219,8 +219,8 @@ def search(
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
     dtype: Optional[str] = typer.Option(None, help="bf16 | fp16 | fp32."),
 ) -> None:
-    """Optuna per-layer {2,3,4,8}-bit search for the best recipe under a memory budget (the
-    default space searches 2, 4 and 8 bits; a --space file may add 3)."""
+    """Optuna per-layer {2,3,4,8}-bit search for the best recipe under a memory budget (every width
+    of the default space decodes in the fused GPU kernel; a --space file may narrow or widen it)."""
     from kvcalib import preflight
     from kvcalib.optimize import SearchConfig
     from kvcalib.optimize.workers import search_any as run_search

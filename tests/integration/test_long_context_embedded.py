@@ -36,6 +36,9 @@ SMOL_RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m"
 
 @pytest.fixture(scope="module")
 def smol_long():
+    """The float64 model and the text's first 4,096 tokens. The 4k test's full-precision forward
+    is its own (not here): `make test` spreads this file's tests over both workers, each building
+    this fixture, and the other tests read 1,016 tokens (a 4k float64 forward: ~35 s on CI)."""
     from kvcalib.data import load_texts
     from kvcalib.models import load_model
 
@@ -45,13 +48,13 @@ def smol_long():
     (text,) = load_texts("longtext", "eval")
     ids = loaded.tokenizer(text, return_tensors="pt")["input_ids"][:, :PROMPT + STEPS]  # (1, 4096)
     assert ids.shape[1] == PROMPT + STEPS
-    with torch.no_grad():
-        full = loaded.model(input_ids=ids, use_cache=False, logits_to_keep=STEPS + 1).logits  # (1, 9, V)
-    return loaded, ids, full
+    return loaded, ids
 
 
 def test_simulation_matches_decode_at_4k(smol_long, monkeypatch):
-    loaded, ids, full = smol_long
+    loaded, ids = smol_long
+    with torch.no_grad():
+        full = loaded.model(input_ids=ids, use_cache=False, logits_to_keep=STEPS + 1).logits  # (1, 9, V)
     rec = load_preset("kivi-2")
     configs = rec.layer_configs(loaded.info.num_layers)
     dec, cache = decode_logits(loaded.model, ids, rec, prompt_len=PROMPT, prompt_logits=1)  # (1, 9, V) float64
@@ -82,7 +85,7 @@ def test_rotated_recipe_simulation_matches_decode(smol_long, path, monkeypatch):
     default, with 3-bit keys in 4 layers and values in 3) on the real model: the search's
     simulation equals a real decode through CompressedCache, with the tolerance stated above, on a
     1,000-token prompt and 16 decode steps (the recipe's tokens leave the window and are packed)."""
-    loaded, ids, _ = smol_long
+    loaded, ids = smol_long
     prompt, steps = 1000, 16
     ids = ids[:, :prompt + steps]  # (1, 1016)
     rec = Recipe.load(path)

@@ -28,22 +28,45 @@ from tests.conftest import tiny_model  # noqa: E402
 requires_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (run through the device tool)")
 RECIPE = Recipe(name="t", default_layer=LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=32, window=16, sinks=2))
 LAYERS = 2  # tiny_model's layers
+# The interpreter-run tests (CPU) give a case a second layer only where its layers differ: a fitted
+# recipe's bits per layer (K2/V4, then K4/V2), a 16-bit layer beside a kernel one, Gemma 3's sliding
+# layer beside its global one. Why: every decode step runs each layer's kernels in Triton's
+# interpreter, most of these tests' time (CI: 2 cores), and a second layer alike the first adds only
+# what those two-layer cases (padded too: sliding-left-padding) already cover: each layer's own
+# static state, one device position and mask for all layers.
+TWO_LAYER_CASES = ("fitted", "sliding", "mixed")
+PATS_AGE_CPU = 28  # the interpreter tests' PATS age (_pats_recipe): tier moves at contexts 46 and 62
 
 
-def _ott_recipe(pool: int = 4) -> Recipe:
-    """RECIPE with an OTT outlier pool on every layer."""
+def _case_layers(case: str) -> int:
+    """The tiny model's layers for a CPU test case (see TWO_LAYER_CASES)."""
+    return LAYERS if case.split("-")[0] in TWO_LAYER_CASES else 1
+
+
+def _ott_recipe(pool: int = 4, layers: int = LAYERS) -> Recipe:
+    """RECIPE with an OTT outlier pool on every one of ``layers`` layers."""
     return Recipe(name="ott", default_layer=RECIPE.default_layer,
-                  tensors={f"layers.{i}.kv.outlier_pool": torch.tensor(pool) for i in range(LAYERS)})
+                  tensors={f"layers.{i}.kv.outlier_pool": torch.tensor(pool) for i in range(layers)})
 
 
-def _pats_recipe(ages=(40,)) -> Recipe:
-    """4-bit K/V halved to 2 bits from age 40: with blocks of 16 after a 16-token window and 2
-    sinks, blocks reach that age 8 steps after a flush (a tier move between flushes)."""
+def _pats_recipe(ages=(40,), layers: int = LAYERS) -> Recipe:
+    """4-bit K/V halved to 2 bits from age 40 (on each of ``layers`` layers): with blocks of 16
+    after a 16-token window and 2 sinks, a block [s, s + 16) is flushed at context s + 32 and reaches
+    that age at s + 56, 8 steps after the next flush (a tier move between flushes); at age
+    PATS_AGE_CPU (28), at s + 44: 12 steps after its own flush, 4 before the next (fewer steps
+    in the interpreter for the same moves)."""
     from kvcalib.methods.schedule import Schedule
 
     cfg = LayerConfig(k_bits=4, v_bits=4, k_group=16, v_group=16, window=16, sinks=2)
     tiers = Schedule.from_layer(cfg, ages).to_tensor()
-    return Recipe(name="pats", default_layer=cfg, tensors={f"layers.{i}.kv.schedule": tiers for i in range(LAYERS)})
+    return Recipe(name="pats", default_layer=cfg, tensors={f"layers.{i}.kv.schedule": tiers for i in range(layers)})
+
+
+def _case_recipe(case: str, layers: int, pats_age: int = PATS_AGE_CPU) -> Recipe:
+    """The recipe of a test case (its first word: ott, pats, fitted, or RECIPE) for ``layers``
+    layers (:func:`_case_layers` on CPU)."""
+    return {"ott": lambda: _ott_recipe(layers=layers), "pats": lambda: _pats_recipe((pats_age,), layers),
+            "fitted": _fitted_recipe}.get(case.split("-")[0], lambda: RECIPE)()
 
 
 def _units(layer):
@@ -70,11 +93,11 @@ def _fitted_recipe() -> Recipe:
     return Recipe(name="fitted", layers=[l0, l1], tensors=tensors)
 
 
-def _model(sliding: bool = False):
+def _model(sliding: bool = False, layers: int = LAYERS):
     """The tiny test model: Llama, or Gemma 3 with a 28-token sliding window on its first layer."""
     if sliding:
-        return tiny_model("gemma3", head_dim=64, heads=4, kv_heads=2, sliding_window=28).to(DEVICE)
-    return tiny_model("llama", head_dim=64, heads=4, kv_heads=2).to(DEVICE)
+        return tiny_model("gemma3", head_dim=64, heads=4, kv_heads=2, sliding_window=28, layers=layers).to(DEVICE)
+    return tiny_model("llama", head_dim=64, heads=4, kv_heads=2, layers=layers).to(DEVICE)
 
 
 def _dynamic_logits(model, recipe, ids, mask, tokens):
@@ -110,12 +133,12 @@ def test_static_steps_match_dynamic_decoding(monkeypatch, case):
     the sinks (whose first steps run dynamically), a fitted recipe's sinks, window shorter than
     its groups, mixed bits per layer, clip, permutation and centring, OTT outlier pools, PATS tiers
     (blocks moving down a tier between two flushes) and a sliding-window layer (its own mask, old
-    blocks and sinks dropped at flushes). The kernel against the reference: test_decode_attention."""
+    blocks and sinks dropped at flushes). The kernel against the reference: test_decode_attention.
+    One layer, or two where they differ (TWO_LAYER_CASES); the checks read the last."""
     monkeypatch.setenv("KVCALIB_BACKEND", "triton")
-    model = _model(sliding=case.startswith("sliding"))
-    assert model.config.num_hidden_layers == LAYERS
-    recipe = {"ott": _ott_recipe, "pats": _pats_recipe, "fitted": _fitted_recipe}.get(case.split("-")[0],
-                                                                                       lambda: RECIPE)()
+    model = _model(sliding=case.startswith("sliding"), layers=_case_layers(case))
+    assert model.config.num_hidden_layers == (LAYERS if case in ("fitted", "sliding-left-padding") else 1)
+    recipe = _case_recipe(case, _case_layers(case))
     g = torch.Generator().manual_seed(5)
     if case == "short-prompt":
         ids, mask = torch.randint(0, 128, (1, 1), generator=g), None
@@ -130,35 +153,36 @@ def test_static_steps_match_dynamic_decoding(monkeypatch, case):
             mask = mask.to(DEVICE)
     ids = ids.to(DEVICE)
     # one flush (short prompt) or two on the way (blocks of 16, at contexts 34 and 50; the padded
-    # row's at its own 34 and 50); PATS: three (34, 50, 66), and tier moves at contexts 58 and 74 (a
-    # block [s, s + 16) reaches age 40 at s + 56), between the flushes
-    steps = 34 if case == "short-prompt" else 44 if case.startswith("pats") else 22
+    # row's at its own 34 and 50); PATS: tier moves at contexts 46 and 62 (a block [s, s + 16)
+    # reaches age 28 at s + 44), after each flush and before the next: the second, at the padded
+    # row's last step, shows in the stores only if moves happen between flushes
+    steps = 34 if case == "short-prompt" else 32 if case.startswith("pats") else 22
     cache = CompressedCache.from_recipe(model, recipe)
     res = GraphDecoder(model, cache, capture=False, keep_logits=True).generate(ids, mask, max_new_tokens=steps)
     assert res.tokens.shape == (ids.shape[0], steps)
     assert cache.layers[0].static is None and cache.layers[0].n_seen == ids.shape[1] + steps - 1
-    assert cache.layers[1].n_packed == (16 if case == "short-prompt" else 48 if case.startswith("pats") else 32)
+    assert cache.layers[-1].n_packed == (16 if case == "short-prompt" else 32)
     first = _units(cache.layers[0])[0]  # the unpadded row
     if case.startswith("sliding"):  # 54 tokens seen through a 28-token window: one block and the sinks gone
         assert first.sinks_dropped and first.packed.start == 18
-    if case.startswith("pats"):  # two blocks moved down to 2 bits, one still at 4
-        assert [store.n for store in first.packed.stores] == [16, 32]
+    if case.startswith("pats"):  # both blocks moved down to 2 bits, none left at 4
+        assert [store.n for store in first.packed.stores] == [0, 32]
     if case.endswith("left-padding"):  # the padded row is held apart, from its first real token
-        assert cache.layers[1].ragged and cache.layers[1].rows[1].n_seen == cache.layers[1].n_seen - 2
+        assert cache.layers[-1].ragged and cache.layers[-1].rows[1].n_seen == cache.layers[-1].n_seen - 2
     ref, ref_cache = _dynamic_logits(model, recipe, ids, mask, res.tokens)
     got = torch.stack(res.logits)  # (steps, B, V)
     assert got.shape == ref.shape and float(ref.abs().max()) > 0
     assert torch.equal(got, ref), f"static vs dynamic: {float((got - ref).abs().max())}"
     assert torch.equal(res.tokens, torch.stack([x.argmax(-1) for x in ref], 1))
     # the same bytes were stored (in the same tier stores)
-    for a, b in zip(_stored_views(cache.layers[1]), _stored_views(ref_cache.layers[1]), strict=True):
+    for a, b in zip(_stored_views(cache.layers[-1]), _stored_views(ref_cache.layers[-1]), strict=True):
         assert a.n == b.n and torch.equal(a.k_codes, b.k_codes) and torch.equal(a.v_codes, b.v_codes)
         assert torch.equal(a.k_scale, b.k_scale) and torch.equal(a.v_scale, b.v_scale)
-    a = _stored_views(cache.layers[1])[0]
-    b = _stored_views(ref_cache.layers[1])[0]
+    a = _stored_views(cache.layers[-1])[0]
+    b = _stored_views(ref_cache.layers[-1])[0]
     if case.startswith("ott"):  # the same tokens went to the pools
         assert a.keep is not None and torch.equal(a.keep, b.keep)
-        for ua, ub in zip(_units(cache.layers[1]), _units(ref_cache.layers[1]), strict=True):
+        for ua, ub in zip(_units(cache.layers[-1]), _units(ref_cache.layers[-1]), strict=True):
             assert torch.equal(ua.outliers.segment(torch.float32)[2], ub.outliers.segment(torch.float32)[2])
 
 
@@ -277,7 +301,8 @@ def test_generate_inside_cuda_graphs_equals_plain_generate(monkeypatch, case):
     without capture, through the interpreter) gives the logits and tokens of plain generate, bit
     for bit, across flushes; the model's forward is its own again after the block. The static
     steps really run (counted), whichever keyword the cache comes by: ``past_key_values``, or
-    ``cache`` (transformers 5.2x+, which passes the cache to forward under that name either way)."""
+    ``cache`` (transformers 5.2x+, which passes the cache to forward under that name either way).
+    One layer, or two for the fitted recipe's per-layer bits (TWO_LAYER_CASES)."""
     from kvcalib.models import cache_kwarg
     from kvcalib.runtime import graphs
     from kvcalib.runtime.graphs import cuda_graphs
@@ -293,7 +318,7 @@ def test_generate_inside_cuda_graphs_equals_plain_generate(monkeypatch, case):
     monkeypatch.setattr(graphs._GenerateSteps, "step", counted)
 
     monkeypatch.setenv("KVCALIB_BACKEND", "triton")
-    model = _model()
+    model = _model(layers=_case_layers(case))  # one layer, two for fitted (TWO_LAYER_CASES)
     recipe = _fitted_recipe() if case == "fitted" else RECIPE
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, 128, (2, 33), generator=g).to(DEVICE)  # flushes at once, then every 16 steps

@@ -20,17 +20,16 @@ from kvcalib.layout import LayerConfig  # noqa: E402
 from kvcalib.recipe import Recipe  # noqa: E402
 from kvcalib.runtime.cache import CompressedCache  # noqa: E402
 from tests.kernels.test_graph_decode import (  # noqa: E402
-    RECIPE, _fitted_recipe, _model, _ott_recipe, _pats_recipe, _stored_views, _units)
+    LAYERS, PATS_AGE_CPU, RECIPE, _case_layers, _case_recipe, _model, _stored_views, _units)
 
 requires_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (run through the device tool)")
 
 
-def _recipe(case: str) -> Recipe:
+def _recipe(case: str, layers: int = LAYERS, pats_age: int = 40) -> Recipe:
     if case == "mixed-16bit":  # layer 0 keeps 16-bit values: no kernel, so it stays dynamic
         return Recipe(name="mixed", layers=[LayerConfig(k_bits=4, v_bits=16, k_group=16, v_group=32, window=16,
                                                         sinks=2), RECIPE.default_layer])
-    return {"ott": _ott_recipe, "pats": _pats_recipe, "fitted": _fitted_recipe}.get(case.split("-")[0],
-                                                                                   lambda: RECIPE)()
+    return _case_recipe(case, layers, pats_age)
 
 
 def _inputs(case: str):
@@ -58,18 +57,20 @@ def _generate(model, recipe, ids, mask, mode: str, new: int):
                                   "sliding-left-padding", "mixed-16bit"])
 def test_layer_static_steps_equal_plain_generate(monkeypatch, case):
     """Plain generate with each layer's decode steps static (no capture here) gives the logits of
-    plain generate with them off, bit for bit, over two flushes (three and tier moves for PATS),
+    plain generate with them off, bit for bit, over two flushes (and two tier moves for PATS),
     and the cache holds the same bytes and counts after it. The static steps really ran, but not
-    on a 16-bit layer (it has no kernel path)."""
+    on a 16-bit layer (it has no kernel path). One layer, or two where they differ (fitted,
+    sliding, mixed: test_graph_decode.TWO_LAYER_CASES)."""
     monkeypatch.setenv("KVCALIB_BACKEND", "triton")
-    model = _model(sliding=case.startswith("sliding"))
-    recipe = _recipe(case)
+    layers = _case_layers(case)
+    model = _model(sliding=case.startswith("sliding"), layers=layers)
+    recipe = _recipe(case, layers, PATS_AGE_CPU)
     ids, mask = _inputs(case)
-    new = 44 if case.startswith("pats") else 22  # flushes at contexts 34 and 50 (and 66; tier moves at 58, 74)
+    new = 32 if case.startswith("pats") else 22  # flushes at contexts 34 and 50 (PATS: tier moves at 46, 62)
     ref, ref_cache = _generate(model, recipe, ids, mask, "off", new)
     got, cache = _generate(model, recipe, ids, mask, "eager", new)
     assert ref_cache.layer_graphs.eager_steps == 0
-    static_layers = 1 if case == "mixed-16bit" else 2
+    static_layers = 1 if case == "mixed-16bit" else layers
     assert cache.layer_graphs.eager_steps == static_layers * (new - 1)  # every decode step of those layers
     assert cache.layer_graphs.captures == 0
     if case == "mixed-16bit":
@@ -83,7 +84,7 @@ def test_layer_static_steps_equal_plain_generate(monkeypatch, case):
         assert layer.get_seq_length() == ref_layer.get_seq_length()
         for ua, ub in zip(_units(layer), _units(ref_layer), strict=True):
             assert ua.pend_k.shape == ub.pend_k.shape and torch.equal(ua.pend_k, ub.pend_k)
-    for x, y in zip(_stored_views(cache.layers[1]), _stored_views(ref_cache.layers[1]), strict=True):
+    for x, y in zip(_stored_views(cache.layers[-1]), _stored_views(ref_cache.layers[-1]), strict=True):
         assert x.n == y.n and torch.equal(x.k_codes, y.k_codes) and torch.equal(x.v_codes, y.v_codes)
     assert cache.nbytes() == ref_cache.nbytes()
 

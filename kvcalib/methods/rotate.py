@@ -21,9 +21,14 @@ Rotations (:mod:`kvcalib.quant.rotation`): ``R_h = diag(signs_h) M_h``, ``x' = x
   the Cayley map ``Q(A) = (I - A)^-1 (I + A)`` of a skew-symmetric ``A`` (so every step stays
   orthogonal), from ``A = 0`` (the Hadamard rotation itself), by Adam on the error the fit scores
   (the attention output error of each reservoir block, or the side's squared error without
-  queries) with the rounding passed straight through (:func:`fit_learned_rotation`). Kept where
-  its reservoir error is below the Hadamard rotation's, as ``{k|v}.rotation`` ``(H, D, D)``
-  (decoded as a pca matrix is, in the kernel); else the side gets the Hadamard seed.
+  queries) with the rounding passed straight through (:func:`fit_learned_rotation`). One matrix
+  per layer and side, shared by its kv heads (fitted on all of them at once, from head 0's signs):
+  kept where its reservoir error is below the Hadamard rotation's, as ``{k|v}.rotation``
+  ``(D, D)`` (decoded in the kernel through the general matrix path, read with a head stride of
+  0); else the side gets the Hadamard seed. ``kind="learned-head"``: the same with one matrix per
+  kv head, ``(H, D, D)``: H times the bytes. On SmolLM2 at 8k (docs/results.md) the shared one
+  kept most of the per-head one's perplexity gain for a third of the bytes (0.08 bits against
+  0.25), but not its copying gain.
 
 Runtime contract:
 
@@ -39,10 +44,11 @@ Runtime contract:
   full-precision sinks, window and pools are stored unrotated and attended as they are.
 
 Memory, each thing once (:meth:`kvcalib.recipe.Recipe.memory`): the recipe's tensors are counted
-as ``recipe_state`` (the seed, 24 bytes with the geometry; a fitted ``rotation``, whose float32
-tensor is itself the matrix the runtime rotates by); ``bytes`` adds per layer only the device
-tables the runtime derives from them, beyond them: the float32 signs ``(H, D)`` a seed draws;
-``shared_bytes`` one Walsh-Hadamard matrix per head_dim for the whole model.
+as ``recipe_state`` (the seed, 24 bytes with the geometry; a fitted ``rotation``, ``(H, D, D)``
+or ``(D, D)``, whose float32 tensor is itself the matrix the runtime rotates by); ``bytes`` adds
+per layer only the device tables the runtime derives from them, beyond them: the float32 signs
+``(H, D)`` a seed draws; ``shared_bytes`` one Walsh-Hadamard matrix per head_dim for the whole
+model, where some side rotates by a seed.
 """
 
 from __future__ import annotations
@@ -77,7 +83,7 @@ from kvcalib.stats import LayerStats
 __all__ = ["KINDS", "side_seed", "fit_pca_rotation", "rotate_reservoir", "rotation_errors", "RotateState",
            "RotateMethod"]
 
-KINDS = ("hadamard", "pca", "learned")
+KINDS = ("hadamard", "pca", "learned", "learned-head")
 _FP32 = 4  # bytes of the float32 tables the runtime keeps on the device
 # the learned rotation's optimiser: Adam steps and learning rate on the Cayley generator. Not tuned:
 # on the tests' outlier reservoir they take the 2-bit value error from the Hadamard rotation's 3,414
@@ -123,9 +129,12 @@ def _ste_fake_quantize(x: torch.Tensor, side: str, bits: int, group: int, k_axis
 
 
 def fit_learned_rotation(layer_stats: LayerStats, side: str, bits: int, group: int, k_axis: str,
-                         signs: torch.Tensor, steps: int = LEARN_STEPS, lr: float = LEARN_LR) -> torch.Tensor:
+                         signs: torch.Tensor, steps: int = LEARN_STEPS, lr: float = LEARN_LR,
+                         shared: bool = False) -> torch.Tensor:
     """The ``kind="learned"`` rotation of one side (module docstring): float32 ``(H, D, D)``
-    orthogonal, ``x' = x @ M_h``, from ``diag(signs_h) H`` optimised on the reservoir."""
+    orthogonal, ``x' = x @ M_h``, from ``diag(signs_h) H`` optimised on the reservoir; with
+    ``shared`` one ``(D, D)`` matrix for every kv head, from ``diag(signs_0) H``, fitted on all of
+    them at once."""
     rk, rv, rq = layer_stats.reservoir_k, layer_stats.reservoir_v, layer_stats.reservoir_q
     _, bl, h, d = rk.shape
     t = usable_tokens(bl, side, group, k_axis)
@@ -140,7 +149,9 @@ def fit_learned_rotation(layer_stats: LayerStats, side: str, bits: int, group: i
         probs = causal_probs(q, k.repeat_interleave(rep, dim=1), layer_stats.scaling)  # (NB, Hq, T, T)
         o_ref = probs @ v_rep  # (NB, Hq, T, D)
     start = signs.float()[:, :, None] * hadamard(d)  # (H, D, D): diag(s_h) H
-    gen = torch.zeros(h, d, d, requires_grad=True)  # the Cayley generator's free part
+    if shared:
+        start = start[:1]  # (1, D, D): broadcast over the heads
+    gen = torch.zeros(start.shape[0], d, d, requires_grad=True)  # the Cayley generator's free part
     opt = torch.optim.Adam([gen], lr=lr)
     eye = torch.eye(d)
 
@@ -156,7 +167,7 @@ def fit_learned_rotation(layer_stats: LayerStats, side: str, bits: int, group: i
             if not with_queries:
                 loss = err.pow(2).sum()
             elif side == "k":  # scores q . k = (q M)(k M)^T: the output error of the quantized keys
-                qr = q @ m.repeat_interleave(rep, dim=0)  # (NB, Hq, T, D)
+                qr = q @ (m if shared else m.repeat_interleave(rep, dim=0))  # (NB, Hq, T, D)
                 kh = (xr + err).repeat_interleave(rep, dim=1)  # (NB, Hq, T, D)
                 loss = (causal_probs(qr, kh, layer_stats.scaling) @ v_rep - o_ref).pow(2).sum()
             else:  # the output error P (V_hat - V), in the rotated basis (the same norm)
@@ -168,7 +179,8 @@ def fit_learned_rotation(layer_stats: LayerStats, side: str, bits: int, group: i
         m = rotation().double()
         # re-orthogonalise in float64: the float32 solve leaves ~1e-6 that RotateMethod.load checks
         u, _, vh = torch.linalg.svd(m)
-        return (u @ vh).float()  # (H, D, D)
+        fitted = (u @ vh).float()  # (H, D, D) | (1, D, D)
+        return fitted[0] if shared else fitted
 
 
 def rotate_reservoir(reservoir: torch.Tensor, matrix: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
@@ -200,8 +212,8 @@ def rotation_errors(layer_stats: LayerStats, side: str, bits: int, group: int, k
 class RotateState(MethodState):
     """The rotation of each rotated side of one layer: ``side -> (matrix (D, D) | (H, D, D), signs
     (H, D) | None)`` float32 (the module docstring's contract). ``stored``: the sides whose
-    ``(H, D, D)`` matrix is a recipe tensor itself (``{side}.rotation``), counted as the recipe's
-    state and not again as a device table (:meth:`bytes`)."""
+    matrix is a recipe tensor itself (``{side}.rotation``), counted as the recipe's state and not
+    again as a device table (:meth:`bytes`)."""
 
     def __init__(self, rotations: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
                  stored: frozenset[str] = frozenset()) -> None:
@@ -249,7 +261,8 @@ class RotateState(MethodState):
         return {"rotate_tables": total} if total else {}
 
     def shared_bytes(self, head_dim: int) -> dict[str, float]:
-        shared = any(m.dim() == 2 for m, _ in self.rot.values())  # the Walsh-Hadamard matrix, one per head_dim
+        # the Walsh-Hadamard matrix, one per head_dim (a stored (D, D) matrix is the recipe's own)
+        shared = any(m.dim() == 2 and side not in self.stored for side, (m, _) in self.rot.items())
         return {f"rotate_hadamard_d{head_dim}": float(head_dim * head_dim * _FP32)} if shared else {}
 
 
@@ -268,7 +281,8 @@ class RotateMethod(Method):
     tensors: ClassVar[tuple[TensorSpec, ...]] = (
         TensorSpec("rotate", ("k", "v"), "int64", "(3,)",
                    "random-sign Walsh-Hadamard rotation: (seed, kv heads, head_dim)"),
-        TensorSpec("rotation", ("k", "v"), "float32", "(H, D, D)", "fitted orthogonal rotation per kv head"),
+        TensorSpec("rotation", ("k", "v"), "float32", "(H, D, D) | (D, D)",
+                   "fitted orthogonal rotation per kv head, or one every kv head shares"),
         TensorSpec("rotate_gain", ("k", "v"), "float32", "()",
                    "relative reservoir error reduction from rotating", applied=False),
     )
@@ -279,8 +293,9 @@ class RotateMethod(Method):
     letter: ClassVar[str] = "R"
     flags: ClassVar[tuple[Flag, ...]] = (
         Flag("rotate", str, "Rotate K/V per head before quantizing where it lowers the error: hadamard (random "
-             "signs, only a seed stored), pca (a fitted matrix per layer) or learned (the Hadamard rotation "
-             "optimised on the reservoir's attention error, a matrix per layer where it beats Hadamard).",
+             "signs, only a seed stored), pca (a fitted matrix per head), learned (the Hadamard rotation "
+             "optimised on the reservoir's attention error: one matrix per layer and side where it beats "
+             "Hadamard) or learned-head (the same, one matrix per kv head).",
              tag="rot-{}"),
     )
 
@@ -312,8 +327,9 @@ class RotateMethod(Method):
                 matrix, rot_signs = hadamard(geom.head_dim), signs
             plain, rotated = rotation_errors(layer_stats, side, bits, group, k_axis, matrix, rot_signs)
             fitted_matrix = self.kind == "pca"
-            if self.kind == "learned":  # kept only where it beats the Hadamard rotation it starts from
-                learned = fit_learned_rotation(layer_stats, side, bits, group, k_axis, signs)  # (H, D, D)
+            if self.kind.startswith("learned"):  # kept only where it beats the Hadamard rotation it starts from
+                learned = fit_learned_rotation(layer_stats, side, bits, group, k_axis, signs,
+                                               shared=self.kind == "learned")  # (D, D) | (H, D, D)
                 _, learned_err = rotation_errors(layer_stats, side, bits, group, k_axis, learned, None)
                 if learned_err < rotated:
                     matrix, rotated, fitted_matrix = learned, learned_err, True
@@ -368,10 +384,8 @@ class RotateMethod(Method):
                     check_rotation(matrix, None, heads, head_dim)
                 except ValueError as err:
                     raise ValueError(f"{side}.rotation: {err}") from None
-                if matrix.dim() != 3:
-                    raise ValueError(f"{side}.rotation must be (H, D, D), got {tuple(matrix.shape)}")
                 eye = torch.eye(matrix.shape[-1], dtype=torch.float64)
-                if float((matrix.double() @ matrix.double().transpose(1, 2) - eye).abs().max()) > 1e-4:
+                if float((matrix.double() @ matrix.double().transpose(-1, -2) - eye).abs().max()) > 1e-4:
                     raise ValueError(f"{side}.rotation is not orthogonal (M M^T != I): re-export the recipe")
                 rot[side] = (matrix.float(), None)
                 stored.add(side)
@@ -402,10 +416,17 @@ class RotateMethod(Method):
     @classmethod
     def inspect(cls, recipe: Any, info: Any, context: int, layers: list[dict[str, Any]],
                 elements_per_layer: list[int]) -> dict[str, Any] | None:
-        """Which sides are rotated, by which kind, and the reservoir gain the fit measured."""
-        return switch_section(recipe, info, layers, cls.name, ("k", "v"), {"rotate": "hadamard", "rotation": "pca"},
-                              "rotate_gain")
+        """Which sides are rotated, by which kind, and the reservoir gain the fit measured (a
+        stored ``(D, D)`` matrix is a learned one shared by the heads; ``(H, D, D)`` one per head)."""
+        section = switch_section(recipe, info, layers, cls.name, ("k", "v"),
+                                 {"rotate": "hadamard", "rotation": "pca"}, "rotate_gain")
+        for row, tensors in zip(layers, recipe.layer_tensors(info.num_layers)):
+            for side in ("k", "v"):
+                matrix = tensors.get(f"{side}.rotation")
+                if matrix is not None and matrix.dim() == 2:
+                    row[f"{side}_{cls.name}"] = "learned"
+        return section
 
     @classmethod
     def inspect_lines(cls, report: dict[str, Any]) -> list[str]:
-        return switch_lines(report, cls.name, "rotation", {"hadamard": "H", "pca": "P"})
+        return switch_lines(report, cls.name, "rotation", {"hadamard": "H", "pca": "P", "learned": "L"})

@@ -35,7 +35,10 @@ ROTATED = ROOT / "recipes" / "smollm2-135m" / "long-8192-3.0b-rot" / "recipe.saf
 # layer through the kernel (3-bit codes read as a 2-bit tile plus its high-bit tile)
 THREE_BIT = ROOT / "recipes" / "smollm2-135m" / "long-8192-4.0b-3bit" / "recipe.safetensors"
 THREE_BIT_3 = ROOT / "recipes" / "smollm2-135m" / "long-8192-3.0b-3bit" / "recipe.safetensors"
-GRAPH_RECIPES = ["kivi-2", "kivi-4", str(SEARCHED), str(ROTATED), str(THREE_BIT), str(THREE_BIT_3)]
+# the shipped default: what `kvcalib search --data longtext --device cuda` made with default options
+# (window 64, K3V3 / K2V3 / K8V4 on six layers, K2V2 on the rest)
+SHIPPED = ROOT / "recipes" / "smollm2-135m" / "recipe.safetensors"
+GRAPH_RECIPES = ["kivi-2", "kivi-4", str(SEARCHED), str(ROTATED), str(THREE_BIT), str(THREE_BIT_3), str(SHIPPED)]
 
 
 def _have_model() -> bool:
@@ -87,8 +90,8 @@ def _teacher_forced(model, ids: torch.Tensor, recipe, prompt: int, backend: str)
 
 
 @pytest.mark.parametrize("prompt", [4100, 6000])
-@pytest.mark.parametrize("recipe", ["kivi-2", str(SEARCHED), str(ROTATED), str(THREE_BIT), str(THREE_BIT_3)],
-                         ids=["kivi-2", "searched", "rotated", "4.0b-3bit", "3.0b-3bit"])
+@pytest.mark.parametrize("recipe", ["kivi-2", str(SEARCHED), str(ROTATED), str(THREE_BIT), str(THREE_BIT_3), str(SHIPPED)],
+                         ids=["kivi-2", "searched", "rotated", "4.0b-3bit", "3.0b-3bit", "shipped"])
 def test_kernel_matches_reference_at_long_context(smol, prompt, recipe):
     loaded, ids = smol
     seq = ids[:prompt + 64]
@@ -139,7 +142,7 @@ def _agree(eager_tokens, graph_tokens, eager_logits, graph_logits) -> None:
 
 
 @pytest.mark.parametrize("recipe", GRAPH_RECIPES, ids=["kivi-2", "kivi-4", "searched", "rotated", "4.0b-3bit",
-                                                   "3.0b-3bit"])
+                                                   "3.0b-3bit", "shipped"])
 def test_graph_equals_eager(smol, recipe):
     loaded, ids = smol
     prompts = ids[:2 * 700].reshape(2, 700).cuda()  # (2, 700): beyond every window, several flushes in 128 steps

@@ -40,14 +40,16 @@ def _orthogonal(h: int, d: int, seed: int) -> torch.Tensor:
 
 
 def _rotation(kind: str, h: int, d: int, seed: int):
-    """``(matrix, signs)`` on the device: the shared Walsh-Hadamard with per-head signs, or fitted
-    per-head matrices."""
+    """``(matrix, signs)`` on the device: the shared Walsh-Hadamard with per-head signs, fitted
+    per-head matrices (pca), or one fitted matrix every head shares (shared: a learned rotation)."""
     if kind == "hadamard":  # the shared per-device tensor, as the rotate method passes it (is_hadamard)
         return hadamard(d, DEVICE), random_signs(h, d, seed).to(DEVICE)
+    if kind == "shared":  # (D, D) without signs: the kernels read it with a head stride of 0
+        return _orthogonal(1, d, seed)[0].to(DEVICE), None
     return _orthogonal(h, d, seed).to(DEVICE), None
 
 
-@pytest.mark.parametrize("kind", ["hadamard", "pca"])
+@pytest.mark.parametrize("kind", ["hadamard", "pca", "shared"])
 @pytest.mark.parametrize("h,rep,d,splits", [(2, 4, 32, 3), (1, 7, 64, 20), (3, 1, 16, 1)])
 def test_rotation_kernels_match_the_torch_products(kind, h, rep, d, splits):
     """The launcher's two rotation kernels against :mod:`kvcalib.quant.rotation`'s products: the
@@ -259,7 +261,9 @@ def test_rotated_parts_rotate_back_in_the_combine(monkeypatch, case):
     dict(sides="kv", kind="pca", rep=7, k_bits=8, v_bits=2, v_group=64),
     dict(sides="kv", kind="hadamard", k_axis="token", k_group=16),
     dict(sides="kv", kind="hadamard", dtype=torch.float16), dict(sides="kv", kind="pca", dtype=torch.float32),
-], ids=["kv-had", "k-had", "v-had", "kv-pca", "d128-gqa1-4b", "gqa7-k8v2-pca", "token-keys", "fp16", "fp32"])
+    dict(sides="kv", kind="shared"),
+], ids=["kv-had", "k-had", "v-had", "kv-pca", "d128-gqa1-4b", "gqa7-k8v2-pca", "token-keys", "fp16", "fp32",
+        "kv-shared"])
 def test_rotated_sides_pass_the_tolerance_rule(case):
     case = dict(case)
     sides, kind = case.pop("sides"), case.pop("kind")

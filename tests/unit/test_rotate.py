@@ -109,9 +109,10 @@ def test_fit_rotates_where_the_error_falls():
 
 def test_learned_rotation_beats_the_hadamard_it_starts_from():
     """kind="learned": on a reservoir with one huge value channel per head, the rotation optimised
-    from the Hadamard one lowers the reservoir error well below it (at 2 bits), is stored as an
-    orthogonal (H, D, D) matrix the recipe validation accepts, and decodes as a pca matrix does
-    (the kernel's general matrix path: kernel_attend hands it over without signs)."""
+    from the Hadamard one lowers the reservoir error well below it (at 2 bits), is stored as one
+    orthogonal (D, D) matrix every kv head shares (the recipe validation accepts it), and decodes
+    through the kernel's general matrix path (kernel_attend hands it over without signs; the
+    kernels read a (D, D) matrix with a head stride of 0). The per-head fit gives (H, D, D)."""
     from kvcalib.methods.rotate import fit_learned_rotation, rotation_errors
 
     stats = _outlier_stats()
@@ -119,8 +120,8 @@ def test_learned_rotation_beats_the_hadamard_it_starts_from():
     had = RotateMethod().fit(stats, cfg, seed=3)
     learned = RotateMethod(kind="learned").fit(stats, cfg, seed=3)
     assert float(learned["v.rotate_gain"]) > float(had["v.rotate_gain"]) + 0.2
-    m = learned["v.rotation"]  # (H, D, D)
-    assert m.shape == (2, 16, 16) and "v.rotate" not in learned
+    m = learned["v.rotation"]  # (D, D): shared by the heads
+    assert m.shape == (16, 16) and "v.rotate" not in learned
     state = RotateMethod.load(learned, cfg, 2, 16)  # orthogonality is checked on load
     assert state.rot["v"][1] is None and torch.equal(state.rot["v"][0], m)
     # the fit starts at diag(signs) H: zero steps give back the Hadamard rotation itself
@@ -130,6 +131,12 @@ def test_learned_rotation_beats_the_hadamard_it_starts_from():
     _, err_start = rotation_errors(stats, "v", 2, 16, "channel", start, None)
     _, err_had = rotation_errors(stats, "v", 2, 16, "channel", hadamard(16), signs)
     assert err_start == pytest.approx(err_had, rel=1e-5)
+    shared_start = fit_learned_rotation(stats, "v", 2, 16, "channel", signs, steps=0, shared=True)  # (D, D)
+    torch.testing.assert_close(shared_start, signs[0][:, None] * hadamard(16), rtol=0, atol=1e-6)
+    per_head = RotateMethod(kind="learned-head").fit(stats, cfg, seed=3)  # one matrix per kv head
+    assert per_head["v.rotation"].shape == (2, 16, 16)
+    assert float(per_head["v.rotate_gain"]) > float(had["v.rotate_gain"]) + 0.2
+    assert RotateMethod.load(per_head, cfg, 2, 16).rot["v"][0].shape == (2, 16, 16)
 
 
 def test_learned_rotation_falls_back_to_the_seed_where_it_does_not_win(monkeypatch):
@@ -139,7 +146,7 @@ def test_learned_rotation_falls_back_to_the_seed_where_it_does_not_win(monkeypat
 
     stats = _outlier_stats()
     cfg = LayerConfig(k_bits=2, v_bits=2, k_group=8, v_group=16, window=8)
-    monkeypatch.setattr(rot_mod, "fit_learned_rotation", lambda *a, **k: torch.eye(16).expand(2, 16, 16).clone())
+    monkeypatch.setattr(rot_mod, "fit_learned_rotation", lambda *a, **k: torch.eye(16))
     out = RotateMethod(kind="learned").fit(stats, cfg, seed=3)
     assert out["v.rotate"].tolist() == [side_seed(3, "v"), 2, 16] and "v.rotation" not in out
 
@@ -164,7 +171,8 @@ def test_recipe_tensors_are_validated():
         ({"v.rotate": torch.tensor(5)}, r"int64 \(3,\)"),
         ({"v.rotate": torch.tensor([5, 2, 12])}, "12"),
         ({"k.rotation": torch.randn(2, 16, 16)}, "not orthogonal"),
-        ({"k.rotation": torch.eye(16)}, r"\(H, D, D\)"),
+        ({"k.rotation": torch.randn(16, 16)}, "not orthogonal"),
+        ({"k.rotation": torch.eye(16)[None]}, "1 heads, expected 2"),
         ({"k.rotation": torch.eye(16).expand(2, 16, 16), "k.rotate": torch.tensor([1, 2, 16])}, "both"),
     ]
     for tensors, match in bad:
@@ -208,19 +216,25 @@ def test_each_rotation_is_counted_once(tiny):
     info = stats.model
     h, d, n = info.num_kv_heads, info.head_dim, info.num_layers
     fitted = torch.linalg.qr(torch.randn(h, d, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64))[0]
-    tensors = {"layers.0.k.rotation": fitted.float(), "layers.0.v.rotate": torch.tensor([2, h, d])}
+    tensors = {"layers.0.k.rotation": fitted.float(), "layers.0.v.rotate": torch.tensor([2, h, d]),
+               "layers.1.v.rotation": fitted[0].float()}  # a learned (D, D) every head shares
     configs = [CFG] * n
     rec = Recipe(name="mixed", layers=configs, model=info, tensors=tensors)
     base = Recipe(name="plain", layers=configs, model=info).memory(info, 256)
     mem = rec.memory(info, 256)
-    stored = h * d * d * 4 + 24
+    stored = h * d * d * 4 + 24 + d * d * 4  # a stored (D, D) is not taken for the shared Walsh-Hadamard
     assert mem.components["recipe_state"] == stored
     assert mem.components["rotate_tables"] == h * d * 4  # the seed's signs only
     assert mem.components[f"rotate_hadamard_d{d}"] == d * d * 4
     assert mem.total_bytes == base.total_bytes + stored + h * d * 4 + d * d * 4
+    only_learned = Recipe(name="learned", layers=configs, model=info, tensors={"layers.1.v.rotation": fitted[0].float()})
+    assert f"rotate_hadamard_d{d}" not in only_learned.memory(info, 256).components  # no Walsh-Hadamard to hold
     from kvcalib.inspect import inspect_recipe
 
-    assert inspect_recipe(rec, info, 256)["memory"]["components"] == mem.components  # kvcalib inspect's bytes
+    report = inspect_recipe(rec, info, 256)
+    assert report["memory"]["components"] == mem.components  # kvcalib inspect's bytes
+    rows = report["layers"]  # the label by the stored shape: (H, D, D) per head, (D, D) shared (learned)
+    assert (rows[0]["k_rotate"], rows[0]["v_rotate"], rows[1]["v_rotate"]) == ("pca", "hadamard", "learned")
 
 
 def test_export_flag_inspect_and_search_switch(tiny, tmp_path):

@@ -458,10 +458,17 @@ def export(
                                     model=model, per_head=per_head, force=force)
         print(f"wrote FP8 KV-cache scales and config.json to {written}")
     elif searched_point:
-        recipe, record = export_search_point(run_dir, out, budget_bits=budget_bits, trial=trial, methods=given,
-                                             force=force)
-        print(f"wrote {out}: trial {record['number']} of the search, KL {record['kl']:.4g}, "
-              f"{record['effective_bits']:.3f} effective bits at {recipe.provenance.get('context', 4096)}")
+        rotate = method_flags.get("rotate")
+        recipe, record = export_search_point(run_dir, out, budget_bits=budget_bits, trial=trial,
+                                             methods=[g for g in given if g != "rotate"], force=force, rotate=rotate)
+        at = recipe.provenance.get("context", 4096)
+        if rotate is None:
+            print(f"wrote {out}: trial {record['number']} of the search, KL {record['kl']:.4g}, "
+                  f"{record['effective_bits']:.3f} effective bits at {at}")
+        else:  # the search's KL is of its own rotations: the refitted recipe is not scored here
+            print(f"wrote {out}: trial {record['number']} of the search (KL {record['kl']:.4g} with its own "
+                  f"rotations, {record['searched_bits']:.3f} bits), rotations refitted as {rotate}: "
+                  f"{record['effective_bits']:.3f} effective bits at {at}; score it with kvcalib eval")
     else:
         config = ExportConfig(bits=bits or "k2v2", group=group, window=window, sinks=sinks, name=name, seed=seed,
                               **method_flags)

@@ -167,11 +167,18 @@ def export_recipe(run_dir: Path, out: Path, config: ExportConfig, *, force: bool
 
 
 def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None = None, trial: int | None = None,
-                        methods: Sequence[str] = (), force: bool = False) -> tuple[Recipe, dict]:
+                        methods: Sequence[str] = (), force: bool = False,
+                        rotate: str | None = None) -> tuple[Recipe, dict]:
     """Pick another point of a finished ``kvcalib search`` (``RUN_DIR/search.json``) without searching:
     the lowest-KL complete trial at or under ``budget_bits``, or trial number ``trial``. Its recipe
     tensors are refitted from ``RUN_DIR``'s statistics exactly as the search fitted them.
     ``methods``: the method flags given with it (refused: a searched point's settings are fixed).
+
+    ``rotate``: the layers the point rotates are refitted with this rotation kind instead
+    (``learned``: the searched layout with learned rotations, which a search does not fit: a fit
+    takes seconds a side). Their matrices add bytes the search did not count, so with
+    ``budget_bits`` the point is the lowest-KL trial whose searched bits plus the most its matrices
+    can add (:func:`rotation_bytes`) stay at or under the budget; the recipe records the kind.
 
     ``budget_bits`` is in today's accounting (``kvcalib.layout.ACCOUNTING``); a ``search.json``
     written before it (every layer counted at the full context) is read converted
@@ -184,7 +191,12 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
     if methods:
         flags = ", ".join("--" + m.replace("_", "-") for m in methods)
         raise KvcalibError(f"{flags} build a recipe from statistics; --budget-bits/--trial pick a searched point "
-                           "whose settings are fixed: pass one kind or the other.")
+                           "whose settings are fixed (only --rotate may refit its rotations): pass one kind or "
+                           "the other.")
+    from kvcalib.methods.rotate import KINDS, RotateMethod
+
+    if rotate is not None and rotate not in KINDS:
+        raise KvcalibError(f"--rotate {rotate!r} is not a rotation kind: use one of {', '.join(KINDS)}.")
     if (budget_bits is None) == (trial is None):
         raise KvcalibError("pass exactly one of --budget-bits B or --trial N to pick a searched point.")
     run_dir, out = Path(run_dir), Path(out)
@@ -194,8 +206,11 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
 
     stats = CollectedStats.load(run_dir)
     doc = current_accounting(doc, stats.model.sliding_window)
-    record = choose(doc["trials"], budget_bits, trial)
     space = SearchSpace.from_dict(doc["space"])
+    candidates = doc["trials"]
+    if rotate is not None and budget_bits is not None:  # room for the matrices the refit may store
+        candidates = [_with_rotation_bits(r, space, stats.model, int(doc["context"]), rotate) for r in candidates]
+    record = choose(candidates, budget_bits, trial)
     try:
         point = Point.from_dict(record["point"], space)  # old search.json files (no schedule) read as schedule "none"
     except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -203,9 +218,11 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
                            f"({type(err).__name__}: {err}): pick another trial, or rerun the search.") from None
     import torch
 
+    overrides = {} if rotate is None else {RotateMethod.name: RotateMethod(kind=rotate)}
     objective = SearchObjective(None, stats.model, stats, torch.zeros(1, 2, dtype=torch.long),
-                                context=int(doc["context"]), seed=int(doc["config"]["seed"]))
-    name = f"{stats.model.name}-search-trial{record['number']}"
+                                context=int(doc["context"]), seed=int(doc["config"]["seed"]),
+                                method_overrides=overrides)
+    name = f"{stats.model.name}-search-trial{record['number']}" + ("" if rotate is None else f"-rot-{rotate}")
     if len(point.k_bits) != stats.model.num_layers:
         raise KvcalibError(f"{run_dir / 'search.json'}: trial {record['number']} sets {len(point.k_bits)} layers, the "
                            f"statistics in {run_dir} are of {stats.model.num_layers}: the file belongs to another run.")
@@ -217,6 +234,10 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
         raise KvcalibError(f"{run_dir / 'search.json'}: trial {record['number']}'s point is malformed "
                            f"({type(err).__name__}: {err}): pick another trial, or rerun the search.") from None
     bits = recipe.memory(stats.model, int(doc["context"])).effective_bits
+    if rotate is not None:
+        recipe.provenance["rotate_refit"] = rotate  # the search scored its own rotations, not these
+        recipe.save(out)
+        return recipe, {**record, "effective_bits": bits, "searched_bits": record["effective_bits"]}
     if abs(bits - float(record["effective_bits"])) > 1e-6:
         raise KvcalibError(
             f"trial {record['number']} was searched at {record['effective_bits']:.6f} effective bits but its recipe "
@@ -224,6 +245,33 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
             "search again (kvcalib search ... --resume keeps the finished trials' settings).")
     recipe.save(out)
     return recipe, record
+
+
+def rotation_bytes(point: Any, info: Any, kind: str) -> int:
+    """The most bytes the rotations of ``point`` (a searched :class:`~kvcalib.optimize.space.Point`)
+    can store when refitted as ``kind``: a float32 matrix for every quantized side of every layer
+    the point rotates, ``(D, D)`` for ``learned``, ``(H, D, D)`` for ``learned-head`` and ``pca``,
+    none for ``hadamard`` (a seed). A side the fit leaves unrotated stores less."""
+    per_side = {"hadamard": 0, "learned": info.head_dim ** 2 * 4}.get(kind, info.num_kv_heads * info.head_dim ** 2 * 4)
+    sides = sum(bits < 16 for cfg, methods in zip(point.layer_configs(), point.methods)
+                if "rotate" in methods for bits in (cfg.k_bits, cfg.v_bits))
+    return sides * per_side
+
+
+def _with_rotation_bits(record: dict, space: Any, info: Any, context: int, kind: str) -> dict:
+    """A trial record whose ``effective_bits`` include the most its rotations refitted as ``kind``
+    can add (:func:`rotation_bytes`), for choosing a point under a budget; others unchanged."""
+    from kvcalib.optimize.space import Point
+
+    if record.get("state") != "COMPLETE" or record.get("point") is None:
+        return record
+    try:
+        point = Point.from_dict(record["point"], space)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return record  # the chosen one is checked again, with its own message
+    elements = Recipe(name="p", layers=point.layer_configs(), model=info).memory(info, context).elements
+    extra = 8.0 * rotation_bytes(point, info, kind) / elements
+    return {**record, "effective_bits": record["effective_bits"] + extra}
 
 
 def export_fp8_scales(run_dir: Path, out: Path, *, bits: str | None = None, methods: Sequence[str] = (),

@@ -45,7 +45,7 @@ the candidate recipe, fitted tensors included (DESIGN.md accounting; 4096 tokens
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -102,7 +102,8 @@ class SearchObjective:
 
     def __init__(self, model, info: ModelInfo, stats: CollectedStats | None, ids: torch.Tensor, *,
                  context: int = 4096, seed: int = 0, prompt_len: int = 1, score_last: int | None = None,
-                 copy_ids: torch.Tensor | None = None, copy_weight: float = 0.5) -> None:
+                 copy_ids: torch.Tensor | None = None, copy_weight: float = 0.5,
+                 method_overrides: dict[str, Any] | None = None) -> None:
         if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 2:
             raise ValueError(f"ids must be (M >= 1, T >= 2) token ids, got {tuple(ids.shape)}")
         if score_last is not None:
@@ -128,6 +129,9 @@ class SearchObjective:
         self.keep = score_last
         self._ref: dict[int, torch.Tensor] = {}  # sequence -> (T, V) float32 log-probs
         self._fitted: dict[tuple, dict[str, torch.Tensor]] = {}
+        # a switched method fitted as this configured instance instead of its defaults (name -> Method:
+        # `kvcalib export RUN --trial N --rotate learned` refits a searched point's rotations learned)
+        self.method_overrides = dict(method_overrides or {})
         self.simulations = 0  # forwards run (for timing reports)
 
     @property
@@ -181,7 +185,8 @@ class SearchObjective:
                 if key not in self._fitted:
                     one = LayerConfig(k_bits=bits if side == "k" else 16, v_bits=bits if side == "v" else 16,
                                       k_axis=cfg.k_axis, k_group=cfg.k_group, v_group=cfg.v_group)
-                    fitted = fit_layer(self.stats.layers[i], one, list(side_methods), self.seed,
+                    fitted = fit_layer(self.stats.layers[i], one,
+                                       [self.method_overrides.get(m, m) for m in side_methods], self.seed,
                                        heads=self.info.num_kv_heads, head_dim=self.info.head_dim)
                     self._fitted[key] = {k: t for k, t in fitted.items() if k.startswith(f"{side}.")}
                 out.update({f"layers.{i}.{name}": t for name, t in self._fitted[key].items()})

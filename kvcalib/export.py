@@ -241,8 +241,10 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
     if abs(bits - float(record["effective_bits"])) > 1e-6:
         raise KvcalibError(
             f"trial {record['number']} was searched at {record['effective_bits']:.6f} effective bits but its recipe "
-            f"rebuilds at {bits:.6f} with this kvcalib (the memory accounting changed since the search): run the "
-            "search again (kvcalib search ... --resume keeps the finished trials' settings).")
+            f"rebuilds at {bits:.6f} from {run_dir}: its statistics are not the ones the search fitted (a fit that "
+            "keeps a rotation or not changes a few bytes), or the memory accounting changed since the search. Fix: "
+            "export from the search's own run folder, refit deliberately with --rotate hadamard, or run the search "
+            "again (kvcalib search ... --resume keeps the finished trials' settings).")
     recipe.save(out)
     return recipe, record
 

@@ -101,3 +101,25 @@ def test_cli_refits_with_rotate_and_still_refuses_other_flags(rotated_search, tm
     res = CliRunner().invoke(app, ["export", str(run), "-o", str(tmp_path / "c2.safetensors"), "--trial",
                                    str(trial["number"]), "--rotate", "learned", "--clip"])
     assert res.exit_code == 2 and "only --rotate may refit" in res.output
+
+
+def test_a_point_that_rebuilds_at_other_bits_names_the_cause(rotated_search, tmp_path):
+    """Statistics other than the search's (or another accounting) rebuild a trial at other bits:
+    refused with the cause and the fixes, and --rotate hadamard refits it deliberately."""
+    import json
+    import shutil
+
+    from kvcalib.export import export_search_point
+
+    _, doc, run = rotated_search
+    other = tmp_path / "other"
+    shutil.copytree(run, other)
+    tampered = json.loads((run / "search.json").read_text())
+    trial = tampered["trials"][0]
+    trial["effective_bits"] += 0.01  # as if the search had fitted other statistics
+    (other / "search.json").write_text(json.dumps(tampered))
+    with pytest.raises(KvcalibError, match="not the ones the search fitted.*--rotate hadamard"):
+        export_search_point(other, tmp_path / "r.safetensors", trial=trial["number"])
+    assert not (tmp_path / "r.safetensors").exists()
+    recipe, record = export_search_point(other, tmp_path / "r.safetensors", trial=trial["number"], rotate="hadamard")
+    assert record["searched_bits"] == pytest.approx(trial["effective_bits"]) != record["effective_bits"]

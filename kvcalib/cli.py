@@ -469,6 +469,9 @@ def export(
             print(f"wrote {out}: trial {record['number']} of the search (KL {record['kl']:.4g} with its own "
                   f"rotations, {record['searched_bits']:.3f} bits), rotations refitted as {rotate}: "
                   f"{record['effective_bits']:.3f} effective bits at {at}; score it with kvcalib eval")
+            if not any(k.endswith((".rotation", ".rotate")) for k in recipe.tensors):
+                print("note: this point rotates no layer (under --budget-bits the better points had no room for "
+                      "their matrices): pick one with --trial, or search at a lower budget and refit that")
     else:
         config = ExportConfig(bits=bits or "k2v2", group=group, window=window, sinks=sinks, name=name, seed=seed,
                               **method_flags)

@@ -87,7 +87,7 @@ KINDS = ("hadamard", "pca", "learned", "learned-head")
 _FP32 = 4  # bytes of the float32 tables the runtime keeps on the device
 # the learned rotation's optimiser: Adam steps and learning rate on the Cayley generator. Not tuned:
 # on the tests' outlier reservoir they take the 2-bit value error from the Hadamard rotation's 3,414
-# to 240; on SmolLM2-135M's reservoirs a fit takes ~19 s a side on the 2-core CPU
+# to 240; on SmolLM2-135M's reservoirs a fit takes ~1.5 s a side on the idle 2-core CPU (15-19 s shared)
 LEARN_STEPS = 80
 LEARN_LR = 5e-3
 

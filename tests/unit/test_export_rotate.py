@@ -86,6 +86,14 @@ def test_the_budget_leaves_room_for_the_matrices(rotated_search, tmp_path):
     assert record["number"] != target["number"] and record["effective_bits"] <= budget  # its matrices fit
     with pytest.raises(KvcalibError, match="not a rotation kind"):
         export_search_point(run, tmp_path / "x.safetensors", trial=target["number"], rotate="givens")
+    # the command says when the pick under the budget rotates nothing (the better points had no room)
+    from kvcalib.cli import app
+
+    res = CliRunner().invoke(app, ["export", str(run), "-o", str(tmp_path / "c.safetensors"), "--budget-bits",
+                                   repr(budget), "--rotate", "learned-head"])
+    assert res.exit_code == 0, res.output
+    rotates = any(k.endswith((".rotation", ".rotate")) for k in recipe.tensors)
+    assert ("rotates no layer" in res.output) == (not rotates)
 
 
 def test_cli_refits_with_rotate_and_still_refuses_other_flags(rotated_search, tmp_path):

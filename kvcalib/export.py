@@ -193,10 +193,8 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
         raise KvcalibError(f"{flags} build a recipe from statistics; --budget-bits/--trial pick a searched point "
                            "whose settings are fixed (only --rotate may refit its rotations): pass one kind or "
                            "the other.")
-    from kvcalib.methods.rotate import KINDS, RotateMethod
-
-    if rotate is not None and rotate not in KINDS:
-        raise KvcalibError(f"--rotate {rotate!r} is not a rotation kind: use one of {', '.join(KINDS)}.")
+    # the rotation method through the registry (its flag parser names the kinds on a bad one)
+    rotation = None if rotate is None else registry()["rotate"].from_flags({"rotate": rotate}, LayerConfig())
     if (budget_bits is None) == (trial is None):
         raise KvcalibError("pass exactly one of --budget-bits B or --trial N to pick a searched point.")
     run_dir, out = Path(run_dir), Path(out)
@@ -218,7 +216,7 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
                            f"({type(err).__name__}: {err}): pick another trial, or rerun the search.") from None
     import torch
 
-    overrides = {} if rotate is None else {RotateMethod.name: RotateMethod(kind=rotate)}
+    overrides = {} if rotation is None else {rotation.name: rotation}
     objective = SearchObjective(None, stats.model, stats, torch.zeros(1, 2, dtype=torch.long),
                                 context=int(doc["context"]), seed=int(doc["config"]["seed"]),
                                 method_overrides=overrides)

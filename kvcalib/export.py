@@ -249,10 +249,11 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
 
 def rotation_bytes(point: Any, info: Any, kind: str) -> int:
     """The most bytes the rotations of ``point`` (a searched :class:`~kvcalib.optimize.space.Point`)
-    can store when refitted as ``kind``: a float32 matrix for every quantized side of every layer
-    the point rotates, ``(D, D)`` for ``learned``, ``(H, D, D)`` for ``learned-head`` and ``pca``,
-    none for ``hadamard`` (a seed). A side the fit leaves unrotated stores less."""
-    per_side = {"hadamard": 0, "learned": info.head_dim ** 2 * 4}.get(kind, info.num_kv_heads * info.head_dim ** 2 * 4)
+    can store when refitted as ``kind``: the rotate method's matrix for every quantized side of
+    every layer the point rotates (``RotateMethod.matrix_bytes``). A side the fit leaves unrotated
+    stores less."""
+    rotation = registry()["rotate"].from_flags({"rotate": kind}, LayerConfig())
+    per_side = rotation.matrix_bytes(info.num_kv_heads, info.head_dim)
     sides = sum(bits < 16 for cfg, methods in zip(point.layer_configs(), point.methods)
                 if "rotate" in methods for bits in (cfg.k_bits, cfg.v_bits))
     return sides * per_side

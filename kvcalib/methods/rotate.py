@@ -404,6 +404,13 @@ class RotateMethod(Method):
             rot[side] = (matrix.float(), None if signs is None else signs.float())
         return RotateState(rot) if rot else None
 
+    def matrix_bytes(self, heads: int, head_dim: int) -> int:
+        """The most bytes this kind stores for one rotated side: a float32 ``(D, D)`` for
+        ``learned``, ``(H, D, D)`` for ``learned-head`` and ``pca``, none for ``hadamard`` (a seed)."""
+        if self.kind == "hadamard":
+            return 0
+        return (1 if self.kind == "learned" else heads) * head_dim * head_dim * _FP32
+
     @classmethod
     def from_flags(cls, values: dict[str, Any], layer: LayerConfig) -> "RotateMethod | None":
         kind = values.get("rotate")

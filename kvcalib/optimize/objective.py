@@ -198,7 +198,7 @@ class SearchObjective:
                 if key not in self._fitted:
                     fitted = fit_layer(self.stats.layers[i], LayerConfig(
                         k_bits=cfg.k_bits, v_bits=cfg.v_bits, k_axis=cfg.k_axis, k_group=cfg.k_group,
-                        v_group=cfg.v_group), [method], self.seed,
+                        v_group=cfg.v_group), [self.method_overrides.get(method, method)], self.seed,
                         heads=self.info.num_kv_heads, head_dim=self.info.head_dim)
                     self._fitted[key] = {k: t for k, t in fitted.items() if k.startswith("kv.")}
                 out.update({f"layers.{i}.{name}": t for name, t in self._fitted[key].items()})

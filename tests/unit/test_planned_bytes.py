@@ -9,6 +9,8 @@ rotate. The greedy allocation with learned rotations then keeps the fully fitted
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -120,9 +122,7 @@ def test_learned_rotations_are_paid_for_when_bits_are_allocated(tiny):
     assert refit.effective_bits(as_searched) > budget  # the matrices did not fit the searched layout
     assert any(k.endswith(".rotation") for k in refit.fitted_tensors(point))  # and the pick does rotate
     # the allocation's count: the whole-layer tensors fitted, the side ones planned (an upper bound)
-    layout_only = SearchObjective(model, info, stats, ids, context=CONTEXT).effective_bits(
-        type(point)(point.group, point.window, point.sinks, point.k_bits, point.v_bits, ((),) * 2, point.k_axis,
-                    point.schedule), with_tensors="layers")
+    layout_only = plain.effective_bits(dataclasses.replace(point, methods=((),) * 2), with_tensors="layers")
     elements = 2 * HEADS * HEAD_DIM * CONTEXT * 2
     assert refit.effective_bits(point, with_tensors="layers") == pytest.approx(
         layout_only + 8.0 * refit.planned_side_bytes(point) / elements)

@@ -177,8 +177,9 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
     ``rotate``: the layers the point rotates are refitted with this rotation kind instead
     (``learned``: the searched layout with learned rotations, which a search does not fit: a fit
     takes seconds a side). Their matrices add bytes the search did not count, so with
-    ``budget_bits`` the point is the lowest-KL trial whose searched bits plus the most its matrices
-    can add (:func:`rotation_bytes`) stay at or under the budget; the recipe records the kind.
+    ``budget_bits`` the point is the lowest-KL trial whose searched bits plus the most the refitted
+    rotations can store (:func:`_with_refit_bits`: the search objective's planned side bytes) stay
+    at or under the budget; the recipe records the kind.
 
     ``budget_bits`` is in today's accounting (``kvcalib.layout.ACCOUNTING``); a ``search.json``
     written before it (every layer counted at the full context) is read converted
@@ -205,21 +206,21 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
     stats = CollectedStats.load(run_dir)
     doc = current_accounting(doc, stats.model.sliding_window)
     space = SearchSpace.from_dict(doc["space"])
-    candidates = doc["trials"]
-    if rotate is not None and budget_bits is not None:  # room for the matrices the refit may store
-        candidates = [_with_rotation_bits(r, space, stats.model, int(doc["context"]), rotate) for r in candidates]
-    record = choose(candidates, budget_bits, trial)
-    try:
-        point = Point.from_dict(record["point"], space)  # old search.json files (no schedule) read as schedule "none"
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise KvcalibError(f"{run_dir / 'search.json'}: trial {record['number']}'s point is malformed "
-                           f"({type(err).__name__}: {err}): pick another trial, or rerun the search.") from None
     import torch
 
     overrides = {} if rotation is None else {rotation.name: rotation}
     objective = SearchObjective(None, stats.model, stats, torch.zeros(1, 2, dtype=torch.long),
                                 context=int(doc["context"]), seed=int(doc["config"]["seed"]),
                                 method_overrides=overrides)
+    candidates = doc["trials"]
+    if budget_bits is not None:  # room for what the refitted methods may store
+        candidates = [_with_refit_bits(r, space, objective) for r in candidates]
+    record = choose(candidates, budget_bits, trial)
+    try:
+        point = Point.from_dict(record["point"], space)  # old search.json files (no schedule) read as schedule "none"
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise KvcalibError(f"{run_dir / 'search.json'}: trial {record['number']}'s point is malformed "
+                           f"({type(err).__name__}: {err}): pick another trial, or rerun the search.") from None
     name = f"{stats.model.name}-search-trial{record['number']}" + ("" if rotate is None else f"-rot-{rotate}")
     if len(point.k_bits) != stats.model.num_layers:
         raise KvcalibError(f"{run_dir / 'search.json'}: trial {record['number']} sets {len(point.k_bits)} layers, the "
@@ -247,31 +248,29 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
     return recipe, record
 
 
-def rotation_bytes(point: Any, info: Any, kind: str) -> int:
-    """The most bytes the rotations of ``point`` (a searched :class:`~kvcalib.optimize.space.Point`)
-    can store when refitted as ``kind``: the rotate method's matrix for every quantized side of
-    every layer the point rotates (``RotateMethod.matrix_bytes``). A side the fit leaves unrotated
-    stores less."""
-    rotation = registry()["rotate"].from_flags({"rotate": kind}, LayerConfig())
-    per_side = rotation.matrix_bytes(info.num_kv_heads, info.head_dim)
-    sides = sum(bits < 16 for cfg, methods in zip(point.layer_configs(), point.methods)
-                if "rotate" in methods for bits in (cfg.k_bits, cfg.v_bits))
-    return sides * per_side
+def _with_refit_bits(record: dict, space: Any, objective: Any) -> dict:
+    """A trial record whose ``effective_bits`` include the most the methods ``objective`` refits
+    otherwise than the search did (its ``method_overrides`` whose configuration is not the default
+    the search fitted: ``--rotate learned``) can store at the record's point
+    (:meth:`~kvcalib.optimize.objective.SearchObjective.planned_side_bytes`), for choosing a point
+    under a budget; others unchanged.
 
-
-def _with_rotation_bits(record: dict, space: Any, info: Any, context: int, kind: str) -> dict:
-    """A trial record whose ``effective_bits`` include the most its rotations refitted as ``kind``
-    can add (:func:`rotation_bytes`), for choosing a point under a budget; others unchanged."""
+    Added to the searched bits, not put in place of the search's own tensors: a side the search's
+    fit left unrotated may hold a matrix after the refit, so only the sum is an upper bound (the
+    refit keeps a Hadamard seed only where the search's fit kept the same seed)."""
     from kvcalib.optimize.space import Point
 
-    if record.get("state") != "COMPLETE" or record.get("point") is None:
+    refit = {name for name, method in objective.method_overrides.items()
+             if method.config() != type(method)().config()}
+    if not refit or record.get("state") != "COMPLETE" or record.get("point") is None:
         return record
     try:
         point = Point.from_dict(record["point"], space)
     except (KeyError, TypeError, ValueError, AttributeError):
         return record  # the chosen one is checked again, with its own message
-    elements = Recipe(name="p", layers=point.layer_configs(), model=info).memory(info, context).elements
-    extra = 8.0 * rotation_bytes(point, info, kind) / elements
+    info = objective.info
+    elements = Recipe(name="p", layers=point.layer_configs(), model=info).memory(info, objective.context).elements
+    extra = 8.0 * objective.planned_side_bytes(point, only=refit) / elements
     return {**record, "effective_bits": record["effective_bits"] + extra}
 
 

@@ -30,7 +30,11 @@ method refuses the same bad input the same way.
 from __future__ import annotations
 
 import abc
+import ast
+import functools
+import math
 from dataclasses import dataclass, fields
+from fractions import Fraction
 from typing import Any, ClassVar
 
 import torch
@@ -62,6 +66,7 @@ __all__ = [
     "check_side",
     "check_quantized_side",
     "scalar_value",
+    "shape_symbols",
     "SIDES",
 ]
 
@@ -190,6 +195,65 @@ def reservoir_positions(layer_stats: LayerStats) -> torch.Tensor:
     return layer_stats.positions.long()[:, None] + torch.arange(bl)[None, :]  # (NB, BL)
 
 
+# a TensorSpec shape's arithmetic: what the evaluator of :func:`_shape_alternatives` accepts
+_SHAPE_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+              ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Pow: lambda a, b: a ** b}
+
+
+def shape_symbols(side: str, cfg: LayerConfig, heads: int, head_dim: int) -> dict[str, int]:
+    """The values the names of a :class:`TensorSpec` shape take for ``side`` of a layer at ``cfg``:
+    ``H`` kv heads, ``D`` head_dim, ``bits`` the side's width, ``C`` its quantizer's parameter
+    columns (``D`` per channel, ``D / group`` per token), ``R`` the rotary channels (at most ``D``:
+    counted as ``D``, an upper bound)."""
+    per_channel = cfg.per_channel(side)
+    return {"H": heads, "D": head_dim, "bits": cfg.bits(side), "R": head_dim,
+            "C": head_dim if per_channel else head_dim // cfg.group(side)}
+
+
+@functools.lru_cache(maxsize=None)
+def _shape_alternatives(shape: str) -> tuple[ast.expr, ...]:
+    """A shape string (``"(H, D)"``, ``"(2**bits,)"``, ``"(H, D, D) | (D, D)"``) parsed into its
+    alternatives (``|``: the fit writes one of them). Python's own parser reads it; only tuples,
+    integers, names and ``+ - * / // **`` are then evaluated (:func:`_elements`), nothing runs."""
+    try:
+        tree = ast.parse(shape.strip(), mode="eval").body
+    except SyntaxError:
+        raise ValueError(f"tensor shape {shape!r} is not a shape expression") from None
+    out: list[ast.expr] = []
+
+    def split(node: ast.expr) -> None:
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+            split(node.left)
+            split(node.right)
+        elif isinstance(node, ast.Tuple):
+            out.append(node)
+        else:
+            raise ValueError(f"tensor shape {shape!r}: each alternative must be a tuple such as (H, D)")
+
+    split(tree)
+    return tuple(out)
+
+
+def _elements(shape: str, symbols: dict[str, int]) -> int:
+    """The most elements a tensor of ``shape`` holds (the largest alternative) given ``symbols``
+    (:func:`shape_symbols`); a name or operation the evaluator does not know is a ``ValueError``
+    (the method then overrides :meth:`Method.planned_side_bytes`)."""
+
+    def value(node: ast.expr) -> Fraction:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return Fraction(node.value)
+        if isinstance(node, ast.Name):
+            if node.id not in symbols:
+                raise ValueError(f"tensor shape {shape!r}: unknown name {node.id!r} (known: {', '.join(symbols)})")
+            return Fraction(symbols[node.id])
+        if isinstance(node, ast.BinOp) and type(node.op) in _SHAPE_OPS:
+            return _SHAPE_OPS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(f"tensor shape {shape!r}: {ast.unparse(node)!r} is not integer arithmetic on its names")
+
+    # a fractional dimension is rounded up: the count stays an upper bound
+    return max(math.prod(math.ceil(value(dim)) for dim in alt.elts) for alt in _shape_alternatives(shape))
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One recipe tensor a method writes, per layer: ``layers.{i}.{side}.{name}``.
@@ -209,6 +273,14 @@ class TensorSpec:
     def keys(self) -> list[str]:
         """Unprefixed tensor names (``"k.clip"``, ``"v.clip"``)."""
         return [f"{side}.{self.name}" for side in self.sides]
+
+    def max_bytes(self, symbols: dict[str, int]) -> int:
+        """The most bytes one such tensor takes: its :attr:`dtype`'s size times the elements of
+        the largest alternative of :attr:`shape` given ``symbols`` (:func:`shape_symbols`)."""
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"tensor {self.name}: dtype {self.dtype!r} is not a torch dtype")
+        return _elements(self.shape, symbols) * dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -518,6 +590,22 @@ class Method(abc.ABC):
     def tensor_keys(cls) -> dict[str, TensorSpec]:
         """Unprefixed tensor name -> its spec (``"k.clip"`` -> the clip spec)."""
         return {key: spec for spec in cls.tensors for key in spec.keys()}
+
+    # ------------------------------------------------------------------ memory, before the fit
+    def planned_side_bytes(self, side: str, cfg: LayerConfig, heads: int, head_dim: int) -> int:
+        """The most bytes of recipe tensors ``{side}.*`` this method's fit may write for one layer
+        at ``cfg`` (bits, groups, axis), without fitting: what the search's allocation counts for a
+        side method it does not fit per move (:meth:`kvcalib.optimize.objective.SearchObjective.effective_bits`).
+        An upper bound: a fit that leaves the side alone writes less. Whole-layer (``kv``) tensors
+        are not counted (the search fits those). Nothing for a side kept at 16 bits.
+
+        Default: every declared tensor of the side at its declared shape's largest alternative
+        (:meth:`TensorSpec.max_bytes`). A method whose tensors exclude each other, or whose
+        configuration decides their size, overrides (a rotation stores a seed or a matrix)."""
+        if cfg.bits(side) >= 16:
+            return 0
+        symbols = shape_symbols(side, cfg, heads, head_dim)
+        return sum(spec.max_bytes(symbols) for spec in self.tensors if side in spec.sides)
 
     # ------------------------------------------------------------------ offline: fit
     def fit(

@@ -73,6 +73,7 @@ from kvcalib.methods.base import (
     TensorSpec,
     reservoir_moments,
     reservoir_to_bhtd,
+    shape_symbols,
     switch_lines,
     switch_section,
 )
@@ -410,6 +411,17 @@ class RotateMethod(Method):
         if self.kind == "hadamard":
             return 0
         return (1 if self.kind == "learned" else heads) * head_dim * head_dim * _FP32
+
+    def planned_side_bytes(self, side: str, cfg: LayerConfig, heads: int, head_dim: int) -> int:
+        """A rotated side stores its gain and one rotation: the seed (``(3,)`` int64) or this kind's
+        matrix (:meth:`matrix_bytes`), never both (``load`` refuses both), so the larger of the
+        two; a ``learned`` side the learned matrix does not pay for keeps the seed."""
+        if cfg.bits(side) >= 16:
+            return 0
+        specs = {spec.name: spec for spec in self.tensors}
+        symbols = shape_symbols(side, cfg, heads, head_dim)
+        seed, gain = specs["rotate"].max_bytes(symbols), specs["rotate_gain"].max_bytes(symbols)
+        return gain + max(seed, self.matrix_bytes(heads, head_dim))
 
     @classmethod
     def from_flags(cls, values: dict[str, Any], layer: LayerConfig) -> "RotateMethod | None":

@@ -45,7 +45,7 @@ the candidate recipe, fitted tensors included (DESIGN.md accounting; 4096 tokens
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
@@ -221,20 +221,54 @@ class SearchObjective:
             return {k: t for k, t in fitted.items() if k.startswith("kv.")}
         return schedule.static_tensors(cfg)
 
+    def side_method(self, name: str):
+        """The configured instance a side method ``name`` of a point is fitted as: its override
+        (:attr:`method_overrides`), else its default configuration (as :func:`kvcalib.calibrate.build_methods`)."""
+        from kvcalib.methods import registry
+
+        return self.method_overrides.get(name) or registry()[name]()
+
+    def planned_side_bytes(self, point: Point, only: Collection[str] | None = None) -> int:
+        """The most bytes the point's side-scoped methods' fits store (``{k|v}.*`` recipe tensors:
+        a rotation's seed or matrix, clip scales...), counted without fitting them
+        (:meth:`~kvcalib.methods.base.Method.planned_side_bytes`, overrides applied), over every
+        quantized side of every compressed layer; ``only``: those methods alone."""
+        from kvcalib.optimize.space import side_scoped
+
+        heads, head_dim = self.info.num_kv_heads, self.info.head_dim
+        total = 0
+        for cfg, methods in zip(point.layer_configs(), point.methods or ()):
+            for name in methods:
+                if not side_scoped(name) or (only is not None and name not in only):
+                    continue
+                method = self.side_method(name)
+                total += sum(method.planned_side_bytes(side, cfg, heads, head_dim)
+                             for side in ("k", "v") if cfg.bits(side) < 16)
+        return total
+
     def recipe(self, point: Point, name: str = "searched", provenance: dict | None = None) -> Recipe:
         return Recipe(name=name, layers=point.layer_configs(), model=self.info,
                       tensors=self.fitted_tensors(point), provenance=dict(provenance or {}))
 
     def effective_bits(self, point: Point, with_tensors: bool | str = True) -> float:
-        """Effective bits of ``point`` at ``context``: with every fitted tensor (True), with the
-        whole-layer tensors only (``"layers"``: outlier pool and schedule, which change memory;
-        cheap, for allocation moves) or with none (False: the layer configs alone)."""
+        """Effective bits of ``point`` at ``context``: with every fitted tensor (True, exact), with
+        the whole-layer tensors fitted and the side methods' tensors planned (``"layers"``: outlier
+        pool and schedule, which change memory, plus :meth:`planned_side_bytes`, the most the side
+        fits store -- a learned rotation's matrices -- without fitting them; cheap, for allocation
+        moves) or with none (False: the layer configs alone).
+
+        ``"layers"`` leaves out what the runtime derives from the side tensors (a seed's signs, one
+        Walsh-Hadamard per head_dim: :meth:`~kvcalib.methods.base.MethodState.bytes`); the check
+        with every tensor (:func:`~kvcalib.optimize.study.fit_to_budget`, each trial's bits) counts them."""
+        planned = 0
         if with_tensors == "layers":
             tensors = self.fitted_tensors(point, sides=False)
+            planned = self.planned_side_bytes(point)
         else:
             tensors = self.fitted_tensors(point) if with_tensors else {}
         rec = Recipe(name="p", layers=point.layer_configs(), model=self.info, tensors=tensors)
-        return rec.memory(self.info, self.context).effective_bits
+        mem = rec.memory(self.info, self.context)
+        return 8.0 * (mem.total_bytes + planned) / mem.elements
 
     # ------------------------------------------------------------------ KL
     def reference(self, m: int) -> torch.Tensor:

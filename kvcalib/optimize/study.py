@@ -1007,8 +1007,9 @@ def fit_to_budget(point: Point, objective: "SearchObjective", space: SearchSpace
                   budget: float) -> Point | None:
     """``point`` with bits taken from its least sensitive sides until its effective bits with
     every fitted tensor fit the budget; None when its settings (sinks, window, methods) do not
-    fit at the fewest bits. The greedy allocation counts only the whole-layer tensors (cheap);
-    the per-side ones (a rotation's signs: 0.016 bits at 2,048 tokens) could put it over."""
+    fit at the fewest bits. The greedy allocation fits only the whole-layer tensors and plans the
+    per-side ones (cheap: :meth:`SearchObjective.effective_bits`); what the runtime derives from
+    them (a rotation's signs: 0.016 bits at 2,048 tokens) could still put it over."""
     levels = list(space.bits)
     k = [levels.index(b) for b in point.k_bits]
     v = [levels.index(b) for b in point.v_bits]

@@ -1,7 +1,7 @@
 """``kvcalib export RUN --trial N|--budget-bits B --rotate KIND``: a searched point refitted with
 another rotation kind (the search fits the Hadamard one; a learned fit takes seconds a side, too
 slow per trial). The layers the point rotates get the kind's matrices, the budget leaves room for
-the most they can add, and the recipe records the refit. Tiny random model, 4 trials."""
+the most they can add (the search objective's planned side bytes), and the recipe records the refit. Tiny random model, 4 trials."""
 
 from __future__ import annotations
 
@@ -47,8 +47,20 @@ def _rotated_trial(doc: dict) -> dict:
     pytest.fail("no trial of the fixture's search rotates a layer: change its seed")
 
 
+def _planned(info, point, kind: str | None) -> int:
+    """The most bytes the rotations of ``point`` store refitted as ``kind`` (None: the search's own
+    Hadamard ones), as the search objective plans them."""
+    from kvcalib.methods import registry
+    from kvcalib.optimize.objective import SearchObjective
+
+    overrides = {} if kind is None else {"rotate": registry()["rotate"](kind=kind)}
+    objective = SearchObjective(None, info, None, torch.zeros(1, 2, dtype=torch.long), context=CONTEXT,
+                                method_overrides=overrides)
+    return objective.planned_side_bytes(point, only={"rotate"})
+
+
 def test_a_trial_refitted_with_learned_rotations(rotated_search, tmp_path):
-    from kvcalib.export import export_search_point, rotation_bytes
+    from kvcalib.export import export_search_point
     from kvcalib.optimize.space import Point, SearchSpace
 
     info, doc, run = rotated_search
@@ -64,12 +76,17 @@ def test_a_trial_refitted_with_learned_rotations(rotated_search, tmp_path):
     assert {int(k.split(".")[1]) for k in matrices} <= rotated_layers
     assert learned.layers == plain.layers  # the searched layout, unchanged
     point = Point.from_dict(trial["point"], SearchSpace.from_dict(doc["space"]))
-    bound = 8.0 * rotation_bytes(point, info, "learned") / learned.memory(info, CONTEXT).elements
+    bound = 8.0 * _planned(info, point, "learned") / learned.memory(info, CONTEXT).elements
     assert record["searched_bits"] == trial["effective_bits"]
     assert trial["effective_bits"] < record["effective_bits"] <= trial["effective_bits"] + bound + 1e-9
     assert Recipe.load(tmp_path / "l.safetensors").provenance["rotate_refit"] == "learned"
-    assert rotation_bytes(point, info, "learned-head") == 2 * rotation_bytes(point, info, "learned")  # H = 2
-    assert rotation_bytes(point, info, "hadamard") == 0
+    # per quantized side of a rotated layer: the gain (4 bytes) and the larger of the seed (24) and
+    # the kind's float32 matrices, (D, D) shared or (H, D, D) per kv head (H = 2, D = 16)
+    sides = sum(b < 16 for cfg, m in zip(point.layer_configs(), point.methods) if "rotate" in m
+                for b in (cfg.k_bits, cfg.v_bits))
+    assert sides and _planned(info, point, "learned") == sides * (4 + 16 * 16 * 4)
+    assert _planned(info, point, "learned-head") == sides * (4 + 2 * 16 * 16 * 4)
+    assert _planned(info, point, "hadamard") == _planned(info, point, None) == sides * (4 + 24)
 
 
 def test_the_budget_leaves_room_for_the_matrices(rotated_search, tmp_path):

@@ -38,6 +38,9 @@ ROWS = {  # name: (models, batches, contexts, settings)
     "quick": (("mistral-7b",), (1, 8), (4096, 32768), SETTINGS),
     # issue 50: every code width the default search space offers, Mistral-7B shape, 4k-128k
     "widths": (("mistral-7b",), (1, 8), (4096, 32768, 131072), ((2, 128), (3, 128), (4, 128))),
+    # the same on the head_dim-128 GQA shape of Qwen2.5-1.5B and SmolLM2's head_dim 64, where the
+    # 3-bit loop's key halves and value pairs do not apply
+    "widths-heads": (("qwen2.5-1.5b", "smollm2-135m"), (1, 8), (4096, 32768, 131072), ((2, 128), (3, 128), (4, 128))),
 }
 
 

@@ -10,10 +10,10 @@
 # milton, the long-context evaluation and calibration texts) and .gpu/p2 (the
 # second part) come in two calls made back to back (a warm machine keeps /tmp between them); the
 # GGUF is assembled once both parts are there (kvcalib checks it against the pinned sha256 on use).
-# Qwen2.5-Coder-0.5B likewise from .gpu/q1 .. .gpu/q9. (The .gpu/ parts are made by splitting the
-# files of ~/.cache/kvcalib/models with `split -b 55000000 -d -a 2 FILE qwen.part.`, one part per
-# folder: a call carries < 64 MiB with the work tree, ~6 MB; .gpu/q1 also holds the stamp, the
-# ATTRIBUTION and `qwen.parts`, the number of parts; .gpu/ is git-ignored.)
+# The Qwen models likewise (see assemble_parts below). (The .gpu/ parts are made by splitting the
+# files of ~/.cache/kvcalib/models with `split -b 55000000 -d -a 2 FILE PREFIX.part.`, one part per
+# folder: a call carries < 64 MiB with the work tree, ~11 MB; the first part's folder also holds the
+# stamp, the ATTRIBUTION and `PREFIX.parts`, the number of parts; .gpu/ is git-ignored.)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVCALIB_QUIET=1
 # (typer >= 0.25 imports pydantic: pydantic, pydantic-core, annotated-types and typing-inspection
 # travel too.) The stamp names the wheel set, so a warm machine installs a changed set again.
@@ -33,8 +33,10 @@ export PYTHONPATH="$PWD:$KK:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export KVCALIB_HOME=/tmp/kvh
 SMOL=$KVCALIB_HOME/models/smollm2-135m
 mkdir -p "$KVCALIB_HOME/parts" "$SMOL"
+# the texts travel in whichever part has room (.gpu/p1 beside SmolLM2's first part, .gpu/q9 beside
+# Qwen's last: a call that brings only Qwen's parts still needs them)
+for t in .gpu/*/text; do [ -d "$t" ] && cp -r "$t" "$KVCALIB_HOME/"; done
 if [ -d .gpu/p1 ]; then
-  cp -r .gpu/p1/text "$KVCALIB_HOME/" 2>/dev/null
   cp .gpu/p1/smol.part.00 "$KVCALIB_HOME/parts/"
   cp .gpu/p1/*.json .gpu/p1/ATTRIBUTION.txt .gpu/p1/LICENSE "$SMOL/"  # the stamp and notices kvcalib expects beside it
 fi
@@ -44,17 +46,22 @@ if [ ! -s "$GGUF" ] && [ -s "$KVCALIB_HOME/parts/smol.part.00" ] && [ -s "$KVCAL
   cat "$KVCALIB_HOME"/parts/smol.part.0* > "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF"
   echo "device_env: SmolLM2 GGUF assembled: $(sha256sum "$GGUF" | cut -c1-16)"
 fi
-# Qwen2.5-Coder-0.5B: nine parts in .gpu/q1 .. .gpu/q9, one a call (q1 brings the stamp and the count)
-QWEN=$KVCALIB_HOME/models/qwen2.5-coder-0.5b
-mkdir -p "$QWEN"
-for d in .gpu/q*; do [ -d "$d" ] && cp "$d"/qwen.part.* "$KVCALIB_HOME/parts/"; done
-[ -d .gpu/q1 ] && cp .gpu/q1/*.json .gpu/q1/ATTRIBUTION.txt .gpu/q1/qwen.parts "$QWEN/"
-QGGUF=$QWEN/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
-# qwen.parts (from .gpu/q1): how many parts make the file (each call carries < 64 MiB with the tree)
-if [ ! -s "$QGGUF" ] && [ -s "$QWEN/qwen.parts" ] \
-    && [ "$(ls "$KVCALIB_HOME"/parts/qwen.part.* 2>/dev/null | wc -l)" = "$(cat "$QWEN/qwen.parts")" ]; then
-  cat "$KVCALIB_HOME"/parts/qwen.part.* > "$QGGUF.tmp" && mv "$QGGUF.tmp" "$QGGUF"
-  echo "device_env: Qwen GGUF assembled: $(sha256sum "$QGGUF" | cut -c1-16)"
-fi
+# The Qwen models, each from its parts, one a call (the first part's folder brings the stamp, the
+# notices and PREFIX.parts, how many parts make the file: each call carries < 64 MiB with the tree):
+# Qwen2.5-Coder-0.5B from .gpu/q1 .. .gpu/q9 (qwen.part.*), Qwen2.5-Coder-1.5B from .gpu/r1 ..
+# .gpu/r21 (big.part.*; r21, 17 MB, has room for the wheels in the same call)
+assemble_parts() {  # PREFIX FIRST_DIR MODEL_FOLDER GGUF_NAME
+  local prefix=$1 first=$2 folder=$KVCALIB_HOME/models/$3 gguf=$KVCALIB_HOME/models/$3/$4 d
+  mkdir -p "$folder"
+  for d in .gpu/*; do compgen -G "$d/$prefix.part.*" > /dev/null && cp "$d"/$prefix.part.* "$KVCALIB_HOME/parts/"; done
+  [ -d "$first" ] && cp "$first"/*.json "$first"/ATTRIBUTION.txt "$first/$prefix.parts" "$folder/"
+  if [ ! -s "$gguf" ] && [ -s "$folder/$prefix.parts" ] \
+      && [ "$(ls "$KVCALIB_HOME"/parts/$prefix.part.* 2>/dev/null | wc -l)" = "$(cat "$folder/$prefix.parts")" ]; then
+    cat "$KVCALIB_HOME"/parts/$prefix.part.* > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"
+    echo "device_env: $3 GGUF assembled: $(sha256sum "$gguf" | cut -c1-16)"
+  fi
+}
+assemble_parts qwen .gpu/q1 qwen2.5-coder-0.5b qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+assemble_parts big .gpu/r1 qwen2.5-coder-1.5b qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 echo "device_env: parts held: $(ls "$KVCALIB_HOME/parts" | tr '\n' ' ')"
 python3 -c "import torch, triton, transformers; print('device_env:', torch.cuda.get_device_name(0), 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"

@@ -189,6 +189,12 @@ def plot(rows: list[dict], folder: Path) -> list[Path]:
     return paths
 
 
+def nats(x: float) -> str:
+    """A copy NLL: three decimals, or two significant digits below 0.01 (a model that copies almost
+    perfectly, e.g. Qwen2.5-Coder at ~0.002 nats, would otherwise print 0.002 for every recipe)."""
+    return f"{x:.3f}" if abs(x) >= 0.01 else f"{x:.2g}"
+
+
 def _ci(r: dict) -> str:
     if r.get("ci_low") is None:
         return ""
@@ -220,9 +226,9 @@ def markdown(rows: list[dict]) -> str:
                 "| model | context | text | recipe | eff. bits | NLL (simulated) | NLL (decode) | NLL fp | reference | passages x tail | machine |",
                 "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in copy:
-            dec = "" if r.get("nll_decode") is None else f"{r['nll_decode']:.3f}"
+            dec = "" if r.get("nll_decode") is None else nats(r["nll_decode"])
             out.append(f"| {r['model']} | {r['context']} | {text_of(r)} | {r['recipe']} | {r['effective_bits']:.3f} | "
-                       f"{r['nll']:.3f} | {dec} | {r['nll_fp']:.3f} | {r['nll_reference']:.3f} | "
+                       f"{nats(r['nll'])} | {dec} | {nats(r['nll_fp'])} | {r['nll_reference']:.3f} | "
                        f"{r['passages']} x {r['tail']} | {r['machine']} |")
         out.append("")
     pk = [r for r in rows if r["metric"] == "passkey"]
@@ -293,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         if r["metric"] == "ppl":
             print(f"{head}  ppl {r['ppl']:.3f} (fp {r['ppl_fp']:.3f}, {r['delta_pct']:+.2f}% {_ci(r)})")
         elif r["metric"] == "copy":
-            print(f"{head}  copy NLL {r['nll']:.3f} (fp {r['nll_fp']:.3f}, reference {r['nll_reference']:.3f})")
+            print(f"{head}  copy NLL {nats(r['nll'])} (fp {nats(r['nll_fp'])}, reference {r['nll_reference']:.3f})")
         else:
             print(f"{head}  passkey {r['accuracy']:.2f} (fp {r['accuracy_fp']:.2f}, {r['trials']} trials)")
 

@@ -35,6 +35,11 @@ and machine (default: this command and this machine)::
 
 ``--merge FILE`` (repeatable) runs nothing either: it merges the rows of other runs' ``--out``
 files (e.g. the GPU machine's, ``scripts/gpu_quality.sh``) into ``--out``.
+
+``--no-fp`` skips the full-precision run: the rows carry ``score_fp`` null until a merge pairs each
+with the full-precision row of the same model, context, task and samples (``prompts_sha256``; the
+samples depend on ``--seed`` alone). Processes that share a GPU then score full precision once per
+task, in a process of its own (``--baselines ''`` and no ``--recipe``), instead of once each.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ BASELINES = ("kivi-2", "kivi-4")
 def run(args: argparse.Namespace) -> list[dict]:
     """Runs lm-eval (or with ``--from-output`` reads an earlier run's files), saving each recipe's
     rows as soon as they exist; the rows of ``args.out`` afterwards."""
+    from kvcalib.errors import KvcalibError
     from kvcalib.eval.tasks import TaskConfig, require_lm_eval, results_from_output, run_tasks
 
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
@@ -62,8 +68,12 @@ def run(args: argparse.Namespace) -> list[dict]:
               or ROOT / "artifacts" / "runs" / "ruler" / f"{args.model}-{args.context}")
     config = TaskConfig(model=args.model, recipes=recipes, tasks=tuple(args.tasks.split(",")), context=args.context,
                         limit=args.limit, batch_size=args.batch_size, seed=args.seed, output_path=output,
-                        max_gen_toks=args.max_gen_toks, device=args.device, dtype=args.dtype)
+                        max_gen_toks=args.max_gen_toks, device=args.device, dtype=args.dtype,
+                        full_precision=not args.no_fp)
     command = args.command or " ".join(shlex.quote(a) for a in ["python", "benchmarks/ruler.py", *sys.argv[1:]])
+    if args.no_fp and not recipes:
+        raise KvcalibError("--no-fp with no recipe and --baselines '' would run nothing. Fix: name a --recipe, or "
+                           "drop --no-fp to score full precision alone.")
     labels = {"full precision": "full precision", **{r: recipe_label(r) for r in recipes}}
     where = args.machine or machine()
     version = require_lm_eval() if args.from_output is None else ""  # --from-output: each file's own
@@ -102,11 +112,32 @@ def write(rows: list[dict], path: Path) -> list[dict]:
 
 
 def merge(rows: list[dict], path: Path) -> list[dict]:
-    """The file's rows with ``rows`` replacing those of the same model/context/recipe/task."""
+    """The file's rows with ``rows`` replacing those of the same model/context/recipe/task, each row
+    without ``score_fp`` (a ``--no-fp`` run) paired with full precision's (:func:`pair_with_fp`)."""
     from benchmarks.long_context import merge as merge_rows
 
-    return merge_rows(rows, path, key=lambda r: (r["model"], r["context"], r["recipe"], r["task"]),
-                      order=lambda r: (r["model"], r["context"], r["task"], -r["effective_bits"], r["recipe"]))
+    merged = merge_rows(rows, path, key=lambda r: (r["model"], r["context"], r["recipe"], r["task"]),
+                        order=lambda r: (r["model"], r["context"], r["task"], -r["effective_bits"], r["recipe"]))
+    if pair_with_fp(merged):
+        from kvcalib.io import write_json_atomic
+
+        write_json_atomic(path, merged)
+    return merged
+
+
+def pair_with_fp(rows: list[dict]) -> int:
+    """Fills, in place, the ``score_fp`` of rows that have none with the score of the full-precision
+    row of the same model, context, task and samples (``prompts_sha256``); how many it filled. A row
+    whose samples no full-precision row scored keeps None (its vs fp is left blank)."""
+    fp = {(r["model"], r["context"], r["task"], r["prompts_sha256"]): r["score"]
+          for r in rows if r["recipe"] == "full precision"}
+    filled = 0
+    for r in rows:
+        key = (r["model"], r["context"], r["task"], r["prompts_sha256"])
+        if r.get("score_fp") is None and key in fp:
+            r["score_fp"] = fp[key]
+            filled += 1
+    return filled
 
 
 def markdown(rows: list[dict]) -> str:
@@ -126,7 +157,8 @@ def markdown(rows: list[dict]) -> str:
         tasks = sorted({r["task"] for r in part})
         recipes = sorted({(r["effective_bits"], r["recipe"]) for r in part}, reverse=True)
         cells = {recipe: {r["task"]: r["score"] for r in part if r["recipe"] == recipe} for _, recipe in recipes}
-        gaps = {recipe: {r["task"]: r["score"] - r["score_fp"] for r in part if r["recipe"] == recipe}
+        gaps = {recipe: {r["task"]: r["score"] - r["score_fp"] for r in part
+                         if r["recipe"] == recipe and r.get("score_fp") is not None}
                 for _, recipe in recipes}
         common = [t for t in tasks if all(t in c for c in cells.values())]
         means = [("mean", tasks)] if common == tasks else [(f"mean ({len(common)} common)", common),
@@ -142,8 +174,8 @@ def markdown(rows: list[dict]) -> str:
             shown += [f"{sum(got[t] for t in over) / len(over):.3f}" if all(t in got for t in over) else ""
                       for _, over in means]
             over = means[0][1] if means else []  # the comparable mean's tasks
-            shown.append(f"{sum(gaps[recipe][t] for t in over) / len(over):+.3f}" if over and all(t in got for t in over)
-                         else "")
+            shown.append(f"{sum(gaps[recipe][t] for t in over) / len(over):+.3f}"
+                         if over and all(t in gaps[recipe] for t in over) else "")
             out.append(f"| {recipe} | {bits:.3f} | " + " | ".join(shown) + " |")
         if common != tasks:
             note = f"{means[0][0]} averages {', '.join(common)}, the tasks every recipe ran; " if common else ""
@@ -169,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--no-fp", action="store_true",
+                        help="skip full precision: rows are paired with a full-precision row of the same samples "
+                             "when merged (processes sharing a GPU score it once, in a process of its own)")
     parser.add_argument("--output-path", type=Path, default=None, help="lm-eval's own files")
     parser.add_argument("--out", type=Path, default=OUT / "ruler.json")
     parser.add_argument("--from-output", type=Path, default=None, metavar="DIR",
@@ -204,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     for r in rows:
         print(f"{r['model']} {r['context']:>6} {r['task']:<16} {r['recipe']:<50} {r['effective_bits']:6.3f} bits  "
-              f"{r['score']:.3f} (fp {r['score_fp']:.3f}, n={r['n']})")
+              f"{r['score']:.3f} (fp {'-' if r['score_fp'] is None else format(r['score_fp'], '.3f')}, n={r['n']})")
 
 
 if __name__ == "__main__":

@@ -11,12 +11,18 @@
 #       bash scripts/gpu_quality.sh [ruler] [long] [copy-decode]          (default: ruler long)
 #
 # Back on this machine:   tar xzf quality.tgz -C DIR
-#   python benchmarks/ruler.py --merge DIR/ruler_*.json
-#   python benchmarks/long_context.py --merge DIR/lc_*/lc.json
+#   python benchmarks/ruler.py $(printf -- '--merge %s ' DIR/ruler_*.json)        (one --merge a file)
+#   python benchmarks/long_context.py $(printf -- '--merge %s ' DIR/lc_*/lc.json)
+#
+# The device tool gives a machine back 30 s after a call returns, background processes included:
+# a run longer than one call starts this script with `setsid nohup ... &` and then keeps a call in
+# flight (back-to-back calls that sleep, then pack what is there) until it ends.
 #
 # Stages:
-#   ruler        one process per (task group x chunk of CHUNK recipes); full precision runs in each
-#                (the score_fp of its rows), --baselines '' (name presets in RECIPES)
+#   ruler        one process per (task group x chunk of CHUNK recipes) with --no-fp, and one per task
+#                group for full precision alone (the samples depend on the seed alone, so the merge
+#                pairs every row with it by prompts_sha256; each process repeated it before);
+#                --baselines '' (name presets in RECIPES)
 #   long         one process per (text x chunk): ppl (PPL_SAMPLES windows) and copy on every text,
 #                passkey (PASSKEY_TRIALS x 5 depths) on the first text only
 #   copy-decode  copy through a real CompressedCache decode (--decode), first text, one process per chunk
@@ -27,6 +33,9 @@
 # Measured (one H200, 2026-11-28, SmolLM2-135M at 8k, 6 processes at once): RULER, one recipe on two
 # tasks at 50 samples and batch 8: 70-160 s; long_context on the plays (ppl + copy) for 7 recipes:
 # < 500 s; the same on the Britannica text with passkey did not finish 7 recipes in 500 s.
+# Qwen2.5-Coder-0.5B at 16k (2026-11-29, 15 processes, before full precision ran once per group):
+# RULER 6.5 s a request in full precision, 15-26 s through a compressed cache (batch 8); in 1,250 s
+# each long-context process finished full precision and one recipe on the plays, none on Britannica.
 set -uo pipefail
 : "${MODEL:?MODEL=...}" "${CONTEXT:?CONTEXT=...}" "${RECIPES:?RECIPES=\"preset-or-file ...\"}"
 CHUNK=${CHUNK:-2}; LIMIT=${LIMIT:-50}; BATCH=${BATCH:-8}; GEN=${GEN:-64}; TIMEOUT=${TIMEOUT:-500}
@@ -52,12 +61,16 @@ for st in $STAGES; do
     ruler)
       g=0
       for tasks in $TASK_GROUPS; do
+        timeout "$TIMEOUT" python3 benchmarks/ruler.py --model "$MODEL" --context "$CONTEXT" --device "$DEVICE" \
+          --limit "$LIMIT" --batch-size "$BATCH" --max-gen-toks "$GEN" --tasks "$tasks" --baselines '' \
+          --out "$W/ruler_g${g}fp.json" --output-path "$W/lm_g${g}fp" > "$W/ruler_g${g}fp.log" 2>&1 &
+        pids+=($!)
         c=0
         for chunk in "${chunks[@]}"; do
           tag="g${g}c${c}"
           # shellcheck disable=SC2086  # a chunk is several words on purpose
           timeout "$TIMEOUT" python3 benchmarks/ruler.py --model "$MODEL" --context "$CONTEXT" --device "$DEVICE" \
-            --limit "$LIMIT" --batch-size "$BATCH" --max-gen-toks "$GEN" --tasks "$tasks" --baselines '' $chunk \
+            --limit "$LIMIT" --batch-size "$BATCH" --max-gen-toks "$GEN" --tasks "$tasks" --baselines '' --no-fp $chunk \
             --out "$W/ruler_$tag.json" --output-path "$W/lm_$tag" > "$W/ruler_$tag.log" 2>&1 &
           pids+=($!); c=$((c + 1))
         done

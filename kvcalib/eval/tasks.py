@@ -216,6 +216,10 @@ class TaskConfig:
     max_gen_toks: int | None = None  # cap on generated tokens per sample (None: each task's own)
     device: str | None = None
     dtype: str | None = None
+    # False: skip the full-precision run; the rows carry score_fp None and are paired afterwards
+    # with a full-precision row of the same samples (lm-eval's task hash), e.g. by
+    # benchmarks/ruler.py's merge: processes sharing a GPU then run full precision once, not each
+    full_precision: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.tasks, str):
@@ -243,7 +247,7 @@ class TaskResult:
     effective_bits: float  # at context (16.0 for full precision)
     metric: str  # lm-eval's metric key, e.g. "4096,none"
     score: float
-    score_fp: float
+    score_fp: float | None  # None: this run skipped full precision (TaskConfig.full_precision)
     n: int  # samples scored
     # lm-eval's task hash (the ``task_hashes`` entry of its results file): sha256 over every sample's
     # doc, prompt and target hashes, in sample order; equal for every recipe
@@ -279,16 +283,18 @@ def _recipe_rows(config: TaskConfig, name: str, spec: str, recipe: "Recipe | Non
                  seconds: float, lm_eval: str, void: Callable[[str], Exception]) -> list[TaskResult]:
     """One run's rows from ``scored`` (task -> metric, score, samples, task hash). Full precision's
     run (``recipe`` None) fills ``base`` (task -> score, hash); a recipe's hash must equal it, else
-    ``void(task)`` is raised (other samples: the comparison would be void)."""
+    ``void(task)`` is raised (other samples: the comparison would be void). Without full precision's
+    run (``config.full_precision`` False) ``score_fp`` is None."""
     bits = 16.0 if recipe is None else recipe.memory(info, config.context).effective_bits
     out = []
     for task, (metric, score, n, digest) in scored.items():
         if recipe is None:
             base[task] = (score, digest)
-        elif base[task][1] != digest:
+        elif task in base and base[task][1] != digest:
             raise void(task)
+        fp = base[task][0] if task in base else None
         out.append(TaskResult(task=task, recipe=spec, name=name, context=config.context, effective_bits=bits,
-                              metric=metric, score=score, score_fp=base[task][0], n=n, prompts_sha256=digest,
+                              metric=metric, score=score, score_fp=fp, n=n, prompts_sha256=digest,
                               seconds=round(seconds, 1), lm_eval=lm_eval))
     return out
 
@@ -321,15 +327,16 @@ def run_tasks(config: TaskConfig, loaded: "LoadedModel | None" = None, progress:
     from kvcalib.eval.lm_eval_model import KvcalibLM
     from kvcalib.models import load_model
 
-    runs = _runs(config)
+    runs = _runs(config) if config.full_precision else _runs(config)[1:]
     if loaded is None:
         loaded = load_model(config.model, device=config.device, dtype=config.dtype)
     info = loaded.info
     if info.max_positions and config.context > info.max_positions:
         raise KvcalibError(f"--context-len {config.context} is beyond {info.name}'s maximum of {info.max_positions} "
                            f"tokens. Fix: pass --context-len {info.max_positions} or less.")
-    for _, _, r in runs[1:]:
-        r.check_model(info)
+    for _, _, r in runs:
+        if r is not None:
+            r.check_model(info)
     lm = KvcalibLM(loaded=loaded, batch_size=config.batch_size, max_length=config.context)
     metadata = {"max_seq_lengths": [config.context], "tokenizer": tokenizer_source(loaded), "pretrained": config.model}
     manager = task_manager(tasks, metadata)
@@ -366,8 +373,9 @@ def results_from_output(config: TaskConfig, info: "ModelInfo") -> tuple[list[Tas
 
     Each run's newest ``results_*.json`` in ``output_path/<model>/<name>/``: the score as
     :func:`run_tasks` takes it, the samples lm-eval counted (``n-samples``), its task hash as the
-    digest and its evaluation time as the seconds. Full precision's folder is required, and a
-    recipe's task hash must equal full precision's (:class:`KvcalibError` otherwise).
+    digest and its evaluation time as the seconds. Full precision's folder is required (unless
+    ``config.full_precision`` is False: a run that skipped it), and a recipe's task hash must equal
+    full precision's (:class:`KvcalibError` otherwise).
     """
     import json
 
@@ -377,7 +385,7 @@ def results_from_output(config: TaskConfig, info: "ModelInfo") -> tuple[list[Tas
     base: dict[str, tuple[float, str]] = {}
     out: list[TaskResult] = []
     missing: list[str] = []
-    for name, spec, recipe in _runs(config):
+    for name, spec, recipe in _runs(config) if config.full_precision else _runs(config)[1:]:
         folder = root / _folder_name(name)
         files = sorted(folder.glob("results_*.json"))  # lm-eval's names end in an ISO date: the last is newest
         if not files:

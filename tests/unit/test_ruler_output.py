@@ -127,3 +127,36 @@ def test_merge_refuses_a_missing_or_foreign_file_in_one_line(tmp_path, capsys):
                 main(["--merge", str(path), "--out", str(tmp_path / "out.json")])
             assert exit_info.value.code == 2 and str(path) in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()  # nothing written
+
+
+def test_rows_without_full_precision_are_paired_by_samples_when_merged(tmp_path, monkeypatch):
+    """--no-fp: a process that skipped full precision reads its recipe's files alone (no
+    full_precision folder needed), its rows carry score_fp None, and a merge with the
+    full-precision process's rows pairs each with the score of the same task and samples."""
+    from benchmarks import ruler
+    from kvcalib import models
+    from kvcalib.eval.tasks import TaskConfig, results_from_output
+
+    monkeypatch.setattr(models, "model_info_offline", lambda model: SMOL)
+    lm = tmp_path / "lm_recipes"
+    _results(lm, "kivi-2", {"niah_single_1": 0.34, "ruler_vt": 0.25}, HASHES)
+    config = TaskConfig(model="smollm2-135m", recipes=["kivi-2"], tasks=TASKS, context=8192, limit=50,
+                        output_path=lm, full_precision=False)
+    rows, missing = results_from_output(config, SMOL)
+    assert not missing and {(r.name, r.score_fp) for r in rows} == {("kivi-2", None)}
+    recipes_out, fp_out, out = tmp_path / "recipes.json", tmp_path / "fp.json", tmp_path / "ruler.json"
+    ruler.main(["--from-output", str(lm), "--no-fp", "--baselines", "kivi-2", "--model", "smollm2-135m",
+                "--context", "8192", "--tasks", ",".join(TASKS), "--out", str(recipes_out)])
+    assert "| kivi-2 |" in recipes_out.with_suffix(".md").read_text()  # a row with its vs fp blank
+    lm_fp = tmp_path / "lm_fp"
+    _results(lm_fp, "full_precision", {"niah_single_1": 0.96, "ruler_vt": 0.5},
+             {**HASHES, "ruler_vt": "c" * 64})  # ruler_vt: other samples than the recipe's
+    ruler.main(["--from-output", str(lm_fp), "--baselines", "", "--model", "smollm2-135m", "--context", "8192",
+                "--tasks", ",".join(TASKS), "--out", str(fp_out)])
+    ruler.main(["--merge", str(recipes_out), "--merge", str(fp_out), "--out", str(out)])
+    got = {(r["recipe"], r["task"]): r["score_fp"] for r in json.loads(out.read_text())}
+    assert got["kivi-2", "niah_single_1"] == 0.96  # same samples: paired
+    assert got["kivi-2", "ruler_vt"] is None  # other samples: never paired with another run's score
+    with pytest.raises(SystemExit) as exit_info:  # --no-fp with nothing else would run nothing
+        ruler.main(["--no-fp", "--baselines", "", "--context", "8192", "--out", str(tmp_path / "none.json")])
+    assert exit_info.value.code == 2

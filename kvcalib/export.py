@@ -255,13 +255,14 @@ def searched_rotation(doc: dict[str, Any], run_dir: Path) -> str:
     """The rotation kind a search's rotate switch fitted (``config.rotate`` of its ``search.json``;
     a search before ``--rotate``: the default, Hadamard)."""
     from kvcalib.optimize import ROTATE_DEFAULT
-    from kvcalib.methods.rotate import KINDS
+    from kvcalib.optimize.objective import rotation_overrides
 
     kind = doc["config"].get("rotate", ROTATE_DEFAULT)
-    if kind not in KINDS:
-        raise KvcalibError(f"{Path(run_dir) / 'search.json'}: field config.rotate is {kind!r}, not a rotation kind "
-                           f"({', '.join(KINDS)}): restore the file, or rerun the search with --resume (it rewrites "
-                           "search.json from the study).")
+    try:
+        rotation_overrides(kind)  # through the registry (the rotate method's flag parser knows the kinds)
+    except KvcalibError as err:
+        raise KvcalibError(f"{Path(run_dir) / 'search.json'}: field config.rotate is {kind!r} ({err}) Restore the "
+                           "file, or rerun the search with --resume (it rewrites search.json from the study).") from None
     return kind
 
 

@@ -122,3 +122,19 @@ def test_cli_flag_reaches_the_search(tmp_path, monkeypatch):
     res = CliRunner().invoke(app, ["search", "--out", str(tmp_path / "run"), "--rotate", "learned-head"])
     assert res.exit_code == 2 and "stopped before" in res.output, res.output
     assert seen == {"rotate": "learned-head"}
+
+
+def test_a_search_json_with_an_unknown_kind_is_refused_in_one_line(learned_search, tmp_path):
+    import shutil
+
+    from kvcalib.export import export_search_point
+
+    _, doc, run = learned_search
+    other = tmp_path / "other"
+    shutil.copytree(run, other)
+    tampered = json.loads((run / "search.json").read_text())
+    tampered["config"]["rotate"] = "givens"
+    (other / "search.json").write_text(json.dumps(tampered))
+    with pytest.raises(KvcalibError, match="config.rotate is 'givens'.*not a rotation kind.*Restore the file"):
+        export_search_point(other, tmp_path / "x.safetensors", trial=doc["chosen"])
+    assert not (tmp_path / "x.safetensors").exists()

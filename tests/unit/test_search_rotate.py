@@ -90,6 +90,11 @@ def test_workers_and_resumes_get_the_same_kind(learned_search):
     with pytest.raises(KvcalibError, match="--rotate hadamard differs from the study.*--rotate learned"):
         search_with(_config(run, rotate="hadamard", resume=True, trials=7), model, info, stats, ids, run,
                     progress=False)
+    from kvcalib.optimize.guards import check_same_objective, objective_record
+
+    before = {k: v for k, v in objective_record(_config(run)).items() if k != "rotate"}  # a study from before --rotate
+    with pytest.raises(KvcalibError, match="--rotate learned differs .* made with --rotate hadamard"):
+        check_same_objective(before, _config(run), "r")
 
 
 @pytest.mark.parametrize("args,match", [

@@ -185,7 +185,7 @@ def collect(
 # --------------------------------------------------------------------------- search
 
 
-@app.command(epilog="Examples:\n\n    kvcalib search --model smollm2-135m --data embedded --budget-bits 3.0 --out runs/smol-search\n\n    kvcalib search --out runs/smol-search --resume --trials 60\n\n    kvcalib search --out runs/w1 --storage postgresql://user@db/optuna --study smol   (one per machine)\n\n    kvcalib search --out runs/smol-2gpu --workers auto   (one worker per visible GPU)\n\n    kvcalib search --out runs/smol-front --objective pareto --trials 40   (the whole front; export any budget)")
+@app.command(epilog="Examples:\n\n    kvcalib search --model smollm2-135m --data embedded --budget-bits 3.0 --out runs/smol-search\n\n    kvcalib search --out runs/smol-search --resume --trials 60\n\n    kvcalib search --out runs/w1 --storage postgresql://user@db/optuna --study smol   (one per machine)\n\n    kvcalib search --out runs/smol-2gpu --workers auto   (one worker per visible GPU)\n\n    kvcalib search --out runs/smol-front --objective pareto --trials 40   (the whole front; export any budget)\n\n    kvcalib search --out runs/smol-learned --rotate learned   (rotations fitted on the statistics where a layer rotates)")
 @user_errors
 def search(
     model: str = typer.Option("smollm2-135m", help="Embedded alias, hub alias/id, local folder or .gguf file."),
@@ -215,6 +215,7 @@ def search(
     eval_seq_len: Optional[int] = typer.Option(None, help="Tokens per held-out perplexity sequence [default: --context]."),
     no_eval: bool = typer.Option(False, "--no-eval", help="Skip the held-out proof."),
     finish: Optional[str] = typer.Option(None, help="Methods applied to the chosen recipe only, comma-separated, or 'none' (default: every such method: Huffman codebooks where coding shrinks a side)."),
+    rotate: str = typer.Option("hadamard", help="The rotation the space's per-layer rotate switch fits: hadamard (a seed), learned (a (D, D) matrix per layer and side shared by the kv heads, fitted on the reservoir: ~1.5 s a side on a CPU, its bytes counted in the budget), learned-head or pca. Recorded in the run: `kvcalib export RUN --trial N` rebuilds with it."),
     seed: int = typer.Option(0, help="Seed for data, sampler and calibration."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
     dtype: Optional[str] = typer.Option(None, help="bf16 | fp16 | fp32."),
@@ -232,7 +233,7 @@ def search(
                           space=space, storage=storage, study=study, resume=resume, sweep=sweep, timeout=timeout,
                           seed=seed, eval=not no_eval, eval_samples=eval_samples, eval_seq_len=eval_seq_len,
                           device=device, dtype=dtype, command=command_line(), objective=objective,
-                          workers=_parse_workers(workers), heartbeat=heartbeat, points_from=points_from,
+                          workers=_parse_workers(workers), heartbeat=heartbeat, points_from=points_from, rotate=rotate,
                           chosen_methods=None if finish is None else tuple(
                               m.strip() for m in finish.split(",") if m.strip() and m.strip() != "none"))
     config.out = Path(config.out) if config.out is not None else default_run_dir("search")
@@ -463,8 +464,10 @@ def export(
                                              methods=[g for g in given if g != "rotate"], force=force, rotate=rotate)
         at = recipe.provenance.get("context", 4096)
         if rotate is None:
+            kind = recipe.provenance.get("rotate", "hadamard")  # the search's (--rotate), rebuilt as it fitted them
             print(f"wrote {out}: trial {record['number']} of the search, KL {record['kl']:.4g}, "
-                  f"{record['effective_bits']:.3f} effective bits at {at}")
+                  f"{record['effective_bits']:.3f} effective bits at {at}"
+                  + ("" if kind == "hadamard" else f", {kind} rotations as searched"))
         else:  # the search's KL is of its own rotations: the refitted recipe is not scored here
             print(f"wrote {out}: trial {record['number']} of the search (KL {record['kl']:.4g} with its own "
                   f"rotations, {record['searched_bits']:.3f} bits), rotations refitted as {rotate}: "

@@ -174,12 +174,14 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
     tensors are refitted from ``RUN_DIR``'s statistics exactly as the search fitted them.
     ``methods``: the method flags given with it (refused: a searched point's settings are fixed).
 
-    ``rotate``: the layers the point rotates are refitted with this rotation kind instead
-    (``learned``: the searched layout with learned rotations, which a search does not fit: a fit
-    takes seconds a side). Their matrices add bytes the search did not count, so with
-    ``budget_bits`` the point is the lowest-KL trial whose searched bits plus the most the refitted
-    rotations can store (:func:`_with_refit_bits`: the search objective's planned side bytes) stay
-    at or under the budget; the recipe records the kind.
+    The point's rotations are fitted as the search fitted them: the kind its ``search.json`` records
+    (``kvcalib search --rotate KIND``; Hadamard before the flag, :func:`searched_rotation`).
+    ``rotate``: the layers the point rotates are refitted with this rotation kind instead (e.g.
+    ``learned`` rotations on a Hadamard search's layout). A kind other than the searched one may add
+    bytes the search did not count, so with ``budget_bits`` the point is then the lowest-KL trial
+    whose searched bits plus the most the refitted rotations can store (:func:`_with_refit_bits`:
+    the search objective's planned side bytes) stay at or under the budget; the recipe records the
+    refit (``rotate_refit``) and is not checked against the searched bits.
 
     ``budget_bits`` is in today's accounting (``kvcalib.layout.ACCOUNTING``); a ``search.json``
     written before it (every layer counted at the full context) is read converted
@@ -194,8 +196,9 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
         raise KvcalibError(f"{flags} build a recipe from statistics; --budget-bits/--trial pick a searched point "
                            "whose settings are fixed (only --rotate may refit its rotations): pass one kind or "
                            "the other.")
-    # the rotation method through the registry (its flag parser names the kinds on a bad one)
-    rotation = None if rotate is None else registry()["rotate"].from_flags({"rotate": rotate}, LayerConfig())
+    from kvcalib.optimize.objective import rotation_overrides
+
+    rotation_overrides(rotate)  # a bad kind refused first (the rotate method's flag parser names the kinds)
     if (budget_bits is None) == (trial is None):
         raise KvcalibError("pass exactly one of --budget-bits B or --trial N to pick a searched point.")
     run_dir, out = Path(run_dir), Path(out)
@@ -208,13 +211,13 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
     space = SearchSpace.from_dict(doc["space"])
     import torch
 
-    overrides = {} if rotation is None else {rotation.name: rotation}
+    searched = searched_rotation(doc, run_dir)
     objective = SearchObjective(None, stats.model, stats, torch.zeros(1, 2, dtype=torch.long),
                                 context=int(doc["context"]), seed=int(doc["config"]["seed"]),
-                                method_overrides=overrides)
+                                method_overrides=rotation_overrides(rotate or searched))
     candidates = doc["trials"]
-    if budget_bits is not None:  # room for what the refitted methods may store
-        candidates = [_with_refit_bits(r, space, objective) for r in candidates]
+    if budget_bits is not None and rotate not in (None, searched):  # room for what the refit may store
+        candidates = [_with_refit_bits(r, space, objective, {"rotate"}) for r in candidates]
     record = choose(candidates, budget_bits, trial)
     try:
         point = Point.from_dict(record["point"], space)  # old search.json files (no schedule) read as schedule "none"
@@ -248,10 +251,25 @@ def export_search_point(run_dir: Path, out: Path, *, budget_bits: float | None =
     return recipe, record
 
 
-def _with_refit_bits(record: dict, space: Any, objective: Any) -> dict:
-    """A trial record whose ``effective_bits`` include the most the methods ``objective`` refits
-    otherwise than the search did (its ``method_overrides`` whose configuration is not the default
-    the search fitted: ``--rotate learned``) can store at the record's point
+def searched_rotation(doc: dict[str, Any], run_dir: Path) -> str:
+    """The rotation kind a search's rotate switch fitted (``config.rotate`` of its ``search.json``;
+    a search before ``--rotate``: the default, Hadamard)."""
+    from kvcalib.optimize import ROTATE_DEFAULT
+    from kvcalib.optimize.objective import rotation_overrides
+
+    kind = doc["config"].get("rotate", ROTATE_DEFAULT)
+    try:
+        rotation_overrides(kind)  # through the registry (the rotate method's flag parser knows the kinds)
+    except KvcalibError as err:
+        raise KvcalibError(f"{Path(run_dir) / 'search.json'}: field config.rotate is {kind!r} ({err}) Restore the "
+                           "file, or rerun the search with --resume (it rewrites search.json from the study).") from None
+    return kind
+
+
+def _with_refit_bits(record: dict, space: Any, objective: Any, refit: set[str]) -> dict:
+    """A trial record whose ``effective_bits`` include the most the methods ``refit`` (fitted
+    otherwise than the search did, as ``objective``'s ``method_overrides`` configure them:
+    ``--rotate learned`` of a Hadamard search) can store at the record's point
     (:meth:`~kvcalib.optimize.objective.SearchObjective.planned_side_bytes`), for choosing a point
     under a budget; others unchanged.
 
@@ -260,8 +278,6 @@ def _with_refit_bits(record: dict, space: Any, objective: Any) -> dict:
     refit keeps a Hadamard seed only where the search's fit kept the same seed)."""
     from kvcalib.optimize.space import Point
 
-    refit = {name for name, method in objective.method_overrides.items()
-             if method.config() != type(method)().config()}
     if not refit or record.get("state") != "COMPLETE" or record.get("point") is None:
         return record
     try:

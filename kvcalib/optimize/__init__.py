@@ -47,6 +47,9 @@ PRESETS = ("kivi-2", "kivi-4", "pertoken-4")
 LONG_CONTEXT = 8192  # `kvcalib search`'s default --context: min(this, the model's maximum)
 DECODE_FRACTION = 8  # at long context the last context // 8 positions of a scoring window are decode steps
 COPY_WEIGHT = 0.5  # the copy windows' weight in the objective where they are scored (copy_weight unset)
+# the rotation kind the space's rotate switch fits unless told (--rotate): every search before the flag
+# fitted it (search.json files without config.rotate read as it); the rotate method's default
+ROTATE_DEFAULT = "hadamard"
 
 
 def copy_room(scoring_length: int) -> int:
@@ -119,6 +122,10 @@ class SearchConfig:
     # its trial order (e.g. a short-context search's points re-scored at long context; the same
     # trials for every worker count in scripts/search_scale.py)
     points_from: str | None = None
+    # the kind of rotation the space's rotate switch fits (a kind of kvcalib.methods.rotate: hadamard,
+    # learned...; the objective's method_overrides, objective.rotation_overrides); the trials' bits
+    # count what it stores (a learned rotation's matrices), and export rebuilds a trial with it
+    rotate: str = ROTATE_DEFAULT
 
     def __post_init__(self) -> None:
         for name, low in (("samples", 1), ("seq_len", 2), ("score_samples", 1), ("trials", 1), ("context", 1),
@@ -159,6 +166,7 @@ class SearchConfig:
         elif isinstance(self.space, dict):
             self.space = SearchSpace.from_dict(self.space)
         self.presets = tuple(self.presets)
+        self._check_rotate()
         if self.points_from is not None:  # read and checked against the space before any work
             from kvcalib.optimize.study import replay_points
 
@@ -179,6 +187,16 @@ class SearchConfig:
             if bad:
                 raise KvcalibError(f"--finish {','.join(bad)}: not a method applied to the chosen recipe; use "
                                    f"{', '.join(allowed) or 'none'} (or 'none').")
+
+    def _check_rotate(self) -> None:
+        """``rotate``: a kind of the rotate method, and, where it is not the default, a space that
+        switches the rotation (else the kind would be fitted nowhere)."""
+        from kvcalib.optimize.objective import rotation_overrides
+
+        rotation_overrides(self.rotate)  # a KvcalibError naming the kinds
+        if self.rotate != ROTATE_DEFAULT and "rotate" not in self.space.layer_methods:  # type: ignore[union-attr]
+            raise KvcalibError(f"--rotate {self.rotate}: the search space switches no rotation (its layer_methods "
+                               f"lack rotate): add rotate to the --space file's layer_methods, or leave --rotate out.")
 
     @property
     def scoring_length(self) -> int:
@@ -333,7 +351,7 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     from kvcalib.io import write_json_atomic
     from kvcalib.layout import ACCOUNTING, legacy_bits_factor
     from kvcalib.optimize import guards, report, study as st
-    from kvcalib.optimize.objective import SearchObjective
+    from kvcalib.optimize.objective import SearchObjective, rotation_overrides
     from kvcalib.optimize.provenance import describe_storage, display_path
     from kvcalib.optimize.space import check_scored_schedules
     from kvcalib.recipe import load_preset
@@ -351,7 +369,8 @@ def search_with(config: SearchConfig, model, info, stats, score_ids, run_dir: Pa
     copies = search_copy_windows(config, score_ids, window_offset)
     objective = SearchObjective(model, info, stats, score_ids, context=config.context, seed=config.seed,
                                 score_last=config.score_last, copy_ids=None if copies is None else copies.ids,
-                                copy_weight=config.copy_weight or 0.0)
+                                copy_weight=config.copy_weight or 0.0,
+                                method_overrides=rotation_overrides(config.rotate))
     floor_bits = st.floor_bits(objective, space)
     check_budget(config, space, floor_bits, objective)
     url = st.storage_url(config.storage, run_dir)
@@ -628,6 +647,8 @@ def search_provenance(doc: dict[str, Any], chosen: dict[str, Any]) -> dict[str, 
             "searched_context": doc["score_seq_len"], "score_last": doc.get("score_last"),
             "study": doc["study"], "storage": storage, "run": doc.get("run_dir"), "command": doc.get("command"),
             "schedule": (chosen.get("point") or {}).get("schedule", "none"),
+            # the kind the rotate switch fitted (export rebuilds the point with it)
+            "rotate": cfg.get("rotate", ROTATE_DEFAULT),
             **({"accounting_converted": doc["accounting_converted"]} if doc.get("accounting_converted") else {})}
 
 
@@ -682,10 +703,11 @@ def search(config: SearchConfig, *, loaded=None, progress: bool = True) -> Searc
               "that takes hours (minutes on a GPU): pass --context 1024 for a quick CPU run", file=sys.stderr)
     config.presets = guards.presets_for(config.presets, info)  # found now, not after the trials
     # the floor check runs before any work, so a bad budget costs nothing and touches nothing
-    from kvcalib.optimize.objective import SearchObjective
+    from kvcalib.optimize.objective import SearchObjective, rotation_overrides
     from kvcalib.optimize.study import floor_bits
 
-    counter = SearchObjective(loaded.model, info, None, torch.zeros(1, 2, dtype=torch.long), context=config.context)
+    counter = SearchObjective(loaded.model, info, None, torch.zeros(1, 2, dtype=torch.long), context=config.context,
+                              method_overrides=rotation_overrides(config.rotate))
     check_budget(config, space, floor_bits(counter, space), counter)
     if not has_stats:
         collect(CollectConfig(model=config.model, data=config.data, split="calib", text_field=config.text_field,

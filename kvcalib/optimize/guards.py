@@ -2,8 +2,9 @@
 
 - :func:`objective_record` / :func:`check_same_objective`: a study records the options that
   define its objective (what is scored and how: model, text, scoring length and count, seed,
-  statistics, context, budget, copy weight); a resume, or a worker joining the study, with another value is
-  refused naming the option, so trials scored at 128 and at 256 tokens never sit side by side.
+  statistics, context, budget, copy weight, rotation kind); a resume, or a worker joining the
+  study, with another value is refused naming the option, so trials scored at 128 and at 256
+  tokens never sit side by side.
 - :func:`check_study_before_work`: the same check, and "is there a study to resume", before any
   model loads (it reads the storage only).
 - :func:`check_quantized_scoring`: a scoring length under which some point of the space never
@@ -41,10 +42,11 @@ ATTR_OBJECTIVE = "objective"  # study user attr: objective_record() of the run t
 OBJECTIVE_OPTIONS = {
     "model": "--model", "data": "--data", "text_field": "--text-field", "samples": "--samples",
     "seq_len": "--seq-len", "score_samples": "--score-samples", "seed": "--seed", "context": "--context",
-    "budget_bits": "--budget-bits", "copy_weight": "--copy-weight",
+    "budget_bits": "--budget-bits", "copy_weight": "--copy-weight", "rotate": "--rotate",
 }
 # a field a study recorded before it existed -> the value that study was scored with
-RECORDED_BEFORE = {"copy_weight": 0.0}  # no copy windows before issue 53
+RECORDED_BEFORE = {"copy_weight": 0.0,  # no copy windows before issue 53
+                   "rotate": "hadamard"}  # every rotation a Hadamard one before --rotate (ROTATE_DEFAULT)
 
 
 def objective_record(config: "SearchConfig") -> dict[str, Any]:

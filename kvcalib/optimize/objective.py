@@ -64,6 +64,22 @@ def kl_to_reference(ref_logp: torch.Tensor, logits: torch.Tensor, start: int = 1
     return float(kl.clamp_min(0.0).mean()) if kl.numel() else 0.0
 
 
+def rotation_overrides(kind: str | None) -> dict[str, Any]:
+    """The :class:`SearchObjective` ``method_overrides`` that fit the rotate switch as ``kind``
+    (``kvcalib search --rotate KIND``, and ``kvcalib export RUN --trial N`` rebuilding or refitting a
+    searched point): ``{"rotate": RotateMethod(kind)}``, or none where ``kind`` is None or the
+    method's default configuration (the objective fits that anyway, so the default search is
+    unchanged). A kind the method does not know is a :class:`~kvcalib.errors.KvcalibError`
+    naming the kinds (the method's own flag parser)."""
+    from kvcalib.methods import registry
+
+    if kind is None:
+        return {}
+    method = registry()["rotate"]
+    rotation = method.from_flags({"rotate": kind}, LayerConfig())
+    return {} if rotation.config() == method().config() else {rotation.name: rotation}
+
+
 @dataclass(frozen=True)
 class KLParts:
     """The objective of one recipe and its parts, each a mean KL per scored decode step (nats);

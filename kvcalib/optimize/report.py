@@ -223,6 +223,16 @@ def _parts_text(record: dict[str, Any], doc: dict[str, Any]) -> str:
     return f" (ordinary {record['kl_ordinary']:.4g}, copy {record['kl_copy']:.4g})"
 
 
+def _rotation_line(cfg: dict[str, Any]) -> str:
+    """Which rotation kind the space's rotate switch fitted (``--rotate``; a search before the flag:
+    the Hadamard one)."""
+    kind = cfg.get("rotate") or "hadamard"
+    kept = ("; a side whose learned fit does not beat the Hadamard rotation keeps its seed, `kvcalib inspect` "
+            "shows which" if kind.startswith("learned") else "")
+    return (f"- rotation: where a layer's rotate switch is on, its sides are fitted `{kind}` rotations "
+            f"(`--rotate {kind}`{kept}); what they store is counted in every trial's effective bits")
+
+
 def write_report(doc: dict[str, Any], path: Path) -> str:
     """``report.md`` from the ``search.json`` document; returns the held-out table (markdown)."""
     from kvcalib.io import atomic_path
@@ -245,6 +255,8 @@ def write_report(doc: dict[str, Any], path: Path) -> str:
               f"({', '.join(f'{v} {k.lower()}' for k, v in sorted(states.items()))})"
               + (f"; {len(doc['recovered'])} interrupted trial(s) retried" if doc.get("recovered") else ""),
               f"- search time: {doc.get('seconds', 0):.0f} s"]
+    if "rotate" in (doc.get("space") or {}).get("layer_methods", ()):
+        lines.append(_rotation_line(cfg))
     if doc.get("run_dir"):
         lines.append(f"- run folder: `{doc['run_dir']}`")
     if doc.get("command"):

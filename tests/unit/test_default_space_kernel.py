@@ -52,6 +52,29 @@ def test_every_space_choice_decodes_in_the_kernel(objective):
     assert seen_bits == set(space.bits) and seen_methods == set(space.layer_methods)  # the samples covered them
 
 
+def test_a_space_searched_with_learned_rotations_decodes_in_the_kernel(objective, monkeypatch):
+    """``kvcalib search --rotate learned``: the rotate switch fits one (D, D) matrix per side shared by
+    the kv heads (the kernel reads it with a head stride of 0), beside clip, on 2- and 3-bit codes:
+    the point still decodes in the kernel. The fit runs 8 optimiser steps, not 80: the kernel path
+    depends on the matrix stored, not on how far it was optimised (80 took over 30 s here)."""
+    import kvcalib.methods.rotate as rotate_mod
+    from kvcalib.optimize.objective import SearchObjective, rotation_overrides
+
+    fit = rotate_mod.fit_learned_rotation
+    monkeypatch.setattr(rotate_mod, "fit_learned_rotation", lambda *a, **kw: fit(*a, **{**kw, "steps": 8}))
+    from kvcalib.optimize.space import SearchSpace
+    from kvcalib.runtime.triton_path import decode_paths
+
+    learned = SearchObjective(objective.model, objective.info, objective.stats, objective.ids, context=256,
+                              method_overrides=rotation_overrides("learned"))
+    floor = SearchSpace().floor_point(objective.info.num_layers)
+    assert objective.info.num_layers == 2
+    point = replace(floor, k_bits=(2, 3), v_bits=(2, 3), methods=(("rotate", "clip"), ("rotate",)))
+    recipe = learned.recipe(point)
+    assert decode_paths(recipe, objective.info) == [None] * objective.info.num_layers
+    assert any(k.endswith(".rotation") and t.dim() == 2 for k, t in recipe.tensors.items())  # the path under test
+
+
 @pytest.mark.parametrize("method", ["levels", "prerope"])
 def test_opt_in_choices_without_a_kernel_path_say_so_per_layer(objective, method):
     """Non-uniform levels and pre-RoPE keys run on the reference path only: not in the default space,

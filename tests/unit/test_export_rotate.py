@@ -17,11 +17,10 @@ from tests.conftest import tiny_model
 CONTEXT = 128
 
 
-@pytest.fixture(scope="module")
-def rotated_search(tmp_path_factory):
-    """A 4-trial search whose space switches the rotation per layer (2 layers, 2 kv heads, head_dim 16)."""
+def rotation_run(tmp_path_factory, name: str):
+    """A tiny llama (2 layers, 2 kv heads, head_dim 16), its geometry, statistics, scoring ids
+    ``(M, T)`` and a run folder holding the statistics (export refits from them)."""
     from kvcalib.collection import collect_stats
-    from kvcalib.optimize import SearchConfig, search_with
 
     model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
     info = model_info(model.config, "tiny-llama")
@@ -29,9 +28,18 @@ def rotated_search(tmp_path_factory):
     stats = collect_stats(model, torch.randint(0, 128, (4, 32), generator=g), reservoir_blocks=4, block_len=16,
                           name="tiny-llama", progress=False)
     ids = torch.randint(0, 128, (2, 40), generator=g)  # (M, T) scoring sequences
-    run = tmp_path_factory.mktemp("rot") / "run"
+    run = tmp_path_factory.mktemp(name) / "run"
     run.mkdir()
     stats.save(run / "stats.safetensors")
+    return model, info, stats, ids, run
+
+
+@pytest.fixture(scope="module")
+def rotated_search(tmp_path_factory):
+    """A 4-trial search whose space switches the rotation per layer."""
+    from kvcalib.optimize import SearchConfig, search_with
+
+    model, info, stats, ids, run = rotation_run(tmp_path_factory, "rot")
     space = {"bits": [2, 4], "groups": [8], "windows": [8], "sinks": [0], "layer_methods": ["rotate"]}
     cfg = SearchConfig(out=run, trials=4, budget_bits=16.0, space=space, eval=False, presets=("fp16",),
                        context=CONTEXT, chosen_methods=(), sweep=False)

@@ -129,11 +129,11 @@ def pair_with_fp(rows: list[dict]) -> int:
     """Fills, in place, the ``score_fp`` of rows that have none with the score of the full-precision
     row of the same model, context, task and samples (``prompts_sha256``); how many it filled. A row
     whose samples no full-precision row scored keeps None (its vs fp is left blank)."""
-    fp = {(r["model"], r["context"], r["task"], r["prompts_sha256"]): r["score"]
-          for r in rows if r["recipe"] == "full precision"}
+    fp = {(r["model"], r["context"], r["task"], r.get("prompts_sha256")): r["score"]
+          for r in rows if r["recipe"] == "full precision" and r.get("prompts_sha256")}
     filled = 0
     for r in rows:
-        key = (r["model"], r["context"], r["task"], r["prompts_sha256"])
+        key = (r["model"], r["context"], r["task"], r.get("prompts_sha256"))  # a row without a digest never pairs
         if r.get("score_fp") is None and key in fp:
             r["score_fp"] = fp[key]
             filled += 1

@@ -3,9 +3,12 @@
 
     python -m benchmarks.real_model --out $OUT [--model smollm2-135m] [--prompt-len 6000]
         [--new-tokens 128] [--batches 1,8] [--recipes kivi-2,recipes/smollm2-135m/recipe.safetensors]
+        [--padded]
 
 Prompts: ``batch`` windows of exactly ``prompt-len`` tokens of the Britannica article (``--data
-longtext``, evaluation split), one per row (no padding). Per (batch, cache, mode): a first call
+longtext``, evaluation split), one per row (no padding; ``--padded``: row ``b`` keeps only its last
+``prompt-len - 211 b`` tokens, left-padded, so the rows' lengths differ and so do their flush
+steps, as in an lm-eval batch; the decode rate still counts every row's new tokens). Per (batch, cache, mode): a first call
 (Triton compilation and CUDA-graph captures happen here; its time is reported apart as
 ``first_call_s``), then the warm measurement: the decode rate is ``batch x (new_tokens - 1) /
 (t(new_tokens) - t(1))``, i.e. generation time after the prefill and the first token, greedy,
@@ -18,7 +21,8 @@ Rows go to ``$OUT/real_model.json`` (a list of objects with keys ``model``,
 per layer's attention (``kvcalib.runtime.layer_graphs``); "eager-no-layer-graphs": plain
 generate with them off (``layer_graphs="off"``), every kernel launched from Python: the reference
 tokens; "generate+graphs": plain generate inside ``kvcalib.cuda_graphs(model)``; "graph":
-kvcalib's GraphDecoder), ``tokens_per_s``, ``rounds``, ``first_call_s``, ``graph_equals_eager``
+kvcalib's GraphDecoder; "eager-row-by-row": "eager" with a padded batch's rows launched one
+by one, ``KVCALIB_JOINT_ROWS=0``), ``tokens_per_s``, ``rounds``, ``first_call_s``, ``graph_equals_eager``
 (the mode's tokens equal eager-no-layer-graphs' over all new tokens), and for "eager" the last
 call's ``layer_graphs`` counters (captures, replays, eager steps, host seconds outside replays));
 a table is printed last.
@@ -50,9 +54,24 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_generate(model, ids: torch.Tensor, cache_factory, new: int) -> tuple[torch.Tensor, float]:
-    """Greedy ``model.generate`` over ``ids`` (B, L) with a fresh cache; (new tokens (B, n), seconds)."""
-    mask = torch.ones_like(ids)
+PAD_STEP = 211  # tokens fewer per row with --padded (not a multiple of any flush block)
+
+
+def left_pad(ids: torch.Tensor, step: int = PAD_STEP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row ``b`` of ``ids`` (B, L) keeps its last ``L - step * b`` tokens, left-padded with 0:
+    (ids, attention mask), both (B, L)."""
+    b, length = ids.shape
+    keep = torch.tensor([length - step * i for i in range(b)])  # (B,)
+    if int(keep.min()) < 1:
+        raise SystemExit(f"--padded: {b} rows of {length} tokens leave row {b - 1} without a token; use a longer prompt")
+    mask = (torch.arange(length)[None] >= (length - keep)[:, None]).long()  # (B, L)
+    return ids * mask, mask
+
+
+def run_generate(model, ids: torch.Tensor, cache_factory, new: int, mask: torch.Tensor | None = None):
+    """Greedy ``model.generate`` over ``ids`` (B, L) (``mask`` (B, L): its attention mask, None: no
+    padding) with a fresh cache; (new tokens (B, n), seconds)."""
+    mask = torch.ones_like(ids) if mask is None else mask
     _sync()
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -62,19 +81,20 @@ def run_generate(model, ids: torch.Tensor, cache_factory, new: int) -> tuple[tor
     return out[:, ids.shape[1]:], time.perf_counter() - t0
 
 
-def run_graph(model, ids: torch.Tensor, recipe, new: int) -> tuple[torch.Tensor, float]:
+def run_graph(model, ids: torch.Tensor, recipe, new: int, mask: torch.Tensor | None = None):
     from kvcalib.runtime.cache import CompressedCache
     from kvcalib.runtime.graphs import GraphDecoder
 
     _sync()
     t0 = time.perf_counter()
     decoder = GraphDecoder(model, CompressedCache.from_recipe(model, recipe))
-    res = decoder.generate(ids, torch.ones_like(ids), new)
+    res = decoder.generate(ids, torch.ones_like(ids) if mask is None else mask, new)
     _sync()
     return res.tokens, time.perf_counter() - t0
 
 
-def run_generate_layer_graphs(model, ids: torch.Tensor, recipe, new: int, seen: list | None = None):
+def run_generate_layer_graphs(model, ids: torch.Tensor, recipe, new: int, seen: list | None = None,
+                              mask: torch.Tensor | None = None):
     """Plain ``model.generate`` over a default cache: each layer's attention a CUDA graph replay.
     ``seen``: the cache's LayerGraphs is appended (its counters: captures, replays, host seconds)."""
     from kvcalib.runtime.cache import CompressedCache
@@ -85,16 +105,33 @@ def run_generate_layer_graphs(model, ids: torch.Tensor, recipe, new: int, seen: 
             seen.append(cache.layer_graphs)
         return cache
 
-    return run_generate(model, ids, factory, new)
+    return run_generate(model, ids, factory, new, mask)
 
 
-def run_generate_graphs(model, ids: torch.Tensor, recipe, new: int) -> tuple[torch.Tensor, float]:
+def run_generate_row_by_row(model, ids: torch.Tensor, recipe, new: int, mask: torch.Tensor | None = None):
+    """Plain ``model.generate`` over a default cache whose padded rows are never joined
+    (``KVCALIB_JOINT_ROWS=0``: one kernel launch per row, ``kvcalib/runtime/joint.py``): the
+    baseline of the joint launch."""
+    import os
+
+    was = os.environ.get("KVCALIB_JOINT_ROWS")
+    os.environ["KVCALIB_JOINT_ROWS"] = "0"
+    try:
+        return run_generate_layer_graphs(model, ids, recipe, new, mask=mask)
+    finally:
+        if was is None:
+            del os.environ["KVCALIB_JOINT_ROWS"]
+        else:
+            os.environ["KVCALIB_JOINT_ROWS"] = was
+
+
+def run_generate_graphs(model, ids: torch.Tensor, recipe, new: int, mask: torch.Tensor | None = None):
     """Plain ``model.generate`` inside ``kvcalib.cuda_graphs(model)`` (the one-liner)."""
     import kvcalib
     from kvcalib.runtime.cache import CompressedCache
 
     with kvcalib.cuda_graphs(model):
-        return run_generate(model, ids, lambda: CompressedCache.from_recipe(model, recipe), new)
+        return run_generate(model, ids, lambda: CompressedCache.from_recipe(model, recipe), new, mask)
 
 
 def rates(configs: dict, batch: int, new: int, rounds: int) -> dict:
@@ -133,6 +170,8 @@ def main() -> None:
     parser.add_argument("--modes", default="eager,generate+graphs,graph",
                         help="compressed-cache modes beside eager-no-layer-graphs (always run: the reference tokens)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median reported)")
+    parser.add_argument("--padded", action="store_true",
+                        help=f"left-pad the rows: row b keeps its last prompt-len - {PAD_STEP} b tokens")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     modes = set(args.modes.split(","))
@@ -149,12 +188,18 @@ def main() -> None:
     rows = []
     recipes = [resolve_recipe(spec) for spec in args.recipes.split(",") if spec]
     for batch in [int(b) for b in args.batches.split(",")]:
-        ids = prompts(tok, batch, args.prompt_len).cuda()
-        base = dict(model=args.model, gpu=gpu, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+        ids = prompts(tok, batch, args.prompt_len)  # (B, L)
+        mask = None
+        if args.padded:
+            ids, mask = left_pad(ids)
+            mask = mask.cuda()
+        ids = ids.cuda()
+        base = dict(model=args.model, gpu=gpu, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                    padded=args.padded)
 
         def bf16(n):
             model.set_attn_implementation("sdpa")
-            return run_generate(model, ids, DynamicCache, n)
+            return run_generate(model, ids, DynamicCache, n, mask)
 
         def bf16_no_cudnn(n):
             # torch 2.11 + cuDNN 9.19 on Hopper: default SDPA takes cuDNN attention and plans it anew
@@ -164,7 +209,7 @@ def main() -> None:
             was = torch.backends.cuda.cudnn_sdp_enabled()
             torch.backends.cuda.enable_cudnn_sdp(False)
             try:
-                return run_generate(model, ids, DynamicCache, n)
+                return run_generate(model, ids, DynamicCache, n, mask)
             finally:
                 torch.backends.cuda.enable_cudnn_sdp(was)
 
@@ -174,13 +219,13 @@ def main() -> None:
             # plain generate without layer graphs: every compressed attention call launched from Python
             configs[(recipe.name, "eager-no-layer-graphs")] = (
                 lambda n, r=recipe: run_generate(model, ids, lambda: CompressedCache.from_recipe(
-                    model, r, layer_graphs="off"), n))
+                    model, r, layer_graphs="off"), n, mask))
             seen[recipe.name] = []
-            for mode, fn in (("eager", run_generate_layer_graphs), ("generate+graphs", run_generate_graphs),
-                             ("graph", run_graph)):
+            for mode, fn in (("eager", run_generate_layer_graphs), ("eager-row-by-row", run_generate_row_by_row),
+                             ("generate+graphs", run_generate_graphs), ("graph", run_graph)):
                 if mode in modes:
                     extra = {"seen": seen[recipe.name]} if mode == "eager" else {}
-                    configs[(recipe.name, mode)] = lambda n, r=recipe, f=fn, e=extra: f(model, ids, r, n, **e)
+                    configs[(recipe.name, mode)] = lambda n, r=recipe, f=fn, e=extra: f(model, ids, r, n, mask=mask, **e)
         res = rates(configs, batch, args.new_tokens, args.rounds)
         for (cache, mode), r in res.items():
             row = {**base, "cache": cache, "mode": mode, "tokens_per_s": r["median"], "rounds": r["rates"],

@@ -52,15 +52,37 @@ def decode_attention(query: torch.Tensor, layer, visible: torch.Tensor | None, s
     (:meth:`~kvcalib.runtime.cache.CompressedLayer.attend_rows`; a query at padding gets zeros),
     all visible when nothing was passed, the row global and the step a decode step; in static
     mode every row decodes its one token over its own device state (static mode refuses a row
-    that ended), concatenated."""
+    that ended), concatenated. Rows that can share one launch do instead: a decode step with a
+    real token in every row, on the kernel's path, over rows joined in shared allocations
+    (:mod:`kvcalib.runtime.joint`; static mode: :attr:`~kvcalib.runtime.cache.CompressedLayer.joint_static`)."""
     if path not in PATHS:
         raise ValueError(f"path {path!r} is not one of {', '.join(PATHS)}")
     rows = layer.rows
     if rows is None:
         return _attend_layer(query, layer, visible, scaling, softcap, all_visible, path)
     if path == "static":
+        if layer.joint_static:  # the rows joined: one launch, each row's visibility on the device
+            from kvcalib.errors import KvcalibError
+            from kvcalib.runtime.triton_path import joint_decode_attention
+
+            out = joint_decode_attention(query, layer.joint, rows[0], layer.static_mask, scaling, softcap)
+            if out is None:
+                raise KvcalibError(f"layer {layer.layer_idx} cannot decode in static (CUDA-graph) mode: the fused "
+                                   "kernel does not read its layout; decode without CUDA graphs")
+            return out
         return torch.cat([_attend_layer(query[i:i + 1], row, None, scaling, softcap, False, path)
                           for i, row in enumerate(rows)])  # (B, 1, Hq, D)
+    if (query.shape[-2] == 1 and path in ("auto", "triton") and (path == "triton" or use_triton_for(query))
+            and all(layer.row_queries(i, 1) is not None for i in range(len(rows)))):
+        # a decode step with a real token in every row: the rows joined, one launch (runtime/joint.py)
+        joint = layer.joined()
+        if joint is not None:
+            from kvcalib.runtime.triton_path import joint_decode_attention
+
+            joint.sync_counts()
+            out = joint_decode_attention(query, joint, rows[0], joint.visibility(), scaling, softcap)
+            if out is not None:
+                return out
 
     def one_row(q: torch.Tensor, row, vis: torch.Tensor | None) -> torch.Tensor | None:
         row_all_visible = vis is None and not row.is_sliding and q.shape[-2] == 1

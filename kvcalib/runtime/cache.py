@@ -32,7 +32,12 @@ row by row over them (a query at a padding position gets zeros); the kernel is t
 per row. The rows are split in one place, :func:`kvcalib.runtime.backend.decode_attention`
 (through :meth:`CompressedLayer.attend_rows`; in static mode each row over its own device state):
 every attention path below it reads one unpadded layer (:meth:`CompressedLayer.require_dense`).
-A layer whose rows are all real stays dense (one batched layer, as before).
+A layer whose rows are all real stays dense (one batched layer, as before). Where the kernel runs
+a decode step, rows whose layout allows it are *joined* instead (:mod:`kvcalib.runtime.joint`,
+:meth:`CompressedLayer.joined`): their tensors become views of shared batched allocations and
+one launch reads every row, each with its own counts and visibility on the device; in static
+mode (:attr:`CompressedLayer.joint_static`) the step writes every row's token at its own slot,
+and a CUDA graph of it outlives the rows' flushes as a dense stable-launch layer's does.
 
 Attention must go through :func:`kvcalib.runtime.attention.kvcalib_attention` (the model's
 ``attn_implementation="kvcalib"``); :meth:`CompressedCache.from_recipe` switches the model to it.
@@ -66,6 +71,7 @@ from kvcalib.layout import LayerConfig, held_elements
 from kvcalib.recipe import Recipe, resolve_recipe
 from kvcalib.codec import LayerCodec
 from kvcalib.runtime.attention import LAYER_ATTR, use_kvcalib_attention
+from kvcalib.runtime.joint import JointRows
 from kvcalib.runtime.layer_graphs import LayerGraphs
 from kvcalib.runtime.outlier_pool import OutlierPool, pack_keep
 from kvcalib.runtime.static import StaticState
@@ -132,6 +138,10 @@ class CompressedLayer(CacheLayerMixin):
         self.row_end: list[int] = []
         self.chunk_rows: list[tuple[int, int] | None] = []
         self.chunk_len = 0  # tokens of the last committed chunk
+        # the rows' tensors in shared allocations, read by one kernel launch (runtime/joint.py), and
+        # whether static mode runs them so (then the device tensors below are (B,) / (B, S + U))
+        self.joint: JointRows | None = None
+        self.joint_static = False
         self.awaiting_attention = False
         self.static: StaticState | None = None  # set in static mode (module docstring)
         # the pending window's fixed buffer (B, H, window + block, D), compressed layers: pend_k/pend_v are
@@ -316,6 +326,14 @@ class CompressedLayer(CacheLayerMixin):
         if key_states.shape[-2] != 1:
             raise KvcalibError("a static (CUDA-graph) CompressedCache takes one token per step: leave static mode "
                                "(cache.make_dynamic()) before a prefill")
+        if self.joint_static:  # each row's token at its own slot of the shared window buffers
+            slot = torch.sub(self.static.position, self.pend_start_dev, out=self.static_slot)  # (B,)
+            torch.le(self._slot_rel, slot[:, None], out=self.static_mask)  # (B, S + U)
+            joint = self.joint
+            joint.pend_k[self._batch_index, :, slot] = key_states[:, :, 0].to(joint.pend_k.dtype)  # (B, H, D)
+            joint.pend_v[self._batch_index, :, slot] = value_states[:, :, 0].to(joint.pend_v.dtype)
+            setattr(key_states, LAYER_ATTR, self)
+            return key_states, value_states
         if self.rows is not None:  # every row takes its token (static mode refuses rows that ended)
             for i, row in enumerate(self.rows):
                 row._update_static(key_states[i:i + 1], value_states[i:i + 1])
@@ -483,6 +501,17 @@ class CompressedLayer(CacheLayerMixin):
         if self.rows is not None:
             for row in self.rows:
                 row.flush()
+            if self.joint_static:  # the graph reads the new counts and window starts from the device
+                joint = self.joined()
+                if joint is None:  # cannot happen to a joined layout; static mode then ends (layer_graphs)
+                    self.joint_static = False
+                else:
+                    joint.sync_counts()
+                    starts = self._row_pend_starts()
+                    for i, (new, old) in enumerate(zip(starts, self._joint_pend_starts)):
+                        if new != old:  # a fill, not a copy from the host (JointRows.sync_counts says why)
+                            self.pend_start_dev[i].fill_(new)
+                    self._joint_pend_starts = starts
             return
         cfg = self.cfg
         if cfg.compressed:
@@ -572,13 +601,16 @@ class CompressedLayer(CacheLayerMixin):
         if why is not None:
             raise KvcalibError(f"layer {self.layer_idx} cannot decode in static (CUDA-graph) mode: {why}")
         if self.rows is not None:
-            for first, row in zip(self.row_first, self.rows):
-                row.make_static(state.child(first))
+            if self.joined() is not None:
+                self._make_joint_static()
+            else:
+                for first, row in zip(self.row_first, self.rows):
+                    row.make_static(state.child(first))
         elif not self.pend_buffered:  # e.g. restored from a snapshot: into the buffer (it fits: no flush due)
             self._put_pending(self.pend_k, self.pend_v, force_buffer=True)
         if self.is_sliding and self.rows is None:
             state.window_visible(self.sliding_window)  # its mask exists before any capture
-        if self.stable_launch:
+        if self.rows is None and self.stable_launch:
             dev, held = self.device, self.sink_k.shape[2]
             self.pend_start_dev = torch.full((1,), self.pend_start, dtype=torch.long, device=dev)
             self.static_slot = torch.zeros((1,), dtype=torch.long, device=dev)
@@ -595,7 +627,36 @@ class CompressedLayer(CacheLayerMixin):
             for row in self.rows:
                 row.make_dynamic()
         self.static = None
+        self.joint_static = False
         self.pend_start_dev = self.static_slot = self.static_mask = self._slot_rel = None
+
+    def joined(self) -> JointRows | None:
+        """A ragged layer's rows in shared allocations for one kernel launch (:mod:`kvcalib.runtime.joint`),
+        joined now if they were not (or no longer are: a row outgrew the allocation); None when
+        they cannot join (then each row is launched on its own). Called where the kernel runs."""
+        joint = self.joint
+        if joint is not None and joint.valid(self):
+            return joint
+        self.joint = JointRows.build(self, joint)
+        return self.joint
+
+    def _row_pend_starts(self) -> list[int]:
+        """Each row's first pending position, in the batch's positions."""
+        return [first + row.pend_start for first, row in zip(self.row_first, self.rows)]
+
+    def _make_joint_static(self) -> None:
+        """Static mode of a joined ragged layer: the step writes each row's token at its slot of the
+        shared window buffers, ``position - pend_start_dev`` (B,), and its visibility rows
+        ``static_mask`` (B, S + U) over the virtual positions (the stable-launch layout, one row each)."""
+        joint, dev = self.joint, self.device
+        b, s, u = len(self.rows), joint.sinks, joint.pend_k.shape[2]
+        self._joint_pend_starts = self._row_pend_starts()
+        self.pend_start_dev = torch.tensor(self._joint_pend_starts, dtype=torch.long).to(dev)  # (B,) int64
+        self.static_slot = torch.zeros((b,), dtype=torch.long, device=dev)
+        self._slot_rel = torch.arange(s + u, device=dev)[None] - s  # (1, S + U)
+        self.static_mask = torch.zeros((b, s + u), dtype=torch.bool, device=dev)  # (B, S + U)
+        self._batch_index = torch.arange(b, device=dev)  # (B,)
+        self.joint_static = True
 
     def advance_static(self) -> None:
         """Host bookkeeping of one static step (its token is already in the buffer)."""
@@ -641,7 +702,9 @@ class CompressedLayer(CacheLayerMixin):
         H100), hidden behind the host time of an eager step when the call is short, not when the
         GPU is the bound (batch 8 / 32k, Mistral-7B shape: 114 -> 132 us). The switch falls at a
         flush (the packed count is all that changes), the same in dynamic and static mode."""
-        if not (self.rows is None and self.cfg.compressed and self.pend_buffered and not self.is_sliding
+        if self.rows is not None:  # a padded batch's rows: joined in static mode (joint.py)
+            return self.joint_static
+        if not (self.cfg.compressed and self.pend_buffered and not self.is_sliding
                 and not self.codec.tiered and not self.codec.pool_size):
             return False
         b, h = self.pend_buf_k.shape[:2]

@@ -22,8 +22,9 @@ the device.
 the check that a graph changes nothing; only a step warming up a capture runs on a side stream,
 as capture asks). A static step launches what a dynamic decode step launches
 (:mod:`kvcalib.runtime.cache`), so graph decoding and ``model.generate`` over the cache make one
-computation. Padded batches decode each row as its prompt alone (one kernel launch per row, each
-row flushing at its own steps). EOS ends a sequence (it then repeats ``pad_token_id``).
+computation. Padded batches decode each row as its prompt alone (each row flushing at its own
+steps; one kernel launch for all rows where they join, :mod:`kvcalib.runtime.joint`, one per row
+otherwise). EOS ends a sequence (it then repeats ``pad_token_id``).
 
 The pick is greedy (argmax) by default; ``sampling=Sampling(...)``
 (:mod:`kvcalib.runtime.sampling`) samples inside the captured step instead: temperature, top-k,

@@ -246,6 +246,8 @@ class LayerGraphs:
         ``pend_start``), the shared state, the batch's shape. A stable-launch layer's graph reads
         the counts from the device: only its packed store's allocation counts (a reallocation,
         about every 1/8 of the context, or the first tokens packed)."""
+        if layer.joint_static:  # a padded batch's rows joined (joint.py): until they are joined anew
+            return ("joint", layer.joint.build_id, id(layer.static), query.shape, query.dtype)
         if layer.static_mask is not None:
             store = layer.packed.stores[0]
             # read whole: the same launch until a reallocation; else (a store allocated before the

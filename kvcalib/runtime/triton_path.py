@@ -18,7 +18,9 @@ the caller (:func:`kvcalib.runtime.backend.decode_attention`) then runs the PyTo
   A padded batch runs one launch per row over the row's own layer
   (:attr:`~kvcalib.runtime.cache.CompressedLayer.rows`), split by
   :func:`kvcalib.runtime.backend.decode_attention`, the one place that splits rows: the
-  functions here take one unpadded layer. A sliding layer has already dropped
+  functions here take one unpadded layer -- or, where the rows join in shared allocations
+  (:mod:`kvcalib.runtime.joint`), one launch over all of them (:func:`joint_decode_attention`,
+  which takes the joint and one row, never the layer's rows). A sliding layer has already dropped
   its packed blocks older than the window at the last flush
   (:meth:`~kvcalib.runtime.cache.CompressedLayer.flush`), so the packed tokens the kernel reads
   span at most the window plus one flush block, the mask hiding
@@ -195,6 +197,51 @@ def static_decode_attention(query: torch.Tensor, layer, scaling: float,
         raise KvcalibError(f"layer {layer.layer_idx} stores a 16-bit side raw: static (CUDA-graph) mode needs "
                            "packed K and V")
     return out
+
+
+def joint_decode_attention(query: torch.Tensor, joint, row, mask: torch.Tensor, scaling: float,
+                           softcap: float | None = None) -> torch.Tensor | None:
+    """Fused attention of ``query`` (B, Hq, 1, D) over a padded batch's rows joined in shared
+    allocations (:class:`~kvcalib.runtime.joint.JointRows`), in one launch; (B, 1, Hq, D) in the
+    query's dtype, or None when the kernel does not cover the rows' layout (``row``: one of them,
+    whose config and codec they all share). ``mask`` (B, S + U) bool: each row's visibility over
+    the virtual positions (sinks, then the window buffer). Called by
+    :func:`kvcalib.runtime.backend.decode_attention` (the one place rows are split or joined)."""
+    if _reason_unsupported(query[:1], row) is not None:
+        return None
+    from kvcalib_kernels.decode_attention import decode_attention_parts
+
+    part = joint.kernel_part
+    if part is None:
+        part = _joint_part(joint, row, query.device)
+    segments = [(joint.sink_k, joint.sink_v), (joint.pend_k, joint.pend_v)]  # (B, H, S, D), (B, H, U, D)
+    positions = [0, joint.sinks]
+    if not joint.sinks:  # a recipe without sinks (KIVI): no empty segment
+        segments, positions = segments[1:], positions[1:]
+    call = dict(part, scaling=scaling, softcap=softcap, fp_segments=segments, fp_positions=positions,
+                mask=mask, mask_packed=False, pool=None)
+    return decode_attention_parts(query[:, :, 0, :], [call], out_dtype=query.dtype)[:, None]
+
+
+def _joint_part(joint, row, device) -> dict:
+    """The packed arguments of a joint launch: the shared allocation read whole, each row's live
+    tokens ``[lo, hi)`` on the device, the rows' (shared) codec's method arguments."""
+    cfg, codec, store = row.cfg, row.codec, row.packed.stores[0]
+    p = joint.parts
+    part = dict(k_codes=p.get("k_codes"), k_scale=p.get("k_scale"), k_zero=p.get("k_zero"), v_codes=p.get("v_codes"),
+                v_scale=p.get("v_scale"), v_zero=p.get("v_zero"), k_bits=store.bits["k"], v_bits=store.bits["v"],
+                k_group=cfg.k_group, v_group=cfg.v_group, k_axis=cfg.k_axis, packed_position=joint.sinks, keep=None,
+                keep_block=cfg.flush_block, packed_start=joint.lo, packed_end=joint.hi)
+    for side in ("k", "v"):
+        mean = p.get(f"{side}_mean")
+        if mean is None and p.get(f"{side}_mean_codes") is not None:
+            mean = tuple(p[f"{side}_mean_{n}"] for n in ("codes", "scale", "zero"))
+        part[f"{side}_mean"] = mean
+        attend = codec.kernel_attend(side, device)  # a KernelAttend (checked by kernel_reason)
+        if attend is not None:
+            part.update(attend.kernel_args(side))
+    joint.kernel_part = part
+    return part
 
 
 def _launch_layer(query, layer, pending, mask, mask_packed, scaling, softcap) -> torch.Tensor | None:

@@ -17,6 +17,12 @@ layers, kv heads and sides of the width):
 - ``layer-greedy``: the same budget spent by a greedy rule on whole layers (per side);
 - ``head-greedy``: the same budget spent by the same rule on single kv heads (per side).
 
+``--rotate``: every allocation's codecs also rotate each kv head's keys and values by a random-sign
+Walsh-Hadamard (the rotate method's Hadamard kind, one seed per layer and side, the same in every
+allocation), as every shipped recipe does: is the per-head gain still there once rotation has
+spread the outlier channels? The greedy order still comes from ``--sensitivity`` (measured without
+rotation), so the allocations are those of the plain run; only their codes change.
+
 The greedy rule upgrades, one step at a time, the unit (layer side or head side) with the largest
 estimated KL saved per extra bit, from the 2-bit KL that ``--sensitivity`` measured for that head
 alone (a layer's: the sum of its heads', which the measurement found additive) and a KL that drops
@@ -111,6 +117,19 @@ def allocation(kind: str, bits: dict, layout: dict, make_codec=None):
     return hs.Allocation(kind, groups)
 
 
+def rotating_codec(head_dim: int):
+    """``make_codec`` for :func:`allocation`: a group of kv heads rotated by the random-sign
+    Walsh-Hadamard of the rotate method (seed: the layer, per side as the method derives it)."""
+    from kvcalib.codec import LayerCodec
+    from kvcalib.methods.rotate import side_seed
+
+    def make(layer: int, heads: tuple, cfg):
+        tensors = {f"{side}.rotate": torch.tensor([side_seed(layer, side), len(heads), head_dim]) for side in SIDES}
+        return LayerCodec.from_tensors(cfg, tensors, len(heads), head_dim)
+
+    return make
+
+
 def allocations(sens: dict, recipe_layers: list[tuple[int, int]], kv_heads: int) -> dict[str, dict]:
     """name -> (layer, head, side) -> bits, for the four allocations of the module doc."""
     kl2 = {(r["layer"], r["head"], r["side"]): r["kl"] for r in sens["rows"] if r["kind"] == "head"}
@@ -137,7 +156,7 @@ def markdown(meta: dict, rows: list[dict], allocs: dict) -> str:
     lines = [f"# Per-head against per-layer widths: {meta['model']}, {meta['context']} tokens", "",
              f"- `{meta['command']}` on {meta['machine']}, commit {meta['commit']}, {meta['wall_s']:.0f} s",
              f"- every head and side quantized (group {meta['k_group']}, window {meta['window']}, sinks {meta['sinks']}, "
-             f"plain uniform codes); {meta['windows']} window(s) of `{meta['data']}`, {meta['copy_windows']} copy "
+             f"plain uniform codes{', Hadamard-rotated' if meta.get('rotate') else ''}); {meta['windows']} window(s) of `{meta['data']}`, {meta['copy_windows']} copy "
              f"window(s), KL and NLL over the last {meta['score_last']} positions; widths of `{meta['recipe']}`", "",
              "| allocation | mean code bits | KL | per window | Δppl % | copy KL | Δ copy NLL | widths used (K / V, heads) |",
              "|---|---:|---:|---|---:|---:|---:|---|"]
@@ -181,6 +200,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--rotate", action="store_true", help="rotate every head (Hadamard) in every allocation")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--device", default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -229,14 +249,15 @@ def main(argv: Sequence[str] | None = None, loaded=None, texts: Sequence[str] | 
     sens, widths, loaded, layout = load_inputs(args, loaded, "head_bits.json")
     model, tok, info = loaded.model, loaded.tokenizer, loaded.info
     allocs = allocations(sens, widths, info.num_kv_heads)
-    targets = [hs.Target("fp"), *(allocation(name, bits, layout) for name, bits in allocs.items())]
+    make_codec = rotating_codec(info.head_dim) if args.rotate else None
+    targets = [hs.Target("fp"), *(allocation(name, bits, layout, make_codec) for name, bits in allocs.items())]
     rows, win, n_copy = score(model, tok, targets, args, texts, "head bits")
     meta = {"command": " ".join(shlex.quote(a) for a in ["python", "-m", "experiments.head_bits",
                                                           *(sys.argv[1:] if argv is None else argv)]),
             "machine": machine(), "commit": hs.git_commit(), "torch": torch.__version__, "model": info.name,
             "data": f"{args.data} (eval split)" if texts is None else "given texts", "context": args.context,
             "windows": args.windows, "copy_windows": n_copy, "score_last": args.score_last, "recipe": str(args.recipe),
-            "sensitivity": str(args.sensitivity), **layout, "layers": info.num_layers, "kv_heads": info.num_kv_heads,
+            "sensitivity": str(args.sensitivity), "rotate": "hadamard" if args.rotate else None, **layout, "layers": info.num_layers, "kv_heads": info.num_kv_heads,
             "window_starts": win.starts, "wall_s": time.perf_counter() - t0}
     flat = {name: [[l, h, s, b] for (l, h, s), b in sorted(bits.items())] for name, bits in allocs.items()}
     result = {"meta": meta, "allocations": flat, "rows": rows}

@@ -91,3 +91,26 @@ def test_run_writes_every_allocation(loaded, tmp_path):
     assert kinds == ["fp", "all-2", "recipe-layers", "layer-greedy", "head-greedy"]
     assert all(r["kl"] > 1e-9 for r in res["rows"] if r["kind"] != "fp")
     assert (out / "head_bits.md").read_text().count("| ") > 10
+
+
+def test_rotated_allocation_is_the_simulation_of_rotated_layers(loaded):
+    """``--rotate``: an allocation with one width a layer, every group's codec Hadamard-rotated, has
+    the logits of the decode-faithful simulation of those layers with the rotate method's tensors;
+    and rotating changes them."""
+    from kvcalib.simulate import simulated_logits
+
+    model, ids, p = loaded.model, _ids(loaded), T - LAST
+    d, heads = loaded.info.head_dim, loaded.info.num_kv_heads
+    bits = {(l, h, s): 2 + l for l in (0, 1) for h in range(heads) for s in ("k", "v")}
+    make = hb.rotating_codec(d)
+    rotated = hb.allocation("rotated", bits, LAYOUT, make)
+    plain = hb.allocation("plain", bits, LAYOUT)
+    with hs.hooked(model):
+        prefix, _ = hs.prefill(model, ids, p)
+        got = hs.continuation_logits(model, ids, prefix, p, rotated, None)  # (B, C, V)
+        unrotated = hs.continuation_logits(model, ids, prefix, p, plain, None)
+    layers = [LayerConfig(k_bits=2 + l, v_bits=2 + l, **LAYOUT) for l in (0, 1)]
+    codecs = [make(l, tuple(range(heads)), cfg) for l, cfg in enumerate(layers)]
+    want = simulated_logits(model, ids, layers, codecs, prompt_len=p, logits_to_keep=LAST)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (got - unrotated).abs().amax() > 1e-4

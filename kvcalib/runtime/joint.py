@@ -99,9 +99,8 @@ class JointRows:
                     shared[i:i + 1, :, :n] = live
                 buf.buf, buf.n, buf.front = shared[i:i + 1], n, 0
             parts[name] = shared
-        for s in stores:  # their views and kernel arguments describe the old allocations
-            s._view = s.kernel_part = s._capacity_view = None
-            s._changed()
+        for s in stores:
+            s.buffers_moved()
         sink_k = torch.cat([row.sink_k for row in rows])  # (B, H, S, D)
         sink_v = torch.cat([row.sink_v for row in rows])
         pend_k = torch.cat([row.pend_buf_k for row in rows])  # (B, H, window + block, D)
@@ -123,7 +122,7 @@ class JointRows:
         outgrew the capacity) or replaced its window buffer, and the rows are the same."""
         if layer.rows is not self.rows:
             return False
-        for row, store, gen, i in zip(self.rows, self.stores, self.generations, range(len(self.rows))):
+        for row, store, gen in zip(self.rows, self.stores, self.generations):
             if store.generation != gen or row.packed.stores[0] is not store:
                 return False
             if row.pend_buf_k is None or row.pend_buf_k._base is not self.pend_k or not row.pend_buffered:
@@ -134,8 +133,8 @@ class JointRows:
 
     def sync_counts(self) -> None:
         """Write each row's live packed count into :attr:`hi` where it changed (after a flush;
-        never inside a capture). A fill per changed row, not a copy from the host: a copy waits for
-        the GPU to drain the steps queued before it (0.4-0.7 s of a 128-token batch-8 call, H200)."""
+        never inside a capture). A fill per changed row, not a copy from the host: a blocking copy
+        from pageable host memory waits for the GPU to finish the steps queued before it."""
         counts = tuple(store.n for store in self.stores)
         old = self.counts
         if counts != old:

@@ -234,6 +234,13 @@ class PackedStore:
     def _changed(self) -> None:
         self.generation += 1
 
+    def buffers_moved(self) -> None:
+        """Its parts' buffers were replaced from outside (a padded batch's rows joined in shared
+        allocations, :mod:`kvcalib.runtime.joint`): forget the views and kernel arguments built
+        over the old ones, and count a new generation (a launch over the whole allocation changes)."""
+        self._view = self.kernel_part = self._capacity_view = None
+        self._changed()
+
     def device_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(lo, hi) int32 (B,) on the store's device: the live tokens ``[0, n)`` of
         :meth:`capacity_view`, rewritten in place by every append or drop (a captured launch

@@ -49,7 +49,8 @@ def kvcalib_attention(module, query, key, value, attention_mask, scaling=None, d
         steps = torch.arange(tq, device=visible.device)
         # a real token sees itself, padding nothing (also through a sliding window): which of the
         # step's tokens are real, (B|1, Tq)
-        layer.commit(visible[:, steps, visible.shape[-1] - tq + steps])
+        real = visible[:, steps, visible.shape[-1] - tq + steps]
+        layer.commit(real, _host_rows(attention_mask, real, layer.n_seen))
     # no mask and no padding: a decode step's query sees every cached token (the kernel then
     # reads no mask at all, and none is built unless the reference path runs); a padded batch's
     # rows are decided one by one (decode_attention splits them)
@@ -57,6 +58,20 @@ def kvcalib_attention(module, query, key, value, attention_mask, scaling=None, d
     out = decode_attention(query, layer, visible, scale, softcap, all_visible=all_visible)
     layer.flush()
     return out.to(query.dtype), None
+
+
+def _host_rows(attention_mask: torch.Tensor, real: torch.Tensor, seen: int) -> list[list[bool]]:
+    """``real.tolist()``, kept on the mask tensor: the layers of one forward share their mask (and
+    so which of the step's tokens are real), so a padded batch's decode step copies it to the host
+    once, not once per layer (each copy waits for the GPU's queue). Keyed by the tokens seen and
+    the shape, which a later forward changes."""
+    key = (seen, tuple(real.shape))
+    memo = getattr(attention_mask, "_kvcalib_real", None)
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    rows = real.tolist()
+    attention_mask._kvcalib_real = (key, rows)
+    return rows
 
 
 def register() -> None:

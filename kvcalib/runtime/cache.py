@@ -206,24 +206,28 @@ class CompressedLayer(CacheLayerMixin):
         """Whether the layer holds one unpadded layer per row (padding was seen; module docstring)."""
         return self.rows is not None
 
-    def commit(self, real: torch.Tensor | None = None) -> None:
+    def commit(self, real: torch.Tensor | None = None, real_rows: list[list[bool]] | None = None) -> None:
         """Store the tokens :meth:`update` took in. ``real`` (B|1, T_new) bool: which of them are
         real tokens (False = padding); None = all. A row's real tokens must stay one contiguous
-        run (left padding, right padding, or both); padding is never stored."""
+        run (left padding, right padding, or both); padding is never stored. ``real_rows``:
+        ``real.tolist()`` when the caller has it (the attention entry makes it once per forward,
+        not once per layer: each is a device-to-host copy that waits for the GPU)."""
         if self.incoming is None:
             return
         k, v = self.incoming
         self.incoming = None
         b, t_new = k.shape[0], k.shape[-2]
-        if real is not None and real.shape[0] != b:
-            real = real.expand(b, -1)
+        if real is not None and real_rows is None:
+            real_rows = real.tolist()  # one device-to-host copy for the whole chunk
+        if real_rows is not None and len(real_rows) != b:
+            real_rows = real_rows * b  # (1, T_new) broadcast over the batch
         if self.rows is None:
-            if real is None or bool(real.all()):
+            if real_rows is None or all(all(r) for r in real_rows):
                 self._append(k, v)
                 return
             self._become_ragged(b, self.n_seen - t_new)
         start = self.n_seen - t_new  # absolute position of the chunk's first token
-        runs = [(0, t_new)] * b if real is None else _real_runs(real)
+        runs = [(0, t_new)] * b if real_rows is None else _real_runs(real_rows)
         self.chunk_rows, self.chunk_len = runs, t_new
         for i, (row, run) in enumerate(zip(self.rows, runs)):
             if run is None:
@@ -778,11 +782,11 @@ class CompressedLayer(CacheLayerMixin):
         return b * held_elements(h, d, self.n_seen, [self.sliding_window])
 
 
-def _real_runs(real: torch.Tensor) -> list[tuple[int, int] | None]:
-    """Per row of ``real`` (B, T) bool: the run ``(a, c)`` of its True entries, or None when it has
-    none; raises when a row's real tokens are not contiguous (padding between them)."""
+def _real_runs(real: list[list[bool]]) -> list[tuple[int, int] | None]:
+    """Per row of ``real`` (B lists of T bools): the run ``(a, c)`` of its True entries, or None
+    when it has none; raises when a row's real tokens are not contiguous (padding between them)."""
     rows = []
-    for i, r in enumerate(real.tolist()):  # one device-to-host copy for the whole chunk
+    for i, r in enumerate(real):
         idx = [t for t, x in enumerate(r) if x]
         if not idx:
             rows.append(None)

@@ -316,3 +316,31 @@ def test_the_reference_refuses_a_padded_batch_layer():
     for i, row in enumerate(layer.rows):
         alone = attend_compressed(q[i:i + 1], row, _visible(row.n_seen, 1, None, None), D ** -0.5)
         assert torch.equal(out[i:i + 1], alone)
+
+
+def test_a_padded_decode_step_reads_which_tokens_are_real_once_per_forward(monkeypatch):
+    """Which of a step's tokens are real comes to the host once per forward, not once per layer:
+    the layers share their attention mask (each device-to-host copy waits for the GPU's queue)."""
+    import kvcalib.runtime.attention as attention
+
+    model = tiny_model("llama", layers=3, head_dim=32)
+    ids = torch.randint(1, 100, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # row 1 left-padded
+    copies = []
+    real_host_rows = attention._host_rows
+
+    def counted(attention_mask, real, seen):
+        had = getattr(attention_mask, "_kvcalib_real", None)
+        rows = real_host_rows(attention_mask, real, seen)
+        if had is None or had[0] != (seen, tuple(real.shape)):
+            copies.append(seen)
+        return rows
+
+    monkeypatch.setattr(attention, "_host_rows", counted)
+    cache = CompressedCache.from_recipe(model, Recipe(name="t", layers=[FITTED] * 3))
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3,
+                             do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 15) and all(layer.ragged for layer in cache.layers)
+    assert copies == [12, 13, 14]  # the prompt and two decode steps (tokens seen): one copy each, 3 layers

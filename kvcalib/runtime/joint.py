@@ -56,6 +56,7 @@ class JointRows:
         self.sink_k, self.sink_v = sink_k, sink_v  # (B, H, S, D) x 2
         self.pend_k, self.pend_v = pend_k, pend_v  # (B, H, window + block, D) x 2: the window buffers
         self.parts = parts  # store part name -> (B, H, rows for the capacity, ...)
+        self.capacity = parts["k_codes"].shape[2]  # packed tokens the allocation holds per row
         self.lo, self.hi = lo, hi  # (B,) int32: each row's live packed tokens [lo, hi) of the allocation
         self.counts: tuple[int, ...] | None = None  # the host copy of ``hi``
         self.generations = tuple(store.generation for store in self.stores)

@@ -93,6 +93,18 @@ class PackedView:
     keep: torch.Tensor | None = None
 
 
+def packed_view(cfg: LayerConfig, start: int, n: int, parts: dict) -> PackedView:
+    """A :class:`PackedView` over ``parts`` (a store's part name -> tensor or None; absent names
+    count as None), a centred side's mean as its tensor or its 8-bit (codes, scale, zero)."""
+    p = {k: parts.get(k) for k in ("k_codes", "k_scale", "k_zero", "k_raw", "v_codes", "v_scale", "v_zero", "v_raw")}
+    for side in ("k", "v"):
+        mean = parts.get(f"{side}_mean")
+        if mean is None and parts.get(f"{side}_mean_codes") is not None:
+            mean = tuple(parts[f"{side}_mean_{n}"] for n in ("codes", "scale", "zero"))
+        p[f"{side}_mean"] = mean
+    return PackedView(cfg, start, n, **p, keep=parts.get("keep"))
+
+
 class PackedStore:
     """Flushed tokens of one layer at one bit width per side, K and V, in growable buffers.
 
@@ -221,13 +233,7 @@ class PackedStore:
             if part.buf.shape[2] != self.part_rows(name, cap):
                 return None  # allocated before the store's capacity rule (a restored cache): exact views
             whole[name] = part.buf
-        p = {k: whole[k] for k in ("k_codes", "k_scale", "k_zero", "k_raw", "v_codes", "v_scale", "v_zero", "v_raw")}
-        for side in ("k", "v"):
-            mean = whole[f"{side}_mean"]
-            if mean is None and whole[f"{side}_mean_codes"] is not None:
-                mean = tuple(whole[f"{side}_mean_{n}"] for n in ("codes", "scale", "zero"))
-            p[f"{side}_mean"] = mean
-        view = PackedView(self.cfg, self.start, cap, **p, keep=whole["keep"])
+        view = packed_view(self.cfg, self.start, cap, whole)
         self._capacity_view = (self.generation, view)
         return view
 

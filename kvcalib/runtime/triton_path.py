@@ -63,6 +63,8 @@ import os
 
 import torch
 
+from kvcalib.runtime.store import packed_view
+
 log = logging.getLogger(__name__)
 
 _PACKED_BITS = (2, 3, 4, 8)
@@ -226,20 +228,9 @@ def joint_decode_attention(query: torch.Tensor, joint, row, mask: torch.Tensor, 
 def _joint_part(joint, row, device) -> dict:
     """The packed arguments of a joint launch: the shared allocation read whole, each row's live
     tokens ``[lo, hi)`` on the device, the rows' (shared) codec's method arguments."""
-    cfg, codec, store = row.cfg, row.codec, row.packed.stores[0]
-    p = joint.parts
-    part = dict(k_codes=p.get("k_codes"), k_scale=p.get("k_scale"), k_zero=p.get("k_zero"), v_codes=p.get("v_codes"),
-                v_scale=p.get("v_scale"), v_zero=p.get("v_zero"), k_bits=store.bits["k"], v_bits=store.bits["v"],
-                k_group=cfg.k_group, v_group=cfg.v_group, k_axis=cfg.k_axis, packed_position=joint.sinks, keep=None,
-                keep_block=cfg.flush_block, packed_start=joint.lo, packed_end=joint.hi)
-    for side in ("k", "v"):
-        mean = p.get(f"{side}_mean")
-        if mean is None and p.get(f"{side}_mean_codes") is not None:
-            mean = tuple(p[f"{side}_mean_{n}"] for n in ("codes", "scale", "zero"))
-        part[f"{side}_mean"] = mean
-        attend = codec.kernel_attend(side, device)  # a KernelAttend (checked by kernel_reason)
-        if attend is not None:
-            part.update(attend.kernel_args(side))
+    store = row.packed.stores[0]
+    view = packed_view(row.cfg, joint.sinks, joint.capacity, joint.parts)  # positions are read through the masks
+    part = dict(_view_part(view, store.bits, row.cfg, row.codec, device), packed_start=joint.lo, packed_end=joint.hi)
     joint.kernel_part = part
     return part
 
@@ -291,20 +282,29 @@ def _store_part(store, cfg, codec, device, whole: bool = False) -> dict | None:
         if whole and view.n:
             store.device_range()  # the live count as the host has it (also after a restore set ``n``)
         return cached[2]
+    part = _view_part(view, store.bits, cfg, codec, device)
+    if part is None:
+        return None
+    if whole and "k_codes" in part:  # the whole allocation: its live tokens [0, n) on the device
+        part["packed_start"], part["packed_end"] = store.device_range()
+    store.kernel_part = (view, device, part)
+    return part
+
+
+def _view_part(view, bits: dict, cfg, codec, device) -> dict | None:
+    """The kernel arguments of a :class:`~kvcalib.runtime.store.PackedView` at ``bits`` (side ->
+    width): its tensors, layout, permutations, means and OTT masks; None when a side is stored raw."""
     packed = dict(k_codes=view.k_codes, k_scale=view.k_scale, k_zero=view.k_zero, v_codes=view.v_codes,
                   v_scale=view.v_scale, v_zero=view.v_zero)
     if view.n == 0 or any(t is None for t in packed.values()):
         if view.n:
             return None
         packed = {}
-    part = dict(packed, k_bits=store.bits["k"], v_bits=store.bits["v"], k_group=cfg.k_group,
+    part = dict(packed, k_bits=bits["k"], v_bits=bits["v"], k_group=cfg.k_group,
                 v_group=cfg.v_group, k_axis=cfg.k_axis, packed_position=view.start, keep=view.keep,
                 keep_block=cfg.flush_block, k_mean=view.k_mean, v_mean=view.v_mean)  # means of an empty store are ignored
-    if whole and packed:  # the whole allocation: its live tokens [0, n) on the device
-        part["packed_start"], part["packed_end"] = store.device_range()
     for side in ("k", "v"):  # the method states' kernel arguments (SKVQ permutations, rotations)
         attend = codec.kernel_attend(side, device)  # a KernelAttend (None: refused by kernel_reason before)
         if attend is not None:
             part.update(attend.kernel_args(side))  # the one place it becomes keyword arguments
-    store.kernel_part = (view, device, part)
     return part

@@ -50,13 +50,13 @@ def row_joinable(row) -> bool:
 class JointRows:
     """The shared allocations of a ragged layer's rows and the device counts a launch reads."""
 
-    def __init__(self, layer, sink_k, sink_v, pend_k, pend_v, parts: dict, lo, hi) -> None:
+    def __init__(self, layer, sink_k, sink_v, pend_k, pend_v, parts: dict, capacity: int, lo, hi) -> None:
         self.rows = layer.rows  # the rows it was built for (a new prompt makes new ones)
         self.stores = [row.packed.stores[0] for row in layer.rows]
         self.sink_k, self.sink_v = sink_k, sink_v  # (B, H, S, D) x 2
         self.pend_k, self.pend_v = pend_k, pend_v  # (B, H, window + block, D) x 2: the window buffers
         self.parts = parts  # store part name -> (B, H, rows for the capacity, ...)
-        self.capacity = parts["k_codes"].shape[2]  # packed tokens the allocation holds per row
+        self.capacity = capacity  # packed tokens the allocation holds per row
         self.lo, self.hi = lo, hi  # (B,) int32: each row's live packed tokens [lo, hi) of the allocation
         self.counts: tuple[int, ...] | None = None  # the host copy of ``hi``
         self.generations = tuple(store.generation for store in self.stores)
@@ -116,7 +116,7 @@ class JointRows:
         else:
             lo = torch.zeros(b, dtype=torch.int32, device=sink_k.device)
             hi = torch.zeros(b, dtype=torch.int32, device=sink_k.device)
-        return cls(layer, sink_k, sink_v, pend_k, pend_v, parts, lo, hi)
+        return cls(layer, sink_k, sink_v, pend_k, pend_v, parts, cap, lo, hi)
 
     def valid(self, layer) -> bool:
         """Whether the rows still live in these allocations: no row reallocated its store (it

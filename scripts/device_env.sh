@@ -19,10 +19,10 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVCALIB_QUIET=1
 # travel too.) The stamp names the wheel set, so a warm machine installs a changed set again.
 # .whl-eval (scripts/eval_wheels.sh: lm-eval and what it needs beyond the machine's image) is
 # installed the same way when a call carries it, into the same /tmp/site.
-for W in .whl .whl-eval; do
-  WHL_STAMP=/tmp/site/.done-$W-$(ls $W 2>/dev/null | md5sum | cut -c1-12)
-  if [ -d $W ] && [ ! -e "$WHL_STAMP" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $W/*.whl \
+for WHEELS in .whl .whl-eval; do  # (not W: scripts that source this use W)
+  WHL_STAMP=/tmp/site/.done-$WHEELS-$(ls $WHEELS 2>/dev/null | md5sum | cut -c1-12)
+  if [ -d $WHEELS ] && [ ! -e "$WHL_STAMP" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS/*.whl \
       && touch "$WHL_STAMP"
   fi
 done

@@ -547,7 +547,7 @@ def run(
     def row(r: Any, bits16: float) -> list[Any]:
         first = "-" if r.first_token_seconds is None else round(r.first_token_seconds, 3)
         return [r.label, len(r.new_tokens), first, r.decode_tokens_per_second, r.tokens_per_second, r.kv_bytes,
-                r.effective_bits, bits16]
+                r.kv_bytes_allocated, r.effective_bits, bits16]
 
     rows = [row(result, result.effective_bits_16)]
     if compare:
@@ -556,9 +556,11 @@ def run(
         rows.append(row(ref, 16.0))
     print_table(f"{loaded.info.name}: generation ({result.prompt_tokens}-token prompt)",
                 ["name", "new tokens", "first token s", "decode tokens/s", "tokens/s (all)", "KV bytes",
-                 "bits/elem (held)", "bits/elem (16-bit accounting)"], rows)
+                 "KV bytes allocated", "bits/elem (held)", "bits/elem (16-bit accounting)"], rows)
     print("first token s: the prefill, and on first use the Triton kernels' compilation (Triton keeps them "
-          "on disk; later runs skip it); decode tokens/s: the tokens after the first (warm)"
+          "on disk; later runs skip it); decode tokens/s: the tokens after the first (warm); KV bytes: the "
+          "tokens held (what bits/elem divides); allocated: every byte of the cache's tensors (capacity "
+          "reserved past the live tokens and the recipe's fitted tensors included)"
           + ("; --cuda-graph runs without per-token times: tokens/s (all) counts its captures" if cuda_graph else ""))
     note = too_short_note(result, rec)
     if note:

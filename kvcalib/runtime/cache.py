@@ -782,6 +782,28 @@ class CompressedLayer(CacheLayerMixin):
         return b * held_elements(h, d, self.n_seen, [self.sliding_window])
 
 
+def _reachable_tensors(root: Any, seen: set[int]):
+    """Yield every tensor reachable from ``root`` through lists, tuples, sets, dicts and kvcalib's
+    own objects (their attributes), each object once (``seen``: ids, shared across calls). Foreign
+    objects (a CUDA graph, a model) are not entered: what they hold is not the cache's."""
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            yield obj
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif (type(obj).__module__ or "").startswith("kvcalib."):
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            for name in getattr(type(obj), "__slots__", ()):
+                stack.append(getattr(obj, name, None))
+
+
 def _real_runs(real: list[list[bool]]) -> list[tuple[int, int] | None]:
     """Per row of ``real`` (B lists of T bools): the run ``(a, c)`` of its True entries, or None
     when it has none; raises when a row's real tokens are not contiguous (padding between them)."""
@@ -889,6 +911,36 @@ class CompressedCache(Cache):
             for k, v in layer.nbytes().items():
                 total[k] = total.get(k, 0) + v
         return total
+
+    def allocated_bytes(self) -> dict[str, int]:
+        """Device memory the cache's tensors occupy, every byte: each distinct storage reachable
+        from its layers (and their per-layer CUDA graphs' input and output buffers) counted once and
+        whole. Where :meth:`nbytes` counts the live tokens (what :meth:`effective_bits` and the
+        recipe's accounting divide), this adds what the allocations hold beyond them: a packed
+        store's capacity past its live tokens (``store.GROWTH``, at least ``MIN_SLACK_BLOCKS``
+        blocks, so that a flush appends in place), the joined rows of a padded batch each holding the
+        capacity of the row that needs most (``joint.py``), static mode's device counters. Views of
+        one allocation (a joined row's tensors, the window's pending tokens in its fixed buffer) are
+        not counted twice.
+
+        ``kv``: everything but the codecs' fitted tensors; ``side``: those (rotation matrices, clip
+        scales, channel orders, codebooks: fixed in size, whatever the context). Only tensors on the
+        layers' device count (a recipe's CPU copy is not the cache's)."""
+        devices = {layer.device for layer in self.layers if layer.is_initialized}
+        seen: set[int] = set()
+        storages: set[tuple[torch.device, int]] = set()
+        out = {"kv": 0, "side": 0}
+        # the codecs first, so that their tensors count as side bytes wherever else they are reached
+        roots = [("side", [layer.codec for layer in self.layers]), ("kv", [self.layers, self.layer_graphs])]
+        for part, objs in roots:
+            for t in _reachable_tensors(objs, seen):
+                storage = t.untyped_storage()
+                key = (t.device, storage.data_ptr())
+                if t.device not in devices or key in storages:
+                    continue
+                storages.add(key)
+                out[part] += int(storage.nbytes())
+        return out
 
     def effective_bits(self) -> float:
         """8 x held bytes / (2 x kv_heads x head_dim x the sum over layers and rows of the tokens

@@ -33,6 +33,9 @@ class GenerationResult:
     decode_tokens_per_second: float = float("nan")
     prompt_tokens: int = 0
     compressed_tokens: int = 0  # tokens the cache holds quantized at the end (0: all in full precision)
+    # device memory the cache's tensors occupy at the end, every byte (CompressedCache.allocated_bytes:
+    # kv_bytes plus the allocations' capacity beyond the live tokens, plus the codecs' fitted tensors)
+    kv_bytes_allocated: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -158,16 +161,21 @@ def generate(loaded: LoadedModel, prompt: str, recipe: Recipe | None, max_new_to
         size = next(iter(cache.layers)).keys.element_size()
         by = {"full_precision": int(elem * size)}
         eff, eff16 = 8.0 * elem * size / max(elem, 1), 16.0
+        allocated = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                         for layer in cache.layers if layer.keys is not None
+                         for t in (layer.keys, layer.values)}.values())
     else:
         by = cache.nbytes()
         eff = cache.effective_bits()
+        allocated = sum(cache.allocated_bytes().values())
         length = enc["input_ids"].shape[1] + len(new) - 1
         eff16 = recipe.memory(loaded.info, max(length, 1)).effective_bits
     packed = max((layer.n_packed for layer in cache.layers if hasattr(layer, "n_packed")), default=0) \
         if recipe is not None else 0
     return GenerationResult(label, text, new, seconds, int(sum(by.values())), by, eff, eff16,
                             first_token_seconds=first_s, decode_tokens_per_second=decode_tps,
-                            prompt_tokens=prompt_len, compressed_tokens=int(packed))
+                            prompt_tokens=prompt_len, compressed_tokens=int(packed),
+                            kv_bytes_allocated=int(allocated))
 
 
 def too_short_note(result: GenerationResult, recipe: Recipe) -> str | None:

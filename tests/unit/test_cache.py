@@ -10,7 +10,7 @@ from kvcalib.errors import KvcalibError
 from kvcalib.models import model_info
 from kvcalib.layout import LayerConfig, layer_bytes
 from kvcalib.recipe import Recipe
-from kvcalib.runtime.cache import CompressedCache
+from kvcalib.runtime.cache import CompressedCache, _reachable_tensors
 from kvcalib.simulate import simulated_logits
 from tests.conftest import TINY_ARCHS, tiny_model
 
@@ -279,3 +279,61 @@ def test_a_layer_on_the_reference_path_says_so_once(caplog, monkeypatch):
         assert len(lines) == int(says), lines
         if says:
             assert "layer 5 decodes on the PyTorch reference path" in lines[0] and "not packed" in lines[0]
+
+
+def _fed_cache(configs, tokens=300, batch=2, heads=2, dim=64):
+    """A cache whose layers took ``tokens`` tokens of random K/V and flushed (no model)."""
+    torch.manual_seed(0)
+    cache = CompressedCache(configs)
+    for layer in cache.layers:
+        layer.update(torch.randn(batch, heads, tokens, dim), torch.randn(batch, heads, tokens, dim))
+        layer.flush()
+    return cache
+
+
+def test_allocated_bytes_count_each_storage_once_and_whole():
+    """allocated_bytes = the live bytes nbytes() counts + the packed stores' capacity past their live
+    tokens + their small device counters: the pending window (a view of its fixed buffer) is not
+    counted twice, and the slack is counted."""
+    cfg = LayerConfig(k_bits=2, v_bits=2, k_group=32, v_group=32, sinks=4, window=64)
+    cache = _fed_cache([cfg, cfg])
+    held = sum(cache.nbytes().values())
+    allocated = cache.allocated_bytes()
+    slack = sum((part.buf.numel() - part.view().numel()) * part.buf.element_size()
+                for layer in cache.layers for store in layer.packed.stores
+                for part in store.parts.values() if part.buf is not None)
+    assert slack > 0  # 224 live packed tokens a layer, capacity 352 (four 32-token blocks of slack)
+    assert allocated["side"] == 0  # no fitted tensors in a plain layout
+    counters = allocated["kv"] - held - slack
+    assert 0 <= counters <= 64, (allocated, held, slack)
+
+
+def test_allocated_bytes_side_tensors_and_joined_rows():
+    """A recipe's fitted tensors count as side bytes; a padded batch's rows joined in shared
+    allocations (runtime/joint.py) count those allocations once, not once per row."""
+    from tests.conftest import tiny_model
+
+    layer_cfg = LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=16, window=16, sinks=4)
+    recipe = Recipe(name="clip", layers=[layer_cfg, layer_cfg],
+                    tensors={f"layers.{i}.{s}.clip": torch.tensor([[0.85], [0.7]]) for i in (0, 1) for s in "kv"})
+    model = tiny_model("llama", head_dim=64, heads=4, kv_heads=2)
+    lens = (50, 23, 37)
+    ids = torch.stack([torch.cat([torch.zeros(50 - n, dtype=torch.long), torch.arange(1, n + 1)]) for n in lens])
+    mask = (torch.arange(50)[None] >= torch.tensor([[50 - n] for n in lens])).long()
+    cache = CompressedCache.from_recipe(model, recipe)
+    model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    assert cache.allocated_bytes()["side"] > 0
+    layer = cache.layers[0]
+    assert layer.rows is not None
+    before = cache.allocated_bytes()["kv"]  # the rows in their own allocations
+    if layer.joined() is None:
+        pytest.skip("these rows do not join here")
+    joint = layer.joint
+    assert all(row.sink_k._base is joint.sink_k and row.pend_buf_k._base is joint.pend_k for row in layer.rows)
+    shared = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+              for t in _reachable_tensors(joint, set())}
+    after = cache.allocated_bytes()["kv"]
+    # the joint's allocations once (the rows' private ones are gone); once per row would add
+    # (rows - 1) x them, far past this bound
+    assert sum(shared.values()) <= after <= before + sum(shared.values())
+    assert after >= sum(cache.nbytes().values())

@@ -134,23 +134,33 @@ def run_generate_graphs(model, ids: torch.Tensor, recipe, new: int, mask: torch.
         return run_generate(model, ids, lambda: CompressedCache.from_recipe(model, recipe), new, mask)
 
 
-def rates(configs: dict, batch: int, new: int, rounds: int) -> dict:
+def rates(configs: dict, batch: int, new: int, rounds: int, on_round=None, deadline: float | None = None) -> dict:
     """Per config (name -> fn(n) -> (tokens, seconds)): first-call seconds (compiles kernels,
     captures graphs), then ``rounds`` interleaved rounds of a 1-token and a ``new``-token call
     over every config in turn (the host's speed drifts between minutes on these machines, so
     configs are compared round by round), the median warm decode rate and each round's, and the
-    tokens of the last long call."""
+    tokens of the last long call. ``on_round(res)`` runs after the first calls and after each
+    round (the caller saves what is measured so far: a device call cut short by its time limit
+    keeps it); no round starts after ``deadline`` (``time.perf_counter()`` seconds)."""
     import statistics
 
-    res = {name: {"first": fn(new)[1], "rates": []} for name, fn in configs.items()}
+    res = {}
+    for name, fn in configs.items():
+        tokens, seconds = fn(new)
+        res[name] = {"first": seconds, "rates": [], "tokens": tokens, "median": None}
     for _ in range(rounds):
+        if on_round is not None:
+            on_round(res)
+        if deadline is not None and time.perf_counter() > deadline:
+            print(f"real_model: time budget spent, {len(next(iter(res.values()))['rates'])} of {rounds} rounds",
+                  flush=True)
+            break
         for name, fn in configs.items():
             _, t1 = fn(1)
             tokens, tn = fn(new)
             res[name]["rates"].append(batch * (new - 1) / max(tn - t1, 1e-9))
             res[name]["tokens"] = tokens
-    for r in res.values():
-        r["median"] = statistics.median(r["rates"])
+            res[name]["median"] = statistics.median(res[name]["rates"])
     return res
 
 
@@ -172,8 +182,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median reported)")
     parser.add_argument("--padded", action="store_true",
                         help=f"left-pad the rows: row b keeps its last prompt-len - {PAD_STEP} b tokens")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no timing round after this many seconds (rows keep the rounds done)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    deadline = None if args.budget_s is None else time.perf_counter() + args.budget_s
     modes = set(args.modes.split(","))
 
     from transformers import DynamicCache
@@ -226,26 +239,37 @@ def main() -> None:
                 if mode in modes:
                     extra = {"seen": seen[recipe.name]} if mode == "eager" else {}
                     configs[(recipe.name, mode)] = lambda n, r=recipe, f=fn, e=extra: f(model, ids, r, n, mask=mask, **e)
-        res = rates(configs, batch, args.new_tokens, args.rounds)
-        for (cache, mode), r in res.items():
-            row = {**base, "cache": cache, "mode": mode, "tokens_per_s": r["median"], "rounds": r["rates"],
-                   "first_call_s": r["first"], "graph_equals_eager": None}
-            if cache != "bf16" and mode != "eager-no-layer-graphs":
-                ref = res[(cache, "eager-no-layer-graphs")]["tokens"].cpu()
-                row["graph_equals_eager"] = bool(torch.equal(ref, r["tokens"].cpu()))
-                row["token_agreement"] = float((ref == r["tokens"].cpu()).float().mean())
-            if mode == "eager" and seen.get(cache):
-                lg = seen[cache][-1]  # the last long call's cache
-                row["layer_graphs"] = {"captures": lg.captures, "replays": lg.replays, "eager_steps": lg.eager_steps,
-                                       "host_s": {k: round(v, 4) for k, v in lg.seconds.items()}}
+        def batch_rows(res: dict) -> list[dict]:
+            out = []
+            for (cache, mode), r in res.items():
+                row = {**base, "cache": cache, "mode": mode, "tokens_per_s": r["median"], "rounds": list(r["rates"]),
+                       "first_call_s": r["first"], "graph_equals_eager": None}
+                if cache != "bf16" and mode != "eager-no-layer-graphs":
+                    ref = res[(cache, "eager-no-layer-graphs")]["tokens"].cpu()
+                    row["graph_equals_eager"] = bool(torch.equal(ref, r["tokens"].cpu()))
+                    row["token_agreement"] = float((ref == r["tokens"].cpu()).float().mean())
+                if mode == "eager" and seen.get(cache):
+                    lg = seen[cache][-1]  # the last long call's cache
+                    row["layer_graphs"] = {"captures": lg.captures, "replays": lg.replays,
+                                           "eager_steps": lg.eager_steps,
+                                           "host_s": {k: round(v, 4) for k, v in lg.seconds.items()}}
+                out.append(row)
+            return out
+
+        done = list(rows)  # the batches before this one
+        # after the first calls and every round: a run cut short by its time limit keeps what it measured
+        res = rates(configs, batch, args.new_tokens, args.rounds,
+                    on_round=lambda res: save(args.out, done + batch_rows(res)), deadline=deadline)
+        for row in batch_rows(res):
             rows.append(row)
             print(json.dumps(row), flush=True)
-        save(args.out, rows)  # after every batch: a run cut short by its time limit keeps what it measured
+        save(args.out, rows)
     save(args.out, rows)
     print(f"\n{'batch':>5} {'cache':<24} {'mode':<22} {'tok/s':>8} {'rounds':<20} {'first s':>8} graph==eager")
     for r in rows:
         spread = "/".join(f"{x:.0f}" for x in r["rounds"])
-        print(f"{r['batch']:>5} {r['cache'][:24]:<24} {r['mode']:<22} {r['tokens_per_s']:8.1f} {spread:<20} "
+        rate = float("nan") if r["tokens_per_s"] is None else r["tokens_per_s"]
+        print(f"{r['batch']:>5} {r['cache'][:24]:<24} {r['mode']:<22} {rate:8.1f} {spread:<20} "
               f"{r['first_call_s']:8.1f} {r['graph_equals_eager']} {r.get('layer_graphs', '')}")
 
 

@@ -36,6 +36,9 @@
 # Qwen2.5-Coder-0.5B at 16k (2026-11-29, 15 processes, before full precision ran once per group):
 # RULER 6.5 s a request in full precision, 15-26 s through a compressed cache (batch 8); in 1,250 s
 # each long-context process finished full precision and one recipe on the plays, none on Britannica.
+# The same at 16k after padded rows joined in one launch (2026-11-29, one process per task and recipe,
+# 50 samples): a compressed recipe 253-260 s a process with 4 processes, 273-312 s with 8; full
+# precision 159-176 s with 8 (the compressed processes beside it did not finish in 390 s).
 set -uo pipefail
 : "${MODEL:?MODEL=...}" "${CONTEXT:?CONTEXT=...}" "${RECIPES:?RECIPES=\"preset-or-file ...\"}"
 CHUNK=${CHUNK:-2}; LIMIT=${LIMIT:-50}; BATCH=${BATCH:-8}; GEN=${GEN:-64}; TIMEOUT=${TIMEOUT:-500}

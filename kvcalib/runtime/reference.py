@@ -119,18 +119,26 @@ def full_precision_prefill(query: torch.Tensor, layer, visible: torch.Tensor | N
 
     The same function as :func:`attend_compressed` over full-precision K/V (exact attention either
     way; the online softmax and SDPA differ in rounding only: tests/unit/test_long_context.py).
-    ``visible`` (B|1, Tq, KV) bool, or None: causal over the prompt (no padding)."""
+    ``visible`` (B|1, Tq, KV) bool, or None: causal over the prompt (no padding).
+
+    A float16/bfloat16 query attends in its own dtype, as the model's own SDPA attention does over
+    the same uncompressed prompt (float32 there cost a 16k prompt's attention ~10x: no flash kernel
+    in float32, and the query chunks below turn a causal call into masked ones); other dtypes in
+    :func:`compute_dtype`. A ``visible`` that is exactly causal (a padded batch's row whose whole
+    prompt is this chunk: its slice of the batch's mask) takes the causal call the row would take
+    alone, so the row computes what its prompt alone computes, bit for bit."""
     if layer.packed.n or layer.outliers.state is not None or layer.sinks_dropped:
         return None
     s, u = layer.sink_k.shape[-2], layer.pend_k.shape[-2]
     if layer.pend_start != s or s + u != layer.n_seen:
         return None
-    dtype = compute_dtype(query.dtype)
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    dtype = query.dtype if half else compute_dtype(query.dtype)
     k = layer.pend_k if not s else torch.cat([layer.sink_k, layer.pend_k], dim=-2)  # (B, H, KV, D)
     v = layer.pend_v if not s else torch.cat([layer.sink_v, layer.pend_v], dim=-2)
     tq, kv = query.shape[-2], k.shape[-2]
     hq = query.shape[1]
-    causal = visible is None and not layer.is_sliding and tq == kv
+    causal = not layer.is_sliding and tq == kv and (visible is None or _is_causal(visible))
     if visible is None and not causal:
         visible = visible_mask(None, layer, tq, query.device)  # (1, Tq, KV)
     # Why the heads are repeated and the queries chunked: SDPA's memory-efficient kernels take neither
@@ -142,7 +150,7 @@ def full_precision_prefill(query: torch.Tensor, layer, visible: torch.Tensor | N
     v = v.to(dtype).repeat_interleave(hq // v.shape[1], dim=1)  # (B, Hq, KV, D)
     q = query.to(dtype)  # (B, Hq, Tq, D)
     rows = max(1, PREFILL_SCORE_BYTES // (q.shape[0] * hq * kv * q.element_size()))
-    if rows >= tq:
+    if rows >= tq or (causal and half):  # half-precision causal calls take flash kernels: no (T, T) scores
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=None if causal else visible[:, None], is_causal=causal, scale=scaling)  # (B, Hq, Tq, D)
     else:
@@ -159,3 +167,15 @@ def full_precision_prefill(query: torch.Tensor, layer, visible: torch.Tensor | N
         out = torch.cat(chunks, dim=2)  # (B, Hq, Tq, D)
     # a query row with nothing visible (padding) gives NaN from SDPA and 0 from the reference
     return out.nan_to_num(0.0).transpose(1, 2)  # (B, Tq, Hq, D)
+
+
+def _is_causal(visible: torch.Tensor) -> bool:
+    """Whether ``visible`` (1, T, T) bool is exactly lower-triangular (query t sees keys 0..t):
+    one reduction and one host copy, once per row and layer of a padded prompt."""
+    if visible.shape[0] != 1 or visible.shape[-1] != visible.shape[-2]:
+        return False
+    t = visible.shape[-1]
+    upper = visible[0].triu(1).any().long()  # () int64: 1 when a key after its query is visible
+    seen = visible[0].sum()  # () int64: T (T + 1) / 2 when exactly the lower triangle is
+    upper, seen = torch.stack([upper, seen]).tolist()
+    return not upper and seen == t * (t + 1) // 2

@@ -208,3 +208,50 @@ def test_long_context_benchmark_plots_every_recipe_of_the_merged_rows(tmp_path):
     pngs = plot(rows, tmp_path)
     assert sorted(p.name for p in pngs) == ["long_context_m_16.png", "long_context_m_32.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_half_precision_prompt_attends_causally_in_its_dtype(monkeypatch):
+    """A bfloat16 model's prompt attends over its own uncompressed K/V in bfloat16, as the model's
+    SDPA attention does (float32 there took a 16k prompt off the flash kernels), in one causal call
+    per row even where float32 would chunk the query rows: a left-padded row's slice of the batch's
+    mask is recognised as causal, so it takes the call its prompt alone takes. The logits stay
+    within bfloat16 rounding of the float32 path's."""
+    import kvcalib.runtime.reference as ref
+    from kvcalib.runtime.cache import CompressedCache
+
+    model, rec, ids, mask = _prefill_case("llama", True, seed=10)
+    model = model.to(torch.bfloat16)
+    calls = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
+        calls.append((q.dtype, q.shape[-2], attn_mask is None, is_causal))
+        return real_sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(ref, "PREFILL_SCORE_BYTES", 2 * 4 * 40 * 8 * 7)  # float32 would chunk by 7 rows
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        half = model(input_ids=ids, attention_mask=mask, past_key_values=CompressedCache.from_recipe(model, rec)).logits
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", real_sdpa)
+    layers = model.config.num_hidden_layers
+    # per layer: row 0 (40 tokens) and row 1 (33 real tokens), each one unmasked causal call in bfloat16
+    assert sorted(calls) == sorted([(torch.bfloat16, 40, True, True), (torch.bfloat16, 33, True, True)] * layers)
+    monkeypatch.setattr(ref, "full_precision_prefill", lambda *a, **k: None)  # the float32 reference instead
+    with torch.no_grad():
+        exact = model(input_ids=ids, attention_mask=mask, past_key_values=CompressedCache.from_recipe(model, rec)).logits
+    real = mask.bool()  # (2, 40): padding positions' logits are not compared
+    diff = (half.float() - exact.float()).abs()[real]
+    assert float(diff.max()) <= 0.05 * float(exact.float().abs()[real].max())
+
+
+def test_is_causal_reads_a_slice_of_a_padded_mask():
+    from kvcalib.runtime.reference import _is_causal
+
+    tri = torch.ones(5, 5, dtype=torch.bool).tril()[None]  # (1, 5, 5)
+    assert _is_causal(tri)
+    leaked = tri.clone()
+    leaked[0, 1, 3] = True  # a later key visible
+    hidden = tri.clone()
+    hidden[0, 4, 0] = False  # an earlier key hidden (a custom mask)
+    assert not _is_causal(leaked) and not _is_causal(hidden)
+    assert not _is_causal(torch.ones(1, 3, 5, dtype=torch.bool).tril())  # not square

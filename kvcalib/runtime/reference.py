@@ -169,13 +169,22 @@ def full_precision_prefill(query: torch.Tensor, layer, visible: torch.Tensor | N
     return out.nan_to_num(0.0).transpose(1, 2)  # (B, Tq, Hq, D)
 
 
+# query rows of a mask :func:`_is_causal` reads at once: its temporaries stay ~64 MB at any length
+# (a whole (T, T) copy would be 17 GB at 128k tokens)
+CAUSAL_CHECK_ELEMENTS = 1 << 26
+
+
 def _is_causal(visible: torch.Tensor) -> bool:
     """Whether ``visible`` (1, T, T) bool is exactly lower-triangular (query t sees keys 0..t):
-    one reduction and one host copy, once per row and layer of a padded prompt."""
+    a few reductions over chunks of query rows and one host copy, once per row and layer of a
+    padded prompt."""
     if visible.shape[0] != 1 or visible.shape[-1] != visible.shape[-2]:
         return False
     t = visible.shape[-1]
-    upper = visible[0].triu(1).any().long()  # () int64: 1 when a key after its query is visible
+    step = max(1, CAUSAL_CHECK_ELEMENTS // t)
+    upper = visible.new_zeros((), dtype=torch.long)  # () keys after their query seen
+    for r0 in range(0, t, step):
+        upper += visible[0, r0:r0 + step].triu(1 + r0).sum()  # (rows, T) chunk, its own diagonal offset
     seen = visible[0].sum()  # () int64: T (T + 1) / 2 when exactly the lower triangle is
     upper, seen = torch.stack([upper, seen]).tolist()
     return not upper and seen == t * (t + 1) // 2

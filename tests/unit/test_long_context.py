@@ -255,3 +255,15 @@ def test_is_causal_reads_a_slice_of_a_padded_mask():
     hidden[0, 4, 0] = False  # an earlier key hidden (a custom mask)
     assert not _is_causal(leaked) and not _is_causal(hidden)
     assert not _is_causal(torch.ones(1, 3, 5, dtype=torch.bool).tril())  # not square
+
+
+def test_is_causal_in_row_chunks_is_the_same(monkeypatch):
+    """Read in chunks of 2 query rows (what bounds the check's memory at long prompts), the same
+    answers, including a later key visible in the last chunk's rows only."""
+    import kvcalib.runtime.reference as ref
+
+    monkeypatch.setattr(ref, "CAUSAL_CHECK_ELEMENTS", 2 * 5)
+    tri = torch.ones(5, 5, dtype=torch.bool).tril()[None]  # (1, 5, 5)
+    late = tri.clone()
+    late[0, 3, 4] = True
+    assert ref._is_causal(tri) and not ref._is_causal(late)

@@ -22,7 +22,8 @@ per layer's attention (``kvcalib.runtime.layer_graphs``); "eager-no-layer-graphs
 generate with them off (``layer_graphs="off"``), every kernel launched from Python: the reference
 tokens; "generate+graphs": plain generate inside ``kvcalib.cuda_graphs(model)``; "graph":
 kvcalib's GraphDecoder; "eager-row-by-row": "eager" with a padded batch's rows launched one
-by one, ``KVCALIB_JOINT_ROWS=0``), ``tokens_per_s``, ``rounds``, ``first_call_s``, ``graph_equals_eager``
+by one, ``KVCALIB_JOINT_ROWS=0``), ``tokens_per_s``, ``rounds``, ``prefill_s`` (the median warm
+1-token call: the prompt's forward and one sample), ``first_call_s``, ``graph_equals_eager``
 (the mode's tokens equal eager-no-layer-graphs' over all new tokens), and for "eager" the last
 call's ``layer_graphs`` counters (captures, replays, eager steps, host seconds outside replays));
 a table is printed last.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -142,12 +144,10 @@ def rates(configs: dict, batch: int, new: int, rounds: int, on_round=None, deadl
     tokens of the last long call. ``on_round(res)`` runs after the first calls and after each
     round (the caller saves what is measured so far: a device call cut short by its time limit
     keeps it); no round starts after ``deadline`` (``time.perf_counter()`` seconds)."""
-    import statistics
-
     res = {}
     for name, fn in configs.items():
         tokens, seconds = fn(new)
-        res[name] = {"first": seconds, "rates": [], "tokens": tokens, "median": None}
+        res[name] = {"first": seconds, "rates": [], "prefills": [], "tokens": tokens, "median": None}
     for _ in range(rounds):
         if on_round is not None:
             on_round(res)
@@ -159,6 +159,7 @@ def rates(configs: dict, batch: int, new: int, rounds: int, on_round=None, deadl
             _, t1 = fn(1)
             tokens, tn = fn(new)
             res[name]["rates"].append(batch * (new - 1) / max(tn - t1, 1e-9))
+            res[name]["prefills"].append(t1)  # the 1-token call: the prompt's forward and one sample
             res[name]["tokens"] = tokens
             res[name]["median"] = statistics.median(res[name]["rates"])
     return res
@@ -243,6 +244,7 @@ def main() -> None:
             out = []
             for (cache, mode), r in res.items():
                 row = {**base, "cache": cache, "mode": mode, "tokens_per_s": r["median"], "rounds": list(r["rates"]),
+                       "prefill_s": statistics.median(r["prefills"]) if r["prefills"] else None,
                        "first_call_s": r["first"], "graph_equals_eager": None}
                 if cache != "bf16" and mode != "eager-no-layer-graphs":
                     ref = res[(cache, "eager-no-layer-graphs")]["tokens"].cpu()
@@ -265,11 +267,13 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         save(args.out, rows)
     save(args.out, rows)
-    print(f"\n{'batch':>5} {'cache':<24} {'mode':<22} {'tok/s':>8} {'rounds':<20} {'first s':>8} graph==eager")
+    print(f"\n{'batch':>5} {'cache':<24} {'mode':<22} {'tok/s':>8} {'rounds':<20} {'prefill s':>9} {'first s':>8} "
+          "graph==eager")
     for r in rows:
         spread = "/".join(f"{x:.0f}" for x in r["rounds"])
         rate = float("nan") if r["tokens_per_s"] is None else r["tokens_per_s"]
-        print(f"{r['batch']:>5} {r['cache'][:24]:<24} {r['mode']:<22} {rate:8.1f} {spread:<20} "
+        prefill = float("nan") if r["prefill_s"] is None else r["prefill_s"]
+        print(f"{r['batch']:>5} {r['cache'][:24]:<24} {r['mode']:<22} {rate:8.1f} {spread:<20} {prefill:9.3f} "
               f"{r['first_call_s']:8.1f} {r['graph_equals_eager']} {r.get('layer_graphs', '')}")
 
 

@@ -26,6 +26,7 @@ def test_rates_report_each_round_and_stop_at_the_deadline():
     assert [len(s[("a", "eager")]) for s in seen] == [0, 1, 2]
     assert abs(res[("a", "eager")]["median"] - 200.0) < 1e-6  # batch x (new - 1) / warm seconds: 20 / 0.1
     assert abs(res[("b", "eager")]["median"] - 100.0) < 1e-6
+    assert res[("b", "eager")]["prefills"] == [0.02] * 3  # each round's 1-token call
     # a deadline already past: the first calls run, no round does, and the rows say so
     cut = rates(configs, batch=2, new=11, rounds=3, deadline=time.perf_counter() - 1)
     assert cut[("a", "eager")]["rates"] == [] and cut[("a", "eager")]["median"] is None

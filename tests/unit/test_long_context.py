@@ -183,8 +183,10 @@ def test_full_precision_prefill_in_query_chunks_is_the_same(arch, padded, monkey
 
     with torch.no_grad():
         whole = model(input_ids=ids, attention_mask=mask, past_key_values=CompressedCache.from_recipe(model, rec)).logits
-        # 2 rows x 4 heads x 40 keys x 8 bytes x 7 rows: chunks of 7 query rows
+        # 2 rows x 4 heads x 40 keys x 8 bytes x 7 rows: chunks of 7 query rows (as float32 on CUDA
+        # would chunk them; the CPU attends a causal prompt whole)
         monkeypatch.setattr(ref, "PREFILL_SCORE_BYTES", 2 * 4 * 40 * 8 * 7)
+        monkeypatch.setattr(ref, "CPU_CAUSAL_WHOLE", False)
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
         chunked = model(input_ids=ids, attention_mask=mask, past_key_values=CompressedCache.from_recipe(model, rec)).logits
     assert sdpa_calls and max(sdpa_calls) < 40  # the prompt went through in chunks
@@ -208,6 +210,35 @@ def test_long_context_benchmark_plots_every_recipe_of_the_merged_rows(tmp_path):
     pngs = plot(rows, tmp_path)
     assert sorted(p.name for p in pngs) == ["long_context_m_16.png", "long_context_m_32.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_causal_prompt_on_the_cpu_is_one_call(padded, monkeypatch):
+    """On the CPU a causal prompt (a padded row's too) attends in one call per row and layer even
+    past PREFILL_SCORE_BYTES (the chunks' masks cost 2.5x the time there, and its flash kernel
+    holds no (T, T) scores), with the chunked result in float64."""
+    import kvcalib.runtime.reference as ref
+    from kvcalib.runtime.cache import CompressedCache
+
+    model, rec, ids, mask = _prefill_case("llama", padded, seed=11)
+    calls = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting_sdpa(*a, **k):
+        calls.append(a[0].shape[-2])
+        return real_sdpa(*a, **k)
+
+    monkeypatch.setattr(ref, "PREFILL_SCORE_BYTES", 2 * 4 * 40 * 8 * 7)
+    with torch.no_grad():
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
+        whole = model(input_ids=ids, attention_mask=mask, past_key_values=CompressedCache.from_recipe(model, rec)).logits
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", real_sdpa)
+        monkeypatch.setattr(ref, "CPU_CAUSAL_WHOLE", False)
+        chunked = model(input_ids=ids, attention_mask=mask, past_key_values=CompressedCache.from_recipe(model, rec)).logits
+    lengths = [33, 40] if padded else [40]  # a padded batch attends row by row
+    assert sorted(set(calls)) == lengths and len(calls) == len(lengths) * model.config.num_hidden_layers
+    real = mask.bool()
+    assert float((whole - chunked).abs()[real].max()) <= 1e-12 * float(chunked.abs()[real].max())
 
 
 def test_half_precision_prompt_attends_causally_in_its_dtype(monkeypatch):

@@ -127,9 +127,10 @@ def full_precision_prefill(query: torch.Tensor, layer, visible: torch.Tensor | N
     A float16/bfloat16 query attends in its own dtype, as the model's own SDPA attention does over
     the same uncompressed prompt (float32 there cost a 16k prompt's attention ~10x: no flash kernel
     in float32, and the query chunks below turn a causal call into masked ones); other dtypes in
-    :func:`compute_dtype`. A causal prompt is one call, unchunked, in half precision and on the CPU. A ``visible`` that is exactly causal (a padded batch's row whose whole
-    prompt is this chunk: its slice of the batch's mask) takes the causal call the row would take
-    alone, so the row computes what its prompt alone computes, bit for bit."""
+    :func:`compute_dtype`. A causal prompt is one call, unchunked, in half precision and on the
+    CPU. A ``visible`` that is exactly causal (a padded batch's row whose whole prompt is this
+    chunk: its slice of the batch's mask) takes the causal call the row would take alone, so the
+    row computes what its prompt alone computes, bit for bit."""
     if layer.packed.n or layer.outliers.state is not None or layer.sinks_dropped:
         return None
     s, u = layer.sink_k.shape[-2], layer.pend_k.shape[-2]
@@ -182,10 +183,24 @@ CAUSAL_CHECK_ELEMENTS = 1 << 26
 
 def _is_causal(visible: torch.Tensor) -> bool:
     """Whether ``visible`` (1, T, T) bool is exactly lower-triangular (query t sees keys 0..t):
-    a few reductions over chunks of query rows and one host copy, once per row and layer of a
-    padded prompt."""
+    a few reductions over chunks of query rows and one host copy, once per row of a padded prompt.
+    The layers of one forward slice their rows from the same mask tensor (the model's, which
+    nothing writes during the forward), so the answer is kept on it, per slice, like
+    :func:`kvcalib.runtime.attention._host_rows`: the next layer's row reads it, not the mask."""
     if visible.shape[0] != 1 or visible.shape[-1] != visible.shape[-2]:
         return False
+    root = visible if visible._base is None else visible._base
+    key = (visible.storage_offset(), tuple(visible.shape), visible.stride())
+    memo = getattr(root, "_kvcalib_causal", None)
+    if memo is None:
+        memo = root._kvcalib_causal = {}
+    if key not in memo:
+        memo[key] = _lower_triangular(visible)
+    return memo[key]
+
+
+def _lower_triangular(visible: torch.Tensor) -> bool:
+    """:func:`_is_causal`'s reading of the mask."""
     t = visible.shape[-1]
     step = max(1, CAUSAL_CHECK_ELEMENTS // t)
     upper = visible.new_zeros((), dtype=torch.long)  # () keys after their query seen

@@ -311,8 +311,6 @@ def test_allocated_bytes_count_each_storage_once_and_whole():
 def test_allocated_bytes_side_tensors_and_joined_rows():
     """A recipe's fitted tensors count as side bytes; a padded batch's rows joined in shared
     allocations (runtime/joint.py) count those allocations once, not once per row."""
-    from tests.conftest import tiny_model
-
     layer_cfg = LayerConfig(k_bits=2, v_bits=4, k_group=16, v_group=16, window=16, sinks=4)
     recipe = Recipe(name="clip", layers=[layer_cfg, layer_cfg],
                     tensors={f"layers.{i}.{s}.clip": torch.tensor([[0.85], [0.7]]) for i in (0, 1) for s in "kv"})

@@ -228,11 +228,22 @@ def test_a_causal_prompt_on_the_cpu_is_one_call(padded, monkeypatch):
         calls.append(a[0].shape[-2])
         return real_sdpa(*a, **k)
 
+    reads = []
+    real_read = ref._lower_triangular
+
+    def counting_read(visible):
+        reads.append(visible.shape[-1])
+        return real_read(visible)
+
     monkeypatch.setattr(ref, "PREFILL_SCORE_BYTES", 2 * 4 * 40 * 8 * 7)
+    monkeypatch.setattr(ref, "_lower_triangular", counting_read)
     with torch.no_grad():
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
         whole = model(input_ids=ids, attention_mask=mask, past_key_values=CompressedCache.from_recipe(model, rec)).logits
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", real_sdpa)
+    # the layers share the model's mask: each padded row's slice is read once per forward, not per layer
+    assert sorted(reads) == ([33, 40] if padded else [])
+    with torch.no_grad():
         monkeypatch.setattr(ref, "CPU_CAUSAL_WHOLE", False)
         chunked = model(input_ids=ids, attention_mask=mask, past_key_values=CompressedCache.from_recipe(model, rec)).logits
     lengths = [33, 40] if padded else [40]  # a padded batch attends row by row

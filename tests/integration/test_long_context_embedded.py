@@ -77,12 +77,14 @@ def test_the_rotated_long_context_recipes_are_committed():
     assert [p.parent.name for p in ROTATED] == ["long-8192-3.0b-rot", "long-8192-4.0b-rot"]
 
 
-@pytest.mark.parametrize("path", [*ROTATED, SMOL_RECIPES / "long-8192-3.0b-3bit" / "recipe.safetensors"],
+@pytest.mark.parametrize("path", [*ROTATED, *(SMOL_RECIPES / name / "recipe.safetensors"
+                                                for name in ("long-8192-3.0b-3bit", "long-8192-3.0b-learned"))],
                          ids=lambda p: p.parent.name)
 def test_rotated_recipe_simulation_matches_decode(smol_long, path, monkeypatch):
     """The committed long-context recipes searched with rotation (values rotated in 29 of 30 layers,
     keys in 6-7, clip scales, per-layer bits, Huffman codebooks; the 3-bit one, now the shipped
-    default, with 3-bit keys in 4 layers and values in 3) on the real model: the search's
+    default, with 3-bit keys in 4 layers and values in 3; the learned one, a fitted (D, D) rotation
+    on both sides of all 30 layers) on the real model: the search's
     simulation equals a real decode through CompressedCache, with the tolerance stated above, on a
     1,000-token prompt and 16 decode steps (the recipe's tokens leave the window and are packed)."""
     loaded, ids = smol_long

@@ -38,7 +38,11 @@ THREE_BIT_3 = ROOT / "recipes" / "smollm2-135m" / "long-8192-3.0b-3bit" / "recip
 # the shipped default: what `kvcalib search --data longtext --device cuda` made with default options
 # (window 64, K3V3 / K2V3 / K8V4 on six layers, K2V2 on the rest)
 SHIPPED = ROOT / "recipes" / "smollm2-135m" / "recipe.safetensors"
-GRAPH_RECIPES = ["kivi-2", "kivi-4", str(SEARCHED), str(ROTATED), str(THREE_BIT), str(THREE_BIT_3), str(SHIPPED)]
+# the same search with --rotate learned: a fitted (D, D) matrix on both sides of every layer (the
+# kernel's general matrix path in all 30), the best 3-bit recipe on held-out text (docs/results.md)
+LEARNED = ROOT / "recipes" / "smollm2-135m" / "long-8192-3.0b-learned" / "recipe.safetensors"
+GRAPH_RECIPES = ["kivi-2", "kivi-4", str(SEARCHED), str(ROTATED), str(THREE_BIT), str(THREE_BIT_3), str(SHIPPED),
+                 str(LEARNED)]
 
 
 def _have_model() -> bool:
@@ -90,8 +94,9 @@ def _teacher_forced(model, ids: torch.Tensor, recipe, prompt: int, backend: str)
 
 
 @pytest.mark.parametrize("prompt", [4100, 6000])
-@pytest.mark.parametrize("recipe", ["kivi-2", str(SEARCHED), str(ROTATED), str(THREE_BIT), str(THREE_BIT_3), str(SHIPPED)],
-                         ids=["kivi-2", "searched", "rotated", "4.0b-3bit", "3.0b-3bit", "shipped"])
+@pytest.mark.parametrize("recipe", ["kivi-2", str(SEARCHED), str(ROTATED), str(THREE_BIT), str(THREE_BIT_3), str(SHIPPED),
+                                    str(LEARNED)],
+                         ids=["kivi-2", "searched", "rotated", "4.0b-3bit", "3.0b-3bit", "shipped", "learned"])
 def test_kernel_matches_reference_at_long_context(smol, prompt, recipe):
     loaded, ids = smol
     seq = ids[:prompt + 64]
@@ -142,7 +147,7 @@ def _agree(eager_tokens, graph_tokens, eager_logits, graph_logits) -> None:
 
 
 @pytest.mark.parametrize("recipe", GRAPH_RECIPES, ids=["kivi-2", "kivi-4", "searched", "rotated", "4.0b-3bit",
-                                                   "3.0b-3bit", "shipped"])
+                                                   "3.0b-3bit", "shipped", "learned"])
 def test_graph_equals_eager(smol, recipe):
     loaded, ids = smol
     prompts = ids[:2 * 700].reshape(2, 700).cuda()  # (2, 700): beyond every window, several flushes in 128 steps
@@ -167,8 +172,8 @@ def test_every_3bit_layer_runs_in_the_kernel(smol):
         assert all(why is None for why in reasons.values()), reasons
 
 
-@pytest.mark.parametrize("recipe", ["kivi-2", str(SEARCHED), str(ROTATED), str(THREE_BIT)],
-                         ids=["kivi-2", "searched", "rotated", "4.0b-3bit"])
+@pytest.mark.parametrize("recipe", ["kivi-2", str(SEARCHED), str(ROTATED), str(THREE_BIT), str(LEARNED)],
+                         ids=["kivi-2", "searched", "rotated", "4.0b-3bit", "learned"])
 def test_left_padded_rows_equal_each_prompt_alone(smol, recipe):
     from kvcalib.runtime.cache import CompressedCache
 

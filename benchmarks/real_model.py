@@ -15,7 +15,7 @@ steps, as in an lm-eval batch; the decode rate still counts every row's new toke
 measured in ``--rounds`` rounds that take every (cache, mode) of the batch in turn (the host's
 speed drifts on these machines; ``tokens_per_s`` is the median, ``rounds`` each round's).
 Rows go to ``$OUT/real_model.json`` (a list of objects with keys ``model``,
-``gpu``, ``batch``, ``prompt_len``, ``new_tokens``, ``cache`` ("bf16" or the recipe's name),
+``gpu``, ``batch``, ``prompt_len``, ``new_tokens``, ``cache`` ("bf16" or the recipe's name; a name two recipes share gets its folder),
 ``mode`` ("eager": plain generate (bf16: default SDPA; "eager-no-cudnn-sdpa": with
 ``torch.backends.cuda.enable_cudnn_sdp(False)``, see ``bf16_no_cudnn``), for kvcalib the default cache, whose decode steps replay one CUDA graph
 per layer's attention (``kvcalib.runtime.layer_graphs``); "eager-no-layer-graphs": plain
@@ -200,7 +200,13 @@ def main() -> None:
     model, tok = loaded.model, loaded.tokenizer
     gpu = torch.cuda.get_device_name(0)
     rows = []
-    recipes = [resolve_recipe(spec) for spec in args.recipes.split(",") if spec]
+    specs = [spec for spec in args.recipes.split(",") if spec]
+    recipes = [resolve_recipe(spec) for spec in specs]
+    # a row names its cache by the recipe's name; two recipes of one search share it (every search
+    # names its pick MODEL-search-Nb), so a name that repeats gets its file's folder beside it
+    names = [r.name for r in recipes]
+    labels = [n if names.count(n) == 1 else f"{n} ({Path(spec).parent.name or spec})"
+              for n, spec in zip(names, specs)]
     for batch in [int(b) for b in args.batches.split(",")]:
         ids = prompts(tok, batch, args.prompt_len)  # (B, L)
         mask = None
@@ -229,17 +235,17 @@ def main() -> None:
 
         configs = {("bf16", "eager"): bf16, ("bf16", "eager-no-cudnn-sdpa"): bf16_no_cudnn}
         seen: dict = {}
-        for recipe in recipes:
+        for recipe, label in zip(recipes, labels):
             # plain generate without layer graphs: every compressed attention call launched from Python
-            configs[(recipe.name, "eager-no-layer-graphs")] = (
+            configs[(label, "eager-no-layer-graphs")] = (
                 lambda n, r=recipe: run_generate(model, ids, lambda: CompressedCache.from_recipe(
                     model, r, layer_graphs="off"), n, mask))
-            seen[recipe.name] = []
+            seen[label] = []
             for mode, fn in (("eager", run_generate_layer_graphs), ("eager-row-by-row", run_generate_row_by_row),
                              ("generate+graphs", run_generate_graphs), ("graph", run_graph)):
                 if mode in modes:
-                    extra = {"seen": seen[recipe.name]} if mode == "eager" else {}
-                    configs[(recipe.name, mode)] = lambda n, r=recipe, f=fn, e=extra: f(model, ids, r, n, mask=mask, **e)
+                    extra = {"seen": seen[label]} if mode == "eager" else {}
+                    configs[(label, mode)] = lambda n, r=recipe, f=fn, e=extra: f(model, ids, r, n, mask=mask, **e)
         def batch_rows(res: dict) -> list[dict]:
             out = []
             for (cache, mode), r in res.items():

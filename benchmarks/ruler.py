@@ -166,16 +166,17 @@ def markdown(rows: list[dict]) -> str:
         means = [(head, over) for head, over in means if over]
         n = sorted({r["n"] for r in part})
         out += [f"## {model}, {context} tokens ({'/'.join(map(str, n))} samples per task)", "",
-                "| recipe | eff. bits | " + " | ".join([*tasks, *(head for head, _ in means)]) + " | vs fp |",
-                "|---|---:|" + "---:|" * (len(tasks) + len(means) + 1)]
+                "| recipe | eff. bits | " + " | ".join([*tasks, *(head for head, _ in means),
+                                                     *(head.replace("mean", "vs fp") for head, _ in means)]) + " |",
+                "|---|---:|" + "---:|" * (len(tasks) + 2 * len(means))]
         for bits, recipe in recipes:
             got = cells[recipe]
             shown = [f"{got[t]:.3f}" if t in got else "" for t in tasks]
             shown += [f"{sum(got[t] for t in over) / len(over):.3f}" if all(t in got for t in over) else ""
                       for _, over in means]
-            over = means[0][1] if means else []  # the comparable mean's tasks
-            shown.append(f"{sum(gaps[recipe][t] for t in over) / len(over):+.3f}"
-                         if over and all(t in gaps[recipe] for t in over) else "")
+            # vs fp beside each mean, over the same tasks (a run cut short keeps the common one)
+            shown += [f"{sum(gaps[recipe][t] for t in over) / len(over):+.3f}"
+                      if all(t in gaps[recipe] for t in over) else "" for _, over in means]
             out.append(f"| {recipe} | {bits:.3f} | " + " | ".join(shown) + " |")
         if common != tasks:
             note = f"{means[0][0]} averages {', '.join(common)}, the tasks every recipe ran; " if common else ""

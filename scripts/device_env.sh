@@ -34,13 +34,13 @@ export PYTHONPATH="$PWD:$KK:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export KVCALIB_HOME=/tmp/kvh
 SMOL=$KVCALIB_HOME/models/smollm2-135m
 mkdir -p "$KVCALIB_HOME/parts" "$SMOL"
-# the texts travel in whichever part has room (.gpu/p1 beside SmolLM2's first part, .gpu/q9 beside
+# the texts travel in whichever part has room (.gpu/p2 beside SmolLM2's second part, .gpu/q10 beside
 # Qwen's last: a call that brings only Qwen's parts still needs them)
 for t in .gpu/*/text; do [ -d "$t" ] && cp -r "$t" "$KVCALIB_HOME/"; done
 # Each model from its parts, one a call (the first part's folder brings the stamp, the notices and
 # PREFIX.parts, how many parts make the file: each call carries < 64 MiB with the tree, ~12 MiB):
 # SmolLM2-135M from .gpu/p1 .. .gpu/p3 (smol.part.*, 35 MB each: two parts of 55 MB no longer fit
-# beside the tree), Qwen2.5-Coder-0.5B from .gpu/q1 .. .gpu/q9 (qwen.part.*), Qwen2.5-Coder-1.5B from .gpu/r1 ..
+# beside the tree), Qwen2.5-Coder-0.5B from .gpu/q1 .. .gpu/q10 (qwen.part.*, 50 MB each, the texts in q10), Qwen2.5-Coder-1.5B from .gpu/r1 ..
 # .gpu/r21 (big.part.*; r21, 17 MB, has room for the wheels in the same call)
 assemble_parts() {  # PREFIX FIRST_DIR MODEL_FOLDER GGUF_NAME
   local prefix=$1 first=$2 folder=$KVCALIB_HOME/models/$3 gguf=$KVCALIB_HOME/models/$3/$4 d

@@ -143,3 +143,22 @@ def test_a_search_json_with_an_unknown_kind_is_refused_in_one_line(learned_searc
     with pytest.raises(KvcalibError, match="config.rotate is 'givens'.*not a rotation kind.*Restore the file"):
         export_search_point(other, tmp_path / "x.safetensors", trial=doc["chosen"])
     assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("device,layer_methods,expected", [
+    ("cuda", ["rotate"], "learned"),  # a GPU search fits the rotations (the shipped defaults' kind)
+    ("cpu", ["rotate"], "hadamard"),  # a CPU search keeps the seed: the fits would cost minutes there
+    ("cuda", ["clip"], "hadamard"),  # a space without the switch fits no rotation, and is not refused
+    (None, ["rotate"], None),  # no --device: the device the model will load on (default_device)
+], ids=["gpu", "cpu", "gpu-no-rotate-switch", "default-device"])
+def test_auto_rotation_follows_the_device(tmp_path, device, layer_methods, expected):
+    """``--rotate auto``, the default, resolves when the config is made, so the run records (and a
+    resumed study checks) the kind it fits."""
+    from kvcalib.models import default_device
+    from kvcalib.optimize import SearchConfig
+
+    config = SearchConfig(out=tmp_path / "run", space={**SPACE, "layer_methods": layer_methods}, device=device)
+    if expected is None:
+        expected = "learned" if default_device() == "cuda" else "hadamard"
+    assert config.rotate == expected
+    assert SearchConfig(out=tmp_path / "run", space=dict(SPACE), device=device, rotate="pca").rotate == "pca"

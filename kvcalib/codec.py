@@ -169,9 +169,14 @@ class LayerCodec:
             raise KvcalibError("two methods set stored tiers on one layer: keep one")
         # stored tiers, youngest first: (first age, k_bits, v_bits); one entry without a schedule
         self.tiers = list(tiered[0]) if tiered and cfg.compressed else [(cfg.window, cfg.k_bits, cfg.v_bits)]
-        if self.tiered and any(self._levels(side) is not None or self._fixed(side) is not None for side in ("k", "v")):
-            raise KvcalibError("non-uniform levels and fixed grids are fitted for the layer's bits; a schedule stores "
-                               "older blocks at fewer bits: use one or the other on a layer")
+        if self.tiered and any(self._levels(side) is not None or self._fixed(side) is not None
+                               or self._pair(side) is not None for side in ("k", "v")):
+            raise KvcalibError("non-uniform levels, fixed grids and 8-bit scale pairs are fitted for the layer's bits; "
+                               "a schedule stores older blocks at fewer bits: use one or the other on a layer")
+        for side in ("k", "v"):
+            if self._pair(side) is not None and self._fixed(side) is not None:
+                raise KvcalibError("a fixed grid stores one scale per column and 8-bit pairs one per group: keep one "
+                                   f"on the {side} side")
 
     @classmethod
     def from_tensors(cls, cfg: LayerConfig, tensors: dict[str, torch.Tensor], heads: int | None = None,
@@ -221,6 +226,12 @@ class LayerCodec:
             raise KvcalibError("two methods set quantization levels for one side: keep one")
         return levels[0] if levels else None
 
+    def _pair(self, side: str) -> Any:
+        pairs = [p for s in self.states.values() if (p := s.pair8(side)) is not None]
+        if len(pairs) > 1:
+            raise KvcalibError("two methods set 8-bit scale pairs for one side: keep one")
+        return pairs[0] if pairs else None
+
     def _encode(self, side: str, x: torch.Tensor, valid: torch.Tensor | None,
                 keep: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> PackedBlock:
         """x (B, H, N, D) -> PackedBlock: the states' transforms, then the clip-quantizer (ranges
@@ -232,8 +243,9 @@ class LayerCodec:
             return PackedBlock(None, x)
         per_channel = self.cfg.per_channel(side)
         m = _range_mask(valid, keep)  # (B, 1|H, N) or None
-        levels, fixed = self._levels(side), self._fixed(side)
-        if use_triton_encode(x) and levels is None and fixed is None:  # the kernels fit min/max uniform grids only
+        levels, fixed, pair = self._levels(side), self._fixed(side), self._pair(side)
+        # the kernels fit min/max uniform grids with float16 pairs only
+        if use_triton_encode(x) and levels is None and fixed is None and pair is None:
             out = self._encode_triton(side, x, m, bits, group, per_channel, positions)
             if out is not None:
                 return out
@@ -244,7 +256,7 @@ class LayerCodec:
             q = quantize_fixed(x, bits, group, per_channel, *fixed, levels=levels)
         else:
             q = (quantize_keys if per_channel else quantize_values)(x, bits, group, clip=self._clip(side), valid=m,
-                                                                    levels=levels)
+                                                                    levels=levels, pair=pair)
         return PackedBlock(q, None, stored.get("mean"), stored.get("mean_q"))
 
     def _encode_triton(self, side: str, x: torch.Tensor, m: torch.Tensor | None, bits: int, group: int,
@@ -293,7 +305,7 @@ class LayerCodec:
         if block.raw is not None:
             return block.raw.to(dtype)
         out = (dequantize_keys if self.cfg.per_channel(side) else dequantize_values)(
-            block.quantized, self._levels(side))  # (B, H, N, D)
+            block.quantized, self._levels(side), self._pair(side))  # (B, H, N, D)
         stored = {**block.stored, **self._side_data(positions)}
         for state in reversed(self._encoders):
             out = state.decode(side, out, stored)

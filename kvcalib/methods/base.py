@@ -477,6 +477,11 @@ class MethodState:
         and dequantizer (:mod:`kvcalib.quant.uniform`), or None (the uniform grid)."""
         return None
 
+    def pair8(self, side: str) -> Any:
+        """8-bit scale/zero tables for the side's quantizer and dequantizer
+        (:class:`kvcalib.quant.pair8.Pair8`), or None (float16 pairs)."""
+        return None
+
     # -- kernel seams: a typed value of this state's kernel arguments, or None when the kernels
     # cannot apply this state
     def _transforms(self) -> bool:
@@ -512,7 +517,7 @@ class MethodState:
 
 
 def switch_section(recipe: Any, info: Any, layers: list[dict[str, Any]], method: str, sides: tuple[str, ...],
-                   kinds: dict[str, str], gain: str) -> dict[str, Any] | None:
+                   kinds: dict[str, str], gain: str | None = None) -> dict[str, Any] | None:
     """An ``inspect`` section for a method switched per layer and side, whose fit records a gain:
     adds ``{side}_{method}`` (the label in ``kinds`` of the first applied tensor ``{side}.{name}``
     present, None when off) and ``{side}_{method}_gain`` (``{side}.{gain}``) to every row of
@@ -523,7 +528,7 @@ def switch_section(recipe: Any, info: Any, layers: list[dict[str, Any]], method:
     for row, tensors in zip(layers, recipe.layer_tensors(info.num_layers)):
         for side in sides:
             kind = next((label for name, label in kinds.items() if f"{side}.{name}" in tensors), None)
-            g = tensors.get(f"{side}.{gain}")
+            g = None if gain is None else tensors.get(f"{side}.{gain}")  # (a method may record no gain)
             row[f"{side}_{method}"] = kind
             row[f"{side}_{method}_gain"] = None if g is None else float(g)
             on[side] += kind is not None
@@ -568,6 +573,9 @@ class Method(abc.ABC):
             (``search_off``, ``search_ages``, ``check_search_choice``, ``min_scoring_length``);
             None: not searched.
         search_default: in the default search space's ``layer_methods``.
+        saves_bytes: switched on, it can store a layer in fewer bytes than the layout alone counts
+            (8-bit scale pairs): the search's floor then also prices the space's floor point with
+            it on every layer.
         letter: its tag on the bits-per-layer plot.
         flags: the ``kvcalib export`` options it adds.
 
@@ -582,6 +590,7 @@ class Method(abc.ABC):
     needs_reservoir: ClassVar[bool] = True
     search: ClassVar[str | None] = None
     search_default: ClassVar[bool] = False
+    saves_bytes: ClassVar[bool] = False
     letter: ClassVar[str] = ""
     flags: ClassVar[tuple[Flag, ...]] = ()
 
@@ -592,6 +601,14 @@ class Method(abc.ABC):
         return {key: spec for spec in cls.tensors for key in spec.keys()}
 
     # ------------------------------------------------------------------ memory, before the fit
+    def planned_state_bytes(self, cfg: LayerConfig, heads: int, head_dim: int, kept: int, packed: int) -> float:
+        """What the state this method's fit would give one layer at ``cfg`` adds to its cache
+        (:meth:`MethodState.bytes`, all components), without fitting: for a method whose state
+        changes the stored bytes per token (8-bit scale pairs give bytes back: negative). Default 0:
+        a method whose state adds per-token bytes that depend on its fit (TaDA means, OTT pools) is
+        fitted by the search instead."""
+        return 0.0
+
     def planned_side_bytes(self, side: str, cfg: LayerConfig, heads: int, head_dim: int) -> int:
         """The most bytes of recipe tensors ``{side}.*`` this method's fit may write for one layer
         at ``cfg`` (bits, groups, axis), without fitting: what the search's allocation counts for a

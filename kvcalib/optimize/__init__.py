@@ -533,11 +533,12 @@ def check_budget(config: SearchConfig, space: SearchSpace, floor_bits: float, ob
         return
     import dataclasses
 
-    n = objective.info.num_layers
-    floor = space.floor_point(n)
-    raised = dataclasses.replace(floor, v_bits=(levels[1],) + floor.v_bits[1:])  # one layer's values a level up
-    step_bits = min(objective.effective_bits(dataclasses.replace(raised, schedule=s), with_tensors="layers")
-                    for s in space.schedules)
+    from kvcalib.optimize.study import floor_points
+
+    # one layer's values a level up, from each candidate floor (every schedule, byte-saving switches)
+    step_bits = min(objective.effective_bits(dataclasses.replace(p, v_bits=(levels[1],) + p.v_bits[1:]),
+                                             with_tensors="layers")
+                    for p in floor_points(objective.info.num_layers, space))
     if config.budget_bits < step_bits - 1e-9:
         raise KvcalibError(f"--budget-bits {config.budget_bits:g} leaves no room to search: the cheapest point takes "
                            f"{floor_bits:.3f} effective bits and raising a single layer's values to {levels[1]} bits "

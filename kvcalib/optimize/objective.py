@@ -244,22 +244,29 @@ class SearchObjective:
 
         return self.method_overrides.get(name) or registry()[name]()
 
-    def planned_side_bytes(self, point: Point, only: Collection[str] | None = None) -> int:
+    def planned_side_bytes(self, point: Point, only: Collection[str] | None = None) -> float:
         """The most bytes the point's side-scoped methods' fits store (``{k|v}.*`` recipe tensors:
         a rotation's seed or matrix, clip scales...), counted without fitting them
         (:meth:`~kvcalib.methods.base.Method.planned_side_bytes`, overrides applied), over every
-        quantized side of every compressed layer; ``only``: those methods alone."""
+        quantized side of every compressed layer, plus what their states change in the stored
+        bytes (:meth:`~kvcalib.methods.base.Method.planned_state_bytes`: 8-bit scale pairs give
+        bytes back); ``only``: those methods alone."""
         from kvcalib.optimize.space import side_scoped
 
+        from kvcalib.layout import held_tokens, quantized_token_count
+
         heads, head_dim = self.info.num_kv_heads, self.info.head_dim
-        total = 0
-        for cfg, methods in zip(point.layer_configs(), point.methods or ()):
+        total = 0.0
+        for i, (cfg, methods) in enumerate(zip(point.layer_configs(), point.methods or ())):
             for name in methods:
                 if not side_scoped(name) or (only is not None and name not in only):
                     continue
                 method = self.side_method(name)
                 total += sum(method.planned_side_bytes(side, cfg, heads, head_dim)
                              for side in ("k", "v") if cfg.bits(side) < 16)
+                if cfg.compressed:  # a state that changes the stored bytes per token (8-bit scale pairs)
+                    kept = held_tokens(self.context, self.info.sliding_window[i])
+                    total += method.planned_state_bytes(cfg, heads, head_dim, kept, quantized_token_count(cfg, kept))
         return total
 
     def recipe(self, point: Point, name: str = "searched", provenance: dict | None = None) -> Recipe:

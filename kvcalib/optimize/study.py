@@ -762,10 +762,25 @@ def make_pruner(n_steps: int, margin: float = PRUNE_MARGIN):
 
 # ------------------------------------------------------------------ warm start
 def floor_bits(objective: "SearchObjective", space: SearchSpace) -> float:
-    """Effective bits of the cheapest point of the space: every layer at the fewest bits, no
-    method switch, the cheapest schedule (schedule tiers counted, no statistics needed)."""
-    n = objective.info.num_layers
-    return min(objective.effective_bits(space.floor_point(n, s), with_tensors="layers") for s in space.schedules)
+    """Effective bits of the cheapest point of the space: every layer at the fewest bits, the
+    cheapest schedule (schedule tiers counted), no method switch, or every switch of the space
+    that saves bytes (``Method.saves_bytes``: 8-bit scale pairs) on every layer (their tables
+    fitted for it)."""
+    return min(objective.effective_bits(p, with_tensors="layers") for p in floor_points(objective.info.num_layers, space))
+
+
+def floor_points(num_layers: int, space: SearchSpace) -> list:
+    """The candidates for the space's cheapest point (:func:`floor_bits`): the floor point of every
+    schedule, without method switches and with every byte-saving switch on every layer."""
+    from dataclasses import replace
+
+    from kvcalib.methods import registry
+
+    points = [space.floor_point(num_layers, s) for s in space.schedules]
+    savers = tuple(m for m in space.layer_methods if registry()[m].saves_bytes)
+    if savers:
+        points += [replace(p, methods=(savers,) * num_layers) for p in points]
+    return points
 
 
 def sensitivity_sweep(objective: "SearchObjective", space: SearchSpace,

@@ -47,6 +47,13 @@ so ``t`` beyond the grid takes the end codes), ``code = 0`` where ``scale16 == 0
 ``x_hat = levels[code] * scale16 + zero16`` in float32 (a Lloyd-Max codebook fitted to where the
 values of a group fall: :mod:`kvcalib.methods.levels`).
 
+8-bit pairs (optional ``pair``, a :class:`~kvcalib.quant.pair8.Pair8` of calibrated tables): the
+same clipped range, then the group's stored scale and zero are a uint8 exponent and an int8 zero
+step on the tables (:mod:`kvcalib.quant.pair8`), the codes computed from the float32 scale and zero
+those decode to; :class:`QuantizedTensor` then holds ``scale`` uint8 and ``zero`` int8, and
+dequantizing needs the same tables. A group without valid elements then decodes near 0, not to
+exactly 0 (its zero is the grid point nearest 0).
+
 Padding: an optional ``valid`` bool mask, broadcastable to ``(B, H, T)`` (e.g.
 ``attention_mask[:, None, :]``), excludes invalid tokens from the min/max. Invalid tokens still
 get codes (clamped into the range of their group). A group with no valid element gets
@@ -62,6 +69,7 @@ import torch
 
 from kvcalib.errors import CalibrationError
 from kvcalib.quant.packing import SUPPORTED_BITS, length_multiple, pack_codes, unpack_codes, unpacked_length
+from kvcalib.quant.pair8 import Pair8, pair_floats, pair_params
 
 __all__ = [
     "QuantizedTensor",
@@ -87,12 +95,14 @@ ClipArg = float | torch.Tensor
 
 @dataclass
 class QuantizedTensor:
-    """Packed K or V of one cache segment, with its float16 group parameters.
+    """Packed K or V of one cache segment, with its group parameters.
 
     Attributes:
         codes: uint8 ``(B, H, T, packed_width(D, bits))``, planar packing along D.
-        scale: float16, keys ``(B, H, T // group, D)``; values ``(B, H, T, D // group)``.
-        zero: float16, same shape as ``scale`` (the group's clipped minimum).
+        scale: float16, keys ``(B, H, T // group, D)``; values ``(B, H, T, D // group)``; or, in
+            the 8-bit pair format (:attr:`pair8`), uint8 exponents on the side's tables.
+        zero: float16, same shape as ``scale`` (the group's clipped minimum); or int8 zero steps
+            (8-bit pairs).
         bits: 2, 3, 4 or 8.
         group: group size: tokens per group for keys, channels per group for values.
         axis: ``"token"`` (keys: groups run along T) or ``"channel"`` (values: along D).
@@ -114,10 +124,14 @@ class QuantizedTensor:
             raise ValueError(
                 f"codes must be uint8 (..., T, P), got {self.codes.dtype} {tuple(self.codes.shape)}"
             )
-        for name in ("scale", "zero"):
-            t = getattr(self, name)
-            if t.dtype != torch.float16:
-                raise ValueError(f"{name} must be float16, got {t.dtype}")
+        if self.pair8:
+            if self.zero.dtype != torch.int8:
+                raise ValueError(f"an 8-bit pair's zero must be int8 (its scale is uint8), got {self.zero.dtype}")
+        else:
+            for name in ("scale", "zero"):
+                t = getattr(self, name)
+                if t.dtype != torch.float16:
+                    raise ValueError(f"{name} must be float16 (or uint8 / int8: an 8-bit pair), got {t.dtype}")
         if self.scale.shape != self.zero.shape:
             raise ValueError(
                 f"scale {tuple(self.scale.shape)} and zero {tuple(self.zero.shape)} differ in shape"
@@ -135,6 +149,12 @@ class QuantizedTensor:
             )
 
     @property
+    def pair8(self) -> bool:
+        """Whether scale and zero are an 8-bit pair (uint8 exponent, int8 zero step) on calibrated
+        tables (:mod:`kvcalib.quant.pair8`) rather than float16 numbers."""
+        return self.scale.dtype == torch.uint8
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """The unpacked shape ``(B, H, T, D)``."""
         *lead, width = self.codes.shape
@@ -148,7 +168,7 @@ class QuantizedTensor:
         return n
 
     def nbytes(self) -> int:
-        """Bytes held: packed codes + float16 scale + float16 zero."""
+        """Bytes held: packed codes + scale + zero (float16 each, or one byte each as an 8-bit pair)."""
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
 
     def bits_per_element(self) -> float:
@@ -261,14 +281,7 @@ def fit_params(
     Raises ValueError if a parameter does not fit in float16.
     """
     qmax = (1 << _check_bits(bits)) - 1
-    alpha = _clip_tensor(clip, tuple(lo.shape), lo.device)
-    if alpha is not None:
-        c = (hi + lo) * 0.5  # (S)
-        lo_c = c - alpha * (c - lo)
-        hi_c = c + alpha * (hi - c)
-        # alpha == 1 must reproduce the unclipped range exactly, not up to rounding of c
-        lo = torch.where(alpha == 1.0, lo, lo_c)
-        hi = torch.where(alpha == 1.0, hi, hi_c)
+    lo, hi = clipped_range(lo, hi, clip)
     # tensor / tensor: IEEE division on every device (PyTorch's CUDA tensor / Python-scalar
     # multiplies by the reciprocal, which rounds differently from the Triton kernel's div_rn)
     scale16 = ((hi - lo) / torch.full_like(hi, float(qmax))).to(torch.float16)  # (S)
@@ -279,6 +292,46 @@ def fit_params(
             f"(2**bits-1) above {torch.finfo(torch.float16).max}); rescale the input"
         )
     return scale16, zero16
+
+
+def clipped_range(lo: torch.Tensor, hi: torch.Tensor, clip: ClipArg = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group range ``[lo, hi]`` (float32 ``S``) narrowed by clip ``alpha`` (module docstring);
+    alpha == 1 returns the range unchanged (bit for bit)."""
+    alpha = _clip_tensor(clip, tuple(lo.shape), lo.device)
+    if alpha is not None:
+        c = (hi + lo) * 0.5  # (S)
+        lo_c = c - alpha * (c - lo)
+        hi_c = c + alpha * (hi - c)
+        # alpha == 1 must reproduce the unclipped range exactly, not up to rounding of c
+        lo = torch.where(alpha == 1.0, lo, lo_c)
+        hi = torch.where(alpha == 1.0, hi, hi_c)
+    return lo, hi
+
+
+def group_params(lo: torch.Tensor, hi: torch.Tensor, bits: int, clip: ClipArg = 1.0, pair: Pair8 | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A group range -> ``(stored scale, stored zero, scale, zero)``: the stored pair (float16, or
+    with ``pair`` uint8 / int8) and the float32 values the codes are computed from and decode with.
+    ``lo``, ``hi`` float32 ``(..., H, X, C)`` (the parameters' shape)."""
+    if pair is None:
+        scale16, zero16 = fit_params(lo, hi, bits, clip)
+        return scale16, zero16, scale16.float(), zero16.float()
+    lo_c, hi_c = clipped_range(lo, hi, clip)
+    e, m = pair_params(lo_c, hi_c, _check_bits(bits), pair)
+    scale, zero = pair_floats(e, m, bits, pair)
+    return e, m, scale, zero
+
+
+def param_floats(qt: "QuantizedTensor", pair: Pair8 | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 ``(scale, zero)`` a stored block decodes with: its float16 pair, or its 8-bit
+    pair on ``pair``'s tables (a ValueError if one is given without the other)."""
+    if qt.pair8:
+        if pair is None:
+            raise ValueError("this block stores 8-bit scale/zero pairs: dequantizing it needs the side's pair tables")
+        return pair_floats(qt.scale, qt.zero, qt.bits, pair)
+    if pair is not None:
+        raise ValueError("pair tables were given for a block with float16 scale/zero")
+    return qt.scale.float(), qt.zero.float()
 
 
 def check_levels(levels: torch.Tensor | None, bits: int) -> torch.Tensor | None:
@@ -304,7 +357,7 @@ def encode(x: torch.Tensor, scale16: torch.Tensor, zero16: torch.Tensor, bits: i
 
     Args:
         x: float32 ``X``.
-        scale16, zero16: float16, broadcastable to ``X``.
+        scale16, zero16: float16 (or float32: the decoded values of an 8-bit pair), broadcastable to ``X``.
         bits: 2, 3, 4 or 8.
         levels: optional non-uniform levels in code units (module docstring).
 
@@ -351,8 +404,9 @@ def _group_range(
     return torch.where(empty, zero, lo), torch.where(empty, zero, hi)
 
 
-def _quantize_keys_unpacked(k, bits, group, clip, valid, levels=None):
-    """Shared by the packed and the fake-quant paths: (codes (..., T, D) uint8, scale16, zero16)."""
+def _quantize_keys_unpacked(k, bits, group, clip, valid, levels=None, pair=None):
+    """Shared by the packed and the fake-quant paths: (codes (..., T, D) uint8, stored scale, stored
+    zero) (float16, or uint8 / int8 with ``pair``)."""
     _check_bits(bits)
     _check_group(group)
     x = _as_float32(k, "k")  # (..., T, D)
@@ -365,13 +419,14 @@ def _quantize_keys_unpacked(k, bits, group, clip, valid, levels=None):
     xg = x.reshape(*lead, t // group, group, d)  # (..., T/G, G, D)
     vg = None if valid is None else valid.reshape(*lead, t // group, group, 1)  # (..., T/G, G, 1)
     lo, hi = _group_range(xg, -2, vg)  # (..., T/G, D)
-    scale16, zero16 = fit_params(lo, hi, bits, clip)  # (..., T/G, D)
-    codes = encode(xg, scale16.unsqueeze(-2), zero16.unsqueeze(-2), bits, levels)  # (..., T/G, G, D)
-    return codes.reshape(*lead, t, d), scale16, zero16
+    stored_s, stored_z, s, z = group_params(lo, hi, bits, clip, pair)  # (..., T/G, D) each
+    codes = encode(xg, s.unsqueeze(-2), z.unsqueeze(-2), bits, levels)  # (..., T/G, G, D)
+    return codes.reshape(*lead, t, d), stored_s, stored_z
 
 
-def _quantize_values_unpacked(v, bits, group, clip, valid, levels=None):
-    """Shared by the packed and the fake-quant paths: (codes (..., T, D) uint8, scale16, zero16)."""
+def _quantize_values_unpacked(v, bits, group, clip, valid, levels=None, pair=None):
+    """Shared by the packed and the fake-quant paths: (codes (..., T, D) uint8, stored scale, stored
+    zero) (float16, or uint8 / int8 with ``pair``)."""
     _check_bits(bits)
     _check_group(group)
     x = _as_float32(v, "v")  # (..., T, D)
@@ -384,9 +439,9 @@ def _quantize_values_unpacked(v, bits, group, clip, valid, levels=None):
     xg = x.reshape(*lead, t, d // group, group)  # (..., T, D/G, G)
     vg = None if valid is None else valid.reshape(*lead, t, 1, 1)  # (..., T, 1, 1)
     lo, hi = _group_range(xg, -1, vg)  # (..., T, D/G)
-    scale16, zero16 = fit_params(lo, hi, bits, clip)  # (..., T, D/G)
-    codes = encode(xg, scale16.unsqueeze(-1), zero16.unsqueeze(-1), bits, levels)  # (..., T, D/G, G)
-    return codes.reshape(*lead, t, d), scale16, zero16
+    stored_s, stored_z, s, z = group_params(lo, hi, bits, clip, pair)  # (..., T, D/G) each
+    codes = encode(xg, s.unsqueeze(-1), z.unsqueeze(-1), bits, levels)  # (..., T, D/G, G)
+    return codes.reshape(*lead, t, d), stored_s, stored_z
 
 
 def code_units(x: torch.Tensor, bits: int, group: int, per_channel: bool, clip: ClipArg = 1.0
@@ -466,6 +521,7 @@ def quantize_keys(
     clip: ClipArg = 1.0,
     valid: torch.Tensor | None = None,
     levels: torch.Tensor | None = None,
+    pair: Pair8 | None = None,
 ) -> QuantizedTensor:
     """Per-channel quantization of keys over groups of ``group`` consecutive tokens (KIVI).
 
@@ -477,14 +533,15 @@ def quantize_keys(
         valid: optional bool, broadcastable to ``(B, H, T)``; False tokens are left out of
             their group's min/max.
         levels: optional non-uniform levels ``(2**bits,)`` (module docstring).
+        pair: optional 8-bit pair tables ``(H, D)`` (module docstring).
 
     Returns:
         :class:`QuantizedTensor` with ``codes`` uint8 ``(B, H, T, packed_width(D, bits))`` and
-        ``scale``/``zero`` float16 ``(B, H, T // group, D)``, ``axis="token"``.
+        ``scale``/``zero`` float16 (uint8 / int8 with ``pair``) ``(B, H, T // group, D)``, ``axis="token"``.
 
     Raises ValueError on NaN/inf, bad shapes, bits, group, clip, mask or levels.
     """
-    codes, scale16, zero16 = _quantize_keys_unpacked(k, bits, group, clip, valid, check_levels(levels, bits))
+    codes, scale16, zero16 = _quantize_keys_unpacked(k, bits, group, clip, valid, check_levels(levels, bits), pair)
     _check_packable(codes.shape[-1], bits)
     return QuantizedTensor(pack_codes(codes, bits), scale16, zero16, bits, group, "token")
 
@@ -496,6 +553,7 @@ def quantize_values(
     clip: ClipArg = 1.0,
     valid: torch.Tensor | None = None,
     levels: torch.Tensor | None = None,
+    pair: Pair8 | None = None,
 ) -> QuantizedTensor:
     """Per-token quantization of values over contiguous groups of ``group`` channels (KIVI).
 
@@ -507,21 +565,23 @@ def quantize_values(
         valid: optional bool, broadcastable to ``(B, H, T)``; False tokens get zero parameters
             (their groups hold no valid element) and decode to 0.
         levels: optional non-uniform levels ``(2**bits,)`` (module docstring).
+        pair: optional 8-bit pair tables ``(H, D // group)`` (module docstring).
 
     Returns:
         :class:`QuantizedTensor` with ``codes`` uint8 ``(B, H, T, packed_width(D, bits))`` and
-        ``scale``/``zero`` float16 ``(B, H, T, D // group)``, ``axis="channel"``.
+        ``scale``/``zero`` float16 (uint8 / int8 with ``pair``) ``(B, H, T, D // group)``, ``axis="channel"``.
 
     Raises ValueError on NaN/inf, bad shapes, bits, group, clip, mask or levels.
     """
-    codes, scale16, zero16 = _quantize_values_unpacked(v, bits, group, clip, valid, check_levels(levels, bits))
+    codes, scale16, zero16 = _quantize_values_unpacked(v, bits, group, clip, valid, check_levels(levels, bits), pair)
     _check_packable(codes.shape[-1], bits)
     return QuantizedTensor(pack_codes(codes, bits), scale16, zero16, bits, group, "channel")
 
 
-def dequantize_keys(qt: QuantizedTensor, levels: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_keys(qt: QuantizedTensor, levels: torch.Tensor | None = None, pair: Pair8 | None = None
+                    ) -> torch.Tensor:
     """Keys back to float32 ``(B, H, T, D)``: ``code * scale16 + zero16`` (``levels[code]`` with
-    non-uniform levels).
+    non-uniform levels; an 8-bit pair's scale and zero from ``pair``'s tables).
 
     One (scale16, zero16) per (token group, channel).
     """
@@ -530,13 +590,15 @@ def dequantize_keys(qt: QuantizedTensor, levels: torch.Tensor | None = None) -> 
     *lead, t, d = qt.shape
     codes = unpack_codes(qt.codes, qt.bits)  # (..., T, D)
     codes = codes.reshape(*lead, t // qt.group, qt.group, d)  # (..., T/G, G, D)
-    x = decode(codes, qt.scale.unsqueeze(-2), qt.zero.unsqueeze(-2), check_levels(levels, qt.bits))  # (..., T/G, G, D)
+    s, z = param_floats(qt, pair)  # (..., T/G, D) each
+    x = decode(codes, s.unsqueeze(-2), z.unsqueeze(-2), check_levels(levels, qt.bits))  # (..., T/G, G, D)
     return x.reshape(*lead, t, d)
 
 
-def dequantize_values(qt: QuantizedTensor, levels: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_values(qt: QuantizedTensor, levels: torch.Tensor | None = None, pair: Pair8 | None = None
+                      ) -> torch.Tensor:
     """Values back to float32 ``(B, H, T, D)``: ``code * scale16 + zero16`` (``levels[code]``
-    with non-uniform levels).
+    with non-uniform levels; an 8-bit pair's scale and zero from ``pair``'s tables).
 
     One (scale16, zero16) per (token, channel group).
     """
@@ -545,13 +607,14 @@ def dequantize_values(qt: QuantizedTensor, levels: torch.Tensor | None = None) -
     *lead, t, d = qt.shape
     codes = unpack_codes(qt.codes, qt.bits)  # (..., T, D)
     codes = codes.reshape(*lead, t, d // qt.group, qt.group)  # (..., T, D/G, G)
-    x = decode(codes, qt.scale.unsqueeze(-1), qt.zero.unsqueeze(-1), check_levels(levels, qt.bits))  # (..., T, D/G, G)
+    s, z = param_floats(qt, pair)  # (..., T, D/G) each
+    x = decode(codes, s.unsqueeze(-1), z.unsqueeze(-1), check_levels(levels, qt.bits))  # (..., T, D/G, G)
     return x.reshape(*lead, t, d)
 
 
-def dequantize(qt: QuantizedTensor, levels: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(qt: QuantizedTensor, levels: torch.Tensor | None = None, pair: Pair8 | None = None) -> torch.Tensor:
     """Dispatch on ``qt.axis``: float32 ``(B, H, T, D)``."""
-    return dequantize_keys(qt, levels) if qt.axis == "token" else dequantize_values(qt, levels)
+    return dequantize_keys(qt, levels, pair) if qt.axis == "token" else dequantize_values(qt, levels, pair)
 
 
 def requantize(qt: QuantizedTensor, bits: int, valid: torch.Tensor | None = None) -> QuantizedTensor:
@@ -575,6 +638,8 @@ def requantize(qt: QuantizedTensor, bits: int, valid: torch.Tensor | None = None
         raise CalibrationError(f"requantize needs a QuantizedTensor, got {type(qt).__name__}")
     if isinstance(bits, bool) or bits not in SUPPORTED_BITS or bits >= qt.bits:
         raise CalibrationError(f"requantize goes to fewer bits: got {bits!r} for a {qt.bits}-bit block")
+    if qt.pair8:  # its tables are fitted for its bits (the codec refuses a schedule on such a side)
+        raise CalibrationError("a block with 8-bit scale/zero pairs cannot be requantized to fewer bits")
     x = dequantize(qt)  # (B, H, T, D) float32
     fn = quantize_keys if qt.axis == "token" else quantize_values
     return fn(x, bits, qt.group, valid=valid)

@@ -119,8 +119,10 @@ def kernel_reason(cfg, codec, head_dim: int, kv_heads: int, q_heads: int,
     d, h, hq = head_dim, kv_heads, q_heads
     for side in ("k", "v"):
         attend = codec.kernel_attend(side, torch.device(device))  # a KernelAttend
-        if attend is None:
-            return f"a method state of the {side} side has a transform the kernel does not apply"
+        if attend is None:  # name the states the kernel cannot apply (levels, 8-bit pairs, pre-RoPE keys...)
+            dev = torch.device(device)
+            names = [name for name, state in codec.states.items() if state.kernel_attend(side, dev) is None]
+            return f"the kernel does not apply the {side} side's {', '.join(names) or 'method'} state"
         perm = attend.perm
         if perm is not None and tuple(perm.shape) != (h, d):
             return f"{side} permutation of shape {tuple(perm.shape)} for {h} kv heads of {d} channels"

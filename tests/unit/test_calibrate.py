@@ -132,7 +132,7 @@ def _context(cfg):
 
 
 def test_registry_order_and_names():
-    assert list(METHODS) == ["prerope", "rotate", "center", "reorder", "clip", "errbound", "levels", "outliers", "schedule",
+    assert list(METHODS) == ["prerope", "rotate", "center", "reorder", "clip", "errbound", "levels", "scale8", "outliers", "schedule",
                              "huffman"]
     for name, cls in METHODS.items():
         assert issubclass(cls, Method) and cls.name == name

@@ -75,10 +75,11 @@ def test_a_space_searched_with_learned_rotations_decodes_in_the_kernel(objective
     assert any(k.endswith(".rotation") and t.dim() == 2 for k, t in recipe.tensors.items())  # the path under test
 
 
-@pytest.mark.parametrize("method", ["levels", "prerope"])
+@pytest.mark.parametrize("method", ["levels", "prerope", "scale8"])
 def test_opt_in_choices_without_a_kernel_path_say_so_per_layer(objective, method):
-    """Non-uniform levels and pre-RoPE keys run on the reference path only: not in the default space,
-    and a recipe that uses them says which layers decode there and why."""
+    """Non-uniform levels, pre-RoPE keys and 8-bit scale pairs run on the reference path only: not in
+    the default space, and a recipe that uses them says which layers decode there and why (naming
+    the method)."""
     from kvcalib.optimize.space import SearchSpace
     from kvcalib.runtime.triton_path import decode_paths
 
@@ -87,4 +88,5 @@ def test_opt_in_choices_without_a_kernel_path_say_so_per_layer(objective, method
     point = space.floor_point(objective.info.num_layers)
     point = replace(point, methods=((method,),) * objective.info.num_layers)
     paths = decode_paths(objective.recipe(point), objective.info)
-    assert all(why is not None and "transform the kernel does not apply" in why for why in paths), paths
+    assert all(why is not None and f"the kernel does not apply the k side's {method} state" in why
+               for why in paths), paths

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvcalib.errors import KvcalibError
 from kvcalib.models import DEFAULT_MODEL, ModelInfo
-from kvcalib.layout import ACCOUNTING, held_elements, held_tokens, layer_bytes, legacy_bits_factor
+from kvcalib.layout import ACCOUNTING, held_elements, held_tokens, layer_bytes, legacy_bits_factor, quantized_token_count
 from kvcalib.recipe import Recipe, resolve_recipe
 
 
@@ -227,10 +227,22 @@ def _layer_elements(info: ModelInfo, context: int) -> list[int]:
 
 
 def _layer_bits(recipe: Recipe, info: ModelInfo, context: int) -> list[float]:
-    """Effective bits per element of each layer at ``context`` (payload, scales, full-precision
-    parts) over the tokens the layer holds: 16.0 for a bf16 layer, sliding or not."""
-    return [8.0 * sum(layer_bytes(cfg, info.num_kv_heads, info.head_dim, context, info.sliding_window[i]).values()) / elements
-            for i, (cfg, elements) in enumerate(zip(recipe.layer_configs(info.num_layers), _layer_elements(info, context)))]
+    """Effective bits per element of each layer at ``context`` (payload at each stored tier's bits,
+    scales, full-precision parts, and what the layer's method states keep per token: TaDA means,
+    OTT pools, the bytes 8-bit scale pairs give back) over the tokens the layer holds: 16.0 for a
+    bf16 layer, sliding or not. Tables kept once per model and the recipe's own tensors are not
+    a layer's (``Recipe.memory`` counts them)."""
+    out = []
+    for i, (cfg, codec, elements) in enumerate(zip(recipe.layer_configs(info.num_layers), recipe.codecs(info),
+                                                   _layer_elements(info, context))):
+        window = info.sliding_window[i]
+        total = sum(layer_bytes(cfg, info.num_kv_heads, info.head_dim, context, window, codec.tiers).values())
+        kept = held_tokens(context, window)
+        packed = quantized_token_count(cfg, kept)
+        total += sum(sum(state.bytes(cfg, info.num_kv_heads, info.head_dim, kept, packed).values())
+                     for state in codec.states.values())
+        out.append(8.0 * total / elements)
+    return out
 
 
 def diff_recipes(a: str | Recipe, b: str | Recipe, model: str | ModelInfo | None = None,

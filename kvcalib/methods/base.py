@@ -551,8 +551,9 @@ def switch_lines(report: dict[str, Any], method: str, title: str, marks: dict[st
 
     counts = " / ".join(f"{side.upper()} {sec['on'][side]}" for side in sides)
     legend = ", ".join(f"{m} {label}" for label, m in marks.items())
-    return [f"{title} on {counts} of {sec['layers']} layers; {'|'.join(s.upper() for s in sides)} ({legend}, - off; "
-            "fitted gain) per layer: " + ", ".join(
+    gains = any(r.get(f"{side}_{method}_gain") is not None for r in report["layers"] for side in sides)
+    return [f"{title} on {counts} of {sec['layers']} layers; {'|'.join(s.upper() for s in sides)} ({legend}, - off"
+            f"{'; fitted gain' if gains else ''}) per layer: " + ", ".join(
                 f"{r['layer']}: {'|'.join(fmt(r, side) for side in sides)}" for r in report["layers"])]
 
 

@@ -108,11 +108,11 @@ def test_inspect_shows_huffman_bits_and_coded_effective_bits(tmp_path):
     assert h["effective_bits"] == mem.coded.effective_bits and h["uncoded_effective_bits"] == mem.uncoded.effective_bits
     rows = {r["layer"]: r for r in report["layers"]}
     assert rows[1]["k_huffman_bits"] is None and rows[1]["v_huffman_bits"] == bits[(1, "v")]
-    # per-layer coded bits add up to the whole (recipe tensors and centering means, like the
-    # uncoded per-layer column, are counted only in the total)
+    # per-layer coded bits add up to the whole (the recipe's tensors, like the uncoded per-layer
+    # column's, are counted only in the total; the centering means are a layer's)
     per_layer = sum(r["coded_effective_bits"] for r in report["layers"]) / len(rows)
     c = mem.coded.components
-    rest = 8 * (c["recipe_state"] + c.get("k_mean", 0) + c.get("v_mean", 0)) / mem.coded.elements
+    rest = 8 * c["recipe_state"] / mem.coded.elements
     assert per_layer + rest == pytest.approx(h["effective_bits"])
     lines = huffman_lines(report)
     assert "Huffman-coded effective bits at 512" in lines[0] and "1: -|" in lines[1]

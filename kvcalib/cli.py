@@ -219,6 +219,7 @@ def search(
     seed: int = typer.Option(0, help="Seed for data, sampler and calibration."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
     dtype: Optional[str] = typer.Option(None, help="bf16 | fp16 | fp32."),
+    check: bool = typer.Option(False, "--check", help="Check the options, the --space file, the data and the budget against the space's floor (no model loads, nothing is written), print what the search would run, and exit: seconds, before a long run on a GPU."),
 ) -> None:
     """Optuna per-layer {2,3,4,8}-bit search for the best recipe under a memory budget (every width
     of the default space decodes in the fused GPU kernel; a --space file may narrow or widen it)."""
@@ -247,6 +248,9 @@ def search(
     workers_run = (config.out / "workers.json").is_file()
     preflight.check_output_dir(config.out, "--out", stats + SEARCH_OUTPUT_BYTES,
                                may_exist=has_stats or resume or workers_run)
+    if check:
+        print(_search_check_line(config, preflight.model_geometry(config.model)))
+        return
     ctx = _current_context(silent=True)
     try:
         with _trial_failures_reported_once():
@@ -287,6 +291,27 @@ def search(
     if objective == "pareto":
         print(f"front: {len(result.pareto)} trial(s); any budget: kvcalib export {result.run_dir} --budget-bits B -o R")
     print(f"report: {result.report_path}")
+
+
+def _search_check_line(config: Any, geometry: dict | None) -> str:
+    """``kvcalib search --check``'s summary: what the search would run, with the space's floor where
+    the model's geometry is known without loading it."""
+    space = config.space
+    floor = ""
+    info = (geometry or {}).get("info")
+    if info is not None:
+        import torch
+
+        from kvcalib.optimize.objective import SearchObjective
+        from kvcalib.optimize.study import floor_bits
+
+        counter = SearchObjective(None, info, None, torch.zeros(1, 2, dtype=torch.long), context=config.context)
+        floor = f" (the space's floor: {floor_bits(counter, space):.3f})"
+    methods = ",".join(space.layer_methods) or "none"
+    return (f"search check passed: {config.model} on {config.data}, context {config.context}, budget "
+            f"{config.budget_bits:g} bits{floor}; bits {list(space.bits)}, groups {list(space.groups)}, windows "
+            f"{list(space.windows)}, sinks {list(space.sinks)}, layer methods {methods}, rotation {config.rotate}; "
+            f"{config.trials} trials into {config.out}. Nothing was run or written.")
 
 
 def _search_context_preflight(config: Any) -> None:

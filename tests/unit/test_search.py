@@ -288,6 +288,28 @@ def test_cli_bad_input_exits_2(tmp_path, args, match):
     assert not (tmp_path / "run").exists()
 
 
+def test_check_runs_nothing_and_reports_the_floor(tmp_path):
+    """``--check``: the preflight alone, the space's floor beside the budget, nothing written; a
+    budget under the floor is the same one-line refusal a real run gives. A byte-saving switch in
+    the space lowers the floor (8-bit scale pairs: 2.605 -> 2.361 bits at 8k)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvcalib.cli import app
+
+    space = tmp_path / "space.json"
+    space.write_text(json.dumps({"bits": [2, 4], "groups": [64], "windows": [64], "sinks": [0],
+                                 "layer_methods": ["scale8"]}))
+    run = tmp_path / "run"
+    res = CliRunner().invoke(app, ["search", "--out", str(run), "--context", "8192", "--budget-bits", "2.5",
+                                   "--space", str(space), "--check"])
+    assert res.exit_code == 0, res.output
+    assert "search check passed" in res.output and "the space's floor: 2.36" in res.output and not run.exists()
+    res = CliRunner().invoke(app, ["search", "--out", str(run), "--context", "8192", "--budget-bits", "2.5", "--check"])
+    assert res.exit_code == 2 and "below the floor of the search space" in res.output and not run.exists()
+
+
 # ------------------------------------------------------------------ old files, outliers, schedules
 OLD_SEARCH = "tests/data/search-v1-before-schedules.json"  # a search.json written before schedules and provenance fields
 

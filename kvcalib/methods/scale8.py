@@ -88,7 +88,7 @@ class Scale8Method(Method):
         TensorSpec("pair_base", _SIDES, "float32", "(H, C)",
                    "the 8-bit scale grid's base per kv head and parameter column: scale = base * 2**(e / 32)"),
         TensorSpec("pair_centre", _SIDES, "float32", "(H, C)",
-                   "the 8-bit zero's centre per kv head and parameter column: zero = centre + m * 2**bits / 128 * scale"),
+                   "the 8-bit zero's centre per kv head and parameter column: zero = centre + m * 2**bits / 32 * scale"),
     )
     search: ClassVar[str | None] = "layer"
     saves_bytes: ClassVar[bool] = True  # two bytes a group: the search's floor prices it (Method docstring)

@@ -6,13 +6,20 @@ window. This format stores each group's pair in two bytes instead of four, on ca
 
     scale = base * 2 ** (e / 32)                  e  uint8 (0..255), base float32 per column
     zero  = centre + m * step * scale             m  int8 (-128..127), centre float32 per column,
-                                                  step = 2**bits / 128 (in units of the scale)
+                                                  step = 2**bits / 32 (in units of the scale)
 
 A *column* is what a group's parameters repeat along: a channel for per-channel keys (one pair per
 channel per ``group`` tokens), a channel group for per-token layouts. ``base`` and ``centre`` are
 float32 ``(H, C)`` per kv head and column, fitted on calibration data (:mod:`kvcalib.methods.scale8`).
 The exponent grid spans 2**(255/32), about 250x, in steps of 2**(1/32) (2.2%); the zero moves in
-steps of 1/32 of a scale at 2 bits (1/8 at 4 bits) within +-4 scales (+-16) of the column's centre.
+steps of 1/8 of a scale at 2 bits (1/2 at 4 bits) within +-16 scales (+-64 at 4 bits) of the column's
+centre, about +-5 group ranges. Why that far: keys are stored after RoPE, and a low-frequency channel
+pair drifts with the position, so at 8k-16k tokens a key group's range sits far from its column's
+centre, calibrated on short windows. With the reach of ``experiments/scale8.py``'s format (+-4 scales
+at 2 bits: steps of 2**bits / 128) 3-8% of SmolLM2's key groups at positions 5k-13k had to take a
+coarser scale to reach their minimum, which cost +3% / +15% key MSE at positions 5k / 11k at 2 bits
+and +60% / +131% at 3 / 4 bits at 11k; with this reach +0.7% / +1.1%, and +7% / +14% at 3 / 4 bits
+(values: +0.15%, from +0.02%; docs/results.md, "8-bit scale pairs stored").
 
 Rounding (the encoder): ``e`` is the grid point nearest ``log2((hi - lo) / qmax / base) * 32`` and
 ``m`` the step nearest ``lo``, then ``e`` is stepped up wherever the group's extremes would leave the
@@ -20,8 +27,8 @@ code range (``round((x - zero) / scale)`` outside 0..qmax) or ``m`` would leave 
 failing at ``e = 255`` keeps ``e = 255`` and its extremes clamp. Nearest rounding, not covering:
 covering (zero floored, scale ceiled) cost +4.7% MSE where nearest cost +0.1%
 (``experiments/scale8.py``; docs/results.md, "8-bit scale and zero at 2 bits"). This is the
-``log8c`` format measured there: at 8k through the whole model it cost about 1% of the search's KL
-at the same code widths and saved 0.242 bits per element.
+``log8c`` format measured there (at 8k through the whole model about 1% of the search's KL at the
+same code widths, saving 0.242 bits per element), with a four times longer reach for the zero.
 
 Arithmetic (float32, the decoder's): ``scale = base * exp2(e / 32)``, ``zero = centre + m * (scale *
 step)``; the encoder computes its codes from exactly these floats, so encode and decode agree.
@@ -40,8 +47,8 @@ HEADROOM = 4.0  # the grid's top: this many times the largest scale the calibrat
 
 
 def pair_step(bits: int) -> float:
-    """The zero's step in units of the scale: ``2**bits / 128`` (an int8 spans 2**bits scales)."""
-    return (1 << bits) / 128.0
+    """The zero's step in units of the scale: ``2**bits / 32`` (an int8 spans 8 x 2**bits scales)."""
+    return (1 << bits) / 32.0
 
 
 @dataclass(frozen=True)

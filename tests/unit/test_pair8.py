@@ -36,11 +36,12 @@ def _data(seed: int, nb: int, h: int = 2, t: int = 64, d: int = 32) -> torch.Ten
 
 
 @pytest.mark.parametrize("per_channel", [True, False], ids=["keys-per-channel", "per-token"])
-@pytest.mark.parametrize("bits,within", [(2, 1.01), (3, 1.02), (4, 1.05)])
+@pytest.mark.parametrize("bits,within", [(2, 1.02), (3, 1.04), (4, 1.15)])
 def test_the_pair_costs_little_error_and_two_bytes_a_group_less(per_channel, bits, within):
-    """Held-out groups on tables fitted on other data: reconstruction error within 1-5% of float16
-    pairs' (measured 1.002 / 1.003 at 2 bits, 1.013 / 1.005 at 3, 1.008 / 1.033 at 4: the zero's step
-    is 1/8 of a scale at 4 bits), codes from the decoded floats, one byte each for scale and zero."""
+    """Held-out groups on tables fitted on other data: reconstruction error within 2-15% of float16
+    pairs' (measured keys / values 1.004 / 1.012 at 2 bits, 1.016 / 1.026 at 3, 1.096 / 1.107 at 4,
+    where the zero's step is half a scale: the price of its reach, kvcalib/quant/pair8.py), codes
+    from the decoded floats, one byte each for scale and zero."""
     group = 8
     pair = fit_pair8(_data(0, 4), bits, group, per_channel)
     x = _data(1, 2)  # (B, H, T, D), held out

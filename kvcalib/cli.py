@@ -300,13 +300,10 @@ def _search_check_line(config: Any, geometry: dict | None) -> str:
     floor = ""
     info = (geometry or {}).get("info")
     if info is not None:
-        import torch
-
-        from kvcalib.optimize.objective import SearchObjective
         from kvcalib.optimize.study import floor_bits
+        from kvcalib.preflight import bits_counter
 
-        counter = SearchObjective(None, info, None, torch.zeros(1, 2, dtype=torch.long), context=config.context)
-        floor = f" (the space's floor: {floor_bits(counter, space):.3f})"
+        floor = f" (the space's floor: {floor_bits(bits_counter(config, info), space):.3f})"
     methods = ",".join(space.layer_methods) or "none"
     return (f"search check passed: {config.model} on {config.data}, context {config.context}, budget "
             f"{config.budget_bits:g} bits{floor}; bits {list(space.bits)}, groups {list(space.groups)}, windows "

@@ -246,9 +246,15 @@ def layer_bytes(cfg: LayerConfig, heads: int, head_dim: int, t: int, sliding: in
                 out["full_precision"] += n * hd * fp_bytes
                 continue
             out[f"{side}_codes"] = out.get(f"{side}_codes", 0.0) + n * hd * bits / 8
-            if cfg.per_channel(side):
-                pairs = (n // cfg.k_group) * hd
-            else:
-                pairs = n * heads * (head_dim // cfg.group(side))
+            pairs = scale_pairs(cfg, side, n, heads, head_dim)
             out[f"{side}_scales"] = out.get(f"{side}_scales", 0.0) + pairs * 2 * SCALE_BYTES
     return out
+
+
+def scale_pairs(cfg: LayerConfig, side: str, tokens: int, heads: int, head_dim: int) -> int:
+    """The (scale, zero) pairs ``side`` stores for ``tokens`` packed tokens of one sequence: keys per
+    channel one per channel per ``k_group`` tokens, per-token layouts one per group of channels per
+    token."""
+    if cfg.per_channel(side):
+        return (tokens // cfg.k_group) * heads * head_dim
+    return tokens * heads * (head_dim // cfg.group(side))

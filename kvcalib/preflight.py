@@ -281,14 +281,21 @@ def check_search_budget(config: Any, info: "ModelInfo | None") -> None:
     alone)."""
     if info is None:
         return
-    import torch
-
     from kvcalib.optimize import check_budget
-    from kvcalib.optimize.objective import SearchObjective
     from kvcalib.optimize.study import floor_bits
 
-    counter = SearchObjective(None, info, None, torch.zeros(1, 2, dtype=torch.long), context=config.context)
+    counter = bits_counter(config, info)
     check_budget(config, config.space, floor_bits(counter, config.space), counter)
+
+
+def bits_counter(config: Any, info: "ModelInfo") -> Any:
+    """A search objective that only counts effective bits at ``config.context`` on ``info``'s
+    geometry (no model, no statistics): the search's floor and budget checks before a model loads."""
+    import torch
+
+    from kvcalib.optimize.objective import SearchObjective
+
+    return SearchObjective(None, info, None, torch.zeros(1, 2, dtype=torch.long), context=config.context)
 
 
 # ------------------------------------------------------------------------------ per command

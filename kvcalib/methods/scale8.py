@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvcalib.layout import LayerConfig
+from kvcalib.layout import LayerConfig, scale_pairs
 from kvcalib.methods.base import (FitContext, Flag, KernelAttend, KernelEncode, LayerGeometry, Method, MethodState,
                                   NO_KERNEL_ATTEND, NO_KERNEL_ENCODE, TensorSpec, switch_lines, switch_section)
 from kvcalib.quant.pair8 import Pair8, fit_pair8
@@ -68,14 +68,7 @@ class Scale8State(MethodState):
 def saved_bytes(cfg: LayerConfig, heads: int, head_dim: int, packed: int, sides: tuple[str, ...]) -> dict[str, float]:
     """The bytes :func:`~kvcalib.layout.layer_bytes` counts for float16 pairs beyond one byte each
     (two a group of ``packed`` stored tokens), given back (negative) on ``sides``."""
-    out = {}
-    for side in sides:
-        if cfg.per_channel(side):
-            groups = (packed // cfg.k_group) * heads * head_dim
-        else:
-            groups = packed * heads * (head_dim // cfg.group(side))
-        out[f"{side}_scales"] = -2.0 * groups
-    return out
+    return {f"{side}_scales": -2.0 * scale_pairs(cfg, side, packed, heads, head_dim) for side in sides}
 
 
 class Scale8Method(Method):
